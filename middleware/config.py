@@ -1,0 +1,110 @@
+"""Wire configuration: one frozen dataclass, passed in, units in the names.
+
+Both drivers (the ASGI middleware and the sidecar) take a :class:`WireConfig`.
+The sidecar builds it from flags, ``TOKENWIRE_*`` environment variables and a
+TOML file (see ``tokenwire.sidecar.settings``); the middleware takes it as a
+constructor argument. Validation happens here, once, so a bad value names its
+key whichever way it came in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class SlowClientPolicy(StrEnum):
+    """What to do with upstream events while the client cannot take them."""
+
+    COALESCE = "coalesce"
+    """Merge consecutive text deltas; abort the client past ``max_pending_bytes``."""
+    DROP = "drop"
+    """Keep only the newest pending event of each event type (refreshable state)."""
+    BLOCK = "block"
+    """Stop reading the upstream (TCP backpressure reaches the engine)."""
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the key."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+@dataclass(frozen=True, slots=True)
+class WireConfig:
+    """Everything the wire core decides with. Defaults follow DESIGN.md."""
+
+    heartbeat_s: float = 15.0
+    """Downstream silence after which ``: keepalive`` is written (0 = never)."""
+    commit_deadline_s: float = 2.0
+    """Headers are held until the first upstream event or this long."""
+    write_deadline_s: float = 30.0
+    """Pending data that makes no progress this long means the client is gone."""
+    upstream_headers_timeout_s: float = 300.0
+    """An upstream that has not sent its status line by then has failed."""
+    max_pending_bytes: int = 1 << 20
+    """Cap on bytes held for one slow client."""
+    slow_client_policy: SlowClientPolicy = SlowClientPolicy.COALESCE
+    coalesce_ms: float = 0.0
+    """Optional fixed batching window for writes (0 = latency first)."""
+    retry_attempts: int = 2
+    """Upstream retries per stream, only before the first downstream byte."""
+    retry_backoff_s: float = 0.1
+    """First retry delay; doubles each attempt."""
+    retry_backoff_max_s: float = 2.0
+    retry_budget_ratio: float = 0.2
+    """Retries allowed as a fraction of recent requests (an Envoy-style budget)."""
+    retry_budget_min_per_s: float = 3.0
+    """Retries always allowed per second, whatever the ratio says."""
+    terminal_marker: str | None = "[DONE]"
+    """The ``data:`` that ends a complete stream; ``None`` = upstream EOF is complete."""
+    socket_send_buffer_bytes: int = 32 * 1024
+    """Drivers cap SO_SNDBUF so backpressure is seen before the kernel swallows it."""
+    write_high_water_bytes: int = 16 * 1024
+    """Transport write buffer at which the driver reports ``SocketPaused``."""
+    max_line_bytes: int = 1 << 20
+    """SSE parser: the longest line accepted from the upstream."""
+    max_event_bytes: int = 4 << 20
+    """SSE parser: the largest event accepted from the upstream."""
+
+    def __post_init__(self) -> None:
+        _check_non_negative(self, "heartbeat_s", "commit_deadline_s", "coalesce_ms",
+                            "retry_backoff_s", "retry_backoff_max_s",
+                            "retry_budget_ratio", "retry_budget_min_per_s")
+        _check_positive(self, "write_deadline_s", "upstream_headers_timeout_s",
+                        "max_pending_bytes", "socket_send_buffer_bytes",
+                        "write_high_water_bytes", "max_line_bytes", "max_event_bytes")
+        if not isinstance(self.retry_attempts, int) or self.retry_attempts < 0:
+            raise ConfigError("retry_attempts", f"must be a whole number >= 0, got {self.retry_attempts!r}")
+        if not isinstance(self.slow_client_policy, SlowClientPolicy):
+            try:
+                policy = SlowClientPolicy(self.slow_client_policy)
+            except ValueError:
+                choices = ", ".join(p.value for p in SlowClientPolicy)
+                raise ConfigError(
+                    "slow_client_policy", f"must be one of {choices}, got {self.slow_client_policy!r}"
+                ) from None
+            object.__setattr__(self, "slow_client_policy", policy)
+        if self.max_line_bytes > self.max_event_bytes:
+            raise ConfigError("max_line_bytes", "must not exceed max_event_bytes")
+
+    def replace(self, **changes: object) -> WireConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def _check_non_negative(config: WireConfig, *keys: str) -> None:
+    for key in keys:
+        value = getattr(config, key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise ConfigError(key, f"must be a number >= 0, got {value!r}")
+
+
+def _check_positive(config: WireConfig, *keys: str) -> None:
+    for key in keys:
+        value = getattr(config, key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise ConfigError(key, f"must be a number > 0, got {value!r}")

@@ -1,0 +1,250 @@
+"""Inputs to and actions out of the wire core: frozen, slotted dataclasses.
+
+Drivers turn what happens on their sockets into *inputs* and feed them to
+:meth:`tokenwire.middleware.WireStream.handle`; the core answers with a list of
+*actions* (and bytes from ``data_to_send()``). Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from .errors import ErrorCode
+from .sse import SSEEvent
+
+Headers = tuple[tuple[bytes, bytes], ...]
+
+
+class EndReason(StrEnum):
+    """Why a stream ended; one per accounting record."""
+
+    COMPLETE = "complete"
+    CLIENT_GONE = "client_gone"
+    SLOW_CLIENT = "slow_client"
+    UPSTREAM_ERROR = "upstream_error"
+    UPSTREAM_TIMEOUT = "upstream_timeout"
+    SHUTDOWN = "shutdown"
+    CANCELLED = "cancelled"
+    REFUSED = "refused"
+
+
+class FailureKind(StrEnum):
+    """How an upstream failed, as the driver saw it."""
+
+    CONNECT = "connect"
+    """No connection (refused, DNS, TLS): nothing reached the engine."""
+    TIMEOUT = "timeout"
+    """No status line within ``upstream_headers_timeout_s``, or a read timeout."""
+    PROTOCOL = "protocol"
+    """The connection broke or the HTTP framing was bad after it was made."""
+    INVALID_STREAM = "invalid_stream"
+    """The SSE body was malformed or over the size limits."""
+
+
+# ---------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamHeaders:
+    """The upstream's status line and headers (names lower-case)."""
+
+    status: int
+    headers: Headers = ()
+
+    def __post_init__(self) -> None:
+        if not 100 <= self.status <= 599:
+            raise ValueError(f"status must be 100..599, got {self.status}")
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamData:
+    """Raw body bytes from the upstream; the core parses SSE itself."""
+
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamEvent:
+    """One parsed SSE event from the upstream."""
+
+    event: SSEEvent
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamEnded:
+    """The upstream body ended cleanly (EOF after a complete last event)."""
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamFailed:
+    """The upstream failed; ``status`` is set when it answered with an error status."""
+
+    kind: FailureKind
+    message: str
+    status: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SocketPaused:
+    """The downstream transport's buffer is above its high-water mark."""
+
+
+@dataclass(frozen=True, slots=True)
+class SocketResumed:
+    """The downstream transport drained below its low-water mark."""
+
+
+@dataclass(frozen=True, slots=True)
+class WriteCompleted:
+    """The bytes last taken from ``data_to_send()`` were handed to the socket."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClientGone:
+    """The client closed or reset the connection."""
+
+
+@dataclass(frozen=True, slots=True)
+class StopRequested:
+    """An operator ends the stream: ``shutdown`` (drain expired) or ``cancelled``."""
+
+    reason: EndReason
+
+    def __post_init__(self) -> None:
+        if self.reason not in (EndReason.SHUTDOWN, EndReason.CANCELLED):
+            raise ValueError(f"StopRequested takes shutdown or cancelled, got {self.reason}")
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """Time has passed; timers that are due fire. The time is ``handle``'s ``now``."""
+
+
+Input = (
+    UpstreamHeaders | UpstreamData | UpstreamEvent | UpstreamEnded | UpstreamFailed | SocketPaused
+    | SocketResumed | WriteCompleted | ClientGone | StopRequested | Tick
+)
+
+# ---------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True, slots=True)
+class CommitHeaders:
+    """Send the response status line and headers now.
+
+    ``streaming`` is False for a plain (non-SSE) upstream response that the
+    driver forwards unchanged, and for an error response whose body comes from
+    ``data_to_send()``.
+    """
+
+    status: int
+    headers: Headers
+    streaming: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class AbortUpstream:
+    """Close the upstream connection (never reuse it) and send the abort call if configured."""
+
+    reason: EndReason
+
+
+@dataclass(frozen=True, slots=True)
+class RetryUpstream:
+    """Start a fresh upstream request now (the backoff has already elapsed)."""
+
+    attempt: int
+    upstream_index: int
+
+
+@dataclass(frozen=True, slots=True)
+class PauseUpstream:
+    """Stop reading the upstream body (``block`` policy): let TCP push back."""
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeUpstream:
+    """Read the upstream body again."""
+
+
+@dataclass(frozen=True, slots=True)
+class CloseClient:
+    """End the downstream response.
+
+    ``abrupt=False``: a clean end (chunked terminator, keep-alive allowed).
+    ``abrupt=True``: write what is pending, then close the connection without
+    the chunked terminator, so a client that ignores the error event still sees
+    a truncated body. ``reset=True``: drop pending bytes and reset the
+    connection at once (a client that stopped reading).
+    """
+
+    abrupt: bool
+    reset: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StreamRecord:
+    """The accounting record: one per stream, whatever happened to it."""
+
+    request_id: str
+    upstream: str
+    status: int
+    end_reason: EndReason
+    error_code: ErrorCode | None
+    started_at: float
+    duration_s: float
+    ttfb_s: float | None
+    """Start to the first content event handed to the socket."""
+    max_event_gap_s: float
+    event_gap_buckets: tuple[int, ...]
+    """Counts of gaps between content writes, per ``stream.GAP_BUCKETS_S`` bound."""
+    events_in: int
+    events_out: int
+    bytes_out: int
+    heartbeats: int
+    coalesced_events: int
+    dropped_events: int
+    retries: int
+    refused_retries: int
+    pending_high_water_bytes: int
+    usage: dict[str, Any] | None = field(default=None, compare=False)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serialisable dict (one log line)."""
+        return {
+            "request_id": self.request_id,
+            "upstream": self.upstream,
+            "status": self.status,
+            "end_reason": self.end_reason.value,
+            "error_code": self.error_code.value if self.error_code else None,
+            "started_at": self.started_at,
+            "duration_s": round(self.duration_s, 6),
+            "ttfb_s": None if self.ttfb_s is None else round(self.ttfb_s, 6),
+            "max_event_gap_s": round(self.max_event_gap_s, 6),
+            "event_gap_buckets": list(self.event_gap_buckets),
+            "events_in": self.events_in,
+            "events_out": self.events_out,
+            "bytes_out": self.bytes_out,
+            "heartbeats": self.heartbeats,
+            "coalesced_events": self.coalesced_events,
+            "dropped_events": self.dropped_events,
+            "retries": self.retries,
+            "refused_retries": self.refused_retries,
+            "pending_high_water_bytes": self.pending_high_water_bytes,
+            "usage": self.usage,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """The stream is over; nothing more will be produced. Log and count ``record``."""
+
+    record: StreamRecord
+
+
+Action = (
+    CommitHeaders | AbortUpstream | RetryUpstream | PauseUpstream | ResumeUpstream
+    | CloseClient | Finished
+)

@@ -1,0 +1,693 @@
+"""The per-stream wire state machine: every rule about what goes on the wire.
+
+Theory of operation
+-------------------
+One :class:`WireStream` exists per response. A driver (the ASGI middleware or
+the sidecar) feeds it inputs from ``tokenwire.middleware.events`` with
+``handle(input, now)``, executes the actions it returns in order, then writes
+``data_to_send(now)`` when non-empty and reports ``WriteCompleted`` once the
+socket took those bytes. It calls ``handle(Tick(), now)`` at
+``next_deadline()``. The core never reads a clock: ``now`` is passed in, so its
+tests never sleep.
+
+Lifecycle (anything not in ``TRANSITIONS`` raises ``LocalProtocolError``)::
+
+    WAITING ──COMMIT──▶ COMMITTED ──SEND──▶ STREAMING ──SEND──▶ STREAMING
+       │                   │                    │
+       └──ABORT──▶ ABORTED ◀──ABORT── (any) ──FINISH──▶ DONE ──ABORT──▶ ABORTED
+
+* WAITING: no byte has gone to the client. The upstream status and headers
+  are held until the first upstream event or ``commit_deadline_s``. Only here
+  may an upstream failure be retried ("may we retry?" is "are we WAITING?"),
+  with backoff and a shared :class:`RetryBudget`; when it cannot be, the
+  client gets a real HTTP status with a JSON error body.
+* COMMITTED: headers are out (SSE headers, or an error/passthrough status).
+  Heartbeats keep the connection alive through a silent prefill.
+* STREAMING: events flow. Failures now travel in-band as an error event,
+  after which the body is cut without its chunked terminator.
+* DONE: the upstream finished (its terminal marker, or a clean EOF for a
+  passthrough body); the tail is being flushed. ABORTED: ended for any other
+  reason; ``end_reason`` says which.
+
+Once DONE or ABORTED has nothing left to write, the core emits ``CloseClient``
+and ``Finished`` with the accounting record — exactly once per stream.
+
+Flow control: bytes go out only when the socket is writable (not paused, no
+write outstanding); meanwhile events wait in a :class:`PendingBuffer`, which
+merges text deltas (``coalesce``), replaces stale state (``drop``) or pauses
+the upstream (``block``). A stall longer than ``write_deadline_s`` or a buffer
+over ``max_pending_bytes`` means the client is treated as gone.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from enum import Enum, StrEnum
+from typing import Any
+
+from .config import SlowClientPolicy, WireConfig
+from .errors import (
+    ErrorCode,
+    LocalError,
+    LocalProtocolError,
+    SSEProtocolError,
+    UpstreamError,
+    WireError,
+    upstream_error_payload,
+)
+from .events import (
+    AbortUpstream,
+    Action,
+    ClientGone,
+    CloseClient,
+    CommitHeaders,
+    EndReason,
+    FailureKind,
+    Finished,
+    Input,
+    PauseUpstream,
+    ResumeUpstream,
+    RetryUpstream,
+    SocketPaused,
+    SocketResumed,
+    StopRequested,
+    StreamRecord,
+    Tick,
+    UpstreamData,
+    UpstreamEnded,
+    UpstreamEvent,
+    UpstreamFailed,
+    UpstreamHeaders,
+    WriteCompleted,
+)
+from .headers import is_compressed, is_event_stream, passthrough_headers, sse_response_headers
+from .pending import PendingBuffer
+from .retry import RetryBudget
+from .sse import SSEEvent, SSEParser, encode
+
+HEARTBEAT = b": keepalive\n\n"
+RETRYABLE_STATUSES = frozenset({502, 503, 504})
+# Upper bounds of the inter-event gap histogram carried in each record.
+GAP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, float("inf"))
+
+
+class StreamState(StrEnum):
+    """Lifecycle states; see the module docstring."""
+
+    WAITING = "waiting"
+    COMMITTED = "committed"
+    STREAMING = "streaming"
+    DONE = "done"
+    ABORTED = "aborted"
+
+
+class _Trigger(Enum):
+    COMMIT = "commit"
+    SEND = "send"
+    FINISH = "finish"
+    ABORT = "abort"
+
+
+W, C, S, D, A = (StreamState.WAITING, StreamState.COMMITTED, StreamState.STREAMING,
+                 StreamState.DONE, StreamState.ABORTED)
+TRANSITIONS: dict[StreamState, dict[_Trigger, StreamState]] = {
+    W: {_Trigger.COMMIT: C, _Trigger.ABORT: A},
+    C: {_Trigger.SEND: S, _Trigger.FINISH: D, _Trigger.ABORT: A},
+    S: {_Trigger.SEND: S, _Trigger.FINISH: D, _Trigger.ABORT: A},
+    D: {_Trigger.ABORT: A},
+    A: {},
+}
+_ENDED = frozenset({D, A})
+
+
+def _error_object(data: str) -> dict[str, Any] | None:
+    """The parsed payload if ``data`` is an upstream error event."""
+    if '"error"' not in data:
+        return None
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return None
+    if isinstance(obj, dict) and obj.get("error") is not None and "choices" not in obj:
+        return obj
+    return None
+
+
+class WireStream:
+    """The wire core for one response. See the module docstring."""
+
+    def __init__(
+        self,
+        config: WireConfig,
+        *,
+        now: float,
+        request_id: str,
+        upstreams: Sequence[str] = ("",),
+        retry_budget: RetryBudget | None = None,
+        expect_stream: bool = True,
+    ) -> None:
+        """``expect_stream``: the request asked for a stream, so the commit
+        deadline runs from now; otherwise it starts only if the upstream
+        answers with an event stream (a plain JSON answer is passed through)."""
+        if not upstreams:
+            raise ValueError("upstreams must name at least one upstream")
+        self.config = config
+        self.request_id = request_id
+        self.started_at = now
+        self._upstreams = tuple(upstreams)
+        self._upstream_index = 0
+        self._budget = retry_budget
+        if retry_budget is not None:
+            retry_budget.on_request(now)
+        self._state = StreamState.WAITING
+        self._parser = self._new_parser()
+        policy = config.slow_client_policy
+        self._pending = PendingBuffer(merge=policy is not SlowClientPolicy.DROP,
+                                      drop=policy is SlowClientPolicy.DROP)
+        self._actions: list[Action] = []
+        # Upstream attempt.
+        self._attempt = 0
+        self._retry_at: float | None = None
+        self._headers_deadline_at: float | None = now + config.upstream_headers_timeout_s
+        self._upstream_status: int | None = None
+        self._held_headers: tuple[tuple[bytes, bytes], ...] = ()
+        self._upstream_open = True
+        self._upstream_paused = False
+        self._attempt_events = 0
+        self._passthrough = False
+        self._commit_at: float | None = now + config.commit_deadline_s if expect_stream else None
+        # Downstream.
+        self._paused = False
+        self._write_in_flight = False
+        self._last_write_at = now
+        self._last_progress_at = now
+        self._first_pending_at: float | None = None
+        self._client_gone = False
+        self._finished = False
+        self._close_abrupt = False
+        self._status = 0
+        self._end_reason: EndReason | None = None
+        self._error_code: ErrorCode | None = None
+        # Accounting.
+        self.events_in = 0
+        self.events_out = 0
+        self.bytes_out = 0
+        self.heartbeats = 0
+        self.retries = 0
+        self.refused_retries = 0
+        self.upstream_comments = 0
+        self.pending_high_water_bytes = 0
+        self._ttfb_s: float | None = None
+        self._last_content_at: float | None = None
+        self._max_gap_s = 0.0
+        self._gap_buckets = [0] * len(GAP_BUCKETS_S)
+        self._usage: dict[str, Any] | None = None
+        self._handlers: dict[type, Callable[[Any, float], None]] = {
+            UpstreamHeaders: self._on_upstream_headers,
+            UpstreamData: self._on_upstream_data,
+            UpstreamEvent: self._on_upstream_event,
+            UpstreamEnded: self._on_upstream_ended,
+            UpstreamFailed: self._on_upstream_failed,
+            SocketPaused: self._on_paused,
+            SocketResumed: self._on_resumed,
+            WriteCompleted: self._on_write_completed,
+            ClientGone: self._on_client_gone,
+            StopRequested: self._on_stop,
+            Tick: self._on_tick,
+        }
+
+    # ------------------------------------------------------------ public API
+
+    @property
+    def state(self) -> StreamState:
+        return self._state
+
+    @property
+    def finished(self) -> bool:
+        """True once ``Finished`` was emitted: nothing more will happen."""
+        return self._finished
+
+    @property
+    def pending_bytes(self) -> int:
+        return self._pending.pending_bytes
+
+    @property
+    def backpressured(self) -> bool:
+        """True while the client is not keeping up (events are queueing)."""
+        return self._paused or (self._write_in_flight and bool(self._pending))
+
+    @property
+    def upstream(self) -> str:
+        """The upstream of the current (or last) attempt."""
+        return self._upstreams[self._upstream_index]
+
+    @property
+    def end_reason(self) -> EndReason | None:
+        return self._end_reason
+
+    def handle(self, event: Input, now: float) -> list[Action]:
+        """Feed one input; return the actions to execute, in order."""
+        handler = self._handlers.get(type(event))
+        if handler is None:
+            raise TypeError(f"not a wire core input: {event!r}")
+        if self._finished:
+            if isinstance(event, WriteCompleted) and self._write_in_flight:
+                self._write_in_flight = False
+            return []
+        handler(event, now)
+        self._fire_timers(now)
+        self._maybe_finish(now)
+        actions, self._actions = self._actions, []
+        return actions
+
+    def data_to_send(self, now: float) -> bytes:
+        """Bytes to write now, or ``b""``. After writing non-empty bytes, the
+        driver must ``handle(WriteCompleted())`` once the socket took them."""
+        if (self._finished or self._paused or self._write_in_flight or not self._pending
+                or self._state is StreamState.WAITING):
+            return b""
+        window_s = self.config.coalesce_ms / 1000.0
+        if (window_s and self._state not in _ENDED and self._first_pending_at is not None
+                and now < self._first_pending_at + window_s):
+            return b""
+        data, events = self._pending.take()
+        self._first_pending_at = None
+        self._write_in_flight = True
+        self._last_write_at = now
+        self._last_progress_at = now
+        self.bytes_out += len(data)
+        if events:
+            self._count_content_write(events, now)
+        return data
+
+    def next_deadline(self) -> float | None:
+        """When the driver should next ``handle(Tick(), now)``; None = no timer."""
+        if self._finished:
+            return None
+        config = self.config
+        deadlines: list[float] = []
+        if self._retry_at is not None:
+            deadlines.append(self._retry_at)
+        elif self._headers_deadline_at is not None:
+            deadlines.append(self._headers_deadline_at)
+        if self._commit_at is not None and self._state is StreamState.WAITING \
+                and self._retry_at is None:
+            deadlines.append(self._commit_at)
+        if self._stalled():
+            deadlines.append(self._last_progress_at + config.write_deadline_s)
+        elif self._heartbeat_eligible():
+            deadlines.append(self._last_write_at + config.heartbeat_s)
+        if config.coalesce_ms and self._first_pending_at is not None:
+            deadlines.append(self._first_pending_at + config.coalesce_ms / 1000.0)
+        return min(deadlines) if deadlines else None
+
+    def record(self, now: float) -> StreamRecord:
+        """The accounting record as of ``now`` (final once ``finished``)."""
+        return StreamRecord(
+            request_id=self.request_id,
+            upstream=self.upstream,
+            status=self._status,
+            end_reason=self._end_reason or EndReason.COMPLETE,
+            error_code=self._error_code,
+            started_at=self.started_at,
+            duration_s=now - self.started_at,
+            ttfb_s=self._ttfb_s,
+            max_event_gap_s=self._max_gap_s,
+            event_gap_buckets=tuple(self._gap_buckets),
+            events_in=self.events_in,
+            events_out=self.events_out,
+            bytes_out=self.bytes_out,
+            heartbeats=self.heartbeats,
+            coalesced_events=self._pending.coalesced_events,
+            dropped_events=self._pending.dropped_events,
+            retries=self.retries,
+            refused_retries=self.refused_retries,
+            pending_high_water_bytes=self.pending_high_water_bytes,
+            usage=self._usage,
+        )
+
+    # ------------------------------------------------------------ state
+
+    def _transition(self, trigger: _Trigger) -> None:
+        try:
+            self._state = TRANSITIONS[self._state][trigger]
+        except KeyError:
+            raise LocalProtocolError(
+                f"can't {trigger.value} in state {self._state.value}") from None
+
+    def _new_parser(self) -> SSEParser:
+        return SSEParser(max_line_bytes=self.config.max_line_bytes,
+                         max_event_bytes=self.config.max_event_bytes)
+
+    # ------------------------------------------------------------ upstream inputs
+
+    def _on_upstream_headers(self, event: UpstreamHeaders, now: float) -> None:
+        if self._state in _ENDED:
+            return
+        if self._upstream_status is not None or self._retry_at is not None:
+            raise LocalProtocolError("UpstreamHeaders twice for one upstream attempt")
+        self._upstream_status = event.status
+        self._headers_deadline_at = None
+        sse = is_event_stream(event.headers)
+        if self._state is not StreamState.WAITING:
+            # Committed by the deadline before the upstream answered: its
+            # status can no longer reach the client except in-band.
+            if not 200 <= event.status < 300:
+                self._fail(UpstreamError(f"upstream answered {event.status}",
+                                         ErrorCode.UPSTREAM_FAILED), EndReason.UPSTREAM_ERROR, now)
+            elif not sse or is_compressed(event.headers):
+                self._fail(SSEProtocolError("upstream did not answer with an uncompressed "
+                                            "event stream"), EndReason.UPSTREAM_ERROR, now)
+            return
+        if event.status in RETRYABLE_STATUSES and self._schedule_retry(now):
+            return
+        if sse and 200 <= event.status < 300:
+            if is_compressed(event.headers):
+                self._fail(SSEProtocolError("upstream compressed the event stream; "
+                                            "tokenwire asks for identity"),
+                           EndReason.UPSTREAM_ERROR, now)
+                return
+            self._held_headers = event.headers
+            if self._commit_at is None:
+                self._commit_at = now + self.config.commit_deadline_s
+            return
+        # Anything else (JSON, an error status with its own body) goes through
+        # unchanged: the upstream's own answer is the best error message.
+        self._passthrough = True
+        self._commit(event.status, passthrough_headers(event.headers), streaming=False, now=now)
+
+    def _on_upstream_data(self, event: UpstreamData, now: float) -> None:
+        if self._state in _ENDED or self._retry_at is not None:
+            return
+        if self._upstream_status is None:
+            raise LocalProtocolError("UpstreamData before UpstreamHeaders")
+        if self._passthrough:
+            self._pending.add_bytes(event.data)
+            self._after_queue(now)
+            return
+        try:
+            events = self._parser.feed(event.data)
+        except SSEProtocolError as error:
+            self._upstream_failure(error, EndReason.UPSTREAM_ERROR, now)
+            return
+        for sse_event in events:
+            self._on_sse_event(sse_event, now)
+            if self._state in _ENDED or self._retry_at is not None:
+                return
+
+    def _on_upstream_event(self, event: UpstreamEvent, now: float) -> None:
+        if self._state in _ENDED or self._retry_at is not None:
+            return
+        if self._upstream_status is None or self._passthrough:
+            raise LocalProtocolError("UpstreamEvent needs an event-stream UpstreamHeaders first")
+        self._on_sse_event(event.event, now)
+
+    def _on_sse_event(self, event: SSEEvent, now: float) -> None:
+        if event.comment is not None:
+            # Upstream keepalives are replaced by our own downstream heartbeats.
+            self.upstream_comments += 1
+            return
+        self.events_in += 1
+        self._attempt_events += 1
+        data = event.data
+        error = _error_object(data) if data is not None else None
+        if error is not None and self._state is StreamState.WAITING and self._schedule_retry(now):
+            return
+        if self._state is StreamState.WAITING:
+            self._commit_sse(now)
+        if error is not None:
+            payload = SSEEvent(data=upstream_error_payload(error))
+            self._pending.add_event(payload, encode(payload), droppable=False)
+            self._end(EndReason.UPSTREAM_ERROR, ErrorCode.UPSTREAM_FAILED, abrupt=True,
+                      trigger=_Trigger.ABORT)
+            return
+        marker = self.config.terminal_marker
+        if marker is not None and data == marker:
+            self._pending.add_event(event, encode(event), droppable=False)
+            self._end(EndReason.COMPLETE, None, abrupt=False, trigger=_Trigger.FINISH)
+            return
+        if data is not None and '"usage"' in data:
+            self._capture_usage(data)
+        self._pending.add_event(event, encode(event))
+        if self._state is StreamState.COMMITTED:
+            self._transition(_Trigger.SEND)
+        self._after_queue(now)
+
+    def _on_upstream_ended(self, event: UpstreamEnded, now: float) -> None:
+        self._upstream_open = False
+        if self._state in _ENDED or self._retry_at is not None:
+            return
+        if self._upstream_status is None:
+            raise LocalProtocolError("UpstreamEnded before UpstreamHeaders")
+        if self._passthrough:
+            self._end(EndReason.COMPLETE, None, abrupt=False, trigger=_Trigger.FINISH)
+            return
+        self._parser.close()
+        truncated = self._parser.discarded_bytes > 0
+        if self._state is StreamState.WAITING:
+            self._upstream_failure(UpstreamError("upstream closed the stream before any event",
+                                                 ErrorCode.UPSTREAM_FAILED),
+                                   EndReason.UPSTREAM_ERROR, now)
+        elif self.config.terminal_marker is None and not truncated:
+            self._end(EndReason.COMPLETE, None, abrupt=False, trigger=_Trigger.FINISH)
+        else:
+            why = ("a truncated final event" if truncated
+                   else f"no {self.config.terminal_marker}")
+            self._fail(UpstreamError(f"upstream ended the stream early ({why})",
+                                     ErrorCode.UPSTREAM_FAILED), EndReason.UPSTREAM_ERROR, now)
+
+    def _on_upstream_failed(self, event: UpstreamFailed, now: float) -> None:
+        self._upstream_open = False
+        if self._state in _ENDED or self._retry_at is not None:
+            return
+        kind = event.kind
+        error: WireError
+        reason = EndReason.UPSTREAM_ERROR
+        if kind is FailureKind.CONNECT:
+            error = UpstreamError(f"upstream unavailable: {event.message}",
+                                  ErrorCode.UPSTREAM_UNAVAILABLE, retry_after_s=1)
+        elif kind is FailureKind.TIMEOUT:
+            error = UpstreamError(f"upstream timed out: {event.message}",
+                                  ErrorCode.UPSTREAM_TIMEOUT, http_status=504)
+            reason = EndReason.UPSTREAM_TIMEOUT
+        elif kind is FailureKind.INVALID_STREAM:
+            error = SSEProtocolError(event.message)
+        else:
+            error = UpstreamError(f"upstream failed: {event.message}", ErrorCode.UPSTREAM_FAILED)
+        self._upstream_failure(error, reason, now)
+
+    # ------------------------------------------------------------ downstream inputs
+
+    def _on_paused(self, event: SocketPaused, now: float) -> None:
+        self._paused = True
+
+    def _on_resumed(self, event: SocketResumed, now: float) -> None:
+        if self._paused:
+            self._paused = False
+            self._last_progress_at = now
+
+    def _on_write_completed(self, event: WriteCompleted, now: float) -> None:
+        if not self._write_in_flight:
+            raise LocalProtocolError("WriteCompleted without a write in flight")
+        self._write_in_flight = False
+        self._last_progress_at = now
+        if self._upstream_paused and not self._pending and self._state not in _ENDED:
+            self._upstream_paused = False
+            self._actions.append(ResumeUpstream())
+
+    def _on_client_gone(self, event: ClientGone, now: float) -> None:
+        self._client_gone = True
+        self._pending.clear()
+        self._first_pending_at = None
+        if self._state is StreamState.DONE or self._state not in _ENDED:
+            # A complete answer the client did not get all of is still lost.
+            self._end_reason = None
+            self._end(EndReason.CLIENT_GONE, ErrorCode.CANCELLED, abrupt=True,
+                      trigger=_Trigger.ABORT)
+
+    def _on_stop(self, event: StopRequested, now: float) -> None:
+        if self._state in _ENDED:
+            return
+        if event.reason is EndReason.SHUTDOWN:
+            error = LocalError("the server is shutting down", ErrorCode.SHUTDOWN,
+                               http_status=503, retry_after_s=1)
+        else:
+            error = LocalError("the stream was cancelled by an operator", ErrorCode.CANCELLED,
+                               http_status=503)
+        self._fail(error, event.reason, now)
+
+    def _on_tick(self, event: Tick, now: float) -> None:
+        pass  # timers fire after every input; see _fire_timers
+
+    # ------------------------------------------------------------ timers
+
+    def _stalled(self) -> bool:
+        return (bool(self._pending) and (self._paused or self._write_in_flight)) or (
+            self._paused and self._state is not StreamState.WAITING)
+
+    def _heartbeat_eligible(self) -> bool:
+        return (self.config.heartbeat_s > 0 and not self._passthrough
+                and self._state in (StreamState.COMMITTED, StreamState.STREAMING)
+                and not self._pending and not self._write_in_flight and not self._paused)
+
+    def _fire_timers(self, now: float) -> None:
+        if self._finished:
+            return
+        config = self.config
+        if self._retry_at is not None and now >= self._retry_at:
+            self._retry_at = None
+            self._upstream_index = self._attempt % len(self._upstreams)
+            self._upstream_open = True
+            self._headers_deadline_at = now + config.upstream_headers_timeout_s
+            self._actions.append(RetryUpstream(self._attempt, self._upstream_index))
+        if (self._headers_deadline_at is not None and now >= self._headers_deadline_at
+                and self._state not in _ENDED):
+            self._headers_deadline_at = None
+            self._actions.append(AbortUpstream(EndReason.UPSTREAM_TIMEOUT))
+            self._upstream_open = False
+            self._upstream_failure(
+                UpstreamError(f"no response from upstream within "
+                              f"{config.upstream_headers_timeout_s:g} s",
+                              ErrorCode.UPSTREAM_TIMEOUT, http_status=504),
+                EndReason.UPSTREAM_TIMEOUT, now)
+        if (self._commit_at is not None and now >= self._commit_at and self._retry_at is None
+                and self._state is StreamState.WAITING):
+            self._commit_sse(now)
+        if self._stalled() and now >= self._last_progress_at + config.write_deadline_s:
+            self._slow_client(ErrorCode.SEND_TIMEOUT, now)
+        elif self._heartbeat_eligible() and now >= self._last_write_at + config.heartbeat_s:
+            self._pending.add_bytes(HEARTBEAT)
+            self.heartbeats += 1
+
+    # ------------------------------------------------------------ decisions
+
+    def _commit(self, status: int, headers: tuple[tuple[bytes, bytes], ...], *,
+                streaming: bool, now: float) -> None:
+        self._transition(_Trigger.COMMIT)
+        self._status = status
+        self._commit_at = None
+        self._last_write_at = now
+        self._actions.append(CommitHeaders(status, headers, streaming))
+
+    def _commit_sse(self, now: float) -> None:
+        self._commit(200, sse_response_headers(self._held_headers), streaming=True, now=now)
+
+    def _schedule_retry(self, now: float) -> bool:
+        """Arrange a retry of the upstream if allowed; True if one is coming."""
+        if self._state is not StreamState.WAITING or self._attempt >= self.config.retry_attempts:
+            return False
+        if self._budget is not None and not self._budget.try_acquire(now):
+            self.refused_retries += 1
+            return False
+        self._attempt += 1
+        self.retries += 1
+        config = self.config
+        delay_s = min(config.retry_backoff_s * 2 ** (self._attempt - 1), config.retry_backoff_max_s)
+        self._retry_at = now + delay_s
+        self._parser = self._new_parser()
+        self._upstream_status = None
+        self._held_headers = ()
+        self._headers_deadline_at = None
+        self._attempt_events = 0
+        return True
+
+    def _upstream_failure(self, error: WireError, reason: EndReason, now: float) -> None:
+        """The upstream failed: retry while WAITING if allowed, else fail."""
+        if self._schedule_retry(now):
+            if self._upstream_open:
+                self._actions.append(AbortUpstream(reason))
+                self._upstream_open = False
+            return
+        self._fail(error, reason, now)
+
+    def _fail(self, error: WireError, reason: EndReason, now: float) -> None:
+        """End the stream with ``error``: a real status before the first byte,
+        in-band after it, a bare abrupt close for a passthrough body."""
+        if self._state is StreamState.WAITING:
+            body = error.body()
+            headers = (*error.response_headers(), (b"content-length", str(len(body)).encode()))
+            self._commit(error.http_status, headers, streaming=False, now=now)
+            self._pending.add_bytes(body)
+            self._end(reason, error.code, abrupt=False, trigger=_Trigger.ABORT)
+        elif self._passthrough:
+            self._end(reason, error.code, abrupt=True, trigger=_Trigger.ABORT)
+        else:
+            payload = SSEEvent(data=error.sse_data())
+            self._pending.add_event(payload, encode(payload), droppable=False)
+            self._end(reason, error.code, abrupt=True, trigger=_Trigger.ABORT)
+
+    def _end(self, reason: EndReason, code: ErrorCode | None, *, abrupt: bool,
+             trigger: _Trigger) -> None:
+        self._transition(trigger)
+        if self._end_reason is None:
+            self._end_reason = reason
+            self._error_code = code
+        self._close_abrupt = abrupt
+        self._commit_at = None
+        self._retry_at = None
+        self._headers_deadline_at = None
+        if self._upstream_open and reason is not EndReason.COMPLETE:
+            self._upstream_open = False
+            self._actions.append(AbortUpstream(reason))
+
+    def _slow_client(self, code: ErrorCode, now: float) -> None:
+        self._pending.clear()
+        self._first_pending_at = None
+        if self._state is not StreamState.ABORTED:
+            # A stream already ending with an error keeps that root cause.
+            self._end_reason = None
+            self._end(EndReason.SLOW_CLIENT, code, abrupt=True, trigger=_Trigger.ABORT)
+        self._actions.append(CloseClient(abrupt=True, reset=True))
+        self._client_gone = True
+
+    def _after_queue(self, now: float) -> None:
+        """Bookkeeping after bytes were queued: window, caps, block policy."""
+        pending = self._pending.pending_bytes
+        if self._first_pending_at is None and pending:
+            self._first_pending_at = now
+        if pending > self.pending_high_water_bytes:
+            self.pending_high_water_bytes = pending
+        cap = self.config.max_pending_bytes
+        if pending > cap:
+            self._slow_client(ErrorCode.BACKPRESSURE_EXCEEDED, now)
+            return
+        block = self._passthrough or self.config.slow_client_policy is SlowClientPolicy.BLOCK
+        if block and not self._upstream_paused and pending >= cap // 2 and (
+                self._paused or self._write_in_flight):
+            self._upstream_paused = True
+            self._actions.append(PauseUpstream())
+
+    def _maybe_finish(self, now: float) -> None:
+        if self._finished or self._state not in _ENDED:
+            return
+        if not self._client_gone and (self._pending or self._write_in_flight):
+            return
+        self._finished = True
+        if not self._client_gone:
+            self._actions.append(CloseClient(abrupt=self._close_abrupt))
+        self._actions.append(Finished(self.record(now)))
+
+    # ------------------------------------------------------------ accounting
+
+    def _count_content_write(self, events: int, now: float) -> None:
+        self.events_out += events
+        if self._ttfb_s is None:
+            self._ttfb_s = now - self.started_at
+        elif self._last_content_at is not None:
+            gap_s = now - self._last_content_at
+            if gap_s > self._max_gap_s:
+                self._max_gap_s = gap_s
+            for i, bound in enumerate(GAP_BUCKETS_S):
+                if gap_s <= bound:
+                    self._gap_buckets[i] += 1
+                    break
+        self._last_content_at = now
+
+    def _capture_usage(self, data: str) -> None:
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            return
+        if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+            self._usage = obj["usage"]

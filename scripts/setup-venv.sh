@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Creates (or refreshes) the project's virtualenv in .venv from the project's own files.
+# Usage: scripts/setup-venv.sh EXTRAS   (e.g. "dev,engine")
+# torch is pinned to the CPU build that lies on this machine's disk before the
+# engine extra is resolved, so pip never reaches for a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-dev,engine}"
+if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+fi
+stamp=".venv/.tokenwire-installed-$(echo "$extras" | tr ',' '-')"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    .venv/bin/python -m pip install -q --upgrade pip
+    case "$extras" in *engine*) .venv/bin/python -m pip install -q "torch==2.13.0" ;; esac
+    .venv/bin/python -m pip install -q -e ".[${extras}]"
+    touch "$stamp"
+fi

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs the system packages the tests and benchmarks use, only when missing.
+# Usage: scripts/system-deps.sh PACKAGE...   (Debian names: redis-server nginx chromium)
+set -euo pipefail
+missing=()
+for pkg in "$@"; do
+    case "$pkg" in
+        redis-server) bin=redis-server ;;
+        nginx) bin=nginx ;;
+        chromium) bin=chromium ;;
+        *) bin="$pkg" ;;
+    esac
+    command -v "$bin" >/dev/null 2>&1 || [ -x "/usr/sbin/$bin" ] || missing+=("$pkg")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+    echo "installing system packages: ${missing[*]}"
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi

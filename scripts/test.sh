@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh checkout: virtualenv, system packages,
+# lint, strict typing, the tests, and the built wheel checked in a clean venv.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup-venv.sh dev,engine
+py=.venv/bin/python
+echo "== ruff"; $py -m ruff check middleware sidecar engine tests bench
+echo "== mypy --strict (middleware, sidecar)"; $py -m mypy --strict middleware sidecar
+echo "== pytest"; $py -m pytest -q -p no:cacheprovider "$@"
