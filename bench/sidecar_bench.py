@@ -1,0 +1,271 @@
+"""Sidecar benchmark: direct vs tokenwire sidecar vs nginx, side by side, one run.
+
+Method (see bench/README.md for the figures):
+
+* One fake upstream process (``sse_load.py upstream``: bare asyncio, paced
+  OpenAI chunks, each carrying its send time) serves all three targets:
+  ``direct`` (the client talks to it), ``tokenwire`` (the sidecar in front of
+  it) and ``nginx`` (``proxy_buffering off``, one worker, upstream keepalive).
+* Each scenario runs its load client in its own process, one target after the
+  other, in the same run on the same machine, so the ratios are fair even
+  though the absolute numbers depend on a shared 2-core box.
+* ``throughput``: S streams x E events every I ms; delivered events/s,
+  completion, exact text, and the latency from the upstream's send to the
+  client's read (p50/p99); "added latency" is a proxy's figure minus direct's.
+* ``reset``: a client reads 3 events then resets (RST); the time until the
+  upstream sees its connection closed (p50/p99).
+* ``hold``: N open, quiet streams; the proxy's RSS growth per stream.
+* ``slow``: 4 readers taking 2 KiB per 100 ms through a 4 KiB receive buffer,
+  5,000 tokens at 1 ms each: when did the upstream finish, when did the last
+  token arrive, is the text exact, and how much did the proxy's RSS grow.
+
+Usage: ``python bench/sidecar_bench.py [--quick]``; writes
+``bench/results/sidecar.json`` and ``bench/results/sidecar.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+PY = sys.executable
+LOAD = str(ROOT / "bench" / "sse_load.py")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmRSS")
+
+
+def wait_ready(proc: subprocess.Popen[str], what: str, timeout_s: float = 60) -> None:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{what} exited: rc={proc.poll()}")
+        if "ready" in line.lower():
+            return
+    raise RuntimeError(f"{what} not ready in {timeout_s} s")
+
+
+def wait_port(port: int, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"port {port} not listening")
+
+
+@contextlib.contextmanager
+def process(cmd: list[str], what: str, *, ready_line: bool = True) -> Iterator[subprocess.Popen[str]]:
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+    try:
+        if ready_line:
+            wait_ready(proc, what)
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def nginx_binary() -> str:
+    found = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    if found is None:
+        subprocess.run([str(ROOT / "scripts" / "system-deps.sh"), "nginx"], check=True)
+        found = shutil.which("nginx") or "/usr/sbin/nginx"
+    return found
+
+
+@contextlib.contextmanager
+def nginx(listen_port: int, upstream_port: int) -> Iterator[subprocess.Popen[str]]:
+    prefix = Path(tempfile.mkdtemp(prefix="tokenwire-nginx-"))
+    (prefix / "logs").mkdir()
+    conf = prefix / "nginx.conf"
+    conf.write_text(f"""
+worker_processes 1;
+daemon off;
+pid {prefix}/nginx.pid;
+error_log {prefix}/logs/error.log warn;
+worker_rlimit_nofile 65536;
+events {{ worker_connections 32768; }}
+http {{
+    access_log off;
+    client_body_temp_path {prefix}/body;
+    proxy_temp_path {prefix}/proxy;
+    upstream engine {{ server 127.0.0.1:{upstream_port}; keepalive 256; }}
+    server {{
+        listen 127.0.0.1:{listen_port} backlog=8192;
+        location / {{
+            proxy_pass http://engine;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_cache off;
+            proxy_read_timeout 3600s;
+        }}
+    }}
+}}
+""")
+    with process([nginx_binary(), "-p", str(prefix), "-c", str(conf)], "nginx",
+                 ready_line=False) as proc:
+        wait_port(listen_port)
+        yield proc
+    shutil.rmtree(prefix, ignore_errors=True)
+
+
+def nginx_worker_pid(master: subprocess.Popen[str]) -> int:
+    children = Path(f"/proc/{master.pid}/task/{master.pid}/children").read_text().split()
+    return int(children[0]) if children else master.pid
+
+
+@contextlib.contextmanager
+def sidecar(listen_port: int, upstream_port: int) -> Iterator[subprocess.Popen[str]]:
+    admin_port = free_port()
+    cmd = [PY, "-m", "tokenwire.sidecar.cli", "sidecar",
+           "--listen", f"127.0.0.1:{listen_port}", "--upstream", f"http://127.0.0.1:{upstream_port}",
+           "--admin-listen", f"127.0.0.1:{admin_port}", "--max-connections", "20000"]
+    with process(cmd, "sidecar") as proc:
+        yield proc
+
+
+def client(scenario: str, target_port: int, upstream_port: int, *args: str,
+           timeout_s: float = 600) -> dict[str, Any]:
+    cmd = [PY, LOAD, "client", scenario, "--target", f"127.0.0.1:{target_port}",
+           "--upstream-port", str(upstream_port), *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=True).stdout
+    for line in out.splitlines():
+        if line.startswith('{"result"'):
+            result: dict[str, Any] = json.loads(line)["result"]
+            return result
+    raise RuntimeError(f"{scenario}: no result in {out[-500:]}")
+
+
+def hold(target_port: int, upstream_port: int, pid_of: Any, streams: int) -> dict[str, Any]:
+    """Open ``streams`` quiet streams and read the proxy's RSS before and while held."""
+    before = rss_kib(pid_of())
+    cmd = [PY, LOAD, "client", "hold", "--target", f"127.0.0.1:{target_port}",
+           "--streams", str(streams), "--hold-s", "8"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    held = 0
+    for line in proc.stdout:
+        if line.startswith('{"held"'):
+            held = json.loads(line)["held"]
+            break
+    time.sleep(2)
+    during = rss_kib(pid_of())
+    proc.wait(60)
+    return {"streams": streams, "held": held, "rss_before_kib": before, "rss_held_kib": during,
+            "kib_per_stream": round((during - before) / max(held, 1), 2)}
+
+
+def run(quick: bool) -> dict[str, Any]:
+    streams, events = (50, 200) if quick else (200, 500)
+    hold_streams = 500 if quick else 5000
+    upstream_port, sidecar_port, nginx_port = free_port(), free_port(), free_port()
+    results: dict[str, Any] = {"machine": {"cores": os.cpu_count()}, "targets": {}}
+    with process([PY, LOAD, "upstream", "--port", str(upstream_port)], "upstream"), \
+            sidecar(sidecar_port, upstream_port) as side, \
+            nginx(nginx_port, upstream_port) as ngx:
+        targets = {"direct": (upstream_port, None),
+                   "tokenwire": (sidecar_port, lambda: side.pid),
+                   "nginx": (nginx_port, lambda: nginx_worker_pid(ngx))}
+        for name, (port, pid_of) in targets.items():
+            row: dict[str, Any] = {}
+            print(f"[{name}] throughput {streams}x{events}", flush=True)
+            row["throughput"] = client("throughput", port, upstream_port, "--streams", str(streams),
+                                       "--events", str(events), "--interval-ms", "10")
+            print(f"[{name}] reset", flush=True)
+            row["reset"] = client("reset", port, upstream_port, "--streams", "100" if quick else "300",
+                                  "--concurrency", "20")
+            print(f"[{name}] slow readers", flush=True)
+            before = rss_kib(pid_of()) if pid_of else None
+            row["slow"] = client("slow", port, upstream_port, "--streams", "4", "--events",
+                                 "2000" if quick else "5000", "--read-bytes", "2048",
+                                 "--read-pause-ms", "100", "--rcvbuf", "4096", timeout_s=900)
+            if pid_of:
+                row["slow"]["proxy_rss_growth_kib"] = rss_kib(pid_of()) - (before or 0)
+                print(f"[{name}] hold {hold_streams}", flush=True)
+                row["hold"] = hold(port, upstream_port, pid_of, hold_streams)
+            results["targets"][name] = row
+    direct = results["targets"]["direct"]["throughput"]
+    for name in ("tokenwire", "nginx"):
+        tp = results["targets"][name]["throughput"]
+        tp["events_per_s_vs_direct"] = round(tp["delivered_events_per_s"]
+                                             / direct["delivered_events_per_s"], 4)
+        tp["added_latency_p50_ms"] = round(tp["latency"]["p50_ms"] - direct["latency"]["p50_ms"], 3)
+        tp["added_latency_p99_ms"] = round(tp["latency"]["p99_ms"] - direct["latency"]["p99_ms"], 3)
+    return results
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results["targets"])
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    p50 = [results["targets"][n]["throughput"]["latency"]["p50_ms"] for n in names]
+    p99 = [results["targets"][n]["throughput"]["latency"]["p99_ms"] for n in names]
+    xs = range(len(names))
+    axes[0].bar([x - 0.2 for x in xs], p50, 0.4, label="p50")
+    axes[0].bar([x + 0.2 for x in xs], p99, 0.4, label="p99")
+    axes[0].set_xticks(list(xs), names)
+    axes[0].set_title("delivery latency, upstream send -> client read (ms)")
+    axes[0].legend()
+    reset = [results["targets"][n]["reset"]["reset_to_upstream_close"]["p99_ms"] for n in names]
+    axes[1].bar(names, reset)
+    axes[1].set_title("client reset -> upstream closed, p99 (ms)")
+    slow = [max(s["last_token_after_generation_s"] or 0 for s in results["targets"][n]["slow"]["streams"])
+            for n in names]
+    axes[2].bar(names, slow)
+    axes[2].set_title("slow reader: last token after generation end (s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller run for a smoke check")
+    args = parser.parse_args()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    results = run(args.quick)
+    results["quick"] = args.quick
+    (RESULTS / "sidecar.json").write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, RESULTS / "sidecar.png")
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

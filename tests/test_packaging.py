@@ -1,0 +1,93 @@
+"""The built wheel: package-dir mapping, data files, and a base install without torch.
+
+The `tokenwire.*` names are mapped from top-level folders (setuptools
+package-dir), which is easy to get subtly wrong in a wheel while an editable
+install keeps working. So this builds the real wheel, installs it into a fresh
+virtualenv that has no torch, and imports every module of the base install.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(ROOT)],
+        check=True, timeout=300,
+    )
+    (path,) = out.glob("tokenwire-*.whl")
+    return path
+
+
+@pytest.fixture(scope="module")
+def clean_venv(tmp_path_factory: pytest.TempPathFactory, wheel: Path) -> Path:
+    env_dir = tmp_path_factory.mktemp("venv")
+    venv.EnvBuilder(with_pip=True, clear=True).create(env_dir)
+    python = env_dir / "bin" / "python"
+    subprocess.run([str(python), "-m", "pip", "install", "-q", str(wheel)], check=True, timeout=600)
+    return python
+
+
+def _modules(wheel: Path, package: str) -> list[str]:
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+    prefix = "tokenwire/" + package + "/"
+    return sorted(
+        n[:-3].replace("/", ".").removesuffix(".__init__")
+        for n in names if n.startswith(prefix) and n.endswith(".py")
+    )
+
+
+def test_wheel_maps_every_source_file(wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+    for folder in ("middleware", "sidecar", "engine"):
+        for source in (ROOT / folder).rglob("*.py"):
+            relative = source.relative_to(ROOT / folder).as_posix()
+            assert f"tokenwire/{folder}/{relative}" in names, f"{folder}/{relative} missing from wheel"
+    assert "tokenwire/middleware/py.typed" in names
+    assert not any(n.startswith(("middleware/", "sidecar/", "engine/")) for n in names)
+    data = [p for p in (ROOT / "engine" / "data").glob("*") if p.is_file()]
+    for path in data:
+        assert f"tokenwire/engine/data/{path.name}" in names
+
+
+def test_base_install_imports_every_module_without_torch(wheel: Path, clean_venv: Path) -> None:
+    modules = _modules(wheel, "middleware") + _modules(wheel, "sidecar")
+    assert "tokenwire.middleware.stream" in modules and "tokenwire.sidecar" in modules
+    script = (
+        "import importlib, importlib.util, sys\n"
+        "assert importlib.util.find_spec('torch') is None, 'torch is installed'\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        "assert 'torch' not in sys.modules\n"
+        "print('ok', len(sys.modules))\n"
+    )
+    result = subprocess.run([str(clean_venv), "-c", script], capture_output=True, text=True,
+                            timeout=120, cwd="/")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("ok")
+
+
+def test_console_script_without_torch(clean_venv: Path) -> None:
+    tokenwire = clean_venv.parent / "tokenwire"
+    help_run = subprocess.run([str(tokenwire), "--help"], capture_output=True, text=True, timeout=60)
+    assert help_run.returncode == 0, help_run.stderr
+    assert "sidecar" in help_run.stdout
+    unknown = subprocess.run([str(tokenwire), "no-such-command"], capture_output=True, text=True,
+                             timeout=60)
+    assert unknown.returncode == 2
+    engine = subprocess.run([str(tokenwire), "engine"], capture_output=True, text=True, timeout=60)
+    assert engine.returncode == 2
+    assert "tokenwire[engine]" in engine.stdout + engine.stderr
