@@ -6,5 +6,5 @@ cd "$(dirname "$0")/.."
 scripts/setup-venv.sh dev,engine
 py=.venv/bin/python
 echo "== ruff"; $py -m ruff check middleware sidecar engine tests bench
-echo "== mypy --strict (middleware, sidecar)"; $py -m mypy --strict middleware sidecar
+echo "== mypy --strict (middleware, sidecar)"; scripts/typecheck.sh
 echo "== pytest"; $py -m pytest -q -p no:cacheprovider "$@"

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# mypy --strict on the middleware and the sidecar, under their import names.
+# mypy cannot follow setuptools' package-dir mapping, so it is shown a tree of
+# links that lays the folders out as tokenwire.middleware / tokenwire.sidecar.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root="$PWD"
+tree="$root/.venv/mypy-tree"
+mkdir -p "$tree/tokenwire"
+ln -sfn "$root/middleware" "$tree/tokenwire/middleware"
+ln -sfn "$root/sidecar" "$tree/tokenwire/sidecar"
+cd "$tree"
+MYPYPATH="$tree" exec "$root/.venv/bin/python" -m mypy --strict --config-file "$root/pyproject.toml" \
+    --cache-dir "$root/.mypy_cache" -p tokenwire.middleware -p tokenwire.sidecar

@@ -1,0 +1,32 @@
+"""What every connection of one sidecar shares: config, pools, budget, metrics, log, registry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tokenwire.middleware import RetryBudget
+
+from .logs import StreamLog
+from .metrics import SidecarMetrics
+from .registry import StreamRegistry
+from .settings import SidecarConfig
+from .upstream import UpstreamPools
+
+if TYPE_CHECKING:
+    from .protocol import ClientConnection
+
+
+@dataclass(slots=True)
+class SidecarContext:
+    """Shared services, passed to each connection (no module-level state)."""
+
+    config: SidecarConfig
+    pools: UpstreamPools
+    retry_budget: RetryBudget
+    metrics: SidecarMetrics
+    log: StreamLog
+    registry: StreamRegistry = field(default_factory=StreamRegistry)
+    connections: set[ClientConnection] = field(default_factory=set)
+    draining: bool = False
+    """Set on shutdown: no new requests; connections close after their current response."""

@@ -1,0 +1,277 @@
+"""One proxied request: the driver loop around a :class:`WireStream`.
+
+Theory of operation
+-------------------
+An :class:`Exchange` exists from the moment a client request (head and whole
+body) has been read until the wire core says ``Finished``. It is the loop of
+three steps the sans-IO style asks for:
+
+1. something happened (an upstream chunk, the socket paused, a timer fired,
+   the client left): turn it into a wire-core input and ``feed`` it;
+2. execute the actions the core returns, in order;
+3. write ``data_to_send()`` to the client and report ``WriteCompleted``.
+
+It decides nothing: heartbeats, deadlines, retries, coalescing and errors are
+all the core's. Inputs that arrive while the loop is running (``transport.write``
+may call ``pause_writing`` synchronously) are queued and handled right after,
+so the core never sees re-entrant calls.
+
+The client side is reached through :class:`Downstream` (the connection), the
+upstream side through one :func:`~tokenwire.sidecar.upstream.run_attempt` task
+at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from tokenwire.middleware import (
+    AbortUpstream,
+    Action,
+    CloseClient,
+    CommitHeaders,
+    Finished,
+    Input,
+    PauseUpstream,
+    ResumeUpstream,
+    RetryUpstream,
+    StreamState,
+    Tick,
+    WireStream,
+    WriteCompleted,
+)
+
+from .context import SidecarContext
+from .forwarding import with_request_id
+from .upstream import run_attempt
+
+logger = logging.getLogger("tokenwire.sidecar")
+
+Header = tuple[bytes, bytes]
+
+# After a complete answer the upstream usually ends its body at once, and its
+# connection goes back to the pool. One that keeps the body open after its
+# terminal event is cut off after this long rather than holding a task forever.
+_UPSTREAM_TAIL_GRACE_S = 5.0
+
+
+class Downstream(Protocol):
+    """What an exchange needs from the client connection."""
+
+    def send_headers(self, status: int, headers: Sequence[Header]) -> None: ...
+
+    def send_body(self, data: bytes) -> None: ...
+
+    def end_response(self, *, abrupt: bool, reset: bool) -> None: ...
+
+    def exchange_finished(self, exchange: Exchange) -> None: ...
+
+
+class Exchange:
+    """Drives one :class:`WireStream` between a client connection and the upstreams."""
+
+    def __init__(
+        self,
+        context: SidecarContext,
+        downstream: Downstream,
+        *,
+        request_id: str,
+        method: bytes,
+        target: bytes,
+        upstream_headers: Sequence[Header],
+        body: bytes,
+        expect_stream: bool,
+    ) -> None:
+        self._context = context
+        self._downstream = downstream
+        self._loop = asyncio.get_running_loop()
+        self.request_id = request_id
+        self._method = method
+        self._target = target
+        self._upstream_headers = list(upstream_headers)
+        self._body = body
+        self.stream = WireStream(
+            context.config.wire, now=self._loop.time(), request_id=request_id,
+            upstreams=context.pools.names, retry_budget=context.retry_budget,
+            expect_stream=expect_stream)
+        self._inbox: deque[tuple[Input, float | None]] = deque()
+        self._busy = False
+        self._done = False
+        self._response_ended = False
+        self._attempt: asyncio.Task[None] | None = None
+        self._upstream_readable = asyncio.Event()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+
+    # ------------------------------------------------------------ public
+
+    def start(self) -> None:
+        """Register the stream and send the first upstream request."""
+        self._context.registry.add(self)
+        self._context.metrics.active_streams.inc()
+        self._start_attempt(0)
+        self._reschedule()
+
+    def feed(self, event: Input, now: float | None = None) -> None:
+        """Hand the core one input (queued if the loop is already running)."""
+        if self._done:
+            return
+        self._inbox.append((event, now))
+        if self._busy:
+            return
+        self._busy = True
+        try:
+            while self._inbox and not self._done:
+                queued, at = self._inbox.popleft()
+                at = self._loop.time() if at is None else at
+                self._execute(self.stream.handle(queued, at))
+                self._flush()
+        except Exception:
+            logger.exception("stream %s: driver failure; resetting the client", self.request_id)
+            self._crash()
+        finally:
+            self._busy = False
+        self._reschedule()
+
+    def describe(self, now: float) -> dict[str, Any]:
+        """The ``GET /streams`` entry for this stream."""
+        stream = self.stream
+        return {
+            "request_id": self.request_id,
+            "upstream": stream.upstream,
+            "age_s": round(now - stream.started_at, 3),
+            "state": stream.state.value,
+            "pending_bytes": stream.pending_bytes,
+            "events_in": stream.events_in,
+            "events_out": stream.events_out,
+        }
+
+    # ------------------------------------------------------------ the loop
+
+    def _flush(self) -> None:
+        """Write whatever the core has for the socket; report each write at once."""
+        while not self._response_ended:
+            now = self._loop.time()
+            data = self.stream.data_to_send(now)
+            if not data:
+                return
+            self._downstream.send_body(data)
+            self._execute(self.stream.handle(WriteCompleted(), now))
+
+    def _execute(self, actions: Sequence[Action]) -> None:
+        aborted = False
+        for action in actions:
+            if isinstance(action, CommitHeaders):
+                headers = with_request_id(action.headers, self._context.config.request_id_header.encode(),
+                                          self.request_id)
+                self._downstream.send_headers(action.status, headers)
+            elif isinstance(action, AbortUpstream):
+                self._abort_attempt()
+                aborted = True
+            elif isinstance(action, RetryUpstream):
+                self._abort_attempt()
+                self._start_attempt(action.upstream_index)
+            elif isinstance(action, PauseUpstream):
+                self._upstream_readable.clear()
+            elif isinstance(action, ResumeUpstream):
+                self._upstream_readable.set()
+            elif isinstance(action, CloseClient):
+                self._response_ended = True
+                self._downstream.end_response(abrupt=action.abrupt, reset=action.reset)
+            elif isinstance(action, Finished):
+                self._finish(action)
+        # A retry drops an attempt too; only an abort that ends the stream is
+        # worth telling the engine about (the retry reuses the request id).
+        if aborted and self.stream.state is StreamState.ABORTED:
+            self._context.pools.send_abort(self.request_id)
+
+    def _finish(self, action: Finished) -> None:
+        self._done = True
+        context = self._context
+        context.registry.remove(self)
+        context.metrics.active_streams.dec()
+        context.metrics.observe_record(action.record)
+        context.log.write(action.record)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        attempt = self._attempt
+        if attempt is not None and not attempt.done():
+            cutoff = self._loop.call_later(_UPSTREAM_TAIL_GRACE_S, attempt.cancel)
+            attempt.add_done_callback(lambda _: cutoff.cancel())
+        self._downstream.exchange_finished(self)
+
+    def _crash(self) -> None:
+        """A bug in the driver or the core: drop both sides, never hang."""
+        self._abort_attempt()
+        if not self._done:
+            self._done = True
+            self._context.registry.remove(self)
+            self._context.metrics.active_streams.dec()
+            if not self._response_ended:
+                self._response_ended = True
+                self._downstream.end_response(abrupt=True, reset=True)
+            self._downstream.exchange_finished(self)
+
+    # ------------------------------------------------------------ timers
+
+    def _reschedule(self) -> None:
+        if self._done:
+            return
+        deadline = self.stream.next_deadline()
+        if deadline is None:
+            return
+        # A timer that fires early is harmless (the Tick finds nothing due and
+        # we come back here), so only ever move the timer earlier: heartbeat
+        # deadlines shift on every write and re-arming each time costs more.
+        if self._timer_at is not None and self._timer_at <= deadline:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = deadline
+        self._timer = self._loop.call_at(deadline, self._on_timer, deadline)
+
+    def _on_timer(self, deadline: float) -> None:
+        self._timer = None
+        self._timer_at = None
+        # The loop's clock granularity may wake us a hair early; report the
+        # deadline itself so the due timer fires instead of spinning.
+        self.feed(Tick(), max(self._loop.time(), deadline))
+
+    # ------------------------------------------------------------ upstream
+
+    def _start_attempt(self, upstream_index: int) -> None:
+        pools = self._context.pools
+        self._upstream_readable.set()
+        attempt: asyncio.Task[None] | None = None
+
+        def feed_from_attempt(event: Input) -> None:
+            # A dropped attempt's late reports must not reach the core.
+            if attempt is not None and attempt is self._attempt:
+                self.feed(event)
+
+        attempt = self._loop.create_task(run_attempt(
+            pools.upstreams[upstream_index], method=self._method, target=self._target,
+            headers=self._upstream_headers, body=self._body, timeouts=pools.timeouts,
+            readable=self._upstream_readable, feed=feed_from_attempt))
+        self._attempt = attempt
+
+    def _abort_attempt(self) -> None:
+        attempt, self._attempt = self._attempt, None
+        # The attempt may be the task running this very code (the input that
+        # made the core abort came from it): cancel() still works then, at its
+        # next await, which is where httpcore closes the connection.
+        if attempt is None or attempt.done():
+            return
+        started_at = self._loop.time()
+        histogram = self._context.metrics.abort_propagation
+
+        def closed(task: asyncio.Task[None]) -> None:
+            histogram.observe(self._loop.time() - started_at)
+
+        attempt.add_done_callback(closed)
+        attempt.cancel()

@@ -1,0 +1,94 @@
+"""Request classification and the headers a proxy adds or strips.
+
+Nothing here is wire policy (that lives in ``tokenwire.middleware``): these are
+the facts about one request that the driver needs before it can build a
+:class:`~tokenwire.middleware.WireStream` and an upstream request.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterable
+
+from tokenwire.middleware.headers import header_value, strip_hop_by_hop
+
+Header = tuple[bytes, bytes]
+
+# Set by the sidecar itself from what it saw on the socket; a client's own
+# values would let it spoof its address to the engine.
+_REPLACED_UPSTREAM = frozenset({b"host", b"content-length", b"accept-encoding", b"expect",
+                                b"x-forwarded-proto"})
+
+
+def wants_stream(headers: Iterable[Header], body: bytes) -> bool:
+    """True if the request asked for a streamed answer.
+
+    OpenAI-style APIs say so with ``"stream": true`` in the JSON body;
+    EventSource clients with ``Accept: text/event-stream``.
+    """
+    accept = header_value(headers, b"accept")
+    if accept is not None and b"text/event-stream" in accept.lower():
+        return True
+    # Most bodies are small JSON; skip the parse when the key is plainly absent.
+    if b'"stream"' not in body:
+        return False
+    try:
+        payload = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(payload, dict) and payload.get("stream") is True
+
+
+def new_request_id() -> str:
+    """A fresh request id (32 hex digits)."""
+    return uuid.uuid4().hex
+
+
+def request_id_from(headers: Iterable[Header], header_name: bytes) -> str:
+    """The client's request id if it sent a usable one, else a new one."""
+    value = header_value(headers, header_name)
+    if value is not None:
+        text = value.decode("ascii", "replace").strip()
+        # Bounded and printable: it ends up in logs, metrics labels and URLs.
+        if 0 < len(text) <= 200 and text.isprintable() and "/" not in text:
+            return text
+    return new_request_id()
+
+
+def upstream_request_headers(
+    headers: Iterable[Header],
+    *,
+    body_bytes: int,
+    peer_host: str | None,
+    scheme: str,
+    request_id: str,
+    request_id_header: bytes,
+) -> list[Header]:
+    """The client's headers as forwarded upstream.
+
+    Hop-by-hop headers go; ``X-Forwarded-For`` gains the real peer,
+    ``X-Forwarded-Proto`` is the scheme the client actually used; the body is
+    always sent whole with a ``Content-Length``; the upstream is asked for
+    ``identity`` so an SSE body can be parsed and coalesced.
+    """
+    kept = [(k, v) for k, v in strip_hop_by_hop(headers)
+            if k not in _REPLACED_UPSTREAM and k != request_id_header]
+    forwarded_for = header_value(kept, b"x-forwarded-for")
+    if peer_host is not None:
+        chain = peer_host.encode() if forwarded_for is None else forwarded_for + b", " + peer_host.encode()
+        kept = [(k, v) for k, v in kept if k != b"x-forwarded-for"]
+        kept.append((b"x-forwarded-for", chain))
+    kept.append((b"x-forwarded-proto", scheme.encode()))
+    kept.append((request_id_header, request_id.encode()))
+    kept.append((b"accept-encoding", b"identity"))
+    kept.append((b"content-length", str(body_bytes).encode()))
+    return kept
+
+
+def with_request_id(headers: Iterable[Header], request_id_header: bytes, request_id: str) -> list[Header]:
+    """Response headers plus the request id, unless the upstream echoed one."""
+    result = list(headers)
+    if header_value(result, request_id_header) is None:
+        result.append((request_id_header, request_id.encode()))
+    return result

@@ -1,0 +1,375 @@
+"""The client side: one ``asyncio.Protocol`` per connection, driving h11.
+
+Theory of operation
+-------------------
+A connection moves through four phases, and one timer guards each:
+
+    IDLE ──first byte──▶ HEAD ──Request──▶ BODY ──EndOfMessage──▶ RESPONSE
+     ▲                                                               │
+     └────────────── response complete, keep-alive ◀────────────────┘
+
+* IDLE: between requests; ``keepalive_timeout_s`` closes it silently (a new
+  connection gets ``header_read_timeout_s`` instead).
+* HEAD: ``header_read_timeout_s`` to finish the request head, else 408
+  (slowloris); h11's buffer limit gives 431 for a head over ``max_head_bytes``.
+* BODY: the whole body is read (bounded by ``max_body_bytes``, 413) within
+  ``body_read_timeout_s``; the wire core needs the request classified (stream
+  or not) before it starts, and retries need the body to send it again.
+* RESPONSE: an :class:`~tokenwire.sidecar.exchange.Exchange` owns the
+  response. The connection keeps reading so a client that leaves is seen at
+  once (``connection_lost`` → ``ClientGone``), even while the upstream is
+  silent; pipelined requests wait in h11's buffer (reading pauses if they pile
+  up) and are served in order once the response is complete.
+
+Requests refused before reaching an upstream (limits, malformed, smuggling,
+too many connections) get a small JSON error, ``Connection: close``, and a
+lingering close: half-close, drain what the client is still sending, then
+close, so the client reads the status instead of a reset.
+
+``pause_writing``/``resume_writing`` become ``SocketPaused``/``SocketResumed``.
+The socket's send buffer is capped (``socket_send_buffer_bytes``) and the
+transport's high-water mark set (``write_high_water_bytes``) so a slow reader
+is seen here, where events can still be coalesced, not hidden in the kernel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import http
+import logging
+import socket
+import struct
+import typing
+from collections.abc import Callable, Sequence
+
+import h11
+from tokenwire.middleware import ClientError, ClientGone, ErrorCode, SocketPaused, SocketResumed
+from tokenwire.middleware.headers import header_value
+
+from .context import SidecarContext
+from .exchange import Exchange
+from .forwarding import request_id_from, upstream_request_headers, wants_stream
+
+logger = logging.getLogger("tokenwire.sidecar")
+
+Header = tuple[bytes, bytes]
+
+# How long a refused connection may keep sending before it is cut off.
+_LINGER_S = 2.0
+# Pipelined requests buffered beyond this pause reading until the current response ends.
+_PIPELINE_BUFFER_BYTES = 64 * 1024
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    HEAD = "head"
+    BODY = "body"
+    RESPONSE = "response"
+    CLOSING = "closing"
+
+
+class ClientConnection(asyncio.Protocol):
+    """One client connection: h11 in, exchanges out. See the module docstring."""
+
+    def __init__(self, context: SidecarContext) -> None:
+        self._context = context
+        self._config = context.config
+        self._loop = asyncio.get_running_loop()
+        self._transport: asyncio.Transport | None = None
+        self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self._config.max_head_bytes)
+        self._phase = Phase.IDLE
+        self._timer: asyncio.TimerHandle | None = None
+        self._peer_host: str | None = None
+        self._scheme = "http"
+        self._over_limit = False
+        self._write_paused = False
+        self._reading_paused = False
+        self._lost = False
+        self._request: h11.Request | None = None
+        self._body = bytearray()
+        self._exchange: Exchange | None = None
+
+    # ------------------------------------------------------------ asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports quack like asyncio.Transport without subclassing it.
+        transport = typing.cast(asyncio.Transport, transport)
+        self._transport = transport
+        context = self._context
+        self._over_limit = len(context.connections) >= self._config.max_connections
+        context.connections.add(self)
+        context.metrics.active_connections.inc()
+        wire = self._config.wire
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, wire.socket_send_buffer_bytes)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        transport.set_write_buffer_limits(high=wire.write_high_water_bytes)
+        peer = transport.get_extra_info("peername")
+        if isinstance(peer, tuple) and peer:
+            self._peer_host = str(peer[0])
+        if transport.get_extra_info("sslcontext") is not None:
+            self._scheme = "https"
+        self._arm_timer(self._config.header_read_timeout_s)
+
+    def data_received(self, data: bytes) -> None:
+        if self._phase is Phase.CLOSING:
+            return  # lingering close: drain and ignore
+        if self._phase is Phase.IDLE:
+            self._phase = Phase.HEAD
+            self._arm_timer(self._config.header_read_timeout_s)
+        try:
+            self._conn.receive_data(data)
+        except h11.RemoteProtocolError as error:
+            self._refuse(error.error_status_hint, str(error))
+            return
+        if self._phase is Phase.RESPONSE:
+            # Pipelined bytes wait in h11's buffer; stop reading if they pile up.
+            if len(self._conn.trailing_data[0]) > _PIPELINE_BUFFER_BYTES and self._transport:
+                self._transport.pause_reading()
+                self._reading_paused = True
+            return
+        self._process()
+
+    def eof_received(self) -> bool | None:
+        # A client that half-closes mid-response is treated as gone, as most
+        # servers do; returning None closes the transport (→ connection_lost).
+        if self._phase in (Phase.HEAD, Phase.BODY):
+            with contextlib.suppress(h11.RemoteProtocolError):
+                self._conn.receive_data(b"")
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
+        self._cancel_timer()
+        context = self._context
+        if self in context.connections:
+            context.connections.discard(self)
+            context.metrics.active_connections.dec()
+        exchange = self._exchange
+        if exchange is not None:
+            exchange.feed(ClientGone())
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+        if self._exchange is not None:
+            self._exchange.feed(SocketPaused())
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        if self._exchange is not None:
+            self._exchange.feed(SocketResumed())
+
+    # ------------------------------------------------------------ requests
+
+    def _process(self) -> None:
+        """Handle buffered request events until a response starts or data runs out."""
+        while self._exchange is None and self._phase is not Phase.CLOSING and not self._lost:
+            try:
+                event = self._conn.next_event()
+            except h11.RemoteProtocolError as error:
+                self._refuse(error.error_status_hint, str(error))
+                return
+            if event is h11.NEED_DATA or event is h11.PAUSED:
+                return
+            if isinstance(event, h11.Request):
+                self._on_request(event)
+            elif isinstance(event, h11.Data):
+                self._on_body(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                self._start_exchange()
+            elif isinstance(event, h11.ConnectionClosed):
+                self._close()
+                return
+
+    def _on_request(self, request: h11.Request) -> None:
+        config = self._config
+        self._phase = Phase.BODY
+        self._arm_timer(config.body_read_timeout_s)
+        headers = list(request.headers)
+        names = [name for name, _ in headers]
+        if self._context.draining or self._over_limit:
+            self._refuse(503, "the server is not taking new requests", retry_after_s=1)
+            return
+        # h11's buffer limit only catches a head still incomplete at the limit;
+        # one that arrives whole in a single read is measured here.
+        head_bytes = len(request.method) + len(request.target) + 12 + sum(
+            len(name) + len(value) + 4 for name, value in headers)
+        if head_bytes > config.max_head_bytes:
+            self._refuse(431, f"request head over {config.max_head_bytes} bytes")
+            return
+        if len(headers) > config.max_header_count:
+            self._refuse(400, f"more than {config.max_header_count} request headers")
+            return
+        if b"transfer-encoding" in names and b"content-length" in names:
+            # Request smuggling: two framings, and two hops that may pick differently.
+            self._refuse(400, "Content-Length and Transfer-Encoding together")
+            return
+        if not request.target.startswith(b"/"):
+            self._refuse(400, "only origin-form request targets are served")
+            return
+        if request.method == b"CONNECT":
+            self._refuse(405, "CONNECT is not supported")
+            return
+        length = header_value(headers, b"content-length")
+        if length is not None and int(length) > config.max_body_bytes:
+            self._refuse(413, f"request body over {config.max_body_bytes} bytes")
+            return
+        self._request = request
+        self._body = bytearray()
+        if self._conn.they_are_waiting_for_100_continue:
+            self._write(self._conn.send(h11.InformationalResponse(status_code=100, headers=[])))
+
+    def _on_body(self, data: bytes) -> None:
+        self._body += data
+        if len(self._body) > self._config.max_body_bytes:
+            self._refuse(413, f"request body over {self._config.max_body_bytes} bytes")
+
+    def _start_exchange(self) -> None:
+        request = self._request
+        assert request is not None
+        self._phase = Phase.RESPONSE
+        self._cancel_timer()
+        config = self._config
+        id_header = config.request_id_header.encode()
+        headers = list(request.headers)
+        body = bytes(self._body)
+        self._body = bytearray()
+        request_id = request_id_from(headers, id_header)
+        upstream_headers = upstream_request_headers(
+            headers, body_bytes=len(body), peer_host=self._peer_host, scheme=self._scheme,
+            request_id=request_id, request_id_header=id_header)
+        exchange = Exchange(
+            self._context, self, request_id=request_id, method=request.method,
+            target=request.target, upstream_headers=upstream_headers, body=body,
+            expect_stream=wants_stream(headers, body))
+        self._exchange = exchange
+        exchange.start()
+        if self._write_paused:
+            exchange.feed(SocketPaused())
+
+    # ------------------------------------------------------------ Downstream (for the exchange)
+
+    def send_headers(self, status: int, headers: Sequence[Header]) -> None:
+        """Send the response head (called by the exchange on ``CommitHeaders``)."""
+        headers = list(headers)
+        if self._context.draining:
+            headers.append((b"connection", b"close"))
+        self._write(self._conn.send(h11.Response(status_code=status, headers=headers)))
+
+    def send_body(self, data: bytes) -> None:
+        self._write(self._conn.send(h11.Data(data=data)))
+
+    def end_response(self, *, abrupt: bool, reset: bool) -> None:
+        """End the response: cleanly, by closing without the terminator, or by a reset."""
+        transport = self._transport
+        if transport is None or self._lost:
+            return
+        if reset:
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                # Linger 0: the close sends RST and discards what the client never read.
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            transport.abort()
+        elif abrupt:
+            self._phase = Phase.CLOSING
+            transport.close()
+            # A client that stopped reading would hold the flush forever.
+            self._loop.call_later(self._config.wire.write_deadline_s, transport.abort)
+        else:
+            self._write(self._conn.send(h11.EndOfMessage()))
+
+    def exchange_finished(self, exchange: Exchange) -> None:
+        """The exchange is over: serve the next request on this connection, or close it."""
+        if self._exchange is exchange:
+            self._exchange = None
+        if self._lost or self._phase is Phase.CLOSING or self._transport is None:
+            return
+        conn = self._conn
+        if (self._context.draining or conn.our_state is not h11.DONE
+                or conn.their_state is not h11.DONE):
+            self._close()
+            return
+        conn.start_next_cycle()
+        self._request = None
+        self._phase = Phase.IDLE
+        self._arm_timer(self._config.keepalive_timeout_s)
+        if self._reading_paused:
+            self._reading_paused = False
+            self._transport.resume_reading()
+        if conn.trailing_data[0]:
+            self._phase = Phase.HEAD
+            self._arm_timer(self._config.header_read_timeout_s)
+            self._process()
+
+    # ------------------------------------------------------------ shutdown
+
+    @property
+    def idle(self) -> bool:
+        """Between requests, nothing of a new one received: safe to close on shutdown."""
+        return self._phase is Phase.IDLE and self._exchange is None
+
+    def close_if_idle(self) -> None:
+        if self.idle:
+            self._close()
+
+    def abort(self) -> None:
+        """Drop the connection at once (shutdown's last resort)."""
+        if self._transport is not None:
+            self._transport.abort()
+
+    # ------------------------------------------------------------ helpers
+
+    def _write(self, data: bytes) -> None:
+        if self._transport is not None and not self._lost and data:
+            self._transport.write(data)
+
+    def _close(self) -> None:
+        self._phase = Phase.CLOSING
+        self._cancel_timer()
+        if self._transport is not None:
+            self._transport.close()
+
+    def _refuse(self, status: int, message: str, *, retry_after_s: int | None = None) -> None:
+        """Answer with an error status, nothing forwarded, then close lingeringly."""
+        if self._phase is Phase.CLOSING or self._transport is None or self._lost:
+            return
+        self._context.metrics.rejected_requests.labels(str(status)).inc()
+        error = ClientError(message, ErrorCode.BAD_REQUEST, http_status=status, retry_after_s=retry_after_s)
+        body = error.body()
+        lines = [f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}".encode()]
+        for name, value in error.response_headers():
+            lines.append(name + b": " + value)
+        lines += [b"content-length: " + str(len(body)).encode(), b"connection: close", b"", b""]
+        # Raw bytes, not h11: the request may be too broken for h11 to answer it.
+        self._transport.write(b"\r\n".join(lines) + body)
+        self._phase = Phase.CLOSING
+        transport = self._transport
+        if self._reading_paused:
+            transport.resume_reading()
+        if transport.can_write_eof():
+            transport.write_eof()
+            self._arm_timer(_LINGER_S, transport.abort)
+        else:
+            # TLS cannot half-close; close_notify after the response is the best there is.
+            transport.close()
+
+    def _arm_timer(self, delay_s: float, callback: Callable[[], object] | None = None) -> None:
+        self._cancel_timer()
+        self._timer = self._loop.call_later(delay_s, self._on_timer if callback is None else callback)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if self._phase is Phase.IDLE:
+            self._close()
+        elif self._phase in (Phase.HEAD, Phase.BODY):
+            self._refuse(408, "the request was not received in time")

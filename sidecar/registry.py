@@ -1,0 +1,47 @@
+"""The open streams of one sidecar, for the admin API (list, cancel) and shutdown."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from tokenwire.middleware import EndReason, StopRequested
+
+if TYPE_CHECKING:
+    from .exchange import Exchange
+
+
+class StreamRegistry:
+    """Exchanges that have a wire stream and have not finished yet."""
+
+    def __init__(self) -> None:
+        self._open: dict[int, Exchange] = {}
+
+    def add(self, exchange: Exchange) -> None:
+        self._open[id(exchange)] = exchange
+
+    def remove(self, exchange: Exchange) -> None:
+        self._open.pop(id(exchange), None)
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def __iter__(self) -> Iterator[Exchange]:
+        return iter(list(self._open.values()))
+
+    def describe(self, now: float) -> list[dict[str, Any]]:
+        """One JSON-ready dict per open stream (``GET /streams``)."""
+        return [exchange.describe(now) for exchange in self]
+
+    def stop(self, request_id: str, reason: EndReason) -> int:
+        """Feed ``StopRequested(reason)`` to every open stream with ``request_id``; how many."""
+        matched = [e for e in self if e.request_id == request_id]
+        for exchange in matched:
+            exchange.feed(StopRequested(reason))
+        return len(matched)
+
+    def stop_all(self, reason: EndReason) -> int:
+        exchanges = list(self)
+        for exchange in exchanges:
+            exchange.feed(StopRequested(reason))
+        return len(exchanges)

@@ -1,0 +1,175 @@
+"""The sidecar process: listeners, signals, graceful shutdown.
+
+:class:`Sidecar` can run in-process (tests, benchmarks: ``await start()``,
+``await shutdown()``) or as the ``tokenwire sidecar`` command (:func:`run`),
+which adds uvloop, signal handlers and the ready line.
+
+Shutdown (SIGTERM or :meth:`Sidecar.request_stop`): stop accepting, close idle
+keep-alive connections, let open streams finish for ``drain_s``, then feed
+``StopRequested(shutdown)`` to the rest (they end with an in-band ``shutdown``
+error), wait briefly for those last bytes to go out, and exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import ssl
+import sys
+from collections.abc import Callable
+from typing import TextIO
+
+from tokenwire.middleware import ConfigError, EndReason, RetryBudget
+
+from .admin import handler as admin_handler
+from .context import SidecarContext
+from .logs import StreamLog
+from .metrics import SidecarMetrics
+from .protocol import ClientConnection
+from .settings import SidecarConfig, parse_host_port
+from .tls import load_certificates, server_context
+from .upstream import UpstreamPools
+
+logger = logging.getLogger("tokenwire.sidecar")
+
+# After the shutdown error events are queued, how long the last bytes may take.
+_FINAL_FLUSH_S = 2.0
+_POLL_S = 0.05
+
+
+class Sidecar:
+    """One sidecar: the proxy listener, the admin listener and what they share."""
+
+    def __init__(self, config: SidecarConfig, *, log: StreamLog | None = None) -> None:
+        self.config = config
+        self._log = log
+        self._server: asyncio.Server | None = None
+        self._admin: asyncio.Server | None = None
+        self._ssl: ssl.SSLContext | None = None
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.context: SidecarContext | None = None
+
+    async def start(self) -> None:
+        """Bind the listeners; after this the sidecar serves requests."""
+        config = self.config
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._stop = asyncio.Event()
+        wire = config.wire
+        context = SidecarContext(
+            config=config,
+            pools=UpstreamPools(config),
+            retry_budget=RetryBudget(ratio=wire.retry_budget_ratio, min_per_s=wire.retry_budget_min_per_s,
+                                     now=loop.time()),
+            metrics=SidecarMetrics(),
+            log=self._log if self._log is not None else StreamLog.open(config.log_file),
+        )
+        self.context = context
+        if config.tls:
+            self._ssl = server_context(config)
+        host, port = parse_host_port(config.listen, "listen")
+        self._server = await loop.create_server(
+            lambda: ClientConnection(context), host, port, ssl=self._ssl, backlog=4096,
+            reuse_address=True)
+        if config.admin_listen:
+            admin_host, admin_port = parse_host_port(config.admin_listen, "admin_listen")
+            self._admin = await asyncio.start_server(admin_handler(context), admin_host, admin_port,
+                                                     reuse_address=True)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The proxy's bound (host, port), port 0 resolved."""
+        assert self._server is not None, "not started"
+        host, port = self._server.sockets[0].getsockname()[:2]
+        return str(host), int(port)
+
+    @property
+    def admin_address(self) -> tuple[str, int] | None:
+        if self._admin is None:
+            return None
+        host, port = self._admin.sockets[0].getsockname()[:2]
+        return str(host), int(port)
+
+    def reload_tls(self) -> bool:
+        """Reload the certificate files into the live context (SIGHUP); False if that failed."""
+        if self._ssl is None:
+            return False
+        try:
+            load_certificates(self._ssl, self.config)
+        except ConfigError as error:
+            # Keep serving with the old certificate rather than with none.
+            logger.error("TLS reload failed, keeping the current certificate: %s", error)
+            return False
+        logger.info("TLS certificates reloaded")
+        return True
+
+    def request_stop(self) -> None:
+        """Begin a graceful shutdown (safe from signal handlers; same loop)."""
+        if self._stop is not None:
+            self._stop.set()
+
+    async def wait_stopped(self) -> None:
+        assert self._stop is not None, "not started"
+        await self._stop.wait()
+
+    async def shutdown(self) -> None:
+        """Graceful shutdown; returns when everything is closed."""
+        context = self.context
+        if context is None:
+            return
+        context.draining = True
+        if self._server is not None:
+            self._server.close()
+        for connection in list(context.connections):
+            connection.close_if_idle()
+        loop = asyncio.get_running_loop()
+        drain_until = loop.time() + self.config.drain_s
+        while len(context.registry) and loop.time() < drain_until:
+            await asyncio.sleep(_POLL_S)
+        stopped = context.registry.stop_all(EndReason.SHUTDOWN)
+        if stopped:
+            logger.info("drain time over: ended %d open streams", stopped)
+        flush_until = loop.time() + _FINAL_FLUSH_S
+        while context.connections and loop.time() < flush_until:
+            for connection in list(context.connections):
+                connection.close_if_idle()
+            await asyncio.sleep(_POLL_S)
+        for connection in list(context.connections):
+            connection.abort()
+        if self._admin is not None:
+            self._admin.close()
+        await context.pools.aclose()
+        context.log.close()
+
+
+def run(config: SidecarConfig, *, out: TextIO = sys.stdout) -> int:
+    """Run until SIGTERM/SIGINT (the ``tokenwire sidecar`` command); the exit status."""
+    factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(_serve(config, out))
+
+
+async def _serve(config: SidecarConfig, out: TextIO) -> int:
+    sidecar = Sidecar(config)
+    await sidecar.start()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, sidecar.request_stop)
+    loop.add_signal_handler(signal.SIGINT, sidecar.request_stop)
+    loop.add_signal_handler(signal.SIGHUP, sidecar.reload_tls)
+    host, port = sidecar.address
+    scheme = "https" if config.tls else "http"
+    ready = f"ready listen={host}:{port} scheme={scheme}"
+    admin = sidecar.admin_address
+    if admin is not None:
+        ready += f" admin={admin[0]}:{admin[1]}"
+    print(ready, file=out, flush=True)
+    await sidecar.wait_stopped()
+    await sidecar.shutdown()
+    return 0

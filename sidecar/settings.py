@@ -1,0 +1,273 @@
+"""Sidecar configuration: one frozen dataclass, built from four layers.
+
+Precedence, highest first: command-line flag > ``TOKENWIRE_*`` environment
+variable > TOML file (``--config``) > built-in default. Every key has the same
+spelling in all three sources: ``heartbeat_s`` is ``--heartbeat-s``,
+``TOKENWIRE_HEARTBEAT_S`` and ``heartbeat_s = 15.0``. Keys of the wire core
+(:class:`~tokenwire.middleware.WireConfig`) and keys of the sidecar itself live
+side by side; :class:`SidecarConfig` keeps them apart (``config.wire``).
+
+Unknown TOML keys and bad values are :class:`ConfigError`\\ s naming the key.
+Unknown ``TOKENWIRE_*`` variables are ignored, because the engine reads the same
+prefix for its own keys and both may share one environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import tomllib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from tokenwire.middleware import ConfigError, WireConfig
+
+ENV_PREFIX = "TOKENWIRE_"
+
+
+@dataclass(frozen=True, slots=True)
+class SidecarConfig:
+    """Everything one sidecar process runs with."""
+
+    wire: WireConfig = field(default_factory=WireConfig)
+    listen: str = "127.0.0.1:8080"
+    """HOST:PORT the proxy listens on (port 0 picks a free one)."""
+    upstream: tuple[str, ...] = ()
+    """Engine base URLs (``http://host:port`` or ``unix:/path``), tried in order on retry."""
+    admin_listen: str = ""
+    """HOST:PORT of the admin server (/metrics, /streams, /healthz); empty = off."""
+    abort_url: str = ""
+    """Optional explicit abort call, e.g. ``http://engine/v1/abort/{request_id}``."""
+    request_id_header: str = "x-request-id"
+    """Request id header: kept if the client sent one, else generated; sent upstream and back."""
+    tls_cert: str = ""
+    """PEM certificate chain; set (with tls_key) = TLS on the proxy port, reloaded on SIGHUP."""
+    tls_key: str = ""
+    """PEM private key of tls_cert."""
+    tls_client_ca: str = ""
+    """CA bundle for client certificates; set = mTLS required."""
+    drain_s: float = 10.0
+    """On SIGTERM, open streams may finish for this long before they are ended."""
+    max_connections: int = 10_000
+    """Client connections beyond this get 503 with Retry-After."""
+    max_head_bytes: int = 64 * 1024
+    """Request line + headers larger than this get 431."""
+    max_header_count: int = 100
+    """Requests with more header lines than this get 400."""
+    max_body_bytes: int = 16 * 1024 * 1024
+    """Request bodies larger than this get 413 (the sidecar reads them whole)."""
+    header_read_timeout_s: float = 10.0
+    """A request head not complete this long after its first byte gets 408."""
+    body_read_timeout_s: float = 60.0
+    """A request body not complete this long after its head gets 408."""
+    keepalive_timeout_s: float = 60.0
+    """An idle keep-alive connection is closed after this long."""
+    upstream_connect_timeout_s: float = 5.0
+    """Connecting to an upstream longer than this is a connect failure (retried elsewhere)."""
+    upstream_max_connections: int = 10_000
+    """Connections per upstream pool (one per open stream)."""
+    upstream_keepalive_s: float = 60.0
+    """Idle pooled upstream connections are closed after this long."""
+    log_file: str = "-"
+    """Where the JSON stream records go: ``-`` = stderr, empty = nowhere."""
+
+    def __post_init__(self) -> None:
+        for key in ("drain_s", "header_read_timeout_s", "body_read_timeout_s", "keepalive_timeout_s",
+                    "upstream_connect_timeout_s", "upstream_keepalive_s"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise ConfigError(key, f"must be a number >= 0, got {value!r}")
+        for key in ("max_connections", "max_head_bytes", "max_header_count", "max_body_bytes",
+                    "upstream_max_connections"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(key, f"must be a whole number > 0, got {value!r}")
+        parse_host_port(self.listen, "listen")
+        if self.admin_listen:
+            parse_host_port(self.admin_listen, "admin_listen")
+        if not self.upstream:
+            raise ConfigError("upstream", "at least one upstream is required")
+        for url in self.upstream:
+            if not (url.startswith(("http://", "unix:"))):
+                raise ConfigError("upstream", f"must be http://HOST:PORT or unix:/PATH, got {url!r}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("tls_cert", "tls_cert and tls_key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ConfigError("tls_client_ca", "mTLS needs tls_cert and tls_key")
+        if self.abort_url and "{request_id}" not in self.abort_url:
+            raise ConfigError("abort_url", "must contain {request_id}")
+        if not self.request_id_header or not self.request_id_header.isascii():
+            raise ConfigError("request_id_header", "must be a non-empty ASCII header name")
+        object.__setattr__(self, "request_id_header", self.request_id_header.lower())
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert)
+
+
+def parse_host_port(value: str, key: str) -> tuple[str, int]:
+    """``HOST:PORT`` (IPv6 hosts in brackets) as (host, port)."""
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ConfigError(key, f"must be HOST:PORT, got {value!r}")
+    return host.strip("[]"), int(port_text)
+
+
+# ---------------------------------------------------------------- keys
+
+
+@dataclass(frozen=True, slots=True)
+class Key:
+    """One configuration key and where it lands."""
+
+    name: str
+    kind: Any
+    """The field's type: float, int, str, an Enum, ``str | None``, ``tuple[str, ...]``."""
+    wire: bool
+    help: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings, for ``--help``: read from the class source if available."""
+    import ast
+    import inspect
+
+    try:
+        tree = ast.parse(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    docs: dict[str, str] = {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    for node, following in itertools.pairwise(body):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)):
+            docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def all_keys() -> list[Key]:
+    """Every key: the wire core's first, then the sidecar's."""
+    keys: list[Key] = []
+    for cls, wire in ((WireConfig, True), (SidecarConfig, False)):
+        hints = typing.get_type_hints(cls)
+        docs = _field_docs(cls)
+        for f in dataclasses.fields(cls):
+            if f.name == "wire":
+                continue
+            keys.append(Key(f.name, hints[f.name], wire, docs.get(f.name, "")))
+    return keys
+
+
+def _convert_text(key: Key, text: str) -> object:
+    """A flag or environment value (always text) as the key's type."""
+    kind = key.kind
+    try:
+        if kind is float:
+            return float(text)
+        if kind is int:
+            return int(text)
+        if isinstance(kind, type) and issubclass(kind, Enum):
+            return kind(text)
+        if kind == (str | None):
+            return text or None
+        if kind == tuple[str, ...]:
+            return tuple(part.strip() for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ConfigError(key.name, f"not a valid {_kind_name(kind)}: {text!r}") from None
+    return text
+
+
+def _convert_toml(key: Key, value: object) -> object:
+    """A TOML value, type-checked against the key."""
+    kind = key.kind
+    ok: bool
+    if kind is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind == tuple[str, ...]:
+        if isinstance(value, str):
+            value = [value]
+        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+        if ok:
+            value = tuple(typing.cast(list[str], value))
+    elif kind == (str | None):
+        ok = isinstance(value, str)
+        if ok and value == "":
+            value = None
+    else:
+        ok = isinstance(value, str)
+        if ok and isinstance(kind, type) and issubclass(kind, Enum):
+            return _convert_text(key, typing.cast(str, value))
+    if not ok:
+        raise ConfigError(key.name, f"must be a {_kind_name(kind)}, got {value!r}")
+    return value
+
+
+def _kind_name(kind: Any) -> str:
+    if kind == tuple[str, ...]:
+        return "list of strings"
+    if isinstance(kind, types.UnionType):
+        return "string"
+    if isinstance(kind, type) and issubclass(kind, Enum):
+        return "one of " + ", ".join(str(m.value) for m in kind)
+    return getattr(kind, "__name__", str(kind))
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """The TOML file's table; a missing or malformed file names ``config``."""
+    try:
+        with open(path, "rb") as file:
+            return tomllib.load(file)
+    except OSError as error:
+        raise ConfigError("config", f"cannot read {path}: {error.strerror}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError("config", f"{path}: {error}") from None
+
+
+def build_config(
+    flags: Mapping[str, str | Sequence[str]] | None = None,
+    environ: Mapping[str, str] | None = None,
+    file_values: Mapping[str, Any] | None = None,
+) -> SidecarConfig:
+    """Merge the layers (flag > env > file > default) into a validated config.
+
+    ``flags`` maps key names to the text given on the command line (a list of
+    texts for repeatable keys such as ``upstream``).
+    """
+    keys = {key.name: key for key in all_keys()}
+    values: dict[str, object] = {}
+    for name, value in (file_values or {}).items():
+        if name not in keys:
+            raise ConfigError(name, "unknown configuration key")
+        values[name] = _convert_toml(keys[name], value)
+    for key in keys.values():
+        text = (environ or {}).get(key.env)
+        if text is not None:
+            values[key.name] = _convert_text(key, text)
+    for name, given in (flags or {}).items():
+        if name not in keys:
+            raise ConfigError(name, "unknown configuration key")
+        key = keys[name]
+        if isinstance(given, str):
+            values[name] = _convert_text(key, given)
+        else:
+            parts = [_convert_text(key, text) for text in given]
+            values[name] = tuple(p for part in parts for p in typing.cast(tuple[str, ...], part))
+    wire_values = {n: v for n, v in values.items() if keys[n].wire}
+    own_values = {n: v for n, v in values.items() if not keys[n].wire}
+    return SidecarConfig(wire=WireConfig(**wire_values), **own_values)  # type: ignore[arg-type]

@@ -1,0 +1,185 @@
+"""The upstream side: httpcore connection pools, one attempt at a time.
+
+Theory of operation
+-------------------
+Each configured upstream (``http://host:port[/prefix]`` or ``unix:/path``)
+gets one :class:`httpcore.AsyncConnectionPool`. An *attempt* is one upstream
+request, run as a task by :func:`run_attempt`; it reports what happened as
+wire-core inputs through a callback and never decides anything itself.
+
+A completed response is read to its end, so httpcore returns its connection
+to the pool (keep-alive). An aborted attempt is cancelled: httpcore closes a
+connection whose response was not read to the end instead of pooling it, so an
+aborted stream's connection is never reused. httpcore's own retries are off;
+retrying is the wire core's decision (``RetryUpstream``).
+
+Exceptions are converted once, here, into :class:`FailureKind`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import httpcore
+from tokenwire.middleware import (
+    FailureKind,
+    Input,
+    UpstreamData,
+    UpstreamEnded,
+    UpstreamFailed,
+    UpstreamHeaders,
+)
+
+from .settings import SidecarConfig
+
+logger = logging.getLogger("tokenwire.sidecar")
+
+Header = tuple[bytes, bytes]
+
+_FAILURE_KINDS: tuple[tuple[type[Exception], FailureKind], ...] = (
+    (httpcore.ConnectTimeout, FailureKind.CONNECT),
+    (httpcore.PoolTimeout, FailureKind.CONNECT),
+    (httpcore.ConnectError, FailureKind.CONNECT),
+    (httpcore.UnsupportedProtocol, FailureKind.CONNECT),
+    (httpcore.TimeoutException, FailureKind.TIMEOUT),
+    (httpcore.NetworkError, FailureKind.PROTOCOL),
+    (httpcore.ProtocolError, FailureKind.PROTOCOL),
+)
+
+
+def failure_kind(error: Exception) -> FailureKind:
+    """How an httpcore exception maps onto the wire core's failure kinds."""
+    for exc_type, kind in _FAILURE_KINDS:
+        if isinstance(error, exc_type):
+            return kind
+    return FailureKind.PROTOCOL
+
+
+@dataclass(frozen=True, slots=True)
+class Upstream:
+    """One configured upstream and its pool."""
+
+    name: str
+    """As configured, e.g. ``http://127.0.0.1:8000`` or ``unix:/run/engine.sock``."""
+    scheme: bytes
+    host: bytes
+    port: int | None
+    path_prefix: bytes
+    pool: httpcore.AsyncConnectionPool
+
+    def url(self, target: bytes) -> httpcore.URL:
+        return httpcore.URL(scheme=self.scheme, host=self.host, port=self.port,
+                            target=self.path_prefix + target)
+
+
+class UpstreamPools:
+    """The pools of every configured upstream, in retry order."""
+
+    def __init__(self, config: SidecarConfig) -> None:
+        self._connect_timeout_s = config.upstream_connect_timeout_s
+        self._abort_url = config.abort_url
+        self._abort_pool: httpcore.AsyncConnectionPool | None = None
+        self._abort_tasks: set[asyncio.Task[None]] = set()
+        self.upstreams: list[Upstream] = [self._build(name, config) for name in config.upstream]
+
+    @staticmethod
+    def _build(name: str, config: SidecarConfig) -> Upstream:
+        uds: str | None = None
+        if name.startswith("unix:"):
+            uds = name[len("unix:"):]
+            scheme, host, port, prefix = b"http", b"localhost", None, b""
+        else:
+            url = httpcore.URL(name)
+            scheme, host, port = url.scheme, url.host, url.port
+            prefix = url.target.rstrip(b"/")
+        pool = httpcore.AsyncConnectionPool(
+            max_connections=config.upstream_max_connections,
+            max_keepalive_connections=config.upstream_max_connections,
+            keepalive_expiry=config.upstream_keepalive_s,
+            uds=uds,
+            retries=0,
+        )
+        return Upstream(name, scheme, host, port, prefix, pool)
+
+    @property
+    def names(self) -> list[str]:
+        return [u.name for u in self.upstreams]
+
+    @property
+    def timeouts(self) -> dict[str, float | None]:
+        # Only connecting has a driver timeout: how long the upstream may take
+        # to answer, and to keep answering, is the wire core's business.
+        return {"connect": self._connect_timeout_s, "pool": self._connect_timeout_s,
+                "read": None, "write": None}
+
+    def send_abort(self, request_id: str) -> None:
+        """Fire the explicit abort call (``--abort-url``) in the background; best effort."""
+        if not self._abort_url:
+            return
+        task = asyncio.get_running_loop().create_task(self._abort(request_id))
+        self._abort_tasks.add(task)
+        task.add_done_callback(self._abort_tasks.discard)
+
+    async def _abort(self, request_id: str) -> None:
+        if self._abort_pool is None:
+            self._abort_pool = httpcore.AsyncConnectionPool(max_connections=64, retries=0)
+        url = self._abort_url.replace("{request_id}", request_id)
+        try:
+            response = await self._abort_pool.request(
+                "POST", url, headers=[(b"content-length", b"0")],
+                extensions={"timeout": {"connect": self._connect_timeout_s, "read": 10.0,
+                                        "write": 10.0, "pool": self._connect_timeout_s}})
+            if response.status >= 400 and response.status != 404:
+                logger.warning("abort call for %s answered %d", request_id, response.status)
+        except httpcore.TimeoutException:
+            logger.warning("abort call for %s timed out", request_id)
+        except (httpcore.NetworkError, httpcore.ProtocolError, httpcore.UnsupportedProtocol) as error:
+            logger.warning("abort call for %s failed: %s", request_id, error)
+
+    async def aclose(self) -> None:
+        for task in list(self._abort_tasks):
+            task.cancel()
+        for upstream in self.upstreams:
+            await upstream.pool.aclose()
+        if self._abort_pool is not None:
+            await self._abort_pool.aclose()
+
+
+async def run_attempt(
+    upstream: Upstream,
+    *,
+    method: bytes,
+    target: bytes,
+    headers: Sequence[Header],
+    body: bytes,
+    timeouts: dict[str, float | None],
+    readable: asyncio.Event,
+    feed: Callable[[Input], None],
+) -> None:
+    """One upstream request; every outcome is reported through ``feed``.
+
+    ``readable`` is cleared while the wire core wants the upstream paused
+    (``PauseUpstream``); TCP then pushes back on the engine. Cancel the task
+    to abort: the connection is closed, not pooled.
+    """
+    try:
+        async with upstream.pool.stream(method, upstream.url(target), headers=list(headers),
+                                        content=body, extensions={"timeout": timeouts}) as response:
+            feed(UpstreamHeaders(response.status,
+                                 tuple((k.lower(), v) for k, v in response.headers)))
+            async for chunk in response.aiter_stream():
+                if not readable.is_set():
+                    await readable.wait()
+                if chunk:
+                    feed(UpstreamData(chunk))
+    except asyncio.CancelledError:
+        raise
+    except Exception as error:
+        kind = failure_kind(error)
+        feed(UpstreamFailed(kind, f"{type(error).__name__}: {error}" if str(error)
+                            else type(error).__name__))
+        return
+    feed(UpstreamEnded())

@@ -1,0 +1,146 @@
+"""Small blocking clients on raw sockets: they see exactly what went on the wire
+(chunked terminator or not, resets, heartbeats) where HTTP libraries hide it."""
+
+from __future__ import annotations
+
+import json
+import socket
+import ssl
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import h11
+
+
+@dataclass
+class RawResponse:
+    status: int = 0
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+    clean_end: bool = False
+    """True if the body ended with its framing complete (chunked terminator / full length)."""
+    error: str = ""
+
+    def datas(self) -> list[str]:
+        """The ``data:`` payloads of the SSE body, in order."""
+        return sse_datas(self.body)
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def sse_datas(body: bytes) -> list[str]:
+    return [line[len(b"data: "):].decode() for line in body.split(b"\n") if line.startswith(b"data: ")]
+
+
+def chat_body(stream: bool = True, **extra: Any) -> bytes:
+    return json.dumps({"model": "fake", "stream": stream,
+                       "messages": [{"role": "user", "content": "hi"}], **extra}).encode()
+
+
+def request_bytes(method: str, path: str, *, body: bytes = b"", headers: dict[str, str] | None = None,
+                  host: str = "127.0.0.1") -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", f"Host: {host}"]
+    all_headers = {"Content-Type": "application/json", **(headers or {})}
+    if body and "Transfer-Encoding" not in all_headers:
+        all_headers.setdefault("Content-Length", str(len(body)))
+    lines += [f"{k}: {v}" for k, v in all_headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def connect(port: int, *, host: str = "127.0.0.1", timeout_s: float = 10.0,
+            receive_buffer_bytes: int | None = None,
+            ssl_context: ssl.SSLContext | None = None) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if receive_buffer_bytes is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer_bytes)
+    sock.settimeout(timeout_s)
+    sock.connect((host, port))
+    if ssl_context is not None:
+        return ssl_context.wrap_socket(sock, server_hostname="localhost")
+    return sock
+
+
+def reset(sock: socket.socket) -> None:
+    """Close with RST (linger 0), as a crashed client or a killed tab would."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+class ResponseReader:
+    """Reads one response off ``sock`` in steps: the head first, the rest later."""
+
+    def __init__(self, sock: socket.socket, timeout_s: float = 10.0) -> None:
+        self.sock = sock
+        self.timeout_s = timeout_s
+        self.conn = h11.Connection(h11.CLIENT)
+        # h11 must believe it sent a request to parse a response.
+        self.conn.send(h11.Request(method="GET", target="/", headers=[("Host", "x")]))
+        self.conn.send(h11.EndOfMessage())
+        self.response = RawResponse()
+        self._body = bytearray()
+
+    def read(self, *, head_only: bool = False) -> RawResponse:
+        response = self.response
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                event = self.conn.next_event()
+            except h11.RemoteProtocolError as error:
+                response.error = str(error)
+                break
+            if event is h11.NEED_DATA:
+                if time.monotonic() > deadline:
+                    response.error = "timeout"
+                    break
+                try:
+                    data = self.sock.recv(65536)
+                except TimeoutError:
+                    response.error = "timeout"
+                    break
+                except (ConnectionResetError, ssl.SSLError) as error:
+                    response.error = f"reset: {error}"
+                    break
+                self.conn.receive_data(data)
+                continue
+            if isinstance(event, h11.InformationalResponse):
+                continue
+            if isinstance(event, h11.Response):
+                response.status = event.status_code
+                response.headers = {k.decode(): v.decode() for k, v in event.headers}
+                if head_only:
+                    break
+            elif isinstance(event, h11.Data):
+                self._body += event.data
+            elif isinstance(event, h11.EndOfMessage):
+                response.clean_end = True
+                break
+            elif isinstance(event, h11.ConnectionClosed):
+                break
+        response.body = bytes(self._body)
+        return response
+
+
+def read_response(sock: socket.socket, *, timeout_s: float = 10.0, head_only: bool = False) -> RawResponse:
+    """Read one response (skipping 1xx) until its end or the connection's."""
+    return ResponseReader(sock, timeout_s).read(head_only=head_only)
+
+
+def exchange(port: int, method: str, path: str, *, body: bytes = b"",
+             headers: dict[str, str] | None = None, timeout_s: float = 10.0) -> RawResponse:
+    """One request on a fresh connection, response read to the end."""
+    with connect(port, timeout_s=timeout_s) as sock:
+        sock.sendall(request_bytes(method, path, body=body, headers=headers))
+        return read_response(sock, timeout_s=timeout_s)
+
+
+def wait_for(predicate: Any, timeout_s: float = 5.0, interval_s: float = 0.005) -> float:
+    """Poll until ``predicate()`` is true; the seconds it took."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError("condition not met in time")
+        time.sleep(interval_s)
+    return time.monotonic() - start
