@@ -1,1 +1,13 @@
-"""tokenwire."""
+"""tokenwire.engine: the embedded OpenAI-compatible engine.
+
+Modules, one idea each:
+
+- ``tiny``: builds the default ``tiny`` model from bundled text, once, cached;
+- ``loader``: loads any local Hugging Face causal-LM folder;
+- ``backend``: the narrow add / cancel / step interface;
+- ``scheduler`` (+ ``batch``): continuous batching over plain forward passes;
+- ``sampling``, ``detok``: per-request sampling, incremental detokenisation;
+- ``runner``: the engine thread and its one hand-off per step to asyncio;
+- ``service``, ``protocol``, ``api``, ``streaming``, ``metrics``: the HTTP side;
+- ``server``: ``tokenwire engine`` / ``python -m tokenwire.engine.server``.
+"""

@@ -1,0 +1,344 @@
+"""Engine benchmark: batching throughput, chunked prefill, abort latency.
+
+Not a test. Run it on an otherwise idle machine::
+
+    python bench/engine_bench.py            # writes bench/results/engine.{json,png}
+
+1. **Throughput**: N streams (1, 16, 64) submitted at once to the scheduler,
+   greedy, ``ignore_eos``, fixed output length; aggregate generated tokens per
+   wall-clock second, prefill included. Baseline: ``model.generate`` on the
+   same prompts one at a time.
+2. **Chunked prefill**: 16 streams decoding, then a 4,000-token prompt
+   arrives. Every step gives each running stream one token, so a stream's
+   inter-token gap is the step time; we record it from before the arrival
+   until 20 steps after the long prompt's first token, with and without
+   chunking (``max_prefill_tokens_per_step`` 256 vs 0).
+3. **Abort**: the engine served by uvicorn behind the middleware, 16 streams
+   running; a 17th client reads its first token and then resets its TCP
+   connection (``SO_LINGER`` 0). We measure the time and the scheduler steps
+   from the reset until its row has left the batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import struct
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+from tokenwire.engine.backend import GenerationRequest
+from tokenwire.engine.config import EngineConfig
+from tokenwire.engine.loader import LoadedModel, load_model
+from tokenwire.engine.sampling import SamplingParams
+from tokenwire.engine.scheduler import ContinuousBatchingScheduler
+from tokenwire.engine.tiny import ensure_tiny_model, load_corpus_paragraphs
+
+RESULTS_DIR = Path(__file__).parent / "results"
+
+
+def _prompts(loaded: LoadedModel, count: int) -> list[tuple[int, ...]]:
+    paragraphs = load_corpus_paragraphs()
+    prompts = []
+    for index in range(count):
+        words = paragraphs[index % len(paragraphs)].split()
+        # Mixed lengths, 8 to 40 words, so rows really are left-padded.
+        prompts.append(tuple(loaded.tokenizer(" ".join(words[: 8 + (index * 7) % 33])).input_ids))
+    return prompts
+
+
+# -- 1. throughput ---------------------------------------------------------------------
+
+
+def bench_throughput(loaded: LoadedModel, stream_counts: list[int], output_tokens: int) -> dict[str, Any]:
+    results: dict[str, Any] = {"output_tokens": output_tokens, "streams": {}}
+    largest = max(stream_counts)
+    prompts = _prompts(loaded, largest)
+    baseline_s: list[float] = []
+    for prompt in prompts:
+        input_ids = torch.tensor([prompt], device=loaded.device)
+        started_s = time.perf_counter()
+        with torch.inference_mode():
+            loaded.model.generate(input_ids, max_new_tokens=output_tokens,
+                                  min_new_tokens=output_tokens, do_sample=False)
+        baseline_s.append(time.perf_counter() - started_s)
+    for streams in stream_counts:
+        generate_tokens_per_s = streams * output_tokens / sum(baseline_s[:streams])
+        scheduler = ContinuousBatchingScheduler(
+            loaded, EngineConfig(max_running=max(64, streams), kv_budget_tokens=1 << 22,
+                                 max_prefill_tokens_per_step=2048))
+        params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
+        started_s = time.perf_counter()
+        for index in range(streams):
+            scheduler.add(GenerationRequest(f"t{index}", prompts[index], params))
+        generated = 0
+        steps = 0
+        while scheduler.has_work():
+            generated += sum(len(o.token_ids) for o in scheduler.step())
+            steps += 1
+        elapsed_s = time.perf_counter() - started_s
+        batched_tokens_per_s = generated / elapsed_s
+        results["streams"][str(streams)] = {
+            "batched_tokens_per_s": round(batched_tokens_per_s, 1),
+            "generate_one_at_a_time_tokens_per_s": round(generate_tokens_per_s, 1),
+            "speedup": round(batched_tokens_per_s / generate_tokens_per_s, 2),
+            "steps": steps,
+            "elapsed_s": round(elapsed_s, 3),
+        }
+        print(f"throughput {streams:>3} streams: {batched_tokens_per_s:8.0f} tok/s batched, "
+              f"{generate_tokens_per_s:6.0f} tok/s generate, "
+              f"x{batched_tokens_per_s / generate_tokens_per_s:.1f}", flush=True)
+    return results
+
+
+# -- 2. chunked prefill ----------------------------------------------------------------
+
+
+def bench_chunked_prefill(loaded: LoadedModel, long_prompt_tokens: int,
+                          chunk_sizes: list[int]) -> dict[str, Any]:
+    paragraphs = " ".join(load_corpus_paragraphs())
+    long_prompt = tuple(loaded.tokenizer(paragraphs * 3).input_ids[:long_prompt_tokens])
+    assert len(long_prompt) == long_prompt_tokens
+    prompts = _prompts(loaded, 16)
+    results: dict[str, Any] = {"long_prompt_tokens": long_prompt_tokens}
+    results["runs"] = []
+    for chunk in [*chunk_sizes, 0]:
+        label = f"chunk {chunk}" if chunk else "unchunked"
+        scheduler = ContinuousBatchingScheduler(
+            loaded, EngineConfig(max_prefill_tokens_per_step=chunk, kv_budget_tokens=1 << 22))
+        params = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
+        for index, prompt in enumerate(prompts):
+            scheduler.add(GenerationRequest(f"s{index}", prompt, params))
+        while len(scheduler.batch_row_ids) < 16:
+            scheduler.step()
+        step_ms: list[float] = []
+        phase: list[str] = []
+        for _ in range(30):  # steady state
+            started_s = time.perf_counter()
+            scheduler.step()
+            step_ms.append((time.perf_counter() - started_s) * 1000)
+            phase.append("steady")
+        scheduler.add(GenerationRequest("long", long_prompt,
+                                        SamplingParams(max_tokens=64, ignore_eos=True)))
+        after_first_token = None
+        while after_first_token is None or after_first_token < 20:
+            started_s = time.perf_counter()
+            outputs = scheduler.step()
+            step_ms.append((time.perf_counter() - started_s) * 1000)
+            if after_first_token is None:
+                phase.append("prefill")
+                if any(o.request_id == "long" for o in outputs):
+                    after_first_token = 0
+            else:
+                phase.append("joined")
+                after_first_token += 1
+        steady_ms = statistics.median(ms for ms, p in zip(step_ms, phase, strict=True) if p == "steady")
+        prefill_worst_ms = max(ms for ms, p in zip(step_ms, phase, strict=True) if p == "prefill")
+        joined = [ms for ms, p in zip(step_ms, phase, strict=True) if p == "joined"]
+        worst_ms = max(step_ms[30:])
+        results["runs"].append({
+            "label": label,
+            "max_prefill_tokens_per_step": chunk,
+            "steady_gap_ms": round(steady_ms, 2),
+            "worst_gap_during_prefill_ms": round(prefill_worst_ms, 2),
+            "worst_gap_after_join_ms": round(max(joined), 2),
+            "median_gap_after_join_ms": round(statistics.median(joined), 2),
+            "worst_gap_ms": round(worst_ms, 2),
+            "worst_over_steady": round(worst_ms / steady_ms, 2),
+            "prefill_steps": phase.count("prefill"),
+            "long_prompt_first_token_ms": round(sum(
+                ms for ms, p in zip(step_ms, phase, strict=True) if p == "prefill"), 1),
+            "gaps_ms": [round(ms, 2) for ms in step_ms],
+            "phases": phase,
+        })
+        print(f"prefill {label:>9}: steady {steady_ms:.1f} ms, worst {worst_ms:.1f} ms "
+              f"(x{worst_ms / steady_ms:.1f}), prefill steps {phase.count('prefill')}", flush=True)
+    return results
+
+
+# -- 3. abort latency over HTTP ----------------------------------------------------------
+
+
+def bench_abort(loaded: LoadedModel, trials: int) -> dict[str, Any]:
+    import httpx
+    import uvicorn
+    from tokenwire.engine.api import build_app
+    from tokenwire.engine.server import _wrap_in_middleware
+
+    app = build_app(loaded, EngineConfig(kv_budget_tokens=1 << 22))
+    engine = app.state.engine
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(_wrap_in_middleware(app), host="127.0.0.1",
+                                           port=port, log_level="warning"))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    base = f"http://127.0.0.1:{port}"
+
+    def steps_so_far() -> float:
+        return engine.metrics.registry.get_sample_value("tokenwire_engine_step_seconds_count") or 0
+
+    background_stop = threading.Event()
+
+    def background_stream(index: int) -> None:
+        body = {"prompt": f"Background {index}", "max_tokens": 8000 - 16, "stream": True,
+                "ignore_eos": True}
+        with httpx.Client(timeout=120) as client:
+            while not background_stop.is_set():
+                with client.stream("POST", f"{base}/v1/completions", json=body) as response:
+                    for _ in response.iter_lines():
+                        if background_stop.is_set():
+                            break
+
+    workers = [threading.Thread(target=background_stream, args=(i,), daemon=True)
+               for i in range(16)]
+    for worker in workers:
+        worker.start()
+    while len(engine.backend.batch_row_ids) < 16:
+        time.sleep(0.01)
+    samples = []
+    for trial in range(trials):
+        request_id = f"reset-{trial}"
+        body = json.dumps({"prompt": "Reset me", "max_tokens": 4000, "stream": True,
+                           "ignore_eos": True}).encode()
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\n"
+                     b"Content-Type: application/json\r\n"
+                     + f"X-Request-Id: {request_id}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                     + body)
+        received = b""
+        while b"data:" not in received:
+            received += sock.recv(65536)
+        while request_id not in engine.backend.batch_row_ids:
+            time.sleep(0.0005)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        steps_before = steps_so_far()
+        reset_s = time.perf_counter()
+        sock.close()  # RST, not FIN
+        while request_id in engine.backend.batch_row_ids:
+            time.sleep(0.0002)
+        left_s = time.perf_counter()
+        samples.append({"ms": round((left_s - reset_s) * 1000, 2),
+                        "steps": int(steps_so_far() - steps_before)})
+        time.sleep(0.05)
+    step_count = engine.metrics.registry.get_sample_value("tokenwire_engine_step_seconds_count")
+    step_sum = engine.metrics.registry.get_sample_value("tokenwire_engine_step_seconds_sum")
+    background_stop.set()
+    server.should_exit = True
+    thread.join(15)
+    results = {
+        "trials": samples,
+        "median_ms": statistics.median(s["ms"] for s in samples),
+        "max_ms": max(s["ms"] for s in samples),
+        "median_steps": statistics.median(s["steps"] for s in samples),
+        "max_steps": max(s["steps"] for s in samples),
+        "mean_step_ms_under_load": round(1000 * step_sum / step_count, 2) if step_count else None,
+    }
+    print(f"abort: median {results['median_ms']} ms / {results['median_steps']} steps, "
+          f"max {results['max_ms']} ms / {results['max_steps']} steps", flush=True)
+    return results
+
+
+# -- figure ---------------------------------------------------------------------------------
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 4.5))
+    streams = list(results["throughput"]["streams"])
+    batched = [results["throughput"]["streams"][s]["batched_tokens_per_s"] for s in streams]
+    baseline = [results["throughput"]["streams"][s]["generate_one_at_a_time_tokens_per_s"]
+                for s in streams]
+    x = range(len(streams))
+    left.bar([i - 0.2 for i in x], baseline, 0.4, label="model.generate, one at a time")
+    left.bar([i + 0.2 for i in x], batched, 0.4, label="tokenwire scheduler")
+    for i, s in enumerate(streams):
+        left.annotate(f"x{results['throughput']['streams'][s]['speedup']}", (i + 0.2, batched[i]),
+                      ha="center", va="bottom")
+    left.set_xticks(list(x), [f"{s} streams" for s in streams])
+    left.set_ylabel("generated tokens / s")
+    left.set_title("Aggregate throughput")
+    left.legend()
+
+    for run in results["chunked_prefill"]["runs"]:
+        gaps = run["gaps_ms"]
+        middle.plot(range(len(gaps)), gaps, linewidth=1,
+                    label=f"{run['label']}: worst x{run['worst_over_steady']} of steady")
+    middle.axvline(30, color="grey", linestyle="--", label="4,000-token prompt arrives")
+    middle.set_yscale("log")
+    middle.set_xlabel("scheduler step")
+    middle.set_ylabel("inter-token gap of the 16 streams (ms)")
+    middle.set_title("Long prompt arriving during decode")
+    middle.legend(fontsize=8)
+
+    abort = results["abort"]["trials"]
+    right.bar(range(len(abort)), [t["ms"] for t in abort])
+    for i, trial in enumerate(abort):
+        right.annotate(f"{trial['steps']}", (i, trial["ms"]), ha="center", va="bottom", fontsize=8)
+    right.set_xlabel("trial (label: scheduler steps)")
+    right.set_ylabel("TCP reset to row leaving the batch (ms)")
+    right.set_title("Abort latency, 16 other streams running")
+    figure.suptitle(results["environment"]["summary"], fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--long-prompt-tokens", type=int, default=4000)
+    parser.add_argument("--chunk-tokens", type=int, nargs="+", default=[16, 32, 64, 256])
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (1: steady on a shared small machine)")
+    parser.add_argument("--abort-trials", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "engine")
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    path = ensure_tiny_model() if args.model == "tiny" else Path(args.model)
+    loaded = load_model(path, device=args.device, dtype=args.dtype, name="bench")
+    load_before = os.getloadavg()
+    summary = (f"{args.model} on {loaded.device.type} ({loaded.dtype}), torch "
+               f"{torch.__version__}, {torch.get_num_threads()} threads, "
+               f"{os.cpu_count()} CPUs, load avg {load_before[0]:.1f} at start")
+    print(summary, flush=True)
+    results: dict[str, Any] = {"environment": {
+        "summary": summary, "device": str(loaded.device), "dtype": str(loaded.dtype),
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(), "load_avg_start": load_before,
+        "python": sys.version.split()[0],
+    }}
+    results["throughput"] = bench_throughput(loaded, [1, 16, 64], args.output_tokens)
+    results["chunked_prefill"] = bench_chunked_prefill(loaded, args.long_prompt_tokens,
+                                                       args.chunk_tokens)
+    results["abort"] = bench_abort(loaded, args.abort_trials)
+    results["environment"]["load_avg_end"] = os.getloadavg()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    plot(results, args.out.with_suffix(".png"))
+    print(f"wrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Load a local Hugging Face causal-LM folder onto a device, without the network."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """A model ready for the scheduler: weights, tokenizer and the facts it needs."""
+
+    model: Any
+    """A ``transformers`` causal LM in eval mode (``PreTrainedModel``)."""
+    tokenizer: Any
+    """A ``PreTrainedTokenizerFast`` (chat template, special tokens)."""
+    name: str
+    path: Path
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` means CUDA when torch sees one, else CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: torch sees no CUDA device")
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto`` means bfloat16 on CUDA and float32 on CPU (CPU half math is slow)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"--dtype {dtype}: expected auto or one of {sorted(_DTYPES)}") from None
+
+
+def load_model(
+    path: str | Path, *, device: str = "auto", dtype: str = "auto", name: str | None = None
+) -> LoadedModel:
+    """Load the causal LM in ``path`` (safetensors + tokenizer.json), never downloading."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder}: not a model folder (no config.json)")
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch_dtype, local_files_only=True, attn_implementation="sdpa"
+    )
+    model.to(torch_device)
+    model.eval()
+    config = model.config.get_text_config(decoder=True)
+    max_model_len = int(getattr(config, "max_position_embeddings", 0) or 2048)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=name or folder.name,
+        path=folder,
+        device=torch_device,
+        dtype=torch_dtype,
+        max_model_len=max_model_len,
+        eos_token_ids=_eos_token_ids(model, tokenizer),
+    )
+
+
+def _eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """Union of the generation config's, the model config's and the tokenizer's EOS ids."""
+    found: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            found.add(value)
+        elif isinstance(value, (list, tuple)):
+            found.update(int(v) for v in value)
+    if tokenizer.eos_token_id is not None:
+        found.add(int(tokenizer.eos_token_id))
+    return frozenset(found)

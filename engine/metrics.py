@@ -1,0 +1,59 @@
+"""Prometheus metrics for one engine app, on its own registry (no globals)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from tokenwire.engine.backend import BackendStats
+
+_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class EngineMetrics:
+    """The engine's gauges, counters and histograms. Safe to update from any thread."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        registry = self.registry
+        self.running = Gauge("tokenwire_engine_running", "Sequences admitted (decoding or "
+                             "prefilling).", registry=registry)
+        self.waiting = Gauge("tokenwire_engine_waiting", "Requests queued for admission.",
+                             registry=registry)
+        self.kv_tokens_in_use = Gauge("tokenwire_engine_kv_tokens_in_use",
+                                      "Real tokens held in KV caches.", registry=registry)
+        self.kv_cells_allocated = Gauge("tokenwire_engine_kv_cells_allocated",
+                                        "Padded KV slots occupied (rows x columns).",
+                                        registry=registry)
+        self.kv_tokens_reserved = Gauge("tokenwire_engine_kv_tokens_reserved",
+                                        "Admission reservations (prompt + max_tokens).",
+                                        registry=registry)
+        self.step_seconds = Histogram("tokenwire_engine_step_seconds",
+                                      "Duration of one scheduler step.",
+                                      buckets=_LATENCY_BUCKETS_S, registry=registry)
+        self.time_to_first_token_seconds = Histogram(
+            "tokenwire_engine_time_to_first_token_seconds",
+            "Request received to first token handed to the response.",
+            buckets=_LATENCY_BUCKETS_S, registry=registry)
+        self.generated_tokens = Counter("tokenwire_engine_generated_tokens",
+                                        "Tokens generated, aborted requests included.",
+                                        registry=registry)
+        self.prompt_tokens = Counter("tokenwire_engine_prompt_tokens",
+                                     "Prompt tokens of finished requests.", registry=registry)
+        self.requests_finished = Counter("tokenwire_engine_requests_finished",
+                                         "Finished requests by finish reason.",
+                                         ["finish_reason"], registry=registry)
+
+    def observe_step(self, step_s: float, stats: BackendStats) -> None:
+        """Engine thread, after each step."""
+        self.step_seconds.observe(step_s)
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.kv_tokens_in_use.set(stats.kv_tokens_in_use)
+        self.kv_cells_allocated.set(stats.kv_cells_allocated)
+        self.kv_tokens_reserved.set(stats.kv_tokens_reserved)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition."""
+        return generate_latest(self.registry)

@@ -1,0 +1,133 @@
+"""The engine thread: drives a backend step by step and hands outputs to asyncio.
+
+The event loop never waits on the engine and the engine never waits on the
+event loop. Requests and cancellations cross into the engine thread through a
+lock-protected inbox; each step's outputs cross back with exactly one
+``loop.call_soon_threadsafe``, whose callback puts them on per-request queues
+without awaiting. A slow or vanished client can therefore never stall a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tokenwire.engine.backend import BackendStats, EngineBackend, GenerationRequest, RequestOutput
+
+DeliverOutputs = Callable[[list[RequestOutput]], None]
+"""Runs on the event loop with one step's outputs."""
+StepObserver = Callable[[float, BackendStats], None]
+"""Runs on the engine thread after each step: (step seconds, load snapshot)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    request: GenerationRequest
+
+
+@dataclass(frozen=True, slots=True)
+class _Cancel:
+    request_id: str
+
+
+class EngineRunner:
+    """Owns the engine thread for one backend."""
+
+    def __init__(
+        self,
+        backend: EngineBackend,
+        deliver: DeliverOutputs,
+        *,
+        on_step: StepObserver | None = None,
+        idle_poll_s: float = 1.0,
+    ) -> None:
+        self._backend = backend
+        self._deliver = deliver
+        self._on_step = on_step
+        self._idle_poll_s = idle_poll_s
+        self._inbox: list[_Add | _Cancel] = []
+        self._inbox_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the engine thread; outputs go to ``loop``."""
+        if self._thread is not None:
+            raise RuntimeError("engine runner already started")
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="tokenwire-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop after the current step; requests still in flight are not finished."""
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    def submit(self, request: GenerationRequest) -> None:
+        """Check and queue a request; raises ``RequestRejected`` before queueing."""
+        self._backend.check(request)
+        self._post(_Add(request))
+
+    def cancel(self, request_id: str) -> None:
+        """Ask for ``request_id`` to leave the batch at the next step. Any thread."""
+        self._post(_Cancel(request_id))
+
+    def _post(self, message: _Add | _Cancel) -> None:
+        with self._inbox_lock:
+            self._inbox.append(message)
+        self._wake.set()
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        with self._inbox_lock:
+            messages, self._inbox = self._inbox, []
+        rejected: list[RequestOutput] = []
+        for message in messages:
+            if isinstance(message, _Add):
+                try:
+                    self._backend.add(message.request)
+                except Exception as error:
+                    rejected.append(
+                        RequestOutput(
+                            request_id=message.request.request_id, text="", token_ids=(),
+                            prompt_tokens=len(message.request.prompt_token_ids),
+                            completion_tokens=0, finished=True, finish_reason="error",
+                            error=str(error),
+                        )
+                    )
+            else:
+                self._backend.cancel(message.request_id)
+        return rejected
+
+    def _run(self) -> None:
+        assert self._loop is not None
+        while not self._stopping.is_set():
+            self._wake.clear()
+            outputs = self._drain_inbox()
+            if not self._backend.has_work():
+                if outputs:
+                    self._hand_off(outputs)
+                self._wake.wait(self._idle_poll_s)
+                continue
+            started_s = time.perf_counter()
+            outputs.extend(self._backend.step())
+            step_s = time.perf_counter() - started_s
+            if outputs:
+                self._hand_off(outputs)
+            if self._on_step is not None:
+                self._on_step(step_s, self._backend.stats())
+
+    def _hand_off(self, outputs: list[RequestOutput]) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, outputs)
+        except RuntimeError:
+            # The loop is closed: the server is shutting down and nobody listens.
+            self._stopping.set()

@@ -1,0 +1,452 @@
+"""Continuous batching over plain forward passes.
+
+Theory of operation
+-------------------
+A request moves through these states, and nowhere else::
+
+    WAITING --admitted--> PREFILLING --last chunk--> READY --joins batch--> RUNNING
+       |                      |                        |                       |
+       +------cancel / error / finish at the first token / stop / length -----> FINISHED
+
+One call to :meth:`ContinuousBatchingScheduler.step` is one scheduling round:
+
+1. **Cancellations** queued since the last step are applied: the request is
+   FINISHED with reason ``abort`` whatever its state.
+2. **Membership**: FINISHED rows leave the running batch and READY ones join
+   it, in one rebuild of the left-padded cache (see ``batch.py``). The batch
+   is split into a few *lanes* of similar width (``_choose_lane``), so one
+   long prompt does not pad every short row to its length. This is
+   before any forward pass, so a cancelled row costs no more compute and its
+   KV memory is released now, not when the batch drains. (The same rebuild
+   also ends every step, for rows that finished or became READY during it.)
+3. **Admission**: WAITING requests are admitted first-come first-served while
+   fewer than ``max_running`` are admitted and their reservations
+   (``prompt + max_tokens`` each) fit in ``kv_budget_tokens``. Reserving the
+   worst case up front means an admitted request never has to be pre-empted.
+   A request that could never fit was refused by :meth:`check` already.
+4. **Decode**: one forward pass per lane feeds every RUNNING row its last
+   sampled token and samples the next one.
+5. **Prefill**: PREFILLING requests get prompt chunks in arrival order until
+   ``max_prefill_tokens_per_step`` prompt tokens have been processed, each in
+   its own single-row cache. So a long prompt costs the running streams at
+   most one chunk of delay per step instead of its whole prefill. A request
+   whose prompt is complete samples its first token here and becomes READY.
+
+Failures are contained: an exception in one request's prefill or in handling
+its sampled token finishes that request with reason ``error`` and the loop
+goes on. A failing batched decode forward cannot be pinned on one row, so it
+ends every row of that lane with an error; the other lanes go on.
+
+The scheduler is single-threaded; ``engine/runner.py`` owns the thread.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tokenwire.engine.backend import (
+    BackendStats,
+    FinishReason,
+    GenerationRequest,
+    RequestOutput,
+    RequestRejected,
+)
+from tokenwire.engine.batch import BatchCache, RunningBatch
+from tokenwire.engine.config import EngineConfig
+from tokenwire.engine.detok import Decode, OutputTextStream
+from tokenwire.engine.loader import LoadedModel
+from tokenwire.engine.sampling import make_generator, mask_early_stops, sample_next_tokens
+
+_MAX_LANES = 4
+_LANE_WIDTH_RATIO = 2.0
+_LANE_SLACK_TOKENS = 64
+
+
+class SequenceState(enum.Enum):
+    """Where a request is; see the theory of operation above."""
+
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    READY = "ready"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False, slots=True)
+class _Sequence:
+    request: GenerationRequest
+    text: OutputTextStream
+    generator: torch.Generator
+    reserved_tokens: int
+    state: SequenceState = SequenceState.WAITING
+    prefilled_tokens: int = 0
+    prefill_cache: Any = None
+    next_token_id: int = -1
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+class ContinuousBatchingScheduler:
+    """The default :class:`~tokenwire.engine.backend.EngineBackend`."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self._model = loaded.model
+        self._tokenizer = loaded.tokenizer
+        self._device = loaded.device
+        self._eos_token_ids = loaded.eos_token_ids
+        self._config = config
+        self.max_model_len = min(loaded.max_model_len, config.max_model_len or loaded.max_model_len)
+        text_config = self._model.config.get_text_config(decoder=True)
+        self.vocab_size = int(text_config.vocab_size)
+        self._num_layers = int(text_config.num_hidden_layers)
+        self._lanes: list[RunningBatch] = []
+        self._sequences: dict[str, _Sequence] = {}
+        self._waiting: deque[_Sequence] = deque()
+        self._prefilling: list[_Sequence] = []
+        self._ready: list[_Sequence] = []
+        self._cancelled: list[str] = []
+        self._reserved_tokens = 0
+        forward_parameters = inspect.signature(self._model.forward).parameters
+        # transformers 5 renamed past_key_values to cache; accept either.
+        self._cache_keyword = "cache" if "cache" in forward_parameters else "past_key_values"
+        backend_tokenizer = self._tokenizer.backend_tokenizer
+        self._decode_skipping: Decode = lambda ids: backend_tokenizer.decode(
+            list(ids), skip_special_tokens=True
+        )
+        self._decode_keeping: Decode = lambda ids: backend_tokenizer.decode(
+            list(ids), skip_special_tokens=False
+        )
+
+    # -- the backend interface ---------------------------------------------------
+
+    def check(self, request: GenerationRequest) -> None:
+        """Refuse a request that can never be admitted (400) or cannot be queued (503)."""
+        prompt_tokens = len(request.prompt_token_ids)
+        max_tokens = request.params.max_tokens
+        if prompt_tokens == 0:
+            raise RequestRejected("the prompt is empty", param="prompt")
+        if prompt_tokens + max_tokens > self.max_model_len:
+            raise RequestRejected(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, you requested {prompt_tokens + max_tokens} tokens "
+                f"({prompt_tokens} in the prompt, {max_tokens} in the completion). "
+                "Please reduce the length of the prompt or of max_tokens.",
+                param="max_tokens",
+            )
+        if prompt_tokens + max_tokens > self._config.kv_budget_tokens:
+            raise RequestRejected(
+                f"This request needs {prompt_tokens + max_tokens} KV-cache tokens "
+                f"({prompt_tokens} prompt + {max_tokens} max_tokens) but the engine's "
+                f"KV budget is {self._config.kv_budget_tokens} tokens.",
+                param="max_tokens",
+            )
+        if len(self._waiting) >= self._config.max_waiting:
+            raise RequestRejected(
+                f"the engine already has {len(self._waiting)} requests waiting; retry later",
+                http_status=503,
+            )
+
+    def add(self, request: GenerationRequest) -> None:
+        """Queue ``request`` (call :meth:`check` first); duplicate ids are refused."""
+        if request.request_id in self._sequences:
+            raise RequestRejected(f"request id {request.request_id!r} is already in use")
+        params = request.params
+        decode = self._decode_skipping if params.skip_special_tokens else self._decode_keeping
+        sequence = _Sequence(
+            request=request,
+            text=OutputTextStream(decode, request.prompt_token_ids, params.stop),
+            generator=make_generator(params, self._device),
+            reserved_tokens=len(request.prompt_token_ids) + params.max_tokens,
+        )
+        self._sequences[request.request_id] = sequence
+        self._waiting.append(sequence)
+
+    def cancel(self, request_id: str) -> None:
+        """Abort ``request_id`` at the start of the next step; unknown ids are ignored."""
+        if request_id in self._sequences:
+            self._cancelled.append(request_id)
+
+    def has_work(self) -> bool:
+        """Anything to admit, prefill, decode or cancel."""
+        return bool(self._sequences or self._cancelled)
+
+    def stats(self) -> BackendStats:
+        """Load snapshot for metrics."""
+        prefill_tokens = sum(s.prefilled_tokens for s in (*self._prefilling, *self._ready))
+        return BackendStats(
+            running=self._rows() + len(self._prefilling) + len(self._ready),
+            waiting=len(self._waiting),
+            kv_tokens_in_use=sum(lane.cached_tokens for lane in self._lanes) + prefill_tokens,
+            kv_cells_allocated=sum(lane.allocated_cells for lane in self._lanes) + prefill_tokens,
+            kv_tokens_reserved=self._reserved_tokens,
+        )
+
+    def state_of(self, request_id: str) -> SequenceState | None:
+        """The request's state, or ``None`` once it has finished and been forgotten."""
+        sequence = self._sequences.get(request_id)
+        return sequence.state if sequence else None
+
+    @property
+    def batch_row_ids(self) -> list[str]:
+        """Request ids of the rows the next decode forward will run, in row order."""
+        return [row_id for lane in self._lanes for row_id in lane.row_ids]
+
+    @property
+    def lane_widths(self) -> list[int]:
+        """Cache width of each lane (see ``_choose_lane``)."""
+        return [lane.columns for lane in self._lanes]
+
+    def _rows(self) -> int:
+        return sum(lane.rows for lane in self._lanes)
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling round; see the theory of operation."""
+        outputs: list[RequestOutput] = []
+        self._apply_cancellations(outputs)
+        self._update_membership()
+        self._admit()
+        with torch.inference_mode():
+            for lane in list(self._lanes):
+                self._decode(lane, outputs)
+            self._prefill(outputs)
+        # Rows that finished in this step leave now rather than at the start of
+        # the next one: their memory is freed even if no step follows.
+        self._update_membership()
+        return outputs
+
+    # -- the steps ----------------------------------------------------------------
+
+    def _apply_cancellations(self, outputs: list[RequestOutput]) -> None:
+        cancelled, self._cancelled = self._cancelled, []
+        for request_id in cancelled:
+            sequence = self._sequences.get(request_id)
+            if sequence is None or sequence.state is SequenceState.FINISHED:
+                continue
+            if sequence.state is SequenceState.WAITING:
+                self._waiting.remove(sequence)
+            elif sequence.state is SequenceState.PREFILLING:
+                self._prefilling.remove(sequence)
+            elif sequence.state is SequenceState.READY:
+                self._ready.remove(sequence)
+            outputs.append(self._finish(sequence, "abort"))
+
+    def _update_membership(self) -> None:
+        joining: dict[int, list[tuple[str, Any]]] = {}
+        for sequence in self._ready:
+            lane_index = self._choose_lane(sequence.prefilled_tokens)
+            if lane_index == len(self._lanes):
+                self._lanes.append(RunningBatch(self._num_layers, self._device))
+            joining.setdefault(lane_index, []).append(
+                (sequence.request_id, sequence.prefill_cache))
+            sequence.state = SequenceState.RUNNING
+            sequence.prefill_cache = None
+        self._ready = []
+        for lane_index, lane in enumerate(self._lanes):
+            keep = {
+                row_id for row_id in lane.row_ids
+                if (row := self._sequences.get(row_id)) is not None
+                and row.state is SequenceState.RUNNING
+            }
+            lane.rebuild(keep, joining.get(lane_index, []))
+        self._lanes = [lane for lane in self._lanes if lane.rows]
+
+    def _choose_lane(self, tokens: int) -> int:
+        """Pick the lane a row of ``tokens`` joins; ``len(self._lanes)`` means a new one.
+
+        Rows of one lane share a width, so a 4,000-token row in a lane of
+        100-token rows would make every row in it pay for 4,000 columns of
+        attention and memory, and its join would copy all of them. Rows join a
+        lane whose width is within a factor of two (or 64 tokens) of theirs;
+        otherwise they open a new lane, up to ``_MAX_LANES``, each lane costing
+        one extra forward pass per step.
+        """
+        best_index, best_ratio = len(self._lanes), float("inf")
+        for index, lane in enumerate(self._lanes):
+            width = max(lane.columns, 1)
+            ratio = max(width, tokens) / max(min(width, tokens), 1)
+            if ratio < best_ratio:
+                best_index, best_ratio = index, ratio
+            if abs(width - tokens) <= _LANE_SLACK_TOKENS:
+                return index
+        if best_ratio <= _LANE_WIDTH_RATIO or len(self._lanes) >= _MAX_LANES:
+            return best_index
+        return len(self._lanes)
+
+    def _admit(self) -> None:
+        budget_tokens = self._config.kv_budget_tokens
+        while self._waiting:
+            admitted = self._rows() + len(self._prefilling) + len(self._ready)
+            head = self._waiting[0]
+            if admitted >= self._config.max_running:
+                return
+            if self._reserved_tokens + head.reserved_tokens > budget_tokens:
+                return
+            self._waiting.popleft()
+            self._reserved_tokens += head.reserved_tokens
+            head.state = SequenceState.PREFILLING
+            # Append-only layers: a chunk does not re-copy the prompt cached so far.
+            head.prefill_cache = BatchCache(self._num_layers)
+            self._prefilling.append(head)
+
+    def _decode(self, lane: RunningBatch, outputs: list[RequestOutput]) -> None:
+        rows = [self._sequences[row_id] for row_id in lane.row_ids]
+        inputs = lane.decode_inputs([s.next_token_id for s in rows])
+        try:
+            result = self._model(
+                **inputs, **{self._cache_keyword: lane.cache},
+                use_cache=True, logits_to_keep=1,
+            )
+            logits = result.logits[:, -1, :].float()
+            mask_early_stops(
+                logits,
+                [s.request.params for s in rows],
+                [len(s.output_token_ids) for s in rows],
+                self._eos_token_ids,
+            )
+            tokens = sample_next_tokens(
+                logits, [s.request.params for s in rows], [s.generator for s in rows]
+            )
+        except Exception as error:
+            message = f"decode step failed: {type(error).__name__}: {error}"
+            for sequence in rows:
+                outputs.append(self._finish(sequence, "error", error=message))
+            lane.rebuild(set(), [])
+            return
+        lane.advance()
+        for sequence, token_id in zip(rows, tokens, strict=True):
+            outputs.append(self._accept_token_safely(sequence, token_id))
+
+    def _prefill(self, outputs: list[RequestOutput]) -> None:
+        chunk_limit = self._config.max_prefill_tokens_per_step or None
+        budget_tokens = chunk_limit if chunk_limit is not None else float("inf")
+        for sequence in list(self._prefilling):
+            if budget_tokens <= 0:
+                break
+            prompt = sequence.request.prompt_token_ids
+            chunk_tokens = int(min(len(prompt) - sequence.prefilled_tokens, budget_tokens))
+            try:
+                logits = self._prefill_chunk(sequence, chunk_tokens)
+            except Exception as error:
+                self._prefilling.remove(sequence)
+                message = f"prefill failed: {type(error).__name__}: {error}"
+                outputs.append(self._finish(sequence, "error", error=message))
+                continue
+            budget_tokens -= chunk_tokens
+            if sequence.prefilled_tokens < len(prompt):
+                continue
+            self._prefilling.remove(sequence)
+            try:
+                params = sequence.request.params
+                mask_early_stops(logits, [params], [0], self._eos_token_ids)
+                token_id = sample_next_tokens(logits, [params], [sequence.generator])[0]
+            except Exception as error:
+                message = f"sampling failed: {type(error).__name__}: {error}"
+                outputs.append(self._finish(sequence, "error", error=message))
+                continue
+            output = self._accept_token_safely(sequence, token_id)
+            outputs.append(output)
+            if not output.finished:
+                sequence.state = SequenceState.READY
+                self._ready.append(sequence)
+
+    def _prefill_chunk(self, sequence: _Sequence, chunk_tokens: int) -> torch.Tensor:
+        start = sequence.prefilled_tokens
+        chunk = sequence.request.prompt_token_ids[start : start + chunk_tokens]
+        input_ids = torch.tensor([chunk], dtype=torch.long, device=self._device)
+        positions = torch.arange(start, start + chunk_tokens, device=self._device).unsqueeze(0)
+        result = self._model(
+            input_ids=input_ids,
+            position_ids=positions,
+            **{self._cache_keyword: sequence.prefill_cache},
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        sequence.prefilled_tokens += chunk_tokens
+        logits: torch.Tensor = result.logits[:, -1, :].float()
+        return logits
+
+    # -- one token, one finish ----------------------------------------------------
+
+    def _accept_token_safely(self, sequence: _Sequence, token_id: int) -> RequestOutput:
+        try:
+            return self._accept_token(sequence, token_id)
+        except Exception as error:
+            message = f"detokenisation failed: {type(error).__name__}: {error}"
+            return self._finish(sequence, "error", error=message)
+
+    def _accept_token(self, sequence: _Sequence, token_id: int) -> RequestOutput:
+        params = sequence.request.params
+        sequence.output_token_ids.append(token_id)
+        sequence.next_token_id = token_id
+        generated = len(sequence.output_token_ids)
+        reason: FinishReason | None = None
+        stop_reason: int | str | None = None
+        text = ""
+        if token_id in self._eos_token_ids and not params.ignore_eos:
+            reason = "stop"
+        elif token_id in params.stop_token_ids:
+            reason, stop_reason = "stop", token_id
+        else:
+            text = sequence.text.push(token_id, check_stops=generated >= params.min_tokens)
+            if sequence.text.stopped:
+                reason, stop_reason = "stop", sequence.text.matched_stop
+            elif generated >= params.max_tokens or self._at_context_end(sequence):
+                reason = "length"
+        if reason is None:
+            return RequestOutput(
+                request_id=sequence.request_id,
+                text=text,
+                token_ids=(token_id,),
+                prompt_tokens=len(sequence.request.prompt_token_ids),
+                completion_tokens=generated,
+            )
+        return self._finish(
+            sequence, reason, text=text + sequence.text.finish(), token_ids=(token_id,),
+            stop_reason=stop_reason,
+        )
+
+    def _at_context_end(self, sequence: _Sequence) -> bool:
+        used = len(sequence.request.prompt_token_ids) + len(sequence.output_token_ids)
+        return used >= self.max_model_len
+
+    def _finish(
+        self,
+        sequence: _Sequence,
+        reason: FinishReason,
+        *,
+        text: str = "",
+        token_ids: tuple[int, ...] = (),
+        stop_reason: int | str | None = None,
+        error: str | None = None,
+    ) -> RequestOutput:
+        """Mark finished, release its reservation, forget it; the batch row leaves next step."""
+        if sequence.state is not SequenceState.WAITING:
+            self._reserved_tokens -= sequence.reserved_tokens
+        sequence.state = SequenceState.FINISHED
+        sequence.prefill_cache = None
+        self._sequences.pop(sequence.request_id, None)
+        return RequestOutput(
+            request_id=sequence.request_id,
+            text=text,
+            token_ids=token_ids,
+            prompt_tokens=len(sequence.request.prompt_token_ids),
+            completion_tokens=len(sequence.output_token_ids),
+            finished=True,
+            finish_reason=reason,
+            stop_reason=stop_reason,
+            error=error,
+        )
+
+
+def decode_tokens(loaded: LoadedModel, token_ids: Sequence[int]) -> str:
+    """Decode with the model's tokenizer, special tokens skipped (tests and tools)."""
+    return str(loaded.tokenizer.backend_tokenizer.decode(list(token_ids), skip_special_tokens=True))

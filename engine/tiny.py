@@ -1,0 +1,245 @@
+"""The embedded ``tiny`` model: built locally from bundled text, once, then cached.
+
+``ensure_tiny_model()`` returns the path of an ordinary Hugging Face model
+folder (``model.safetensors``, ``config.json``, ``tokenizer.json``, a chat
+template). The first call builds it:
+
+1. a byte-level BPE tokenizer is trained on the prose in ``engine/data/*.txt``
+   (written for this package, so nothing is downloaded, ever);
+2. a small Llama-shaped ``LlamaForCausalLM`` is trained on the same text for a
+   few hundred steps, enough that greedy output looks like English;
+3. the folder is written under a temporary name and renamed into place.
+
+Every step is seeded, so the same spec gives the same weights on the same
+torch build. The folder name carries a digest of the spec and the corpus, so a
+changed spec or corpus builds a new folder instead of reusing a stale one. A
+file lock serialises concurrent builders (two servers starting at once build
+once); the rename makes a half-written folder impossible to observe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+TINY_FORMAT_VERSION = 1
+"""Bump when the build recipe changes in a way the spec does not capture."""
+
+END_OF_TEXT = "<|endoftext|>"
+END_OF_TURN = "<|end|>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+SPECIAL_TOKENS = (END_OF_TEXT, END_OF_TURN, *ROLE_TOKENS)
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TinySpec:
+    """Shape and training recipe of the tiny model.
+
+    The defaults build in roughly half a minute on two CPU cores; tests pass a
+    smaller ``train_steps`` because they only need *a* model, not a fluent one.
+    """
+
+    vocab_size: int = 2048
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_layers: int = 3
+    num_heads: int = 2
+    max_position_embeddings: int = 8192
+    """Long enough for the benchmark's 4,000-token prompt."""
+    train_steps: int = 260
+    batch_size: int = 8
+    sequence_length_tokens: int = 128
+    learning_rate: float = 3e-3
+    seed: int = 0
+
+    def digest(self, corpus_digest: str) -> str:
+        """A short hash naming this spec trained on this corpus."""
+        payload = json.dumps(
+            {"spec": dataclasses.asdict(self), "corpus": corpus_digest,
+             "format": TINY_FORMAT_VERSION},
+            sort_keys=True,
+        )
+        return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+def default_cache_dir() -> Path:
+    """``$TOKENWIRE_CACHE_DIR`` if set, else ``~/.cache/tokenwire``."""
+    configured = os.environ.get("TOKENWIRE_CACHE_DIR")
+    if configured:
+        return Path(configured)
+    return Path.home() / ".cache" / "tokenwire"
+
+
+def load_corpus_paragraphs() -> list[str]:
+    """The bundled training text, one string per paragraph, in a stable order."""
+    data = resources.files("tokenwire.engine").joinpath("data")
+    paragraphs: list[str] = []
+    for entry in sorted(data.iterdir(), key=lambda item: item.name):
+        if not entry.name.endswith(".txt"):
+            continue
+        text = entry.read_text(encoding="utf-8")
+        paragraphs.extend(p.strip() for p in text.split("\n\n") if p.strip())
+    return paragraphs
+
+
+def ensure_tiny_model(
+    spec: TinySpec | None = None, cache_dir: Path | None = None, *, log: bool = True
+) -> Path:
+    """Return the folder of the tiny model described by ``spec``, building it if needed."""
+    spec = spec or TinySpec()
+    cache_dir = cache_dir or default_cache_dir()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    paragraphs = load_corpus_paragraphs()
+    corpus_digest = hashlib.sha256("\n\n".join(paragraphs).encode()).hexdigest()
+    target = cache_dir / f"tiny-{spec.digest(corpus_digest)}"
+    if (target / "config.json").exists():
+        return target
+    with _exclusive_lock(cache_dir / f"{target.name}.lock"):
+        # Another process may have finished the build while we waited.
+        if (target / "config.json").exists():
+            return target
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=cache_dir))
+        try:
+            started_s = time.monotonic()
+            _build(spec, paragraphs, staging)
+            os.rename(staging, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        if log:
+            elapsed_s = time.monotonic() - started_s
+            print(f"tokenwire: built tiny model in {elapsed_s:.1f}s at {target}", flush=True)
+    return target
+
+
+@contextlib.contextmanager
+def _exclusive_lock(path: Path) -> Iterator[None]:
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _chat_example(paragraph: str) -> str:
+    """Turn a paragraph into one chat turn: first sentence asks, the rest answers.
+
+    The model thereby learns the template's shape and to close its turn, so
+    chat completions stop on their own instead of running to ``max_tokens``.
+    """
+    first, _, rest = paragraph.partition(". ")
+    if not rest:
+        rest = paragraph
+    return f"<|user|>\n{first}.{END_OF_TURN}\n<|assistant|>\n{rest}{END_OF_TURN}\n"
+
+
+def _build(spec: TinySpec, paragraphs: list[str], folder: Path) -> None:
+    # Imported here: building is rare, and these imports cost seconds.
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=2,
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(paragraphs, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token=END_OF_TEXT,
+        pad_token=END_OF_TEXT,
+        additional_special_tokens=[END_OF_TURN, *ROLE_TOKENS],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.model_max_length = spec.max_position_embeddings
+    end_of_text_id = tokenizer.token_to_id(END_OF_TEXT)
+    end_of_turn_id = tokenizer.token_to_id(END_OF_TURN)
+
+    stream: list[int] = []
+    for index, paragraph in enumerate(paragraphs):
+        stream.extend(tokenizer.encode(paragraph).ids)
+        stream.append(end_of_text_id)
+        # A third of the paragraphs also appear as chat turns: enough to learn the
+        # template, not so many that plain continuations end turns mid-paragraph.
+        if index % 3 == 0:
+            stream.extend(tokenizer.encode(_chat_example(paragraph)).ids)
+            stream.append(end_of_text_id)
+
+    torch.manual_seed(spec.seed)
+    config = LlamaConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=[end_of_text_id, end_of_turn_id],
+        pad_token_id=end_of_text_id,
+    )
+    model = LlamaForCausalLM(config)
+    _train(model, stream, spec)
+    model.generation_config.eos_token_id = [end_of_text_id, end_of_turn_id]
+    model.generation_config.pad_token_id = end_of_text_id
+    model.generation_config.bos_token_id = None
+    model.save_pretrained(folder, safe_serialization=True)
+    fast.save_pretrained(folder)
+    (folder / "tokenwire_tiny.json").write_text(
+        json.dumps({"spec": dataclasses.asdict(spec), "format": TINY_FORMAT_VERSION}, indent=2)
+    )
+
+
+def _train(model: object, stream: list[int], spec: TinySpec) -> None:
+    import torch
+
+    assert isinstance(model, torch.nn.Module)
+    rng = random.Random(spec.seed)
+    tokens = torch.tensor(stream, dtype=torch.long)
+    window = spec.sequence_length_tokens
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, weight_decay=0.01)
+    warmup_steps = max(1, spec.train_steps // 10)
+    model.train()
+    for step in range(spec.train_steps):
+        if step < warmup_steps:
+            scale = (step + 1) / warmup_steps
+        else:
+            progress = (step - warmup_steps) / max(1, spec.train_steps - warmup_steps)
+            scale = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+        for group in optimizer.param_groups:
+            group["lr"] = spec.learning_rate * scale
+        starts = [rng.randrange(0, len(stream) - window - 1) for _ in range(spec.batch_size)]
+        batch = torch.stack([tokens[s : s + window] for s in starts])
+        loss = model(input_ids=batch, labels=batch).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    model.eval()

@@ -1,0 +1,42 @@
+"""Building the embedded tiny model: once, atomically, reused after."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+from tokenwire.engine.tiny import TinySpec, ensure_tiny_model
+
+MINIMAL = TinySpec(vocab_size=600, hidden_size=32, intermediate_size=64, num_layers=1,
+                   num_heads=1, max_position_embeddings=256, train_steps=2, batch_size=2,
+                   sequence_length_tokens=16)
+
+
+def test_the_tiny_model_folder_is_a_normal_hugging_face_folder(tiny_model_dir: Path) -> None:
+    names = {path.name for path in tiny_model_dir.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= names
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    assert config["model_type"] == "llama"
+    assert config["max_position_embeddings"] >= 8192
+
+
+def test_concurrent_builders_build_once_and_never_expose_a_partial_folder(
+    tmp_path: Path,
+) -> None:
+    results: list[Path] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(ensure_tiny_model(MINIMAL, tmp_path,
+                                                                          log=False)))
+        for _ in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert len(results) == 2 and results[0] == results[1]
+    folders = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert folders == [results[0]]  # no staging folder left behind
+    mtime = (results[0] / "model.safetensors").stat().st_mtime_ns
+    assert ensure_tiny_model(MINIMAL, tmp_path, log=False) == results[0]
+    assert (results[0] / "model.safetensors").stat().st_mtime_ns == mtime  # reused, not rebuilt
