@@ -18,7 +18,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 import uvicorn
-from tokenwire.middleware import TokenWireMiddleware, WireConfig
+from tokenwire.middleware import TokenWireMiddleware
+from tokenwire.sidecar import Sidecar, SidecarConfig, StreamLog
 
 from .scenarios import Scenario, scenario_app
 
@@ -99,23 +100,27 @@ class MiddlewareDriver:
             return await fetch(port, scenario)
 
 
+@register
 class SidecarDriver:
-    """SLOT for the sidecar adapter (not registered until its API is final).
+    """The scenario app served bare by uvicorn as the upstream, with an
+    in-process :class:`Sidecar` (same loop) in front of it.
 
-    To plug it in: serve the scenario app *without* the middleware as the
-    upstream (``async with serve(scenario_app) as upstream_port``), start
-    ``tokenwire.sidecar`` in this loop with ``scenario.config`` as its wire
-    config and ``http://127.0.0.1:{upstream_port}`` as its upstream, then
-    ``return await fetch(sidecar_port, scenario)`` and stop the sidecar.
-    Finally decorate the class with ``@register``. A ``Fail`` step makes the
-    app raise, so uvicorn cuts the upstream body without its terminator: the
-    sidecar must report that as ``UpstreamFailed(PROTOCOL)``, as the middleware
-    does for the app's exception.
+    The sidecar runs with ``scenario.config`` as its wire config, no admin
+    listener, no drain and no stream log. A ``Fail`` step makes the app raise,
+    so uvicorn cuts the upstream body without its terminator; the sidecar
+    reports that as ``UpstreamFailed(PROTOCOL)``, as the middleware does for
+    the app's exception.
     """
 
     name = "sidecar"
 
     async def run(self, scenario: Scenario) -> bytes:
         async with serve(scenario_app) as upstream_port:
-            _ = upstream_port, WireConfig
-            raise NotImplementedError("plug the sidecar in here; see the docstring")
+            config = SidecarConfig(wire=scenario.config, upstream=(f"http://127.0.0.1:{upstream_port}",),
+                                   listen="127.0.0.1:0", admin_listen="", drain_s=0.0, log_file="")
+            sidecar = Sidecar(config, log=StreamLog(None))
+            await sidecar.start()
+            try:
+                return await fetch(sidecar.address[1], scenario)
+            finally:
+                await sidecar.shutdown()
