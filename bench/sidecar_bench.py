@@ -150,9 +150,10 @@ def nginx_worker_pid(master: subprocess.Popen[str]) -> int:
 @contextlib.contextmanager
 def sidecar(listen_port: int, upstream_port: int) -> Iterator[subprocess.Popen[str]]:
     admin_port = free_port()
-    cmd = [PY, "-m", "tokenwire.sidecar.cli", "sidecar",
+    cmd = [PY, "-m", "tokenwire.sidecar", "sidecar",
            "--listen", f"127.0.0.1:{listen_port}", "--upstream", f"http://127.0.0.1:{upstream_port}",
-           "--admin-listen", f"127.0.0.1:{admin_port}", "--max-connections", "20000"]
+           "--admin-listen", f"127.0.0.1:{admin_port}", "--max-connections", "20000",
+           "--log-file", ""]
     with process(cmd, "sidecar") as proc:
         yield proc
 

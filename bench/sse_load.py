@@ -187,24 +187,62 @@ class StreamResult:
         self.started_at = time.monotonic_ns()
 
 
-async def open_stream(host: str, port: int, spec: dict[str, Any], *, rcvbuf: int = 0
-                      ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+class RawConn:
+    """A client socket read with plain ``recv`` calls of the size asked for.
+
+    asyncio's StreamReader drains the kernel buffer into user space as fast as
+    data comes, which would make every "slow reader" a fast one; this reads
+    only when the scenario does, so a small SO_RCVBUF really pushes back.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buffer = b""
+        self.loop = asyncio.get_running_loop()
+
+    async def read(self, size: int) -> bytes:
+        if self.buffer:
+            data, self.buffer = self.buffer[:size], self.buffer[size:]
+            return data
+        return await self.loop.sock_recv(self.sock, size)
+
+    async def readuntil(self, separator: bytes) -> bytes:
+        while separator not in self.buffer:
+            data = await self.loop.sock_recv(self.sock, 65536)
+            if not data:
+                raise ConnectionError("closed before the response head")
+            self.buffer += data
+        end = self.buffer.index(separator) + len(separator)
+        head, self.buffer = self.buffer[:end], self.buffer[end:]
+        return head
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def reset(self) -> int:
+        """Close with RST (SO_LINGER 0): what a killed phone app looks like."""
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        at = time.monotonic_ns()
+        self.sock.close()
+        return at
+
+
+async def open_stream(host: str, port: int, spec: dict[str, Any], *, rcvbuf: int = 0) -> RawConn:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     if rcvbuf:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     sock.setblocking(False)
-    await asyncio.get_running_loop().sock_connect(sock, (host, port))
-    reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 22)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, (host, port))
     body = json.dumps({"model": "bench", "stream": True, **spec}).encode()
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\n"
-                 b"content-type: application/json\r\naccept: text/event-stream\r\n"
-                 b"x-request-id: %s\r\ncontent-length: %d\r\n\r\n%s"
-                 % (str(spec["id"]).encode(), len(body), body))
-    await writer.drain()
-    return reader, writer
+    await loop.sock_sendall(sock, b"POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\n"
+                            b"content-type: application/json\r\naccept: text/event-stream\r\n"
+                            b"x-request-id: %s\r\ncontent-length: %d\r\n\r\n%s"
+                            % (str(spec["id"]).encode(), len(body), body))
+    return RawConn(sock)
 
 
-async def read_stream(reader: asyncio.StreamReader, result: StreamResult, *,
+async def read_stream(reader: RawConn, result: StreamResult, *,
                       read_bytes: int = 65536, read_pause_s: float = 0.0,
                       stop_after_events: int = 0) -> None:
     head = await reader.readuntil(b"\r\n\r\n")
@@ -255,15 +293,6 @@ async def read_stream(reader: asyncio.StreamReader, result: StreamResult, *,
             await asyncio.sleep(read_pause_s)
 
 
-def reset(writer: asyncio.StreamWriter) -> int:
-    """Close with RST (SO_LINGER 0): what a killed phone app looks like."""
-    sock = writer.get_extra_info("socket")
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    at = time.monotonic_ns()
-    writer.transport.abort()
-    return at
-
-
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -297,12 +326,12 @@ async def scenario_throughput(host: str, port: int, streams: int, events: int,
         # Spread the starts over one interval, as real traffic is not in lockstep.
         await asyncio.sleep(interval_s * i / streams)
         results[i].started_at = time.monotonic_ns()
-        reader, writer = await open_stream(host, port, {"id": f"t{i}", "events": events,
-                                                        "interval_ms": interval_ms})
+        conn = await open_stream(host, port, {"id": f"t{i}", "events": events,
+                                              "interval_ms": interval_ms})
         try:
-            await read_stream(reader, results[i])
+            await read_stream(conn, results[i])
         finally:
-            writer.close()
+            conn.close()
 
     started = time.monotonic_ns()
     outcomes = await asyncio.gather(*(one(i) for i in range(streams)), return_exceptions=True)
@@ -329,10 +358,10 @@ async def scenario_reset(host: str, port: int, upstream_port: int, streams: int,
     async def one(i: int) -> None:
         async with gate:
             request_id = f"r{i}-{os.getpid()}"
-            reader, writer = await open_stream(host, port, {"id": request_id, "events": 100000,
-                                                            "interval_ms": 10})
-            await read_stream(reader, StreamResult(), stop_after_events=3)
-            reset_at[request_id] = reset(writer)
+            conn = await open_stream(host, port, {"id": request_id, "events": 100000,
+                                                  "interval_ms": 10})
+            await read_stream(conn, StreamResult(), stop_after_events=3)
+            reset_at[request_id] = conn.reset()
             await asyncio.sleep(0.05)
 
     await asyncio.gather(*(one(i) for i in range(streams)))
@@ -346,15 +375,15 @@ async def scenario_reset(host: str, port: int, upstream_port: int, streams: int,
 
 async def scenario_hold(host: str, port: int, streams: int, hold_s: float) -> dict[str, Any]:
     """Open ``streams`` long, quiet answers; hold them while the proxy's memory is read."""
-    writers: list[asyncio.StreamWriter] = []
+    conns: list[RawConn] = []
     opened = 0
 
     async def one(i: int) -> None:
         nonlocal opened
-        reader, writer = await open_stream(host, port, {"id": f"h{i}", "events": 3,
-                                                        "interval_ms": 3_600_000})
-        writers.append(writer)
-        await read_stream(reader, StreamResult(), stop_after_events=1)
+        conn = await open_stream(host, port, {"id": f"h{i}", "events": 3,
+                                              "interval_ms": 3_600_000})
+        conns.append(conn)
+        await read_stream(conn, StreamResult(), stop_after_events=1)
         opened += 1
 
     gate = asyncio.Semaphore(200)
@@ -366,8 +395,8 @@ async def scenario_hold(host: str, port: int, streams: int, hold_s: float) -> di
     await asyncio.gather(*(gated(i) for i in range(streams)), return_exceptions=True)
     print(json.dumps({"held": opened}), flush=True)
     await asyncio.sleep(hold_s)
-    for writer in writers:
-        writer.transport.abort()
+    for conn in conns:
+        conn.reset()
     return {"streams": streams, "opened": opened}
 
 
@@ -378,13 +407,13 @@ async def scenario_slow(host: str, port: int, upstream_port: int, streams: int, 
     tag = f"s{os.getpid()}-{time.monotonic_ns()}"
 
     async def one(i: int) -> None:
-        reader, writer = await open_stream(host, port, {"id": f"{tag}-{i}", "events": events,
-                                                        "interval_ms": 1}, rcvbuf=rcvbuf)
+        conn = await open_stream(host, port, {"id": f"{tag}-{i}", "events": events,
+                                              "interval_ms": 1}, rcvbuf=rcvbuf)
         try:
-            await read_stream(reader, results[i], read_bytes=read_bytes,
+            await read_stream(conn, results[i], read_bytes=read_bytes,
                               read_pause_s=read_pause_ms / 1000.0)
         finally:
-            writer.close()
+            conn.close()
 
     await asyncio.gather(*(one(i) for i in range(streams)))
     seen = await fetch_json("127.0.0.1", upstream_port, "/closes")

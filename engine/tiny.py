@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 TINY_FORMAT_VERSION = 1
 """Bump when the build recipe changes in a way the spec does not capture."""
@@ -223,9 +224,26 @@ def _train(model: object, stream: list[int], spec: TinySpec) -> None:
     assert isinstance(model, torch.nn.Module)
     rng = random.Random(spec.seed)
     tokens = torch.tensor(stream, dtype=torch.long)
-    window = spec.sequence_length_tokens
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, weight_decay=0.01)
     warmup_steps = max(1, spec.train_steps // 10)
+    # One thread: the result does not depend on the machine's core count (float
+    # reductions split across threads round differently), and on a small busy
+    # box several threads fighting over two cores made the build 3x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _train_steps(model, tokens, spec, optimizer, rng, warmup_steps)
+    finally:
+        torch.set_num_threads(threads)
+    model.eval()
+
+
+def _train_steps(model: Any, tokens: Any, spec: TinySpec, optimizer: Any, rng: random.Random,
+                 warmup_steps: int) -> None:
+    import torch
+
+    window = spec.sequence_length_tokens
+    stream_length = int(tokens.shape[0])
     model.train()
     for step in range(spec.train_steps):
         if step < warmup_steps:
@@ -235,11 +253,10 @@ def _train(model: object, stream: list[int], spec: TinySpec) -> None:
             scale = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
         for group in optimizer.param_groups:
             group["lr"] = spec.learning_rate * scale
-        starts = [rng.randrange(0, len(stream) - window - 1) for _ in range(spec.batch_size)]
+        starts = [rng.randrange(0, stream_length - window - 1) for _ in range(spec.batch_size)]
         batch = torch.stack([tokens[s : s + window] for s in starts])
         loss = model(input_ids=batch, labels=batch).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-    model.eval()

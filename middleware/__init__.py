@@ -5,6 +5,7 @@ on the wire for a streamed LLM answer; drivers move bytes and events between
 sockets and it. See ``stream.py`` for the theory of operation.
 """
 
+from .asgi import TokenWireMiddleware
 from .config import ConfigError, SlowClientPolicy, WireConfig
 from .errors import (
     ClientError,
@@ -74,6 +75,7 @@ __all__ = [
     "StreamRecord",
     "StreamState",
     "Tick",
+    "TokenWireMiddleware",
     "UpstreamData",
     "UpstreamEnded",
     "UpstreamError",

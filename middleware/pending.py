@@ -12,24 +12,28 @@ completion's ``text``) for the same id and choice are merged into one chunk
 whose text is the exact concatenation. Anything else — a role, tool calls, a
 finish reason, usage, logprobs, unknown keys with values, non-JSON, named
 events, comments — is a barrier: kept as its own event, never merged across.
-JSON is parsed only when a second event queues behind the first, so a client
-that keeps up costs no parsing at all.
+A merged chunk is the first chunk's JSON with the escaped texts concatenated
+inside its string (so escapes, even a surrogate pair split across chunks, join
+exactly). Chunks are looked at only when a second event queues behind the
+first, and then by a regex plus a once-per-shape JSON check, not a parse per
+event (see ``PendingBuffer._slot``).
 
 Under ``drop``, a new event replaces the queued event of the same type (the
 newest state wins); events the caller marks as not droppable (terminal marker,
 errors) are never replaced.
 
 ``pending_bytes`` is the buffer's size as it would be written; merged text is
-counted by its JSON-escaped length, so the figure the cap is checked against
-never under-counts by more than the separators a re-serialised chunk saves.
+counted by its escaped length, which is exact when the chunk's own JSON is the
+template (the usual case) and an estimate when it had to be re-serialised.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
-from .sse import SSEEvent
+from .sse import SSEEvent, encode
 
 # Top-level chunk keys that may differ or repeat between merged chunks.
 _CHUNK_KEYS = frozenset({"id", "object", "created", "model", "system_fingerprint",
@@ -78,8 +82,66 @@ def _text_slot(data: str) -> tuple[tuple[object, ...], dict[str, Any], dict[str,
     return (chunk.get("id"), choice.get("index"), field), chunk, delta, field
 
 
-def _escaped_len(text: str) -> int:
-    return len(json.dumps(text, ensure_ascii=False).encode()) - 2
+# A JSON string holding one text field's value: ``"field": "<escaped>"``. Only a
+# value made of valid JSON string characters matches, so the chunk stays valid
+# JSON when values are concatenated.
+_TEXT_VALUE_RE = re.compile(
+    r'"(content|reasoning_content|text)"[ \t\r\n]*:[ \t\r\n]*"'
+    r'((?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*)"')
+_SENTINEL = "tokenwire-merge-sentinel-1f2e3d"
+_SHAPE_CACHE_LIMIT = 64
+
+# A mergeable chunk, as a template: ``prefix + escaped_text + suffix`` is its JSON
+# (``escaped_text`` without the quotes); chunks with equal ``key`` merge.
+_Slot = tuple[tuple[object, ...], str, str, str]
+
+
+def _dumps(obj: object) -> str:
+    """Compact JSON, UTF-8 where it can be; lone surrogates (from ``\\udXXX``
+    escapes split across chunks) stay escaped so the bytes are valid UTF-8."""
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        text = json.dumps(obj, separators=(",", ":"))
+    return text
+
+
+def _slow_slot(data: str) -> _Slot | None:
+    """Classify by parsing; the template is the chunk re-serialised."""
+    found = _text_slot(data)
+    if found is None:
+        return None
+    key, chunk, holder, field = found
+    text = holder[field]
+    holder[field] = _SENTINEL
+    template = _dumps(chunk)
+    if template.count(_SENTINEL) != 1:
+        return None  # the sentinel occurs in the chunk itself: keep it unmerged
+    prefix, _, suffix = template.partition(json.dumps(_SENTINEL))
+    return key, prefix + '"', '"' + suffix, _dumps(text)[1:-1]
+
+
+def _utf8_len(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+_ESCAPED_RE = re.compile(r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*')
+
+
+def _same_shape(slot: _Slot, event: SSEEvent | None) -> str | None:
+    """The escaped text of ``event`` if it is ``slot``'s template with another
+    text (so it is valid JSON and merges under the same key), else None."""
+    if event is None or event.event is not None or event.retry is not None:
+        return None
+    data = event.data
+    _, prefix, suffix, _ = slot
+    if data is None or not (data.startswith(prefix) and data.endswith(suffix)):
+        return None
+    start, end = len(prefix), len(data) - len(suffix)
+    if end < start or _ESCAPED_RE.fullmatch(data, start, end) is None:
+        return None
+    return data[start:end]
 
 
 class _Unparsed:
@@ -101,34 +163,27 @@ class _Item:
         self.slot: Any = _UNPARSED if event is not None else None
         self.parts: list[str] | None = None
 
-    def merge_slot(self) -> Any:
-        if self.slot is _UNPARSED:
-            event = self.event
-            assert event is not None
-            mergeable = event.event is None and event.retry is None and event.data is not None
-            self.slot = _text_slot(event.data) if mergeable and event.data else None
-        return self.slot
-
     def to_bytes(self) -> bytes:
         if self.encoded is not None:
             return self.encoded
         assert self.parts is not None and self.event is not None
-        _, chunk, holder, field = self.slot
-        holder[field] = "".join(self.parts)
-        data = json.dumps(chunk, ensure_ascii=False, separators=(",", ":"))
-        encoded = b"data: " + data.encode() + b"\n"
-        if self.event.id is not None:
-            encoded += f"id: {self.event.id}\n".encode()
-        return encoded + b"\n"
+        slot: _Slot = self.slot
+        data = slot[1] + "".join(self.parts) + slot[2]
+        if self.event.id is None and "\n" not in data:
+            return b"data: " + data.encode() + b"\n\n"
+        return encode(SSEEvent(data=data, id=self.event.id))
 
 
 class PendingBuffer:
     """Bytes and events waiting for the socket; see the module docstring."""
 
-    __slots__ = ("_items", "coalesced_events", "drop", "dropped_events", "merge", "pending_bytes")
+    __slots__ = ("_items", "_last_slot", "_shapes", "coalesced_events", "drop", "dropped_events", "merge",
+                 "pending_bytes")
 
     def __init__(self, *, merge: bool, drop: bool) -> None:
         self._items: list[_Item] = []
+        self._shapes: dict[tuple[str, str], Any] = {}
+        self._last_slot: _Slot | None = None
         self.pending_bytes = 0
         self.merge = merge
         self.drop = drop
@@ -144,12 +199,32 @@ class PendingBuffer:
             self._items.append(_Item(None, data, 0, False))
             self.pending_bytes += len(data)
 
-    def add_event(self, event: SSEEvent, encoded: bytes, *, droppable: bool = True) -> None:
-        """Queue one encoded event, merging or replacing per the policy."""
+    def add_event(self, event: SSEEvent, encoded: bytes | None = None, *,
+                  droppable: bool = True) -> None:
+        """Queue one event (``encoded``: its wire bytes, computed here if not
+        given and only if needed), merging or replacing per the policy."""
         items = self._items
-        item = _Item(event, encoded, 1, droppable)
-        if items and self.merge and self._try_merge(items[-1], item):
-            return
+        item: _Item | None = None
+        if items and self.merge:
+            last = items[-1]
+            previous = self._slot(last) if last.event is not None else None
+            if previous is not None:
+                # Most chunks have the shape of the one before: no _Item, no regex search.
+                escaped = _same_shape(previous, event)
+                if escaped is None:
+                    if encoded is None:
+                        encoded = encode(event)
+                    item = _Item(event, encoded, 1, droppable)
+                    slot = self._slot(item)  # cached on the item if it is queued instead
+                    if slot is not None and slot[0] == previous[0]:
+                        escaped = slot[3]
+                if escaped is not None:
+                    self._merge(last, previous, event, escaped)
+                    return
+        if item is None:
+            if encoded is None:
+                encoded = encode(event)
+            item = _Item(event, encoded, 1, droppable)
         if items and self.drop and droppable:
             for i, queued in enumerate(items):
                 if queued.droppable and queued.event is not None and queued.event.event == event.event:
@@ -158,29 +233,73 @@ class PendingBuffer:
                     self.dropped_events += 1
                     break
         items.append(item)
-        self.pending_bytes += len(encoded)
+        self.pending_bytes += item.size
 
-    def _try_merge(self, last: _Item, item: _Item) -> bool:
-        if last.event is None or last.merge_slot() is None:
-            return False
-        slot = item.merge_slot()  # cached on the item if it is queued instead
-        previous = last.slot
-        if slot is None or slot[0] != previous[0]:
-            return False
-        text: str = slot[2][slot[3]]
+    def _merge(self, last: _Item, previous: _Slot, event: SSEEvent, escaped: str) -> None:
         if last.parts is None:
-            last.parts = [previous[2][previous[3]]]
+            last.parts = [previous[3]]
             last.encoded = None
-        last.parts.append(text)
-        new_id = item.event.id if item.event is not None else None
-        if new_id is not None and last.event is not None:
+        last.parts.append(escaped)
+        if event.id is not None and last.event is not None:
             # The merged event stands for the newest one: keep its id.
-            last.event = SSEEvent(data=last.event.data, id=new_id)
-        added = _escaped_len(text)
+            last.event = SSEEvent(data=last.event.data, id=event.id)
+        added = _utf8_len(escaped)
         last.size += added
         self.pending_bytes += added
         self.coalesced_events += 1
-        return True
+
+    def _slot(self, item: _Item) -> _Slot | None:
+        """The item's merge template, or None if it is a barrier (cached on the item).
+
+        Fast path: find the text value with a regex and validate the chunk's
+        *shape* (the JSON around that value) once per shape, by parsing it with
+        a sentinel in place of the text; a stream's chunks share a few shapes,
+        so a client that lags costs no JSON parsing per event.
+        """
+        if item.slot is not _UNPARSED:
+            cached: _Slot | None = item.slot
+            return cached
+        event = item.event
+        assert event is not None
+        data = event.data
+        slot: _Slot | None = None
+        last = self._last_slot
+        if last is not None:
+            escaped = _same_shape(last, event)
+            if escaped is not None:
+                slot = (last[0], last[1], last[2], escaped)
+                item.slot = slot
+                return slot
+        if event.event is None and event.retry is None and data and data[0] == "{":
+            match = _TEXT_VALUE_RE.search(data)
+            if match is None:
+                slot = _slow_slot(data)
+            else:
+                start, end = match.span(2)
+                prefix = data[:start]
+                suffix = data[end:]
+                shapes = self._shapes
+                shape = (prefix, suffix)
+                key = shapes.get(shape, _UNPARSED)
+                if key is _UNPARSED:
+                    found = _text_slot(prefix + _SENTINEL + suffix)
+                    if found is None:
+                        key = None
+                    elif found[2][found[3]] == _SENTINEL:
+                        key = found[0]
+                    # else: the regex did not find the value JSON reads (duplicate
+                    # keys...): key stays _UNPARSED and the slow path decides.
+                    if len(shapes) >= _SHAPE_CACHE_LIMIT:
+                        shapes.clear()
+                    shapes[shape] = key
+                if key is _UNPARSED:
+                    slot = _slow_slot(data)
+                elif key is not None:
+                    slot = (key, prefix, suffix, match.group(2))
+        item.slot = slot
+        if slot is not None:
+            self._last_slot = slot
+        return slot
 
     def take(self) -> tuple[bytes, int]:
         """Everything pending as one write, and how many events it holds."""

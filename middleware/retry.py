@@ -45,8 +45,9 @@ class RetryBudget:
     def try_acquire(self, now: float) -> bool:
         """Take one retry from the budget; False if there is none to take."""
         self._refill(now)
-        if self._tokens >= 1.0:
-            self._tokens -= 1.0
+        # The epsilon absorbs float sums: ten deposits of 0.2 make 1.9999999999999998.
+        if self._tokens >= 1.0 - 1e-9:
+            self._tokens = max(0.0, self._tokens - 1.0)
             self.granted += 1
             return True
         self.refused += 1

@@ -159,21 +159,47 @@ class SSEParser:
             if buffer.startswith(_BOM):
                 buffer = buffer[3:]
         if b"\r" in buffer:
-            if buffer.endswith(b"\r"):
-                # The CR ends a line; a LF opening the next feed belongs to it.
-                self._skip_lf = True
-                buffer = buffer[:-1] + b"\n"
+            # A final CR ends a line; a LF opening the next feed belongs to it.
+            # (Checked before replacing: turning it into LF first would make a
+            # preceding CR and it one CRLF, losing a line end.)
+            self._skip_lf = buffer.endswith(b"\r")
             buffer = buffer.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        lines = buffer.split(b"\n")
-        rest = lines.pop()
-        if len(rest) > self.max_line_bytes:
-            raise SSEProtocolError(f"SSE line longer than {self.max_line_bytes} bytes")
-        self._buffer = rest
+        max_line_bytes = self.max_line_bytes
+        if len(buffer) > max_line_bytes:
+            for line in buffer.split(b"\n"):
+                if len(line) > max_line_bytes:
+                    raise SSEProtocolError(f"SSE line longer than {max_line_bytes} bytes")
         events: list[SSEEvent] = []
+        if not self._data and self._event is None and self._id is None and self._retry is None:
+            # The hot path: whole blocks (``data: ...\n\n``) at an event boundary,
+            # one check per event; any other block takes the full algorithm.
+            blocks = buffer.split(b"\n\n")
+            buffer = blocks.pop()
+            max_event_bytes = self.max_event_bytes
+            for block in blocks:
+                if block[:6] == b"data: " and b"\n" not in block and len(block) < max_event_bytes:
+                    events.append(SSEEvent(block[6:].decode("utf-8", "replace")))
+                else:
+                    for line in block.split(b"\n"):
+                        self._line(line, events)
+                    self._dispatch(events)
+        lines = buffer.split(b"\n")
+        self._buffer = lines.pop()
+        # The hot path inlines ``data: `` lines and plain dispatches; every other
+        # line goes through ``_line``, which holds the full algorithm.
         for line in lines:
-            if len(line) > self.max_line_bytes:
-                raise SSEProtocolError(f"SSE line longer than {self.max_line_bytes} bytes")
-            self._line(line, events)
+            if line[:6] == b"data: ":
+                self._data_bytes += len(line) + 1
+                if self._data_bytes > self.max_event_bytes:
+                    raise SSEProtocolError(f"SSE event larger than {self.max_event_bytes} bytes")
+                self._data.append(line[6:].decode("utf-8", "replace"))
+            elif not line and len(self._data) == 1 and self._event is None and self._id is None \
+                    and self._retry is None:
+                events.append(SSEEvent(self._data[0]))
+                self._data = []
+                self._data_bytes = 0
+            else:
+                self._line(line, events)
         return events
 
     def close(self) -> list[SSEEvent]:

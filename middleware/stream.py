@@ -360,7 +360,7 @@ class WireStream:
                 self._fail(SSEProtocolError("upstream did not answer with an uncompressed "
                                             "event stream"), EndReason.UPSTREAM_ERROR, now)
             return
-        if event.status in RETRYABLE_STATUSES and self._schedule_retry(now):
+        if event.status in RETRYABLE_STATUSES and self._schedule_retry(now, EndReason.UPSTREAM_ERROR):
             return
         if sse and 200 <= event.status < 300:
             if is_compressed(event.headers):
@@ -391,8 +391,9 @@ class WireStream:
         except SSEProtocolError as error:
             self._upstream_failure(error, EndReason.UPSTREAM_ERROR, now)
             return
+        on_sse_event = self._on_sse_event
         for sse_event in events:
-            self._on_sse_event(sse_event, now)
+            on_sse_event(sse_event, now)
             if self._state in _ENDED or self._retry_at is not None:
                 return
 
@@ -411,8 +412,16 @@ class WireStream:
         self.events_in += 1
         self._attempt_events += 1
         data = event.data
-        error = _error_object(data) if data is not None else None
-        if error is not None and self._state is StreamState.WAITING and self._schedule_retry(now):
+        error = _error_object(data) if data is not None and '"error"' in data else None
+        if error is not None and self._state is StreamState.WAITING:
+            # An error as the first event is a failure before the first byte:
+            # retried if allowed, else a real status (DESIGN: "the client gets a
+            # real HTTP status"), keeping the upstream's message.
+            if self._schedule_retry(now, EndReason.UPSTREAM_ERROR):
+                return
+            message = json.loads(upstream_error_payload(error))["error"]["message"]
+            self._fail(UpstreamError(str(message), ErrorCode.UPSTREAM_FAILED),
+                       EndReason.UPSTREAM_ERROR, now)
             return
         if self._state is StreamState.WAITING:
             self._commit_sse(now)
@@ -421,15 +430,17 @@ class WireStream:
             self._pending.add_event(payload, encode(payload), droppable=False)
             self._end(EndReason.UPSTREAM_ERROR, ErrorCode.UPSTREAM_FAILED, abrupt=True,
                       trigger=_Trigger.ABORT)
+            self._enforce_cap(now)
             return
         marker = self.config.terminal_marker
         if marker is not None and data == marker:
             self._pending.add_event(event, encode(event), droppable=False)
             self._end(EndReason.COMPLETE, None, abrupt=False, trigger=_Trigger.FINISH)
+            self._enforce_cap(now)
             return
         if data is not None and '"usage"' in data:
             self._capture_usage(data)
-        self._pending.add_event(event, encode(event))
+        self._pending.add_event(event)
         if self._state is StreamState.COMMITTED:
             self._transition(_Trigger.SEND)
         self._after_queue(now)
@@ -523,8 +534,10 @@ class WireStream:
     # ------------------------------------------------------------ timers
 
     def _stalled(self) -> bool:
-        return (bool(self._pending) and (self._paused or self._write_in_flight)) or (
-            self._paused and self._state is not StreamState.WAITING)
+        # A write the socket has not taken is data pending too: without it, a
+        # client that stops reading during the last write (or a silent spell)
+        # would hold the stream forever.
+        return self._write_in_flight or (self._paused and self._state is not StreamState.WAITING)
 
     def _heartbeat_eligible(self) -> bool:
         return (self.config.heartbeat_s > 0 and not self._passthrough
@@ -554,9 +567,10 @@ class WireStream:
         if (self._commit_at is not None and now >= self._commit_at and self._retry_at is None
                 and self._state is StreamState.WAITING):
             self._commit_sse(now)
-        if self._stalled() and now >= self._last_progress_at + config.write_deadline_s:
+        # Time first: it is the cheap test, and the two conditions exclude each other.
+        if now >= self._last_progress_at + config.write_deadline_s and self._stalled():
             self._slow_client(ErrorCode.SEND_TIMEOUT, now)
-        elif self._heartbeat_eligible() and now >= self._last_write_at + config.heartbeat_s:
+        elif now >= self._last_write_at + config.heartbeat_s and self._heartbeat_eligible():
             self._pending.add_bytes(HEARTBEAT)
             self.heartbeats += 1
 
@@ -573,13 +587,19 @@ class WireStream:
     def _commit_sse(self, now: float) -> None:
         self._commit(200, sse_response_headers(self._held_headers), streaming=True, now=now)
 
-    def _schedule_retry(self, now: float) -> bool:
-        """Arrange a retry of the upstream if allowed; True if one is coming."""
+    def _schedule_retry(self, now: float, reason: EndReason) -> bool:
+        """Arrange a retry of the upstream if allowed; True if one is coming.
+
+        The failed attempt's connection is aborted here if it is still open (a
+        502 body, an error event): it must never be read again or reused."""
         if self._state is not StreamState.WAITING or self._attempt >= self.config.retry_attempts:
             return False
         if self._budget is not None and not self._budget.try_acquire(now):
             self.refused_retries += 1
             return False
+        if self._upstream_open:
+            self._actions.append(AbortUpstream(reason))
+            self._upstream_open = False
         self._attempt += 1
         self.retries += 1
         config = self.config
@@ -594,10 +614,7 @@ class WireStream:
 
     def _upstream_failure(self, error: WireError, reason: EndReason, now: float) -> None:
         """The upstream failed: retry while WAITING if allowed, else fail."""
-        if self._schedule_retry(now):
-            if self._upstream_open:
-                self._actions.append(AbortUpstream(reason))
-                self._upstream_open = False
+        if self._schedule_retry(now, reason):
             return
         self._fail(error, reason, now)
 
@@ -616,6 +633,7 @@ class WireStream:
             payload = SSEEvent(data=error.sse_data())
             self._pending.add_event(payload, encode(payload), droppable=False)
             self._end(reason, error.code, abrupt=True, trigger=_Trigger.ABORT)
+            self._enforce_cap(now)
 
     def _end(self, reason: EndReason, code: ErrorCode | None, *, abrupt: bool,
              trigger: _Trigger) -> None:
@@ -657,6 +675,15 @@ class WireStream:
                 self._paused or self._write_in_flight):
             self._upstream_paused = True
             self._actions.append(PauseUpstream())
+
+    def _enforce_cap(self, now: float) -> None:
+        """The cap holds for terminal events too (``[DONE]``, an error event):
+        a client that cannot take them is as gone as one that cannot take text."""
+        pending = self._pending.pending_bytes
+        if pending > self.pending_high_water_bytes:
+            self.pending_high_water_bytes = pending
+        if pending > self.config.max_pending_bytes:
+            self._slow_client(ErrorCode.BACKPRESSURE_EXCEEDED, now)
 
     def _maybe_finish(self, now: float) -> None:
         if self._finished or self._state not in _ENDED:

@@ -24,7 +24,7 @@ commands:
   probe     load and correctness probe against a URL
 """
 
-_PLACEHOLDERS = ("up", "demo")
+_PLACEHOLDERS = ("demo",)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -40,6 +40,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _engine_main(rest)
     if command == "probe":
         return _probe_main(rest)
+    if command == "up":
+        from .up import main as up_main
+
+        return up_main(rest)
     if command in _PLACEHOLDERS:
         print(f"tokenwire {command}: not implemented yet", file=sys.stderr)
         return 2
@@ -60,12 +64,9 @@ def _engine_main(argv: list[str]) -> int:
 
 
 def _probe_main(argv: list[str]) -> int:
-    try:
-        from .probe import main as probe_main
-    except ImportError:
-        print("tokenwire probe: not implemented yet", file=sys.stderr)
-        return 2
-    return int(probe_main(argv))
+    from .probe import main as probe_main
+
+    return probe_main(argv)
 
 
 def _defaults() -> dict[str, object]:

@@ -1,0 +1,48 @@
+"""WireConfig: DESIGN.md defaults, validation that names the key."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from tokenwire.middleware import ConfigError, SlowClientPolicy, WireConfig
+
+
+def test_defaults_followDesign() -> None:
+    config = WireConfig()
+    assert (config.heartbeat_s, config.commit_deadline_s, config.write_deadline_s) == (15.0, 2.0, 30.0)
+    assert config.max_pending_bytes == 1 << 20
+    assert config.slow_client_policy is SlowClientPolicy.COALESCE
+    assert config.coalesce_ms == 0.0
+    assert config.terminal_marker == "[DONE]"
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("heartbeat_s", -1.0), ("commit_deadline_s", "2"), ("coalesce_ms", -0.5),
+    ("retry_backoff_s", -0.1), ("retry_budget_ratio", -1), ("write_deadline_s", 0),
+    ("max_pending_bytes", 0), ("max_pending_bytes", True), ("upstream_headers_timeout_s", -5),
+    ("max_line_bytes", 0), ("retry_attempts", -1), ("retry_attempts", 1.5),
+    ("slow_client_policy", "fast"), ("max_line_bytes", 10 << 20),
+])
+def test_config_whenBadValue_thenConfigErrorNamesTheKey(key: str, value: Any) -> None:
+    with pytest.raises(ConfigError) as raised:
+        WireConfig(**{key: value})
+    assert raised.value.key == key
+    assert str(raised.value).startswith(f"{key}: ")
+
+
+@pytest.mark.parametrize("policy", ["coalesce", "drop", "block"])
+def test_config_whenPolicyGivenAsString_thenEnum(policy: str) -> None:
+    assert WireConfig(slow_client_policy=policy).slow_client_policy is SlowClientPolicy(policy)  # type: ignore[arg-type]
+
+
+def test_replace_validatesAgain() -> None:
+    config = WireConfig().replace(heartbeat_s=1.0)
+    assert config.heartbeat_s == 1.0
+    with pytest.raises(ConfigError):
+        config.replace(heartbeat_s=-1.0)
+
+
+def test_config_isFrozen() -> None:
+    with pytest.raises(AttributeError):
+        WireConfig().heartbeat_s = 1.0  # type: ignore[misc]
