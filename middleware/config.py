@@ -61,9 +61,12 @@ class WireConfig:
     """Retries always allowed per second, whatever the ratio says."""
     terminal_marker: str | None = "[DONE]"
     """The ``data:`` that ends a complete stream; ``None`` = upstream EOF is complete."""
-    socket_send_buffer_bytes: int = 32 * 1024
-    """Drivers cap SO_SNDBUF so backpressure is seen before the kernel swallows it."""
-    write_high_water_bytes: int = 16 * 1024
+    socket_send_buffer_bytes: int = 16 * 1024
+    """Drivers cap SO_SNDBUF so backpressure is seen before the kernel swallows it
+    (Linux doubles the value). 16 KiB still carries a 100 tokens/s answer over a
+    200 ms round trip; measured with a slow reader, 32 KiB left 3.8 s of text
+    stuck in kernel buffers, 16 KiB 1.6 s (bench/README.md)."""
+    write_high_water_bytes: int = 8 * 1024
     """Transport write buffer at which the driver reports ``SocketPaused``."""
     max_line_bytes: int = 1 << 20
     """SSE parser: the longest line accepted from the upstream."""

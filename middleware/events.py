@@ -146,9 +146,16 @@ class CommitHeaders:
 
 @dataclass(frozen=True, slots=True)
 class AbortUpstream:
-    """Close the upstream connection (never reuse it) and send the abort call if configured."""
+    """Close the upstream connection now; never return it to a pool.
+
+    ``final`` is True when the stream itself is ending: then the engine should
+    also be told (the explicit abort call, if configured). False when only one
+    attempt is dropped before a retry, which reuses the request id, so an abort
+    call would cancel the retry as well.
+    """
 
     reason: EndReason
+    final: bool = True
 
 
 @dataclass(frozen=True, slots=True)

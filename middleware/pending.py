@@ -193,10 +193,11 @@ class PendingBuffer:
     def __bool__(self) -> bool:
         return bool(self._items)
 
-    def add_bytes(self, data: bytes) -> None:
-        """Queue raw bytes (a heartbeat, a passthrough body); never merged."""
+    def add_bytes(self, data: bytes, events: int = 0) -> None:
+        """Queue raw bytes (a heartbeat, a passthrough body, or ``events``
+        whole events forwarded as they came); never merged or dropped."""
         if data:
-            self._items.append(_Item(None, data, 0, False))
+            self._items.append(_Item(None, data, events, False))
             self.pending_bytes += len(data)
 
     def add_event(self, event: SSEEvent, encoded: bytes | None = None, *,

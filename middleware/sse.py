@@ -215,6 +215,13 @@ class SSEParser:
         return []
 
     @property
+    def at_boundary(self) -> bool:
+        """True between events: nothing buffered, no event half-read, past the
+        BOM check and with no CR waiting for its LF."""
+        return not (self._buffer or self._data or self._at_start or self._skip_lf
+                    or self._event is not None or self._id is not None or self._retry is not None)
+
+    @property
     def in_event(self) -> bool:
         """True while part of an event (or line) is buffered."""
         return bool(self._buffer or self._data or self._event is not None

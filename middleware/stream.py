@@ -134,6 +134,28 @@ def _error_object(data: str) -> dict[str, Any] | None:
     return None
 
 
+def _plain_event_count(data: bytes, limit_bytes: int, marker: bytes | None) -> int:
+    """How many events ``data`` holds if it is nothing but whole, single-line
+    ``data: `` events that need no look inside (no terminal marker, no error,
+    no usage block, no comment, id, event type or CR); else 0.
+
+    A few C-speed scans of the bytes, conservative by design: anything that
+    might need the full algorithm (even the marker's text inside a chunk)
+    answers 0 and takes the parser.
+    """
+    if (len(data) > limit_bytes or not data.startswith(b"data: ") or not data.endswith(b"\n\n")
+            or b"\r" in data or b'"error"' in data or (marker is not None and marker in data)):
+        return 0
+    count = data.count(b"\n\n")
+    if (data.count(b"\n") != 2 * count or data.count(b"data: ") != count
+            or data.count(b"\n\ndata: ") != count - 1):
+        return 0
+    usage = data.count(b'"usage"')
+    if usage and usage != data.count(b'"usage":null') + data.count(b'"usage": null'):
+        return 0
+    return count
+
+
 class WireStream:
     """The wire core for one response. See the module docstring."""
 
@@ -162,6 +184,9 @@ class WireStream:
             retry_budget.on_request(now)
         self._state = StreamState.WAITING
         self._parser = self._new_parser()
+        self._plain_limit_bytes = min(config.max_line_bytes, config.max_event_bytes)
+        marker = config.terminal_marker
+        self._marker_bytes = marker.encode() if marker is not None else None
         policy = config.slow_client_policy
         self._pending = PendingBuffer(merge=policy is not SlowClientPolicy.DROP,
                                       drop=policy is SlowClientPolicy.DROP)
@@ -386,6 +411,18 @@ class WireStream:
             self._pending.add_bytes(event.data)
             self._after_queue(now)
             return
+        if (self._state is StreamState.STREAMING and not self._pending and not self._paused
+                and not self._write_in_flight and self._parser.at_boundary):
+            count = _plain_event_count(event.data, self._plain_limit_bytes, self._marker_bytes)
+            if count:
+                # The client keeps up and these are ordinary text chunks: they
+                # go out as they came, with nothing to merge them with, so
+                # parsing and re-encoding them would only cost time.
+                self._pending.add_bytes(event.data, count)
+                self.events_in += count
+                self._attempt_events += count
+                self._after_queue(now)
+                return
         try:
             events = self._parser.feed(event.data)
         except SSEProtocolError as error:
@@ -557,8 +594,8 @@ class WireStream:
         if (self._headers_deadline_at is not None and now >= self._headers_deadline_at
                 and self._state not in _ENDED):
             self._headers_deadline_at = None
-            self._actions.append(AbortUpstream(EndReason.UPSTREAM_TIMEOUT))
-            self._upstream_open = False
+            # The attempt is still open (the engine may be working on it): the
+            # retry or the end below aborts it, saying which.
             self._upstream_failure(
                 UpstreamError(f"no response from upstream within "
                               f"{config.upstream_headers_timeout_s:g} s",
@@ -598,7 +635,7 @@ class WireStream:
             self.refused_retries += 1
             return False
         if self._upstream_open:
-            self._actions.append(AbortUpstream(reason))
+            self._actions.append(AbortUpstream(reason, final=False))
             self._upstream_open = False
         self._attempt += 1
         self.retries += 1

@@ -39,7 +39,6 @@ from tokenwire.middleware import (
     PauseUpstream,
     ResumeUpstream,
     RetryUpstream,
-    StreamState,
     Tick,
     WireStream,
     WriteCompleted,
@@ -163,7 +162,7 @@ class Exchange:
             self._execute(self.stream.handle(WriteCompleted(), now))
 
     def _execute(self, actions: Sequence[Action]) -> None:
-        aborted = False
+        tell_engine = False
         for action in actions:
             if isinstance(action, CommitHeaders):
                 headers = with_request_id(action.headers, self._context.config.request_id_header.encode(),
@@ -171,7 +170,7 @@ class Exchange:
                 self._downstream.send_headers(action.status, headers)
             elif isinstance(action, AbortUpstream):
                 self._abort_attempt()
-                aborted = True
+                tell_engine = tell_engine or action.final
             elif isinstance(action, RetryUpstream):
                 self._abort_attempt()
                 self._start_attempt(action.upstream_index)
@@ -184,9 +183,7 @@ class Exchange:
                 self._downstream.end_response(abrupt=action.abrupt, reset=action.reset)
             elif isinstance(action, Finished):
                 self._finish(action)
-        # A retry drops an attempt too; only an abort that ends the stream is
-        # worth telling the engine about (the retry reuses the request id).
-        if aborted and self.stream.state is StreamState.ABORTED:
+        if tell_engine:
             self._context.pools.send_abort(self.request_id)
 
     def _finish(self, action: Finished) -> None:

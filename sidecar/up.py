@@ -198,6 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # SIGTERM stops us like Ctrl-C does, also while the children start, so
     # the context manager's cleanup always stops them.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with running(listen=args.listen, admin_listen=args.admin_listen, model=args.model,
                      echo=args.verbose) as endpoints:

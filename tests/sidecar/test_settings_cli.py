@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import sys
 from pathlib import Path
 
@@ -73,15 +74,12 @@ def test_conf_file_has_every_key_with_its_default() -> None:
     assert config == defaults
 
 
-def test_cli_help_usage_and_placeholders(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_help_and_usage(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--help"]) == 0
     assert "sidecar" in capsys.readouterr().out
     assert main([]) == 2
     assert main(["bogus"]) == 2
     assert "unknown command" in capsys.readouterr().err
-    for command in ("up", "demo"):
-        assert main([command]) == 2
-        assert "not implemented yet" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         main(["sidecar", "--help"])
     assert exit_info.value.code == 0
@@ -98,3 +96,14 @@ def test_cli_engine_without_torch_says_how_to_install(monkeypatch: pytest.Monkey
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch now raises ImportError
     assert main(["engine"]) == 2
     assert "pip install tokenwire[engine]" in capsys.readouterr().err
+
+
+def test_up_whenPortTaken_thenExitsNonZeroNamingIt(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["up", "--listen", f"127.0.0.1:{port}", "--admin-listen", "127.0.0.1:0"]) == 1
+    err = capsys.readouterr().err
+    assert f"127.0.0.1:{port} is not available" in err
+    assert "starting the engine" not in err  # refused before anything was started
