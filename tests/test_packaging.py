@@ -46,6 +46,7 @@ def _modules(wheel: Path, package: str) -> list[str]:
     return sorted(
         n[:-3].replace("/", ".").removesuffix(".__init__")
         for n in names if n.startswith(prefix) and n.endswith(".py")
+        and not n.endswith("/__main__.py")  # runs the CLI when imported
     )
 
 
