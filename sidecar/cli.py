@@ -1,4 +1,4 @@
-"""The ``tokenwire`` command: ``sidecar``, ``engine``, and (later) ``up``, ``demo``, ``probe``."""
+"""The ``tokenwire`` command: ``sidecar``, ``engine``, ``up``, ``demo``, ``probe``."""
 
 from __future__ import annotations
 
@@ -24,8 +24,6 @@ commands:
   probe     load and correctness probe against a URL
 """
 
-_PLACEHOLDERS = ("demo",)
-
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tokenwire`` console script; returns the exit status."""
@@ -44,9 +42,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .up import main as up_main
 
         return up_main(rest)
-    if command in _PLACEHOLDERS:
-        print(f"tokenwire {command}: not implemented yet", file=sys.stderr)
-        return 2
+    if command == "demo":
+        from .demo import main as demo_main
+
+        return demo_main(rest)
     print(f"tokenwire: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
     return 2
 

@@ -141,8 +141,8 @@ def running(*, listen: str, admin_listen: str, model: str, sidecar_args: Sequenc
     children: list[Child] = []
     try:
         if announce:
-            print(f"starting the engine (model {model}; the first run builds it, about a minute)...",
-                  file=sys.stderr, flush=True)
+            building = "; the first run builds it, about a minute" if model == "tiny" else ""
+            print(f"starting the engine (model {model}{building})...", file=sys.stderr, flush=True)
         engine = Child("engine", [python, "-m", "tokenwire.engine.server", "--listen",
                                   f"unix:{engine_socket}", "--model", model], echo=echo)
         children.append(engine)

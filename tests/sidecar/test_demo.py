@@ -1,0 +1,106 @@
+"""``tokenwire demo`` end to end: a real engine, real sidecars, real sockets.
+
+The tiny model is built into a pytest temp dir (``TOKENWIRE_CACHE_DIR``), with a
+short training run: the tour needs a model that streams tokens, not prose, and
+nothing here may depend on what happens to sit in ``~/.cache``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tokenwire.sidecar.demo import split_wire
+
+_DEMO_TIMEOUT_S = 420  # a loaded two-core machine; the tour itself takes ~20 s
+
+
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(cache dir, model folder): a quickly trained tiny model, built once for this module."""
+    pytest.importorskip("torch")
+    cache_dir = tmp_path_factory.mktemp("tokenwire-cache")
+    # Built in a child process so this test process never loads torch itself.
+    script = ("import sys; from pathlib import Path; "
+              "from tokenwire.engine.tiny import TinySpec, ensure_tiny_model; "
+              "print(ensure_tiny_model(TinySpec(train_steps=30, batch_size=4, "
+              "sequence_length_tokens=64), Path(sys.argv[1]), log=False))")
+    built = subprocess.run([sys.executable, "-c", script, str(cache_dir)], capture_output=True,
+                           text=True, timeout=300, check=True)
+    return cache_dir, Path(built.stdout.strip().splitlines()[-1])
+
+
+def _run_demo(args: list[str], cache_dir: Path | None = None,
+              timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENWIRE_")}
+    if cache_dir is not None:
+        env["TOKENWIRE_CACHE_DIR"] = str(cache_dir)
+    return subprocess.run([sys.executable, "-m", "tokenwire.sidecar", "demo", *args],
+                          capture_output=True, text=True, timeout=timeout_s, env=env)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(_DEMO_TIMEOUT_S + 60)
+def test_demo_runs_the_whole_tour_and_writes_the_report(tiny_cache: tuple[Path, Path],
+                                                        tmp_path: Path) -> None:
+    cache_dir, model_dir = tiny_cache
+    out_dir = tmp_path / "report"
+    result = _run_demo(["--quick", "--model", str(model_dir), "--out", str(out_dir)],
+                       cache_dir, timeout_s=_DEMO_TIMEOUT_S)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    stdout = result.stdout
+    for heading in ("1. The wire", "2. Timing", "3. A slow reader", "4. A dropped connection",
+                    "5. Resume", "all checks passed"):
+        assert heading in stdout
+    assert "text/event-stream" in stdout and "\\n\\n\\r\\n" in stdout  # bytes shown escaped
+    assert "issue 6" in stdout  # resume is announced, not faked
+
+    report: dict[str, Any] = json.loads((out_dir / "report.json").read_text())
+    assert report["wire"]["complete"] and report["wire"]["answer"]["saw_done"]
+    assert report["timing"]["ok"] == report["timing"]["requests"]
+    rows = {row["policy"]: row for row in report["slow_reader"]["rows"]}
+    assert set(rows) == {"coalesce", "block", "drop", "direct"}
+    for policy in ("coalesce", "block"):
+        row = rows[policy]
+        assert row["complete"], row
+        assert row["text_chars"] > 0 and row["tokens_generated"] == report["settings"]["slow_max_tokens"]
+        assert row["end_reason"] == "complete"
+        assert row["pending_high_water_bytes"] is not None
+    drop = report["drop"]
+    assert drop["dropped"], drop
+    assert drop["running_during"] >= 1 and drop["running_after"] < drop["running_during"]
+    assert drop["tokens_generated"] < drop["max_tokens"]
+    assert drop["sidecar_end_reason"] == "client_gone"
+
+    html = (out_dir / "report.html").read_text()
+    for plot in ("gaps.png", "policies.png", "drop.png"):
+        assert (out_dir / plot).stat().st_size > 1000
+        assert plot in html
+
+
+def test_demo_wants_url_and_engine_socket_together() -> None:
+    result = _run_demo(["--url", "http://127.0.0.1:9"])
+    assert result.returncode == 2
+    assert "--url and --engine-socket go together" in result.stderr
+
+
+def test_demo_fails_clearly_without_an_engine(tmp_path: Path) -> None:
+    result = _run_demo(["--url", "http://127.0.0.1:9", "--engine-socket", str(tmp_path / "none.sock"),
+                        "--out", str(tmp_path / "out")])
+    assert result.returncode == 1
+    assert "no engine socket at" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_split_wire_keeps_the_chunked_framing_of_each_event() -> None:
+    raw = (b"HTTP/1.1 200 \r\ncontent-type: text/event-stream\r\n\r\n"
+           b"d\r\ndata: hello\n\n\r\n" b"e\r\ndata: [DONE]\n\n\r\n" b"0\r\n\r\n")
+    head, chunks = split_wire(raw)
+    assert head == [b"HTTP/1.1 200 \r\n", b"content-type: text/event-stream\r\n", b"\r\n"]
+    assert chunks == [(b"d\r\n", b"data: hello\n\n\r\n"), (b"e\r\n", b"data: [DONE]\n\n\r\n"),
+                      (b"0\r\n", b"\r\n")]
