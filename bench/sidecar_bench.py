@@ -11,7 +11,8 @@ Method (see bench/README.md for the figures):
   though the absolute numbers depend on a shared 2-core box.
 * ``throughput``: S streams x E events every I ms; delivered events/s,
   completion, exact text, and the latency from the upstream's send to the
-  client's read (p50/p99); "added latency" is a proxy's figure minus direct's.
+  client's read (p50/p99); "added latency" is a proxy's figure minus direct's;
+  the proxy's CPU time (``/proc/PID/stat``) per delivered event.
 * ``reset``: a client reads 3 events then resets (RST); the time until the
   upstream sees its connection closed (p50/p99).
 * ``hold``: N open, quiet streams; the proxy's RSS growth per stream.
@@ -19,7 +20,7 @@ Method (see bench/README.md for the figures):
   5,000 tokens at 1 ms each: when did the upstream finish, when did the last
   token arrive, is the text exact, and how much did the proxy's RSS grow.
 
-Usage: ``python bench/sidecar_bench.py [--quick]``; writes
+Usage: ``python bench/sidecar_bench.py [--quick | --cpu ROUNDS]``; writes
 ``bench/results/sidecar.json`` and ``bench/results/sidecar.png``.
 """
 
@@ -57,6 +58,12 @@ def rss_kib(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     raise RuntimeError("no VmRSS")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def wait_ready(proc: subprocess.Popen[str], what: str, timeout_s: float = 60) -> None:
@@ -203,8 +210,13 @@ def run(quick: bool) -> dict[str, Any]:
         for name, (port, pid_of) in targets.items():
             row: dict[str, Any] = {}
             print(f"[{name}] throughput {streams}x{events}", flush=True)
+            cpu_before = cpu_seconds(pid_of()) if pid_of else 0.0
             row["throughput"] = client("throughput", port, upstream_port, "--streams", str(streams),
                                        "--events", str(events), "--interval-ms", "10")
+            if pid_of:
+                tokens = max(row["throughput"]["delivered_tokens"], 1)
+                row["throughput"]["proxy_cpu_us_per_event"] = round(
+                    (cpu_seconds(pid_of()) - cpu_before) / tokens * 1e6, 1)
             print(f"[{name}] reset", flush=True)
             row["reset"] = client("reset", port, upstream_port, "--streams", "100" if quick else "300",
                                   "--concurrency", "20")
@@ -226,6 +238,37 @@ def run(quick: bool) -> dict[str, Any]:
         tp["added_latency_p50_ms"] = round(tp["latency"]["p50_ms"] - direct["latency"]["p50_ms"], 3)
         tp["added_latency_p99_ms"] = round(tp["latency"]["p99_ms"] - direct["latency"]["p99_ms"], 3)
     return results
+
+
+def cpu_per_event(rounds: int, streams: int, events: int, interval_ms: float) -> dict[str, Any]:
+    """Proxy CPU per delivered event, tokenwire and nginx alternating, ``rounds`` each.
+
+    CPU = the proxy process's user + system time (``/proc/PID/stat``) over a
+    throughput run; events = tokens the client received (exact text checked).
+    """
+    upstream_port, sidecar_port, nginx_port = free_port(), free_port(), free_port()
+    rows: dict[str, list[dict[str, Any]]] = {"tokenwire": [], "nginx": []}
+    with process([PY, LOAD, "upstream", "--port", str(upstream_port)], "upstream"), \
+            sidecar(sidecar_port, upstream_port) as side, \
+            nginx(nginx_port, upstream_port) as ngx:
+        targets = {"tokenwire": (sidecar_port, side.pid), "nginx": (nginx_port, nginx_worker_pid(ngx))}
+        for round_index in range(rounds + 1):  # round 0 warms up
+            for name, (port, pid) in targets.items():
+                before = cpu_seconds(pid)
+                result = client("throughput", port, upstream_port, "--streams", str(streams),
+                                "--events", str(events), "--interval-ms", str(interval_ms))
+                used_s = cpu_seconds(pid) - before
+                tokens = max(result["delivered_tokens"], 1)
+                row = {"us_per_event": round(used_s / tokens * 1e6, 1), "cpu_s": round(used_s, 3),
+                       "tokens": result["delivered_tokens"], "exact_text": result["exact_text"],
+                       "latency": result["latency"]}
+                print(f"[round {round_index}] {name}: {json.dumps(row)}", flush=True)
+                if round_index:
+                    rows[name].append(row)
+    medians = {name: sorted(r["us_per_event"] for r in runs)[len(runs) // 2]
+               for name, runs in rows.items()}
+    return {"streams": streams, "events": events, "interval_ms": interval_ms, "rounds": rows,
+            "median_us_per_event": medians}
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -258,7 +301,13 @@ def plot(results: dict[str, Any], path: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller run for a smoke check")
+    parser.add_argument("--cpu", type=int, metavar="ROUNDS", default=0,
+                        help="only measure proxy CPU per event (40 streams x 500 events at 5 ms), "
+                             "ROUNDS alternating rounds after a warm-up; prints, writes nothing")
     args = parser.parse_args()
+    if args.cpu:
+        print(json.dumps(cpu_per_event(args.cpu, 40, 500, 5), indent=2))
+        return 0
     RESULTS.mkdir(parents=True, exist_ok=True)
     results = run(args.quick)
     results["quick"] = args.quick

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import resource
 import signal
 import ssl
 import sys
@@ -145,8 +146,30 @@ class Sidecar:
         context.log.close()
 
 
+def raise_fd_limit(max_connections: int) -> int:
+    """Raise the soft open-file limit towards what ``max_connections`` needs; the new limit.
+
+    Each proxied stream holds two descriptors (client and upstream), so the
+    usual soft limit of 1,024 would refuse connections long before
+    ``max_connections``. The soft limit goes up to at most the hard limit (which
+    only the administrator can raise); a lower result is logged, not fatal.
+    """
+    wanted = 2 * max_connections + 256
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if target > soft:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+    if soft < wanted:
+        logger.warning("open-file limit %d is below the %d that max_connections=%d needs",
+                       soft, wanted, max_connections)
+    return soft
+
+
 def run(config: SidecarConfig, *, out: TextIO = sys.stdout) -> int:
     """Run until SIGTERM/SIGINT (the ``tokenwire sidecar`` command); the exit status."""
+    raise_fd_limit(config.max_connections)
     factory: Callable[[], asyncio.AbstractEventLoop] | None = None
     with contextlib.suppress(ImportError):
         import uvloop

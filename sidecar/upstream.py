@@ -13,15 +13,25 @@ connection whose response was not read to the end instead of pooling it, so an
 aborted stream's connection is never reused. httpcore's own retries are off;
 retrying is the wire core's decision (``RetryUpstream``).
 
+Each upstream's connections are split over ``_POOL_SHARDS`` pools taken in
+turn: httpcore's pool re-examines every connection it holds whenever a request
+starts or ends (and, for each idle one, counts them all again), which with
+hundreds of pooled connections costs milliseconds of event-loop time per
+request, and grows with the square of the pool.
+
+The pools use :class:`~tokenwire.sidecar.upstream_io.UpstreamBackend` as their
+network layer (see there why).
+
 Exceptions are converted once, here, into :class:`FailureKind`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import httpcore
 from tokenwire.middleware import (
@@ -34,10 +44,14 @@ from tokenwire.middleware import (
 )
 
 from .settings import SidecarConfig
+from .upstream_io import UpstreamBackend
 
 logger = logging.getLogger("tokenwire.sidecar")
 
 Header = tuple[bytes, bytes]
+
+# Pools per upstream, at most (one per 64 allowed connections); see the module docstring.
+_POOL_SHARDS = 16
 
 _FAILURE_KINDS: tuple[tuple[type[Exception], FailureKind], ...] = (
     (httpcore.ConnectTimeout, FailureKind.CONNECT),
@@ -68,7 +82,22 @@ class Upstream:
     host: bytes
     port: int | None
     path_prefix: bytes
-    pool: httpcore.AsyncConnectionPool
+    pools: tuple[httpcore.AsyncConnectionPool, ...]
+    _turn: Iterator[httpcore.AsyncConnectionPool] = field(init=False, repr=False, compare=False)
+    _released: list[httpcore.AsyncConnectionPool] = field(default_factory=list, init=False, repr=False,
+                                                          compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_turn", itertools.cycle(self.pools))
+
+    def next_pool(self) -> httpcore.AsyncConnectionPool:
+        """The pool for the next request: the last one a connection went back to
+        (so keep-alive connections are reused), else each in turn."""
+        return self._released.pop() if self._released else next(self._turn)
+
+    def released(self, pool: httpcore.AsyncConnectionPool) -> None:
+        """A response from ``pool`` was read to its end: its connection is idle there."""
+        self._released.append(pool)
 
     def url(self, target: bytes) -> httpcore.URL:
         return httpcore.URL(scheme=self.scheme, host=self.host, port=self.port,
@@ -95,14 +124,19 @@ class UpstreamPools:
             url = httpcore.URL(name)
             scheme, host, port = url.scheme, url.host, url.port
             prefix = url.target.rstrip(b"/")
-        pool = httpcore.AsyncConnectionPool(
-            max_connections=config.upstream_max_connections,
-            max_keepalive_connections=config.upstream_max_connections,
+        backend = UpstreamBackend()
+        # Small limits keep one pool; the total never exceeds the configured limit.
+        shards = max(1, min(_POOL_SHARDS, config.upstream_max_connections // 64))
+        per_pool = config.upstream_max_connections // shards
+        pools = tuple(httpcore.AsyncConnectionPool(
+            max_connections=per_pool,
+            max_keepalive_connections=per_pool,
             keepalive_expiry=config.upstream_keepalive_s,
             uds=uds,
             retries=0,
-        )
-        return Upstream(name, scheme, host, port, prefix, pool)
+            network_backend=backend,
+        ) for _ in range(shards))
+        return Upstream(name, scheme, host, port, prefix, pools)
 
     @property
     def names(self) -> list[str]:
@@ -143,7 +177,8 @@ class UpstreamPools:
         for task in list(self._abort_tasks):
             task.cancel()
         for upstream in self.upstreams:
-            await upstream.pool.aclose()
+            for pool in upstream.pools:
+                await pool.aclose()
         if self._abort_pool is not None:
             await self._abort_pool.aclose()
 
@@ -165,9 +200,10 @@ async def run_attempt(
     (``PauseUpstream``); TCP then pushes back on the engine. Cancel the task
     to abort: the connection is closed, not pooled.
     """
+    pool = upstream.next_pool()
     try:
-        async with upstream.pool.stream(method, upstream.url(target), headers=list(headers),
-                                        content=body, extensions={"timeout": timeouts}) as response:
+        async with pool.stream(method, upstream.url(target), headers=list(headers),
+                               content=body, extensions={"timeout": timeouts}) as response:
             feed(UpstreamHeaders(response.status,
                                  tuple((k.lower(), v) for k, v in response.headers)))
             async for chunk in response.aiter_stream():
@@ -182,4 +218,5 @@ async def run_attempt(
         feed(UpstreamFailed(kind, f"{type(error).__name__}: {error}" if str(error)
                             else type(error).__name__))
         return
+    upstream.released(pool)
     feed(UpstreamEnded())

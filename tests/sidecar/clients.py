@@ -72,15 +72,24 @@ def reset(sock: socket.socket) -> None:
 class ResponseReader:
     """Reads one response off ``sock`` in steps: the head first, the rest later."""
 
-    def __init__(self, sock: socket.socket, timeout_s: float = 10.0) -> None:
+    def __init__(self, sock: socket.socket, timeout_s: float = 10.0, *, buffered: bytes = b"") -> None:
         self.sock = sock
         self.timeout_s = timeout_s
         self.conn = h11.Connection(h11.CLIENT)
         # h11 must believe it sent a request to parse a response.
         self.conn.send(h11.Request(method="GET", target="/", headers=[("Host", "x")]))
         self.conn.send(h11.EndOfMessage())
+        if buffered:  # (b"" would mean EOF to h11)
+            # Bytes already read off the socket past the previous response (pipelining).
+            self.conn.receive_data(buffered)
         self.response = RawResponse()
         self._body = bytearray()
+
+    @property
+    def trailing(self) -> bytes:
+        """What was read past the end of this response: the next one's start."""
+        data, _closed = self.conn.trailing_data
+        return bytes(data)
 
     def read(self, *, head_only: bool = False) -> RawResponse:
         response = self.response
@@ -126,6 +135,18 @@ class ResponseReader:
 def read_response(sock: socket.socket, *, timeout_s: float = 10.0, head_only: bool = False) -> RawResponse:
     """Read one response (skipping 1xx) until its end or the connection's."""
     return ResponseReader(sock, timeout_s).read(head_only=head_only)
+
+
+def read_responses(sock: socket.socket, count: int, *, timeout_s: float = 10.0) -> list[RawResponse]:
+    """Read ``count`` pipelined responses; one ``recv`` may hold the end of
+    one and the start of the next, so nothing read is thrown away."""
+    responses: list[RawResponse] = []
+    buffered = b""
+    for _ in range(count):
+        reader = ResponseReader(sock, timeout_s, buffered=buffered)
+        responses.append(reader.read())
+        buffered = reader.trailing
+    return responses
 
 
 def exchange(port: int, method: str, path: str, *, body: bytes = b"",

@@ -9,7 +9,7 @@ import subprocess
 import httpx
 import openai
 import pytest
-from clients import chat_body, connect, exchange, read_response, request_bytes
+from clients import chat_body, connect, exchange, read_response, read_responses, request_bytes
 from tokenwire.sidecar import wants_stream
 from upstreams import FakeUpstream, expected_text
 
@@ -88,8 +88,7 @@ def test_keep_alive_pipelining_chunked_body_and_100_continue(start_sidecar) -> N
         sock.sendall(request_bytes("POST", "/normal/v1/chat/completions", body=chat_body(),
                                    headers={"x-fake-tokens": "3"})
                      + request_bytes("GET", "/models/v1/models"))
-        first = read_response(sock)
-        second = read_response(sock)
+        first, second = read_responses(sock, 2)
         assert first.clean_end and first.datas()[-1] == "[DONE]"
         assert second.status == 200 and second.json()["data"][0]["id"] == "fake"
         # A chunked request body behind Expect: 100-continue.

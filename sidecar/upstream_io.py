@@ -1,0 +1,252 @@
+"""httpcore's network layer for the upstream, on plain asyncio protocols.
+
+Theory of operation
+-------------------
+httpcore talks to the network through a pluggable backend
+(``AsyncConnectionPool(network_backend=...)``, a documented extension point).
+Its default on asyncio goes through anyio, which per read resumes the
+transport's reading, waits, pauses it again (two event-loop registrations on
+uvloop), runs a cancellation checkpoint and a timeout scope, and asks the
+kernel with ``poll()`` whether an idle pooled connection is still open. A
+streaming upstream is read once per token, so that per-read work was a large
+part of the sidecar's CPU per event.
+
+Here a connection is an :class:`asyncio.Protocol` that keeps reading into a
+small buffer, and ``read()`` takes whatever is buffered (up to ``max_bytes``),
+waiting on one future only when nothing is. Events that arrived while the
+driver was busy are therefore read together, in one call. Flow control stays
+TCP's: past ``_READ_HIGH_WATER_BYTES`` buffered the transport stops reading
+until ``read()`` drains it, so an upstream the wire core paused (``block``
+policy) is pushed back on exactly as before. ``is_readable`` (httpcore's "did
+the server close this idle connection?") is answered from the protocol's own
+state, without a system call.
+
+Timeouts and exceptions follow httpcore's contract: ``ConnectError``/
+``ConnectTimeout`` when connecting, ``ReadError``/``ReadTimeout`` and
+``WriteError``/``WriteTimeout`` after; ``b""`` from ``read()`` is EOF.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import ssl
+import typing
+from collections.abc import Iterable
+
+import httpcore
+
+# Bytes buffered from the upstream before its transport stops reading.
+_READ_HIGH_WATER_BYTES = 256 * 1024
+
+SocketOption = tuple[int, int, int] | tuple[int, int, bytes | bytearray] | tuple[int, int, None, int]
+
+
+class _UpstreamProtocol(asyncio.Protocol):
+    """Buffers what the upstream sends and wakes the one reader waiting for it."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.chunks: list[bytes] = []
+        self.buffered_bytes = 0
+        self.eof = False
+        self.error: Exception | None = None
+        self.reading_paused = False
+        self.waiter: asyncio.Future[None] | None = None
+        self.write_paused = False
+        self.drain_waiter: asyncio.Future[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = typing.cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.chunks.append(data)
+        self.buffered_bytes += len(data)
+        if self.buffered_bytes > _READ_HIGH_WATER_BYTES and not self.reading_paused:
+            self.reading_paused = True
+            assert self.transport is not None
+            self.transport.pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool | None:
+        self.eof = True
+        self._wake()
+        return None  # close the transport: we never half-close towards the upstream
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.eof = True
+        if exc is not None:
+            self.error = exc
+        self._wake()
+        self._wake_writer()
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self._wake_writer()
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _wake_writer(self) -> None:
+        waiter = self.drain_waiter
+        if waiter is not None:
+            self.drain_waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+
+class UpstreamStream(httpcore.AsyncNetworkStream):
+    """One upstream connection as httpcore sees it."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: _UpstreamProtocol) -> None:
+        self._transport = transport
+        self._protocol = protocol
+        self._loop = asyncio.get_running_loop()
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        protocol = self._protocol
+        if not protocol.chunks:
+            if protocol.error is not None:
+                raise httpcore.ReadError(str(protocol.error) or type(protocol.error).__name__)
+            if protocol.eof:
+                return b""
+            waiter = self._loop.create_future()
+            protocol.waiter = waiter
+            try:
+                if timeout is None:
+                    await waiter
+                else:
+                    async with asyncio.timeout(timeout):
+                        await waiter
+            except TimeoutError:
+                raise httpcore.ReadTimeout(f"no data from the upstream in {timeout:g} s") from None
+            finally:
+                if protocol.waiter is waiter:
+                    protocol.waiter = None
+            if not protocol.chunks:
+                if protocol.error is not None:
+                    raise httpcore.ReadError(str(protocol.error) or type(protocol.error).__name__)
+                return b""
+        chunks = protocol.chunks
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        if len(data) > max_bytes:
+            protocol.chunks = [data[max_bytes:]]
+            data = data[:max_bytes]
+        else:
+            protocol.chunks = []
+        protocol.buffered_bytes -= len(data)
+        if protocol.reading_paused and protocol.buffered_bytes <= _READ_HIGH_WATER_BYTES // 2:
+            protocol.reading_paused = False
+            self._transport.resume_reading()
+        return data
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        if not buffer:
+            return
+        protocol = self._protocol
+        if protocol.error is not None or self._transport.is_closing():
+            raise httpcore.WriteError("the upstream connection is closed")
+        self._transport.write(buffer)
+        if not protocol.write_paused:
+            return
+        waiter = self._loop.create_future()
+        protocol.drain_waiter = waiter
+        try:
+            async with asyncio.timeout(timeout):
+                await waiter
+        except TimeoutError:
+            raise httpcore.WriteTimeout(f"the upstream took no data for {timeout:g} s") from None
+        if protocol.error is not None:
+            raise httpcore.WriteError(str(protocol.error) or type(protocol.error).__name__)
+
+    async def aclose(self) -> None:
+        self._transport.close()
+
+    async def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,
+                        timeout: float | None = None) -> httpcore.AsyncNetworkStream:
+        try:
+            async with asyncio.timeout(timeout):
+                transport = await self._loop.start_tls(
+                    self._transport, self._protocol, ssl_context, server_hostname=server_hostname)
+        except TimeoutError:
+            self._transport.abort()
+            raise httpcore.ConnectTimeout("TLS handshake with the upstream timed out") from None
+        except (OSError, ssl.SSLError) as error:
+            self._transport.abort()
+            raise httpcore.ConnectError(str(error)) from error
+        if transport is None:
+            raise httpcore.ConnectError("the upstream closed during the TLS handshake")
+        return UpstreamStream(transport, self._protocol)
+
+    def get_extra_info(self, info: str) -> typing.Any:
+        if info == "is_readable":
+            # For an idle pooled connection: has the server sent anything or closed it?
+            protocol = self._protocol
+            return bool(protocol.chunks) or protocol.eof
+        if info == "ssl_object":
+            return self._transport.get_extra_info("ssl_object")
+        if info == "client_addr":
+            return self._transport.get_extra_info("sockname")
+        if info == "server_addr":
+            return self._transport.get_extra_info("peername")
+        if info == "socket":
+            return self._transport.get_extra_info("socket")
+        return None
+
+
+class UpstreamBackend(httpcore.AsyncNetworkBackend):
+    """Opens :class:`UpstreamStream` connections over TCP or a Unix socket."""
+
+    async def connect_tcp(self, host: str, port: int, timeout: float | None = None,
+                          local_address: str | None = None,
+                          socket_options: Iterable[SocketOption] | None = None,
+                          ) -> httpcore.AsyncNetworkStream:
+        loop = asyncio.get_running_loop()
+        local_addr = None if local_address is None else (local_address, 0)
+        return await self._connect(
+            lambda: loop.create_connection(_UpstreamProtocol, host, port, local_addr=local_addr),
+            timeout, socket_options, tcp=True)
+
+    async def connect_unix_socket(self, path: str, timeout: float | None = None,
+                                  socket_options: Iterable[SocketOption] | None = None,
+                                  ) -> httpcore.AsyncNetworkStream:
+        loop = asyncio.get_running_loop()
+        return await self._connect(lambda: loop.create_unix_connection(_UpstreamProtocol, path),
+                                   timeout, socket_options, tcp=False)
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+    @staticmethod
+    async def _connect(open_connection: typing.Callable[[], typing.Awaitable[
+                           tuple[asyncio.BaseTransport, _UpstreamProtocol]]],
+                       timeout: float | None, socket_options: Iterable[SocketOption] | None,
+                       *, tcp: bool) -> UpstreamStream:
+        try:
+            async with asyncio.timeout(timeout):
+                transport, protocol = await open_connection()
+        except TimeoutError:
+            raise httpcore.ConnectTimeout(f"no connection to the upstream in {timeout:g} s") from None
+        except OSError as error:
+            raise httpcore.ConnectError(str(error) or type(error).__name__) from error
+        transport = typing.cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            if tcp:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                for option in socket_options or ():
+                    sock.setsockopt(*option)
+            except OSError as error:
+                transport.abort()
+                raise httpcore.ConnectError(str(error)) from error
+        return UpstreamStream(transport, protocol)
