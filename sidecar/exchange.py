@@ -47,6 +47,7 @@ from tokenwire.middleware import (
 from .context import SidecarContext
 from .forwarding import with_request_id
 from .upstream import run_attempt
+from .upstream_io import UpstreamStream
 
 logger = logging.getLogger("tokenwire.sidecar")
 
@@ -102,6 +103,7 @@ class Exchange:
         self._done = False
         self._response_ended = False
         self._attempt: asyncio.Task[None] | None = None
+        self._attempt_connection: object | None = None
         self._upstream_readable = asyncio.Event()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
@@ -251,14 +253,22 @@ class Exchange:
             if attempt is not None and attempt is self._attempt:
                 self.feed(event)
 
+        def connected(stream: object) -> None:
+            if attempt is not None and attempt is self._attempt:
+                self._attempt_connection = stream
+
+        self._attempt_connection = None
         attempt = self._loop.create_task(run_attempt(
             pools.upstreams[upstream_index], method=self._method, target=self._target,
             headers=self._upstream_headers, body=self._body, timeouts=pools.timeouts,
-            readable=self._upstream_readable, feed=feed_from_attempt))
+            readable=self._upstream_readable, feed=feed_from_attempt, on_connection=connected))
         self._attempt = attempt
 
     def _abort_attempt(self) -> None:
         attempt, self._attempt = self._attempt, None
+        connection, self._attempt_connection = self._attempt_connection, None
+        if isinstance(connection, UpstreamStream) and attempt is not None and not attempt.done():
+            connection.abort()
         # The attempt may be the task running this very code (the input that
         # made the core abort came from it): cancel() still works then, at its
         # next await, which is where httpcore closes the connection.

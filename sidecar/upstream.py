@@ -193,17 +193,22 @@ async def run_attempt(
     timeouts: dict[str, float | None],
     readable: asyncio.Event,
     feed: Callable[[Input], None],
+    on_connection: Callable[[object], None] | None = None,
 ) -> None:
     """One upstream request; every outcome is reported through ``feed``.
 
     ``readable`` is cleared while the wire core wants the upstream paused
     (``PauseUpstream``); TCP then pushes back on the engine. Cancel the task
-    to abort: the connection is closed, not pooled.
+    to abort: the connection is closed, not pooled. ``on_connection`` gets
+    the response's network stream, so an abort can close it without waiting
+    for the cancellation to unwind.
     """
     pool = upstream.next_pool()
     try:
         async with pool.stream(method, upstream.url(target), headers=list(headers),
                                content=body, extensions={"timeout": timeouts}) as response:
+            if on_connection is not None:
+                on_connection(response.extensions.get("network_stream"))
             feed(UpstreamHeaders(response.status,
                                  tuple((k.lower(), v) for k, v in response.headers)))
             async for chunk in response.aiter_stream():

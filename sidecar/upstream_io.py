@@ -170,6 +170,11 @@ class UpstreamStream(httpcore.AsyncNetworkStream):
     async def aclose(self) -> None:
         self._transport.close()
 
+    def abort(self) -> None:
+        """Drop the connection now (no await): an aborted stream's upstream sees
+        the close at once instead of after the task's cancellation unwinds."""
+        self._transport.abort()
+
     async def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,
                         timeout: float | None = None) -> httpcore.AsyncNetworkStream:
         try:
