@@ -62,8 +62,11 @@ SLOW_RECEIVE_BUFFER_BYTES = 4096
 SLOW_READ_BYTES = 512
 SLOW_READ_INTERVAL_S = 0.05
 # The per-policy sidecars cap their own socket and transport buffers too (see
-# DESIGN.md, "Kernel buffers hide backpressure").
-SLOW_SIDECAR_ARGS = ("--socket-send-buffer-bytes", "16384", "--write-high-water-bytes", "8192")
+# DESIGN.md, "Kernel buffers hide backpressure"), tighter than the defaults
+# (16 KiB / 8 KiB): a demo answer is only tens of KB, and with the defaults
+# the kernel and transport buffers alone would hold most of it, so a slow
+# reader would show no difference between the policies.
+SLOW_SIDECAR_ARGS = ("--socket-send-buffer-bytes", "4096", "--write-high-water-bytes", "4096")
 
 _RUNNING_GAUGE = "tokenwire_engine_running"
 _GENERATED_COUNTER = "tokenwire_engine_generated_tokens_total"
