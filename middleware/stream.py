@@ -697,30 +697,29 @@ class WireStream:
         self._client_gone = True
 
     def _after_queue(self, now: float) -> None:
-        """Bookkeeping after bytes were queued: window, caps, block policy."""
+        """Bookkeeping after content was queued: window, cap, block policy."""
         pending = self._pending.pending_bytes
         if self._first_pending_at is None and pending:
             self._first_pending_at = now
-        if pending > self.pending_high_water_bytes:
-            self.pending_high_water_bytes = pending
-        cap = self.config.max_pending_bytes
-        if pending > cap:
-            self._slow_client(ErrorCode.BACKPRESSURE_EXCEEDED, now)
+        if self._enforce_cap(now):
             return
         block = self._passthrough or self.config.slow_client_policy is SlowClientPolicy.BLOCK
-        if block and not self._upstream_paused and pending >= cap // 2 and (
+        if block and not self._upstream_paused and pending >= self.config.max_pending_bytes // 2 and (
                 self._paused or self._write_in_flight):
             self._upstream_paused = True
             self._actions.append(PauseUpstream())
 
-    def _enforce_cap(self, now: float) -> None:
-        """The cap holds for terminal events too (``[DONE]``, an error event):
-        a client that cannot take them is as gone as one that cannot take text."""
+    def _enforce_cap(self, now: float) -> bool:
+        """Track the high-water mark and hold the cap, for terminal events too
+        (``[DONE]``, an error event): a client that cannot take them is as gone
+        as one that cannot take text. True if the client was cut off."""
         pending = self._pending.pending_bytes
         if pending > self.pending_high_water_bytes:
             self.pending_high_water_bytes = pending
         if pending > self.config.max_pending_bytes:
             self._slow_client(ErrorCode.BACKPRESSURE_EXCEEDED, now)
+            return True
+        return False
 
     def _maybe_finish(self, now: float) -> None:
         if self._finished or self._state not in _ENDED:
