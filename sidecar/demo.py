@@ -51,7 +51,7 @@ from tokenwire.middleware.errors import SSEProtocolError
 from tokenwire.middleware.sse import SSEParser
 
 from . import up
-from .probe import run_load, summarize
+from .probe import read_chunk, run_load, summarize
 
 POLICIES = ("coalesce", "block", "drop")
 PROMPT = "Tell me about the sea."
@@ -192,24 +192,15 @@ class Answer:
             self.saw_done = True
             return
         self.events += 1
-        try:
-            chunk: Any = json.loads(data)
-        except ValueError:
-            self.error = f"non-JSON event: {data[:80]}"
+        facts = read_chunk(data)
+        if facts.error is not None:
+            self.error = facts.error
             return
-        if not isinstance(chunk, dict):
-            return
-        if chunk.get("error") is not None:
-            self.error = f"in-band error: {json.dumps(chunk['error'])[:200]}"
-            return
-        usage = chunk.get("usage")
-        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-            self.completion_tokens = usage["completion_tokens"]
-        for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or {}
-            self.text += delta.get("content") or ""
-            if choice.get("finish_reason") is not None:
-                self.finish_reason = choice["finish_reason"]
+        if facts.completion_tokens is not None:
+            self.completion_tokens = facts.completion_tokens
+        self.text += facts.text
+        if facts.finish_reason is not None:
+            self.finish_reason = facts.finish_reason
 
 
 class StreamReader:

@@ -94,29 +94,53 @@ async def probe_one(pool: httpcore.AsyncConnectionPool, url: str, body: bytes,
     return outcome
 
 
-def _read_chunk(data: str, outcome: StreamOutcome, elapsed_s: float) -> None:
+@dataclass(frozen=True, slots=True)
+class ChunkFacts:
+    """What one OpenAI stream chunk says, as a client reads it."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    completion_tokens: int | None = None
+    error: str | None = None
+
+
+def read_chunk(data: str) -> ChunkFacts:
+    """Read one SSE ``data`` payload of an OpenAI stream (not ``[DONE]``):
+    its text (content, reasoning or completion text), finish reason, usage
+    block, or in-band error."""
     try:
         chunk: Any = json.loads(data)
     except ValueError:
-        outcome.error = f"non-JSON event: {data[:120]}"
-        return
+        return ChunkFacts(error=f"non-JSON event: {data[:120]}")
     if not isinstance(chunk, dict):
-        return
+        return ChunkFacts()
     if chunk.get("error") is not None:
-        outcome.error = f"in-band error: {json.dumps(chunk['error'])[:300]}"
-        return
+        return ChunkFacts(error=f"in-band error: {json.dumps(chunk['error'])[:300]}")
     usage = chunk.get("usage")
-    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-        outcome.completion_tokens = usage["completion_tokens"]
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    text: list[str] = []
+    finish_reason = None
     for choice in chunk.get("choices") or []:
         delta = choice.get("delta") or {}
-        text = delta.get("content") or delta.get("reasoning_content") or choice.get("text") or ""
-        if text:
-            outcome.content_chars += len(text)
-            if outcome.ttft_s is None:
-                outcome.ttft_s = elapsed_s
+        text.append(delta.get("content") or delta.get("reasoning_content") or choice.get("text") or "")
         if choice.get("finish_reason") is not None:
-            outcome.finish_reason = choice["finish_reason"]
+            finish_reason = choice["finish_reason"]
+    return ChunkFacts("".join(text), finish_reason, tokens if isinstance(tokens, int) else None)
+
+
+def _read_chunk(data: str, outcome: StreamOutcome, elapsed_s: float) -> None:
+    facts = read_chunk(data)
+    if facts.error is not None:
+        outcome.error = facts.error
+        return
+    if facts.completion_tokens is not None:
+        outcome.completion_tokens = facts.completion_tokens
+    if facts.text:
+        outcome.content_chars += len(facts.text)
+        if outcome.ttft_s is None:
+            outcome.ttft_s = elapsed_s
+    if facts.finish_reason is not None:
+        outcome.finish_reason = facts.finish_reason
 
 
 async def run_load(base_url: str, *, requests: int, concurrency: int, model: str, prompt: str,
