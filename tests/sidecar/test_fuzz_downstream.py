@@ -1,0 +1,65 @@
+"""Random bytes, split at random, at the sidecar's client side.
+
+Whatever arrives, the sidecar answers with an error status or closes the
+connection: no exception escapes its protocol callbacks, and the next
+well-formed request on a new connection is served.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from clients import chat_body, connect, exchange
+from conftest import LoopThread
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+# Garbage after a plausible start reaches the header, body and chunk parsers too.
+_PREFIXES = [b"", b"GET / HTTP/1.1\r\n", b"POST /normal/v1/chat/completions HTTP/1.1\r\nHost: x\r\n",
+             b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n",
+             b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n"]
+
+
+def _send_and_read(port: int, data: bytes, cuts: list[int]) -> bytes:
+    with connect(port, timeout_s=3.0) as sock:
+        start = 0
+        for cut in cuts:
+            sock.sendall(data[start:start + cut])
+            start += cut
+        with contextlib.suppress(OSError):  # the sidecar may already have answered and closed
+            sock.sendall(data[start:])
+            sock.shutdown(socket.SHUT_WR)
+        received = b""
+        with contextlib.suppress(TimeoutError, ConnectionResetError):
+            while chunk := sock.recv(65536):
+                received += chunk
+        return received
+
+
+def test_downstream_whenRandomBytesInRandomSplits_thenErrorOrCloseAndStillServing(
+        start_sidecar: Callable[..., Any], loop_thread: LoopThread) -> None:
+    sidecar = start_sidecar(header_read_timeout_s=0.3, body_read_timeout_s=0.3, keepalive_timeout_s=0.3)
+    errors: list[dict[str, Any]] = []
+    loop = loop_thread.loop
+    previous = loop_thread.call(loop.get_exception_handler)
+    loop_thread.call(lambda: loop.set_exception_handler(lambda _, context: errors.append(context)))
+
+    @settings(max_examples=60, deadline=None)
+    @given(prefix=st.sampled_from(_PREFIXES), garbage=st.binary(min_size=1, max_size=600),
+           cuts=st.lists(st.integers(min_value=1, max_value=64), max_size=6))
+    def one_connection(prefix: bytes, garbage: bytes, cuts: list[int]) -> None:
+        answer = _send_and_read(sidecar.port, prefix + garbage, cuts)
+        # An error status for garbage, or a plain close; never a hang, never a crash.
+        assert answer == b"" or answer.startswith(b"HTTP/1.1 "), answer[:80]
+        assert not errors, errors
+
+    try:
+        one_connection()
+    finally:
+        loop_thread.call(lambda: loop.set_exception_handler(previous))
+    served = exchange(sidecar.port, "POST", "/normal/v1/chat/completions", body=chat_body(),
+                      headers={"x-fake-tokens": "2"})
+    assert served.status == 200 and served.clean_end
