@@ -1,17 +1,14 @@
-"""An SSE response that notices a client leaving even while it has nothing to send.
+"""An SSE response for the engine's streams.
 
-Starlette's ``StreamingResponse`` only listens for ``http.disconnect`` on ASGI
-servers older than spec 2.4; on newer ones it learns of a disconnect when a
-``send`` fails, which during a long prefill may be many seconds later. Here a
-listener task and the pump task run side by side and whichever ends first
-cancels the other. Cancelling the pump closes the event generator, whose
-``finally`` aborts the sequence in the engine.
+It only pumps events. Noticing a client that leaves — also during a long,
+silent prefill — is the wire core's job, done once in tokenwire's ASGI
+middleware, which wraps the engine's app: it cancels this response's task, and
+cancelling closes the event generator, whose ``finally`` aborts the sequence
+in the engine at its next step.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 
 from starlette.types import Receive, Scope, Send
@@ -34,18 +31,6 @@ class EventStreamResponse:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self._headers})
-        pump = asyncio.ensure_future(self._pump(send))
-        listener = asyncio.ensure_future(_wait_for_disconnect(receive))
-        try:
-            await asyncio.wait({pump, listener}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (pump, listener):
-                task.cancel()
-            for task in (pump, listener):
-                with contextlib.suppress(asyncio.CancelledError, OSError):
-                    await task
-
-    async def _pump(self, send: Send) -> None:
         try:
             async for event in self._events:
                 await send({"type": "http.response.body", "body": event.encode(),
@@ -57,10 +42,3 @@ class EventStreamResponse:
             aclose = getattr(self._events, "aclose", None)
             if aclose is not None:
                 await aclose()
-
-
-async def _wait_for_disconnect(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
