@@ -109,33 +109,31 @@ class _Handlers:
     # -- endpoints ----------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
-        request_id = _request_id(request)
-        received_s = time.monotonic()
-        try:
-            parsed = parse_completion_request(await _json_body(request))
-            self._check_model(parsed.model)
-            prompt_ids = self._tokenize_prompt(parsed)
-            handle = self._submit(request_id, prompt_ids, parsed.sampling, "completions",
-                                  parsed.user, received_s)
-        except (ProtocolError, RequestRejected) as error:
-            return _error_response(error, request_id)
-        stream = _ResponseStream(self._engine, handle, parsed, chat=False)
-        if parsed.stream:
-            return EventStreamResponse(stream.events(), {REQUEST_ID_HEADER: request_id})
-        return await stream.whole_response(request)
+        return await self._generate(request, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: Request, *, chat: bool) -> Response:
+        """Both completion endpoints: parse, check, tokenize, submit, then stream or answer whole."""
         request_id = _request_id(request)
         received_s = time.monotonic()
+        parsed: CompletionRequest | ChatRequest
         try:
-            parsed = parse_chat_request(await _json_body(request))
-            self._check_model(parsed.model)
-            prompt_ids = self._apply_chat_template(parsed)
-            handle = self._submit(request_id, prompt_ids, parsed.sampling, "chat",
-                                  parsed.user, received_s)
+            body = await _json_body(request)
+            if chat:
+                parsed = parse_chat_request(body)
+                self._check_model(parsed.model)
+                prompt_ids = self._apply_chat_template(parsed)
+            else:
+                parsed = parse_completion_request(body)
+                self._check_model(parsed.model)
+                prompt_ids = self._tokenize_prompt(parsed)
+            handle = self._submit(request_id, prompt_ids, parsed.sampling,
+                                  "chat" if chat else "completions", parsed.user, received_s)
         except (ProtocolError, RequestRejected) as error:
             return _error_response(error, request_id)
-        stream = _ResponseStream(self._engine, handle, parsed, chat=True)
+        stream = _ResponseStream(self._engine, handle, parsed, chat=chat)
         if parsed.stream:
             return EventStreamResponse(stream.events(), {REQUEST_ID_HEADER: request_id})
         return await stream.whole_response(request)
