@@ -4,6 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup-venv.sh dev,engine
+# Real Redis (resume store) and headless Chromium (EventSource, playground).
+scripts/system-deps.sh redis-server chromium
 py=.venv/bin/python
 echo "== ruff"; $py -m ruff check middleware sidecar engine tests bench
 echo "== mypy --strict (middleware, sidecar)"; scripts/typecheck.sh
