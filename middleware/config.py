@@ -72,14 +72,30 @@ class WireConfig:
     """SSE parser: the longest line accepted from the upstream."""
     max_event_bytes: int = 4 << 20
     """SSE parser: the largest event accepted from the upstream."""
+    resume: bool = False
+    """Number every event (``id: <stream>.<seq>``) and keep it in a replay store, so a
+    client can reconnect with ``Last-Event-ID`` or re-send its ``Idempotency-Key``."""
+    resume_ttl_s: float = 300.0
+    """How long a stream stays resumable after its last event."""
+    resume_max_bytes: int = 1 << 20
+    """Replay store cap per stream; a longer answer is resumable only up to here."""
+    resume_total_bytes: int = 256 << 20
+    """Replay store cap in total (memory store; the oldest streams go first)."""
+    resume_grace_s: float = 0.0
+    """A disconnect keeps the upstream running this long for a reconnect (0 = abort at once)."""
+    resume_retry_ms: int = 1000
+    """The ``retry:`` sent in the first frame: how soon an EventSource reconnects."""
 
     def __post_init__(self) -> None:
         _check_non_negative(self, "heartbeat_s", "commit_deadline_s", "coalesce_ms",
                             "retry_backoff_s", "retry_backoff_max_s",
-                            "retry_budget_ratio", "retry_budget_min_per_s")
+                            "retry_budget_ratio", "retry_budget_min_per_s", "resume_grace_s")
         _check_positive(self, "write_deadline_s", "upstream_headers_timeout_s",
                         "max_pending_bytes", "socket_send_buffer_bytes",
-                        "write_high_water_bytes", "max_line_bytes", "max_event_bytes")
+                        "write_high_water_bytes", "max_line_bytes", "max_event_bytes",
+                        "resume_ttl_s", "resume_max_bytes", "resume_total_bytes", "resume_retry_ms")
+        if not isinstance(self.resume, bool):
+            raise ConfigError("resume", f"must be true or false, got {self.resume!r}")
         if not isinstance(self.retry_attempts, int) or self.retry_attempts < 0:
             raise ConfigError("retry_attempts", f"must be a whole number >= 0, got {self.retry_attempts!r}")
         if not isinstance(self.slow_client_policy, SlowClientPolicy):

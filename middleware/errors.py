@@ -30,6 +30,9 @@ class ErrorCode(StrEnum):
     UPSTREAM_FAILED = "upstream_failed"
     SHUTDOWN = "shutdown"
     BAD_REQUEST = "bad_request"
+    INVALID_LAST_EVENT_ID = "invalid_last_event_id"
+    IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"
+    RESUME_UNAVAILABLE = "resume_unavailable"
     INTERNAL = "internal_error"
 
     @property

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from .errors import ErrorCode
+from .errors import ErrorCode, WireError
 from .sse import SSEEvent
 
 Headers = tuple[tuple[bytes, bytes], ...]
@@ -28,6 +28,9 @@ class EndReason(StrEnum):
     SHUTDOWN = "shutdown"
     CANCELLED = "cancelled"
     REFUSED = "refused"
+    DETACHED = "detached"
+    """The client left, a resuming reader attached within ``resume_grace_s``, and
+    the answer was completed into the replay store for it."""
 
 
 class FailureKind(StrEnum):
@@ -118,13 +121,44 @@ class StopRequested:
 
 
 @dataclass(frozen=True, slots=True)
+class Rejected:
+    """The driver found the request cannot be served (an unknown stream to
+    resume, a reused idempotency key): a real status before the first byte,
+    in-band after it."""
+
+    error: WireError
+
+
+@dataclass(frozen=True, slots=True)
+class ReplaySource:
+    """Resume: this response replays stream ``stream_id`` after event ``after_seq``.
+
+    Fed before ``UpstreamHeaders`` by a driver whose "upstream" is the replay
+    store: events are then numbered on from ``after_seq`` under the original
+    stream id (so they get the ids they had the first time) and are not
+    recorded again.
+    """
+
+    stream_id: str
+    after_seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReaderAttached:
+    """Resume: a reader attached to this stream while its client was gone
+    (the driver learnt it from the replay store after ``AwaitReader``)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Tick:
     """Time has passed; timers that are due fire. The time is ``handle``'s ``now``."""
 
 
 Input = (
     UpstreamHeaders | UpstreamData | UpstreamEvent | UpstreamEnded | UpstreamFailed | SocketPaused
-    | SocketResumed | WriteCompleted | ClientGone | StopRequested | Tick
+    | SocketResumed | WriteCompleted | ClientGone | StopRequested | Rejected | ReplaySource
+    | ReaderAttached
+    | Tick
 )
 
 # ---------------------------------------------------------------- actions
@@ -192,6 +226,36 @@ class CloseClient:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplayAppend:
+    """Resume: append to stream ``stream_id`` in the replay store.
+
+    ``frames`` are whole events as encoded for the wire but without their
+    ``id:`` line, numbered ``first_seq``, ``first_seq + 1``...; replaying them
+    through a core fed ``ReplaySource`` gives every event its original id.
+    ``end`` is set once, with the last append. ``overflow``: the stream passed
+    ``resume_max_bytes`` and nothing more of it will be stored. ``discard``:
+    the stream failed before its first event, so there is nothing to resume and
+    its idempotency key is released for a retry.
+    """
+
+    stream_id: str
+    first_seq: int
+    frames: tuple[bytes, ...]
+    end: EndReason | None = None
+    overflow: bool = False
+    discard: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class AwaitReader:
+    """Resume: the client left but the stream is held until ``until`` (loop time)
+    for a reconnect; feed ``ReaderAttached`` if a reader attaches by then."""
+
+    stream_id: str
+    until: float
+
+
+@dataclass(frozen=True, slots=True)
 class StreamRecord:
     """The accounting record: one per stream, whatever happened to it."""
 
@@ -253,5 +317,5 @@ class Finished:
 
 Action = (
     CommitHeaders | AbortUpstream | RetryUpstream | PauseUpstream | ResumeUpstream
-    | CloseClient | Finished
+    | CloseClient | ReplayAppend | AwaitReader | Finished
 )

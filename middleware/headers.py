@@ -21,6 +21,9 @@ SSE_HEADERS: tuple[Header, ...] = (
     (b"x-accel-buffering", b"no"),
 )
 
+STREAM_ID_HEADER = b"x-tokenwire-stream-id"
+"""Response header naming the stream a client can resume (``config.resume``)."""
+
 # Replaced by SSE_HEADERS or meaningless on a re-framed event stream.
 _DROPPED_ON_SSE = frozenset({
     b"content-type", b"cache-control", b"x-accel-buffering", b"content-length",

@@ -37,6 +37,17 @@ write outstanding); meanwhile events wait in a :class:`PendingBuffer`, which
 merges text deltas (``coalesce``), replaces stale state (``drop``) or pauses
 the upstream (``block``). A stall longer than ``write_deadline_s`` or a buffer
 over ``max_pending_bytes`` means the client is treated as gone.
+
+Resume (``config.resume``): every event the stream carries is numbered,
+``id: <stream>.<seq>``, and also handed to the driver, without its id, in
+``ReplayAppend`` actions for the replay store; the end goes with the last one.
+The first frame is ``retry: <resume_retry_ms>`` and the headers name the stream.
+A core fed ``ReplaySource`` first is a *reader*: its upstream is the replay
+store, so it numbers on from where the client left and records nothing. With
+``resume_grace_s`` > 0 a client that leaves mid-stream does not end it: the
+core emits ``AwaitReader`` and keeps recording the upstream into the store
+until the grace ends (then it aborts as usual) or a ``ReaderAttached`` comes,
+after which the answer is completed into the store for that reader.
 """
 
 from __future__ import annotations
@@ -59,6 +70,7 @@ from .errors import (
 from .events import (
     AbortUpstream,
     Action,
+    AwaitReader,
     ClientGone,
     CloseClient,
     CommitHeaders,
@@ -67,6 +79,10 @@ from .events import (
     Finished,
     Input,
     PauseUpstream,
+    ReaderAttached,
+    Rejected,
+    ReplayAppend,
+    ReplaySource,
     ResumeUpstream,
     RetryUpstream,
     SocketPaused,
@@ -81,7 +97,13 @@ from .events import (
     UpstreamHeaders,
     WriteCompleted,
 )
-from .headers import is_compressed, is_event_stream, passthrough_headers, sse_response_headers
+from .headers import (
+    STREAM_ID_HEADER,
+    is_compressed,
+    is_event_stream,
+    passthrough_headers,
+    sse_response_headers,
+)
 from .pending import PendingBuffer
 from .retry import RetryBudget
 from .sse import SSEEvent, SSEParser, encode
@@ -168,12 +190,16 @@ class WireStream:
         upstreams: Sequence[str] = ("",),
         retry_budget: RetryBudget | None = None,
         expect_stream: bool = True,
+        stream_id: str | None = None,
     ) -> None:
         """``expect_stream``: the request asked for a stream, so the commit
         deadline runs from now; otherwise it starts only if the upstream
-        answers with an event stream (a plain JSON answer is passed through)."""
+        answers with an event stream (a plain JSON answer is passed through).
+        ``stream_id``: the resume id of this stream, required with ``config.resume``."""
         if not upstreams:
             raise ValueError("upstreams must name at least one upstream")
+        if config.resume and not stream_id:
+            raise ValueError("config.resume needs a stream_id")
         self.config = config
         self.request_id = request_id
         self.started_at = now
@@ -228,6 +254,19 @@ class WireStream:
         self._max_gap_s = 0.0
         self._gap_buckets = [0] * len(GAP_BUCKETS_S)
         self._usage: dict[str, Any] | None = None
+        # Resume.
+        self._stream_id = stream_id or ""
+        self._seq = 0  # the last numbered event
+        self._replaying = False
+        self._recording = config.resume
+        self._recorded_bytes = 0
+        self._record_frames: list[bytes] = []
+        self._record_first_seq = 1
+        self._record_end: EndReason | None = None
+        self._record_overflow = False
+        self._sse_committed = False
+        self._hold_until: float | None = None
+        self._reader_attached = False
         self._handlers: dict[type, Callable[[Any, float], None]] = {
             UpstreamHeaders: self._on_upstream_headers,
             UpstreamData: self._on_upstream_data,
@@ -239,6 +278,9 @@ class WireStream:
             WriteCompleted: self._on_write_completed,
             ClientGone: self._on_client_gone,
             StopRequested: self._on_stop,
+            Rejected: self._on_rejected,
+            ReplaySource: self._on_replay_source,
+            ReaderAttached: self._on_reader_attached,
             Tick: self._on_tick,
         }
 
@@ -282,6 +324,8 @@ class WireStream:
             return []
         handler(event, now)
         self._fire_timers(now)
+        if self._recording:
+            self._flush_record()
         self._maybe_finish(now)
         actions, self._actions = self._actions, []
         return actions
@@ -290,7 +334,7 @@ class WireStream:
         """Bytes to write now, or ``b""``. After writing non-empty bytes, the
         driver must ``handle(WriteCompleted())`` once the socket took them."""
         if (self._finished or self._paused or self._write_in_flight or not self._pending
-                or self._state is StreamState.WAITING):
+                or self._state is StreamState.WAITING or self._client_gone):
             return b""
         window_s = self.config.coalesce_ms / 1000.0
         if (window_s and self._state not in _ENDED and self._first_pending_at is not None
@@ -325,6 +369,8 @@ class WireStream:
             deadlines.append(self._last_write_at + config.heartbeat_s)
         if config.coalesce_ms and self._first_pending_at is not None:
             deadlines.append(self._first_pending_at + config.coalesce_ms / 1000.0)
+        if self._hold_until is not None:
+            deadlines.append(self._hold_until)
         return min(deadlines) if deadlines else None
 
     def record(self, now: float) -> StreamRecord:
@@ -418,7 +464,8 @@ class WireStream:
                 # The client keeps up and these are ordinary text chunks: they
                 # go out as they came, with nothing to merge them with, so
                 # parsing and re-encoding them would only cost time.
-                self._pending.add_bytes(event.data, count)
+                self._pending.add_bytes(self._number_plain(event.data) if self.config.resume
+                                        else event.data, count)
                 self.events_in += count
                 self._attempt_events += count
                 self._after_queue(now)
@@ -463,21 +510,20 @@ class WireStream:
         if self._state is StreamState.WAITING:
             self._commit_sse(now)
         if error is not None:
-            payload = SSEEvent(data=upstream_error_payload(error))
-            self._pending.add_event(payload, encode(payload), droppable=False)
+            self._queue_event(SSEEvent(data=upstream_error_payload(error)), droppable=False)
             self._end(EndReason.UPSTREAM_ERROR, ErrorCode.UPSTREAM_FAILED, abrupt=True,
                       trigger=_Trigger.ABORT)
             self._enforce_cap(now)
             return
         marker = self.config.terminal_marker
         if marker is not None and data == marker:
-            self._pending.add_event(event, encode(event), droppable=False)
+            self._queue_event(event, droppable=False)
             self._end(EndReason.COMPLETE, None, abrupt=False, trigger=_Trigger.FINISH)
             self._enforce_cap(now)
             return
         if data is not None and '"usage"' in data:
             self._capture_usage(data)
-        self._pending.add_event(event)
+        self._queue_event(event)
         if self._state is StreamState.COMMITTED:
             self._transition(_Trigger.SEND)
         self._after_queue(now)
@@ -493,7 +539,12 @@ class WireStream:
             return
         self._parser.close()
         truncated = self._parser.discarded_bytes > 0
-        if self._state is StreamState.WAITING:
+        if self._state is StreamState.WAITING and self._replaying:
+            # A reconnect after the last event of a finished stream: 204 is how
+            # an EventSource is told to stop reconnecting.
+            self._commit(204, (), streaming=False, now=now)
+            self._end(EndReason.COMPLETE, None, abrupt=False, trigger=_Trigger.FINISH)
+        elif self._state is StreamState.WAITING:
             self._upstream_failure(UpstreamError("upstream closed the stream before any event",
                                                  ErrorCode.UPSTREAM_FAILED),
                                    EndReason.UPSTREAM_ERROR, now)
@@ -548,6 +599,8 @@ class WireStream:
         self._client_gone = True
         self._pending.clear()
         self._first_pending_at = None
+        if self._hold_for_resume(now):
+            return
         if self._state is StreamState.DONE or self._state not in _ENDED:
             # A complete answer the client did not get all of is still lost.
             self._end_reason = None
@@ -565,6 +618,32 @@ class WireStream:
                                http_status=503)
         self._fail(error, event.reason, now)
 
+    def _on_rejected(self, event: Rejected, now: float) -> None:
+        # The driver stopped its source itself: no abort goes anywhere.
+        self._upstream_open = False
+        if self._state not in _ENDED:
+            self._fail(event.error, EndReason.REFUSED, now)
+
+    def _on_replay_source(self, event: ReplaySource, now: float) -> None:
+        if not self.config.resume:
+            raise LocalProtocolError("ReplaySource needs config.resume")
+        if self._state is not StreamState.WAITING or self._upstream_status is not None:
+            raise LocalProtocolError("ReplaySource must come before the upstream's headers")
+        self._stream_id = event.stream_id
+        self._seq = event.after_seq
+        self._replaying = True
+        self._recording = False
+        # A replay arrives in batches, not because the reader is slow: merging
+        # would renumber what the client asked for event by event. The store
+        # can simply be read more slowly instead (block policy, below).
+        self._pending.merge = False
+        self._pending.drop = False
+
+    def _on_reader_attached(self, event: ReaderAttached, now: float) -> None:
+        if self._hold_until is not None:
+            self._hold_until = None
+            self._reader_attached = True
+
     def _on_tick(self, event: Tick, now: float) -> None:
         pass  # timers fire after every input; see _fire_timers
 
@@ -574,10 +653,11 @@ class WireStream:
         # A write the socket has not taken is data pending too: without it, a
         # client that stops reading during the last write (or a silent spell)
         # would hold the stream forever.
-        return self._write_in_flight or (self._paused and self._state is not StreamState.WAITING)
+        return not self._client_gone and (
+            self._write_in_flight or (self._paused and self._state is not StreamState.WAITING))
 
     def _heartbeat_eligible(self) -> bool:
-        return (self.config.heartbeat_s > 0 and not self._passthrough
+        return (self.config.heartbeat_s > 0 and not self._passthrough and not self._client_gone
                 and self._state in (StreamState.COMMITTED, StreamState.STREAMING)
                 and not self._pending and not self._write_in_flight and not self._paused)
 
@@ -610,6 +690,11 @@ class WireStream:
         elif now >= self._last_write_at + config.heartbeat_s and self._heartbeat_eligible():
             self._pending.add_bytes(HEARTBEAT)
             self.heartbeats += 1
+        if self._hold_until is not None and now >= self._hold_until:
+            # Nobody came back for it: what the grace delayed happens now.
+            self._hold_until = None
+            self._end_reason = None
+            self._end(EndReason.CLIENT_GONE, ErrorCode.CANCELLED, abrupt=True, trigger=_Trigger.ABORT)
 
     # ------------------------------------------------------------ decisions
 
@@ -622,14 +707,22 @@ class WireStream:
         self._actions.append(CommitHeaders(status, headers, streaming))
 
     def _commit_sse(self, now: float) -> None:
-        self._commit(200, sse_response_headers(self._held_headers), streaming=True, now=now)
+        headers = sse_response_headers(self._held_headers)
+        if self.config.resume:
+            headers = (*headers, (STREAM_ID_HEADER, self._stream_id.encode()))
+        self._commit(200, headers, streaming=True, now=now)
+        self._sse_committed = True
+        if self.config.resume:
+            # First on the wire, so an EventSource knows how soon to come back.
+            self._pending.add_bytes(b"retry: %d\n\n" % self.config.resume_retry_ms)
 
     def _schedule_retry(self, now: float, reason: EndReason) -> bool:
         """Arrange a retry of the upstream if allowed; True if one is coming.
 
         The failed attempt's connection is aborted here if it is still open (a
         502 body, an error event): it must never be read again or reused."""
-        if self._state is not StreamState.WAITING or self._attempt >= self.config.retry_attempts:
+        if (self._state is not StreamState.WAITING or self._attempt >= self.config.retry_attempts
+                or self._replaying):
             return False
         if self._budget is not None and not self._budget.try_acquire(now):
             self.refused_retries += 1
@@ -667,14 +760,17 @@ class WireStream:
         elif self._passthrough:
             self._end(reason, error.code, abrupt=True, trigger=_Trigger.ABORT)
         else:
-            payload = SSEEvent(data=error.sse_data())
-            self._pending.add_event(payload, encode(payload), droppable=False)
+            self._queue_event(SSEEvent(data=error.sse_data()), droppable=False)
             self._end(reason, error.code, abrupt=True, trigger=_Trigger.ABORT)
             self._enforce_cap(now)
 
     def _end(self, reason: EndReason, code: ErrorCode | None, *, abrupt: bool,
              trigger: _Trigger) -> None:
         self._transition(trigger)
+        if self._recording and self._record_end is None:
+            self._record_stream_end(reason)
+        if reason is EndReason.COMPLETE and self._reader_attached:
+            reason = EndReason.DETACHED
         if self._end_reason is None:
             self._end_reason = reason
             self._error_code = code
@@ -689,6 +785,9 @@ class WireStream:
     def _slow_client(self, code: ErrorCode, now: float) -> None:
         self._pending.clear()
         self._first_pending_at = None
+        if self._hold_for_resume(now):
+            self._actions.append(CloseClient(abrupt=True, reset=True))
+            return
         if self._state is not StreamState.ABORTED:
             # A stream already ending with an error keeps that root cause.
             self._end_reason = None
@@ -703,7 +802,8 @@ class WireStream:
             self._first_pending_at = now
         if self._enforce_cap(now):
             return
-        block = self._passthrough or self.config.slow_client_policy is SlowClientPolicy.BLOCK
+        block = (self._passthrough or self._replaying
+                 or self.config.slow_client_policy is SlowClientPolicy.BLOCK)
         if block and not self._upstream_paused and pending >= self.config.max_pending_bytes // 2 and (
                 self._paused or self._write_in_flight):
             self._upstream_paused = True
@@ -730,6 +830,80 @@ class WireStream:
         if not self._client_gone:
             self._actions.append(CloseClient(abrupt=self._close_abrupt))
         self._actions.append(Finished(self.record(now)))
+
+    # ------------------------------------------------------------ resume
+
+    def _queue_event(self, event: SSEEvent, *, droppable: bool = True) -> None:
+        """Queue one event for the client: numbered and recorded under resume."""
+        if self.config.resume:
+            self._seq += 1
+            if self._recording:
+                bare = event if event.id is None else SSEEvent(
+                    data=event.data, event=event.event, retry=event.retry)
+                self._record(encode(bare))
+            event = SSEEvent(data=event.data, event=event.event, retry=event.retry,
+                             id=f"{self._stream_id}.{self._seq}")
+        if not self._client_gone:
+            self._pending.add_event(event, droppable=droppable)
+
+    def _number_plain(self, data: bytes) -> bytes:
+        """Fast-path bytes (whole single-line ``data:`` events) with ids added."""
+        prefix = b"\nid: " + self._stream_id.encode() + b"."
+        out: list[bytes] = []
+        for frame in data.split(b"\n\n")[:-1]:
+            self._seq += 1
+            if self._recording:
+                self._record(frame + b"\n\n")
+            out.append(frame + prefix + str(self._seq).encode() + b"\n\n")
+        return b"".join(out)
+
+    def _record(self, frame: bytes) -> None:
+        if self._recorded_bytes + len(frame) > self.config.resume_max_bytes:
+            # Past the per-stream cap: the store keeps what it has, readers
+            # that get that far are told the rest is gone.
+            self._record_overflow = True
+            self._flush_record()
+            self._recording = False
+            return
+        self._recorded_bytes += len(frame)
+        self._record_frames.append(frame)
+
+    def _record_stream_end(self, reason: EndReason) -> None:
+        # Before the event stream was committed nobody saw anything: nothing to
+        # resume, and the idempotency key is released so a retry generates.
+        committed = self._sse_committed
+        if committed and reason in (EndReason.CLIENT_GONE, EndReason.SLOW_CLIENT):
+            # What a later reader learns instead of the rest of the answer.
+            error = LocalError("the answer was stopped when its client left", ErrorCode.CANCELLED)
+            self._seq += 1
+            self._record(encode(SSEEvent(data=error.sse_data())))
+        self._record_end = reason
+        if not committed:
+            self._record_frames.clear()
+        self._flush_record(discard=not committed)
+        self._recording = False
+
+    def _flush_record(self, *, discard: bool = False) -> None:
+        frames = self._record_frames
+        if not frames and self._record_end is None and not self._record_overflow:
+            return
+        self._actions.append(ReplayAppend(
+            self._stream_id, self._record_first_seq, tuple(frames), end=self._record_end,
+            overflow=self._record_overflow, discard=discard))
+        self._record_first_seq += len(frames)
+        self._record_frames = []
+
+    def _hold_for_resume(self, now: float) -> bool:
+        """On a client's departure: keep the stream for a reconnect if the
+        grace allows; True if it is now held (not ended)."""
+        grace_s = self.config.resume_grace_s
+        if (not self._recording or grace_s <= 0 or self._hold_until is not None
+                or self._state not in (StreamState.COMMITTED, StreamState.STREAMING)):
+            return False
+        self._client_gone = True
+        self._hold_until = now + grace_s
+        self._actions.append(AwaitReader(self._stream_id, self._hold_until))
+        return True
 
     # ------------------------------------------------------------ accounting
 

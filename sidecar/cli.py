@@ -95,6 +95,16 @@ def sidecar_parser() -> argparse.ArgumentParser:
         if key.name == "upstream":
             parser.add_argument(key.flag, dest=key.name, action="append", metavar="URL",
                                 help=f"{key.help} Repeat for fallbacks. [{key.env}, comma-separated]")
+        elif key.name == "cors_allow_origins":
+            # Given once per origin, so the singular reads right on a command line.
+            parser.add_argument(key.flag, "--cors-allow-origin", dest=key.name, action="append",
+                                metavar="ORIGIN", help=f"{key.help} Repeatable. [{key.env}, comma-separated]")
+        elif key.kind is bool:
+            # A switch, as users expect of --resume; --no-resume undoes an env/file value.
+            parser.add_argument(key.flag, dest=key.name, action="store_const", const="true",
+                                help=help_text)
+            parser.add_argument("--no-" + key.flag[2:], dest=key.name, action="store_const",
+                                const="false", help=argparse.SUPPRESS)
         else:
             parser.add_argument(key.flag, dest=key.name, metavar=metavar, help=help_text)
     return parser

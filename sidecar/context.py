@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tokenwire.middleware import RetryBudget
+from tokenwire.middleware.replay_store import ReplayStore
 
 from .logs import StreamLog
 from .metrics import SidecarMetrics
@@ -26,6 +27,8 @@ class SidecarContext:
     retry_budget: RetryBudget
     metrics: SidecarMetrics
     log: StreamLog
+    replay_store: ReplayStore | None = None
+    """Where resumable streams are kept (``resume = true``), else None."""
     registry: StreamRegistry = field(default_factory=StreamRegistry)
     connections: set[ClientConnection] = field(default_factory=set)
     draining: bool = False

@@ -32,20 +32,29 @@ from typing import Any, Protocol
 from tokenwire.middleware import (
     AbortUpstream,
     Action,
+    AwaitReader,
+    ClientError,
     CloseClient,
     CommitHeaders,
     Finished,
     Input,
     PauseUpstream,
+    ReaderAttached,
+    Rejected,
+    ReplayAppend,
+    ReplaySource,
     ResumeUpstream,
     RetryUpstream,
     Tick,
     WireStream,
     WriteCompleted,
 )
+from tokenwire.middleware.replay_store import KeyReused
+from tokenwire.middleware.resume import Idempotent, ResumeFrom, classify, key_reused, new_stream_id
 
 from .context import SidecarContext
 from .forwarding import with_request_id
+from .resume import run_replay
 from .upstream import run_attempt
 from .upstream_io import UpstreamStream
 
@@ -94,10 +103,16 @@ class Exchange:
         self._target = target
         self._upstream_headers = list(upstream_headers)
         self._body = body
+        self._expect_stream = expect_stream
+        resume = context.config.wire.resume
+        self.stream_id = new_stream_id() if resume else None
+        self.replaying = False
+        """True when this exchange serves a stream from the replay store."""
+        self._reader_wait: asyncio.Task[None] | None = None
         self.stream = WireStream(
             context.config.wire, now=self._loop.time(), request_id=request_id,
             upstreams=context.pools.names, retry_budget=context.retry_budget,
-            expect_stream=expect_stream)
+            expect_stream=expect_stream, stream_id=self.stream_id)
         self._inbox: deque[tuple[Input, float | None]] = deque()
         self._busy = False
         self._done = False
@@ -114,7 +129,10 @@ class Exchange:
         """Register the stream and send the first upstream request."""
         self._context.registry.add(self)
         self._context.metrics.active_streams.inc()
-        self._start_attempt(0)
+        if self._context.replay_store is None:
+            self._start_attempt(0)
+        else:
+            self._attempt = self._loop.create_task(self._start_resumable())
         self._reschedule()
 
     def feed(self, event: Input, now: float | None = None) -> None:
@@ -149,6 +167,8 @@ class Exchange:
             "pending_bytes": stream.pending_bytes,
             "events_in": stream.events_in,
             "events_out": stream.events_out,
+            "stream_id": self.stream_id,
+            "replay": self.replaying,
         }
 
     # ------------------------------------------------------------ the loop
@@ -185,7 +205,13 @@ class Exchange:
                 self._downstream.end_response(abrupt=action.abrupt, reset=action.reset)
             elif isinstance(action, Finished):
                 self._finish(action)
-        if tell_engine:
+            elif isinstance(action, ReplayAppend):
+                store = self._context.replay_store
+                if store is not None:
+                    store.append(action)
+            elif isinstance(action, AwaitReader):
+                self._reader_wait = self._loop.create_task(self._await_reader(action))
+        if tell_engine and not self.replaying:
             self._context.pools.send_abort(self.request_id)
 
     def _finish(self, action: Finished) -> None:
@@ -198,6 +224,8 @@ class Exchange:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._reader_wait is not None:
+            self._reader_wait.cancel()
         attempt = self._attempt
         if attempt is not None and not attempt.done():
             cutoff = self._loop.call_later(_UPSTREAM_TAIL_GRACE_S, attempt.cancel)
@@ -240,6 +268,56 @@ class Exchange:
         # The loop's clock granularity may wake us a hair early; report the
         # deadline itself so the due timer fires instead of spinning.
         self.feed(Tick(), max(self._loop.time(), deadline))
+
+    # ------------------------------------------------------------ resume
+
+    async def _start_resumable(self) -> None:
+        """With resume on: a reconnect replays, an idempotent repeat replays,
+        anything else opens its stream in the store and goes upstream."""
+        store = self._context.replay_store
+        assert store is not None and self.stream_id is not None
+        path = self._target.partition(b"?")[0].decode("latin-1")
+        try:
+            route = classify(self._method.decode("latin-1"), path, self._upstream_headers, self._body)
+            if isinstance(route, ResumeFrom):
+                await self._replay(route.stream_id, route.after_seq)
+                return
+            if self._expect_stream or isinstance(route, Idempotent):
+                idempotency = (route.key, route.digest) if isinstance(route, Idempotent) else None
+                holder = await store.open(self.stream_id, idempotency)
+                if holder is not None:
+                    # The same request again: the answer already being made, from the start.
+                    await self._replay(holder, 0)
+                    return
+        except ClientError as error:
+            self.feed(Rejected(error))
+            return
+        except KeyReused:
+            self.feed(Rejected(key_reused()))
+            return
+        if self._attempt is asyncio.current_task():
+            self._start_attempt(0)
+
+    async def _replay(self, stream_id: str, after_seq: int) -> None:
+        store = self._context.replay_store
+        assert store is not None
+        self.replaying = True
+        self._upstream_readable.set()
+        self.feed(ReplaySource(stream_id, after_seq))
+        task = asyncio.current_task()
+
+        def feed_from_replay(event: Input) -> None:
+            if task is self._attempt:
+                self.feed(event)
+
+        await run_replay(store, stream_id, after_seq, readable=self._upstream_readable,
+                         feed=feed_from_replay)
+
+    async def _await_reader(self, action: AwaitReader) -> None:
+        store = self._context.replay_store
+        assert store is not None
+        if await store.wait_reader(action.stream_id, max(action.until - self._loop.time(), 0.0)):
+            self.feed(ReaderAttached())
 
     # ------------------------------------------------------------ upstream
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import TextIO
 
 from tokenwire.middleware import ConfigError, EndReason, RetryBudget
+from tokenwire.middleware.replay_store import open_replay_store
 
 from .admin import handler as admin_handler
 from .context import SidecarContext
@@ -67,18 +68,24 @@ class Sidecar:
                                      now=loop.time()),
             metrics=SidecarMetrics(),
             log=self._log if self._log is not None else StreamLog.open(config.log_file),
+            replay_store=open_replay_store(config.resume_store, wire) if wire.resume else None,
         )
         self.context = context
         if config.tls:
             self._ssl = server_context(config)
         host, port = parse_host_port(config.listen, "listen")
+        # A TLS client that never finishes its handshake (or never sends a byte)
+        # gets no more time than a plain one that never finishes its head; the
+        # loop's default would hold the socket for 60 s, before ClientConnection
+        # (and its timers and connection count) even exists.
+        handshake_timeout_s = (config.header_read_timeout_s or None) if self._ssl is not None else None
         self._server = await loop.create_server(
             lambda: ClientConnection(context), host, port, ssl=self._ssl, backlog=4096,
-            reuse_address=True)
+            reuse_address=True, ssl_handshake_timeout=handshake_timeout_s)
         if config.admin_listen:
             admin_host, admin_port = parse_host_port(config.admin_listen, "admin_listen")
-            self._admin = await asyncio.start_server(admin_handler(context), admin_host, admin_port,
-                                                     reuse_address=True)
+            self._admin = await asyncio.start_server(admin_handler(context, proxy_address=self.address),
+                                                     admin_host, admin_port, reuse_address=True)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -143,6 +150,8 @@ class Sidecar:
         if self._admin is not None:
             self._admin.close()
         await context.pools.aclose()
+        if context.replay_store is not None:
+            await context.replay_store.aclose()
         context.log.close()
 
 

@@ -27,6 +27,8 @@ from typing import Any
 
 from tokenwire.middleware import ConfigError, WireConfig
 
+from .cors import normalize_origin
+
 ENV_PREFIX = "TOKENWIRE_"
 
 
@@ -73,8 +75,12 @@ class SidecarConfig:
     """Connections per upstream pool (one per open stream)."""
     upstream_keepalive_s: float = 60.0
     """Idle pooled upstream connections are closed after this long."""
+    resume_store: str = "memory"
+    """Replay store of resumable streams (``resume = true``): ``memory`` or ``redis://HOST:PORT/DB``."""
     log_file: str = "-"
     """Where the JSON stream records go: ``-`` = stderr, empty = nowhere."""
+    cors_allow_origins: tuple[str, ...] = ()
+    """Browser origins (``http://host:port``, or ``*``) that may call the proxy; empty = no CORS."""
 
     def __post_init__(self) -> None:
         for key in ("drain_s", "header_read_timeout_s", "body_read_timeout_s", "keepalive_timeout_s",
@@ -92,6 +98,10 @@ class SidecarConfig:
             parse_host_port(self.admin_listen, "admin_listen")
         if not self.upstream:
             raise ConfigError("upstream", "at least one upstream is required")
+        if self.resume_store not in ("", "memory") and not self.resume_store.startswith(
+                ("redis://", "rediss://", "unix://")):
+            raise ConfigError("resume_store", f"expected memory or redis://HOST:PORT/DB, "
+                                              f"got {self.resume_store!r}")
         for url in self.upstream:
             if not (url.startswith(("http://", "unix:"))):
                 raise ConfigError("upstream", f"must be http://HOST:PORT or unix:/PATH, got {url!r}")
@@ -104,6 +114,12 @@ class SidecarConfig:
         if not self.request_id_header or not self.request_id_header.isascii():
             raise ConfigError("request_id_header", "must be a non-empty ASCII header name")
         object.__setattr__(self, "request_id_header", self.request_id_header.lower())
+        origins = tuple(normalize_origin(origin) for origin in self.cors_allow_origins)
+        for origin in origins:
+            scheme, sep, rest = origin.partition("://")
+            if origin != "*" and (not sep or scheme not in ("http", "https") or not rest or "/" in rest):
+                raise ConfigError("cors_allow_origins", f"must be scheme://host[:port] or *, got {origin!r}")
+        object.__setattr__(self, "cors_allow_origins", origins)
 
     @property
     def tls(self) -> bool:
@@ -176,6 +192,8 @@ def _convert_text(key: Key, text: str) -> object:
     """A flag or environment value (always text) as the key's type."""
     kind = key.kind
     try:
+        if kind is bool:
+            return _parse_bool(key, text)
         if kind is float:
             return float(text)
         if kind is int:
@@ -195,7 +213,9 @@ def _convert_toml(key: Key, value: object) -> object:
     """A TOML value, type-checked against the key."""
     kind = key.kind
     ok: bool
-    if kind is float:
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is float:
         ok = isinstance(value, int | float) and not isinstance(value, bool)
     elif kind is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
@@ -218,7 +238,18 @@ def _convert_toml(key: Key, value: object) -> object:
     return value
 
 
+def _parse_bool(key: Key, text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(key.name, f"must be true or false, got {text!r}")
+
+
 def _kind_name(kind: Any) -> str:
+    if kind is bool:
+        return "boolean (true/false)"
     if kind == tuple[str, ...]:
         return "list of strings"
     if isinstance(kind, types.UnionType):

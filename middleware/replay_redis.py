@@ -1,0 +1,173 @@
+"""The Redis Streams replay store: a reconnect can land on any replica.
+
+Theory of operation
+-------------------
+Per stream ``S`` (keys share the hash tag ``{S}`` so a cluster keeps them on
+one shard):
+
+* ``tw:{S}:e`` — a Redis Stream whose entry ids are ``0-<seq>``, so the event
+  id a client sends back maps straight onto ``XREAD ... 0-<seq>``; field ``f``
+  holds the frame;
+* ``tw:{S}:m`` — a hash: ``end`` (the end reason), ``overflow``, ``key``;
+  its existence is what makes the stream known;
+* ``tw:{S}:a`` — a list a reader pushes to when it attaches, which the
+  replica holding a detached stream waits on with ``BLPOP``;
+* ``tw:k:<key>`` — ``<stream> <body digest>`` for an idempotency key,
+  claimed with ``SET NX``.
+
+Every key gets ``EXPIRE ttl`` on each append, so a stream lives ``resume_ttl_s``
+after its last event. :meth:`append` only queues: one writer task sends the
+queue as one pipeline per round, in order, so frames and the end marker reach
+Redis in the order the core produced them (a reader that sees ``end`` has every
+frame before it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import redis.asyncio as redis_asyncio
+
+from .events import ReplayAppend
+from .replay_store import KeyReused, ReplayUnavailable, StreamNotFound
+
+logger = logging.getLogger("tokenwire.resume")
+
+_BLOCK_MS = 1000
+_READ_COUNT = 1024
+
+
+def _keys(stream_id: str) -> tuple[str, str, str]:
+    tag = "tw:{" + stream_id + "}"
+    return tag + ":e", tag + ":m", tag + ":a"
+
+
+class RedisReplayStore:
+    """A :class:`~tokenwire.middleware.replay_store.ReplayStore` on Redis Streams."""
+
+    def __init__(self, url: str, *, ttl_s: float = 300.0) -> None:
+        self.url = url
+        self.ttl_s = ttl_s
+        self._ttl = max(1, round(ttl_s))
+        self._redis: Any = redis_asyncio.Redis.from_url(url)
+        self._queue: asyncio.Queue[ReplayAppend] | None = None
+        self._writer: asyncio.Task[None] | None = None
+        self.write_errors = 0
+
+    async def open(self, stream_id: str, idempotency: tuple[str, str] | None = None) -> str | None:
+        meta = _keys(stream_id)[1]
+        if idempotency is not None:
+            key, digest = idempotency
+            claim = "tw:k:" + key
+            claimed = await self._redis.set(claim, f"{stream_id} {digest}", nx=True, ex=self._ttl)
+            if not claimed:
+                held = await self._redis.get(claim)
+                if held is not None:
+                    held_stream, _, held_digest = held.decode().partition(" ")
+                    if held_digest != digest:
+                        raise KeyReused(key)
+                    if await self._redis.exists(_keys(held_stream)[1]):
+                        return str(held_stream)
+                # Held by a stream that is gone: take the key over.
+                await self._redis.set(claim, f"{stream_id} {digest}", ex=self._ttl)
+        mapping = {"key": idempotency[0] if idempotency is not None else ""}
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.hset(meta, mapping=mapping)
+            pipe.expire(meta, self._ttl)
+            await pipe.execute()
+        return None
+
+    def append(self, action: ReplayAppend) -> None:
+        if self._queue is None:
+            self._queue = asyncio.Queue()
+            self._writer = asyncio.get_running_loop().create_task(self._write_loop(self._queue))
+        self._queue.put_nowait(action)
+
+    async def _write_loop(self, queue: asyncio.Queue[ReplayAppend]) -> None:
+        while True:
+            batch = [await queue.get()]
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            try:
+                await self._write(batch)
+            except Exception:  # a store outage must not take the streams down
+                self.write_errors += len(batch)
+                logger.exception("replay store: %d appends lost", len(batch))
+
+    async def _write(self, batch: list[ReplayAppend]) -> None:
+        key_reads: list[int] = []  # positions of the HGETs of discarded streams' keys
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for action in batch:
+                events, meta, attach = _keys(action.stream_id)
+                if action.discard:
+                    key_reads.append(len(pipe))
+                    pipe.hget(meta, "key")
+                    pipe.delete(events, meta, attach)
+                    continue
+                for offset, frame in enumerate(action.frames):
+                    pipe.xadd(events, {"f": frame}, id=f"0-{action.first_seq + offset}")
+                if action.overflow:
+                    pipe.hset(meta, "overflow", "1")
+                if action.end is not None:
+                    pipe.hset(meta, "end", action.end.value)
+                pipe.expire(events, self._ttl)
+                pipe.expire(meta, self._ttl)
+            results = await pipe.execute(raise_on_error=False)
+        # Discarded streams (failed before their first event) free their key.
+        keys = [results[i] for i in key_reads if isinstance(results[i], bytes) and results[i]]
+        if keys:
+            await self._redis.delete(*("tw:k:" + key.decode() for key in keys))
+
+    async def read(self, stream_id: str, after_seq: int) -> AsyncIterator[tuple[bytes, ...]]:
+        events, meta, attach = _keys(stream_id)
+        if not await self._redis.exists(meta):
+            raise StreamNotFound(stream_id)
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.rpush(attach, 1)
+            pipe.expire(attach, self._ttl)
+            await pipe.execute()
+        last = f"0-{max(after_seq, 0)}"
+        block: int | None = None
+        while True:
+            reply = await self._redis.xread({events: last}, count=_READ_COUNT, block=block)
+            entries = reply[0][1] if reply else []
+            if entries:
+                last = entries[-1][0].decode()
+                yield tuple(fields[b"f"] for _, fields in entries)
+                block = None
+                continue
+            # Nothing new (at once, or within the block): has it ended, is it still there?
+            state = await self._redis.hgetall(meta)
+            if not state:
+                raise ReplayUnavailable(stream_id)  # expired while we read
+            if state.get(b"overflow"):
+                raise ReplayUnavailable(stream_id)
+            if state.get(b"end"):
+                # The end marker is written after the last frame, in one pipeline:
+                # one more read picks up any frame that raced the check above.
+                reply = await self._redis.xread({events: last}, count=_READ_COUNT)
+                if reply and reply[0][1]:
+                    yield tuple(fields[b"f"] for _, fields in reply[0][1])
+                return
+            block = _BLOCK_MS
+
+    async def wait_reader(self, stream_id: str, timeout_s: float) -> bool:
+        _, _, attach = _keys(stream_id)
+        found = await self._redis.blpop([attach], timeout=max(timeout_s, 0.01))
+        return found is not None
+
+    async def aclose(self) -> None:
+        if self._queue is not None and self._writer is not None:
+            # Let queued appends reach Redis before the connection goes.
+            for _ in range(100):
+                if self._queue.empty():
+                    break
+                await asyncio.sleep(0.01)
+            self._writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._writer
+        await self._redis.aclose()

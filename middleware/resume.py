@@ -1,0 +1,131 @@
+"""Resume requests: stream ids, ``Last-Event-ID`` and ``Idempotency-Key``.
+
+Theory of operation
+-------------------
+With ``WireConfig.resume`` every event of a stream carries ``id: <stream>.<seq>``
+(numbered by the wire core, see ``stream.py``) and is kept in a replay store.
+A request can then ask for a stream that already exists in three ways, and
+this module tells a driver which one it is, before any upstream is called:
+
+* ``GET /v1/streams/{stream}`` (what an ``EventSource`` opens, and what it
+  re-opens by itself with ``Last-Event-ID`` after a drop): :class:`ResumeFrom`;
+* a re-sent ``POST`` carrying ``Last-Event-ID``: :class:`ResumeFrom`;
+* a ``POST`` carrying ``Idempotency-Key``: :class:`Idempotent` — the first such
+  request generates, any later one with the same key and body replays.
+
+Malformed input is a :class:`~tokenwire.middleware.errors.ClientError` with a
+stable code, raised here and put on the wire by the core (``Rejected``).
+Nothing here does I/O; the stores are in ``replay_store.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .errors import ClientError, ErrorCode, LocalError
+from .headers import header_value
+
+STREAMS_PATH = "/v1/streams/"
+"""Path prefix of the reconnect endpoint: ``GET /v1/streams/{stream}``."""
+
+_ID_ALPHABET = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
+_MAX_KEY_CHARS = 255
+
+Header = tuple[bytes, bytes]
+
+
+def new_stream_id() -> str:
+    """A fresh, unguessable stream id (the id is the only key to an answer)."""
+    return secrets.token_urlsafe(16)
+
+
+def _valid_stream_id(text: str) -> bool:
+    return 0 < len(text) <= 64 and set(text) <= _ID_ALPHABET
+
+
+def parse_event_id(value: str) -> tuple[str, int]:
+    """``<stream>.<seq>`` as (stream, seq); a ClientError if it is not one of ours."""
+    stream_id, dot, seq_text = value.strip().rpartition(".")
+    if not dot or not _valid_stream_id(stream_id) or not seq_text.isdigit() or len(seq_text) > 12:
+        raise ClientError(f"Last-Event-ID {value[:80]!r} is not an event id of this server "
+                          "(expected <stream>.<seq>)", ErrorCode.INVALID_LAST_EVENT_ID)
+    return stream_id, int(seq_text)
+
+
+def body_digest(body: bytes) -> str:
+    """What an idempotency key is bound to: the request body's SHA-256."""
+    return hashlib.sha256(body).hexdigest()
+
+
+def stream_not_found(stream_id: str) -> ClientError:
+    """The one error for a stream that never existed, expired, or was evicted."""
+    return ClientError(f"stream {stream_id[:64]!r} is unknown or expired",
+                       ErrorCode.STREAM_NOT_FOUND, http_status=404)
+
+
+def key_reused() -> ClientError:
+    return ClientError("Idempotency-Key was already used with a different request body",
+                       ErrorCode.IDEMPOTENCY_KEY_REUSED, http_status=422)
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeFrom:
+    """Send stream ``stream_id`` from event ``after_seq + 1`` on (0 = from the start)."""
+
+    stream_id: str
+    after_seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Idempotent:
+    """A POST with an idempotency key: generate once, replay on repeats."""
+
+    key: str
+    digest: str
+
+
+def classify(method: str, path: str, headers: Iterable[Header],
+             body: bytes) -> ResumeFrom | Idempotent | None:
+    """Which kind of resume request this is; None for an ordinary request.
+
+    ``path`` is the request target without its query. Raises ClientError for
+    a malformed ``Last-Event-ID``/``Idempotency-Key`` or stream path.
+    """
+    headers = list(headers)
+    last_event = header_value(headers, b"last-event-id")
+    if path.startswith(STREAMS_PATH):
+        if method not in ("GET", "HEAD"):
+            raise ClientError(f"{STREAMS_PATH}{{stream}} takes GET", ErrorCode.BAD_REQUEST,
+                              http_status=405)
+        stream_id = path[len(STREAMS_PATH):]
+        if not _valid_stream_id(stream_id):
+            raise stream_not_found(stream_id)
+        if last_event is None or not last_event.strip():
+            return ResumeFrom(stream_id, 0)
+        named, seq = parse_event_id(last_event.decode("latin-1"))
+        if named != stream_id:
+            raise ClientError("Last-Event-ID names another stream than the path",
+                              ErrorCode.INVALID_LAST_EVENT_ID)
+        return ResumeFrom(stream_id, seq)
+    if method != "POST":
+        return None
+    if last_event is not None and last_event.strip():
+        return ResumeFrom(*parse_event_id(last_event.decode("latin-1")))
+    key = header_value(headers, b"idempotency-key")
+    if key is None:
+        return None
+    text = key.decode("latin-1").strip()
+    if not 0 < len(text) <= _MAX_KEY_CHARS or not text.isprintable():
+        raise ClientError(f"Idempotency-Key must be 1..{_MAX_KEY_CHARS} printable characters",
+                          ErrorCode.BAD_REQUEST)
+    return Idempotent(text, body_digest(body))
+
+
+def replay_unavailable(stream_id: str) -> LocalError:
+    """The reader got all the store kept, and the stream went on past it."""
+    return LocalError(f"the rest of stream {stream_id[:64]!r} was not kept (resume_max_bytes or "
+                      "resume_total_bytes); it cannot be replayed", ErrorCode.RESUME_UNAVAILABLE,
+                      http_status=410)
