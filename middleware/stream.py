@@ -760,7 +760,11 @@ class WireStream:
         elif self._passthrough:
             self._end(reason, error.code, abrupt=True, trigger=_Trigger.ABORT)
         else:
-            self._queue_event(SSEEvent(data=error.sse_data()), droppable=False)
+            # A reader's own ending (shutdown, cancel, the store lost the rest)
+            # is not an event of the stream: numbering it would shadow the
+            # stored event of that number on the next reconnect.
+            self._queue_event(SSEEvent(data=error.sse_data()), droppable=False,
+                              numbered=not self._replaying)
             self._end(reason, error.code, abrupt=True, trigger=_Trigger.ABORT)
             self._enforce_cap(now)
 
@@ -833,9 +837,9 @@ class WireStream:
 
     # ------------------------------------------------------------ resume
 
-    def _queue_event(self, event: SSEEvent, *, droppable: bool = True) -> None:
+    def _queue_event(self, event: SSEEvent, *, droppable: bool = True, numbered: bool = True) -> None:
         """Queue one event for the client: numbered and recorded under resume."""
-        if self.config.resume:
+        if self.config.resume and numbered:
             self._seq += 1
             if self._recording:
                 bare = event if event.id is None else SSEEvent(

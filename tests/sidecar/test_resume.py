@@ -158,13 +158,14 @@ def test_a_failure_before_the_first_event_releases_the_idempotency_key(
 
 def test_with_grace_a_quick_reconnect_continues_the_same_generation(
         resumable: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
-    sidecar = resumable(resume_grace_s=3.0)
-    part = start_stream(sidecar, tokens=40, delay_s=0.01, stop_after=6,
+    # The grace (0.5 s) is shorter than the answer (~1.5 s): only the attach keeps it alive.
+    sidecar = resumable(resume_grace_s=0.5)
+    part = start_stream(sidecar, tokens=150, delay_s=0.01, stop_after=6,
                         headers={"x-request-id": "grace-1"})
     rest = resume(sidecar.port, part.stream_id, part.ids[-1])
     assert rest.status == 200 and rest.clean_end
-    assert seqs(part) + seqs(rest) == list(range(1, 45))  # role, 40 tokens, finish, usage, [DONE]
-    assert text_of(part.events) + text_of(rest.events) == expected_text(40)
+    assert seqs(part) + seqs(rest) == list(range(1, 155))  # role, 150 tokens, finish, usage, [DONE]
+    assert text_of(part.events) + text_of(rest.events) == expected_text(150)
     assert len(upstream.requests) and len(upstream.requests_with("grace-1")) == 1
     # The generation ran to its end for the reader: nothing was aborted.
     assert upstream.requests_with("grace-1")[0].finished_at is not None
