@@ -45,6 +45,14 @@ through the ASGI extension ``scope["extensions"]["tokenwire"]``, a
 A client that leaves before the response has started has nobody to answer:
 the app is cancelled then too (a prefill is exactly that case), and the core
 still produces an accounting record with end reason ``client_gone``.
+
+Resume (``config.resume``): the core numbers and records the events; this
+driver passes ``ReplayAppend`` to the replay store. Before the app is called,
+a reconnect (``GET /v1/streams/{stream}``, or a POST with ``Last-Event-ID``)
+or a repeated ``Idempotency-Key`` is served from the store instead of the app,
+through a core fed ``ReplaySource``; the app never sees those requests. While
+the core holds a departed client's stream for ``resume_grace_s``, the app is
+not told of the disconnect (it keeps generating into the store).
 """
 
 from __future__ import annotations
@@ -61,16 +69,23 @@ from enum import Enum
 from typing import Any
 
 from .config import ConfigError, WireConfig
+from .errors import ClientError
 from .events import (
     AbortUpstream,
     Action,
+    AwaitReader,
     ClientGone,
     CloseClient,
     CommitHeaders,
     EndReason,
     FailureKind,
     Finished,
+    Input,
     PauseUpstream,
+    ReaderAttached,
+    Rejected,
+    ReplayAppend,
+    ReplaySource,
     ResumeUpstream,
     RetryUpstream,
     StopRequested,
@@ -83,6 +98,8 @@ from .events import (
     WriteCompleted,
 )
 from .headers import is_event_stream
+from .replay_store import KeyReused, MemoryReplayStore, ReplayStore, feed_replay
+from .resume import Idempotent, ResumeFrom, classify, key_reused, new_stream_id
 from .stream import WireStream
 
 Scope = MutableMapping[str, Any]
@@ -160,7 +177,9 @@ class TokenWireMiddleware:
     cancels the app (client gone, slow client, ``abort()``); it may be a
     coroutine function. ``on_finished(record)`` receives each stream's
     accounting record. ``request_id_header`` names the request header whose
-    value becomes the request id.
+    value becomes the request id. ``replay_store``: where resumable streams
+    are kept with ``config.resume`` (default: an in-memory store; pass a
+    :class:`~tokenwire.middleware.replay_redis.RedisReplayStore` so replicas share them).
     """
 
     def __init__(
@@ -171,6 +190,7 @@ class TokenWireMiddleware:
         on_abort: OnAbort | None = None,
         on_finished: OnFinished | None = None,
         request_id_header: str = "x-request-id",
+        replay_store: ReplayStore | None = None,
     ) -> None:
         if config.retry_attempts != 0:
             raise ConfigError("retry_attempts", "must be 0 for the ASGI middleware "
@@ -180,6 +200,9 @@ class TokenWireMiddleware:
         self.on_abort = on_abort
         self.on_finished = on_finished
         self.request_id_header = request_id_header.lower().encode("latin-1")
+        self.replay_store: ReplayStore | None = None
+        if config.resume:
+            self.replay_store = replay_store or MemoryReplayStore.from_config(config)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -225,6 +248,12 @@ class _Responder:
         self.timer_at = 0.0
         self.hook_tasks: list[asyncio.Future[Any]] = []
         self.writer_error: Exception | None = None
+        # Resume.
+        self.stream_id = new_stream_id() if self.config.resume else None
+        self.stream_opened = False  # the store has it (opened before its first append)
+        self.replaying = False
+        self.held = False  # the core holds the stream for a reconnect: the app keeps going
+        self.reader_wait: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------ the call
 
@@ -259,7 +288,83 @@ class _Responder:
             raise error
 
     async def call_app(self) -> None:
+        if self.middleware.replay_store is not None and await self.served_from_store():
+            return
         await self.middleware.app(self.scope, self.app_receive, self.app_send)
+
+    # ------------------------------------------------------------ resume
+
+    async def served_from_store(self) -> bool:
+        """Answer a reconnect or a repeated idempotency key from the store
+        (True), or open this request's stream there and let the app run."""
+        store = self.middleware.replay_store
+        assert store is not None and self.stream_id is not None
+        method = str(self.scope.get("method", "GET"))
+        headers = [(bytes(k).lower(), bytes(v)) for k, v in self.scope.get("headers", ())]
+        body = await self.read_body() if method == "POST" and any(
+            k == b"idempotency-key" for k, _ in headers) else b""
+        try:
+            route = classify(method, str(self.scope.get("path", "")), headers, body)
+            if isinstance(route, ResumeFrom):
+                await self.replay(store, route.stream_id, route.after_seq)
+                return True
+            if isinstance(route, Idempotent):
+                holder = await store.open(self.stream_id, (route.key, route.digest))
+                if holder is not None:
+                    await self.replay(store, holder, 0)
+                    return True
+                self.stream_opened = True
+        except ClientError as error:
+            self.refuse(error)
+            return True
+        except KeyReused:
+            self.refuse(key_reused())
+            return True
+        return False
+
+    async def read_body(self) -> bytes:
+        """The whole request body (an idempotency key is bound to it), left
+        queued for the app to read as if nothing had."""
+        messages: list[Message] = []
+        while True:
+            message = await self.app_receive()
+            if message["type"] != "http.request":
+                break
+            messages.append(message)
+            if not message.get("more_body", False):
+                break
+        for message in reversed(messages):
+            self.inbox.appendleft(message)
+            self.read_ahead_bytes += len(message.get("body", b""))
+        self.inbox_ready.set()
+        return b"".join(bytes(m.get("body", b"")) for m in messages)
+
+    def refuse(self, error: ClientError) -> None:
+        stream = self.start_stream()
+        self.app_ended = True
+        self.apply(stream.handle(Rejected(error), self.loop.time()))
+
+    async def replay(self, store: ReplayStore, stream_id: str, after_seq: int) -> None:
+        self.replaying = True
+        stream = self.start_stream()
+        self.apply(stream.handle(ReplaySource(stream_id, after_seq), self.loop.time()))
+        readable = asyncio.Event()
+        readable.set()
+        self.upstream_resumed = readable
+
+        def feed(event: Input) -> None:
+            self.apply(stream.handle(event, self.loop.time()))
+
+        await feed_replay(store, stream_id, after_seq, readable=readable, feed=feed)
+        self.app_ended = True
+
+    async def await_reader(self, action: AwaitReader) -> None:
+        store = self.middleware.replay_store
+        assert store is not None
+        if await store.wait_reader(action.stream_id, max(action.until - self.loop.time(), 0.0)):
+            stream = self.stream
+            if stream is not None:
+                self.apply(stream.handle(ReaderAttached(), self.loop.time()))
 
     # ------------------------------------------------------------ request side
 
@@ -281,7 +386,7 @@ class _Responder:
 
     async def app_receive(self) -> Message:
         while not self.inbox:
-            if self.client_gone:
+            if self.client_gone and not self.held:
                 return {"type": "http.disconnect"}
             self.inbox_ready.clear()
             await self.inbox_ready.wait()
@@ -328,6 +433,11 @@ class _Responder:
                 self.mode = _Mode.PASSTHROUGH
                 await self.send_through(message)
                 return
+            store = self.middleware.replay_store
+            if store is not None and not self.stream_opened and self.stream_id is not None:
+                # Before the core's first ReplayAppend can reach the store.
+                await store.open(self.stream_id)
+                self.stream_opened = True
             stream = self.start_stream()
             self.apply(stream.handle(UpstreamHeaders(int(message["status"]), headers),
                                      self.loop.time()))
@@ -381,7 +491,7 @@ class _Responder:
     def start_stream(self) -> WireStream:
         self.mode = _Mode.STREAM
         stream = WireStream(self.config, now=self.loop.time(), request_id=self.request_id,
-                            upstreams=("app",), expect_stream=True)
+                            upstreams=("app",), expect_stream=True, stream_id=self.stream_id)
         self.stream = stream
         self.writer_task = self.loop.create_task(self.write_loop(stream))
         return stream
@@ -408,6 +518,13 @@ class _Responder:
             elif isinstance(action, ResumeUpstream):
                 if self.upstream_resumed is not None:
                     self.upstream_resumed.set()
+            elif isinstance(action, ReplayAppend):
+                store = self.middleware.replay_store
+                if store is not None:
+                    store.append(action)
+            elif isinstance(action, AwaitReader):
+                self.held = True
+                self.reader_wait = self.loop.create_task(self.await_reader(action))
             elif isinstance(action, RetryUpstream):  # pragma: no cover - retry_attempts is 0
                 raise AssertionError("the ASGI middleware cannot retry the app")
         stream = self.stream
@@ -415,6 +532,9 @@ class _Responder:
             return
         if stream.finished:
             self.cancel_timer()
+            self.held = False
+            if self.reader_wait is not None:
+                self.reader_wait.cancel()
             if self.upstream_resumed is not None:
                 self.upstream_resumed.set()
             if self.client_gone and self.writer_sending and self.writer_task is not None:
@@ -427,13 +547,14 @@ class _Responder:
             wake.set_result(None)
 
     def abort_app(self, reason: EndReason) -> None:
+        self.held = False
         task = self.app_task
         if task is not None and not task.done():
             self.app_cancelled_by_us = True
             task.cancel()
         on_abort = self.middleware.on_abort
-        if on_abort is None:
-            return
+        if on_abort is None or self.replaying:
+            return  # a replay generates nothing: there is no generation to stop
         try:
             result = on_abort(self.request_id, reason.value)
         except Exception:

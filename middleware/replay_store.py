@@ -28,12 +28,25 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from .config import WireConfig
-from .events import EndReason, ReplayAppend
+from .events import (
+    EndReason,
+    Input,
+    Rejected,
+    ReplayAppend,
+    UpstreamData,
+    UpstreamEnded,
+    UpstreamHeaders,
+)
+from .headers import SSE_HEADERS
+from .resume import replay_unavailable, stream_not_found
 
 # Per-frame bookkeeping counted against resume_total_bytes besides the frame
 # itself (a bytes object's header and its list slot, measured in bench/).
 FRAME_OVERHEAD_BYTES = 41
 _SWEEP_EVERY_S = 1.0
+# A long backlog is fed in slices, so the core can pause the read (it reads a
+# replay under the block policy) before its pending cap is near.
+_FRAMES_PER_FEED = 64
 
 
 class StreamNotFound(LookupError):
@@ -229,3 +242,25 @@ def open_replay_store(url: str, config: WireConfig) -> ReplayStore:
     from .config import ConfigError
 
     raise ConfigError("resume_store", f"expected memory or redis://HOST:PORT/DB, got {url!r}")
+
+
+async def feed_replay(store: ReplayStore, stream_id: str, after_seq: int, *,
+                      readable: asyncio.Event, feed: Callable[[Input], None]) -> None:
+    """Read a stored stream as if it were an upstream: feed the wire core (which
+    was fed ``ReplaySource`` first) headers, the frames after ``after_seq``, the
+    live tail and the end, or ``Rejected`` for an unknown or incomplete stream.
+    Waits while ``readable`` is clear (the core's ``PauseUpstream``)."""
+    feed(UpstreamHeaders(200, SSE_HEADERS))
+    try:
+        async for frames in store.read(stream_id, after_seq):
+            for start in range(0, len(frames), _FRAMES_PER_FEED):
+                if not readable.is_set():
+                    await readable.wait()
+                feed(UpstreamData(b"".join(frames[start:start + _FRAMES_PER_FEED])))
+    except StreamNotFound:
+        feed(Rejected(stream_not_found(stream_id)))
+        return
+    except ReplayUnavailable:
+        feed(Rejected(replay_unavailable(stream_id)))
+        return
+    feed(UpstreamEnded())

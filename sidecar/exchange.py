@@ -49,12 +49,11 @@ from tokenwire.middleware import (
     WireStream,
     WriteCompleted,
 )
-from tokenwire.middleware.replay_store import KeyReused
+from tokenwire.middleware.replay_store import KeyReused, feed_replay
 from tokenwire.middleware.resume import Idempotent, ResumeFrom, classify, key_reused, new_stream_id
 
 from .context import SidecarContext
 from .forwarding import with_request_id
-from .resume import run_replay
 from .upstream import run_attempt
 from .upstream_io import UpstreamStream
 
@@ -310,8 +309,8 @@ class Exchange:
             if task is self._attempt:
                 self.feed(event)
 
-        await run_replay(store, stream_id, after_seq, readable=self._upstream_readable,
-                         feed=feed_from_replay)
+        await feed_replay(store, stream_id, after_seq, readable=self._upstream_readable,
+                          feed=feed_from_replay)
 
     async def _await_reader(self, action: AwaitReader) -> None:
         store = self._context.replay_store

@@ -1,15 +1,33 @@
-"""A resuming SSE client for the tests: reads events (with their ids) off a real
-socket, can stop after N events and drop the connection, then reconnect."""
+"""A resuming SSE client for the tests of both drivers: reads events (with their
+ids) off a real socket, can stop after N events and drop the connection (with a
+reset, as a phone losing its network), then reconnect the way an EventSource
+does. Self-contained: tests/ is on sys.path for every test folder."""
 
 from __future__ import annotations
 
 import socket
+import struct
 import time
 from dataclasses import dataclass, field
 
 import h11
-from clients import connect, request_bytes, reset
 from tokenwire.middleware import SSEEvent, SSEParser
+
+
+def request_bytes(method: str, path: str, *, body: bytes = b"",
+                  headers: dict[str, str] | None = None) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1"]
+    sent = {"Content-Type": "application/json", **(headers or {})}
+    if body:
+        sent["Content-Length"] = str(len(body))
+    lines += [f"{k}: {v}" for k, v in sent.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def reset(sock: socket.socket) -> None:
+    """Close with RST (linger 0)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
 
 
 @dataclass
@@ -88,7 +106,7 @@ def open_stream(port: int, method: str, path: str, *, body: bytes = b"",
                 headers: dict[str, str] | None = None, stop_after: int | None = None,
                 timeout_s: float = 10.0) -> SSEResponse:
     """One request on a fresh connection; see :func:`read_events`."""
-    sock = connect(port, timeout_s=timeout_s)
+    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
     try:
         sock.sendall(request_bytes(method, path, body=body, headers=headers))
         return read_events(sock, stop_after=stop_after, timeout_s=timeout_s)
