@@ -773,10 +773,10 @@ class WireStream:
         self._transition(trigger)
         if self._recording and self._record_end is None:
             self._record_stream_end(reason)
-        if reason is EndReason.COMPLETE and self._reader_attached:
-            reason = EndReason.DETACHED
         if self._end_reason is None:
-            self._end_reason = reason
+            # The record says a complete answer went to a resuming reader, not to its client.
+            detached = reason is EndReason.COMPLETE and self._reader_attached
+            self._end_reason = EndReason.DETACHED if detached else reason
             self._error_code = code
         self._close_abrupt = abrupt
         self._commit_at = None
