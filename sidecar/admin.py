@@ -2,6 +2,7 @@
 
 Routes::
 
+    GET    /                       the playground page (streams through the proxy port, CORS)
     GET    /metrics                Prometheus text format (the sidecar's own registry)
     GET    /streams                open streams as a JSON list
     DELETE /streams/{request_id}   cancel: upstream aborted, client gets an in-band ``cancelled``
@@ -15,13 +16,17 @@ scrapers, not for traffic, so it stays small.
 from __future__ import annotations
 
 import asyncio
+import html
+import importlib.resources
 import json
 import urllib.parse
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import h11
 from prometheus_client import CONTENT_TYPE_LATEST
 from tokenwire.middleware import EndReason, ErrorCode
+from tokenwire.middleware.headers import header_value
 
 from .context import SidecarContext
 
@@ -36,10 +41,57 @@ def _json(status: int, payload: object) -> Response:
     return status, b"application/json", json.dumps(payload, separators=(",", ":")).encode()
 
 
-def route(context: SidecarContext, method: bytes, target: bytes) -> Response:
+_PROXY_URL_PLACEHOLDER = "{{PROXY_URL}}"
+# Bound to every interface: the browser must use the name it reached the admin port by.
+_WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
+
+
+@dataclass(frozen=True, slots=True)
+class Playground:
+    """The playground page, told where the proxy port is."""
+
+    template: str
+    proxy_scheme: str
+    proxy_host: str
+    proxy_port: int
+
+    @classmethod
+    def load(cls, context: SidecarContext, proxy_address: tuple[str, int] | None) -> Playground:
+        """Read the page from the package; ``proxy_address`` is the proxy's bound (host, port)."""
+        config = context.config
+        if proxy_address is None:
+            # Without the bound address the configured one is the best guess (wrong for port 0).
+            host, _, port = config.listen.rpartition(":")
+            proxy_address = (host.strip("[]"), int(port))
+        package = __package__ or "tokenwire.sidecar"
+        template = importlib.resources.files(package).joinpath("static/playground.html").read_text("utf-8")
+        return cls(template, "https" if config.tls else "http", *proxy_address)
+
+    def proxy_url(self, admin_host_header: bytes | None) -> str:
+        """The proxy's base URL as a browser that sent ``admin_host_header`` can reach it."""
+        host = self.proxy_host
+        if host in _WILDCARD_HOSTS and admin_host_header:
+            parsed = urllib.parse.urlsplit("//" + admin_host_header.decode("ascii", "replace"))
+            host = parsed.hostname or "127.0.0.1"
+        elif host in _WILDCARD_HOSTS:
+            host = "127.0.0.1"
+        if ":" in host:
+            host = f"[{host}]"
+        return f"{self.proxy_scheme}://{host}:{self.proxy_port}"
+
+    def render(self, admin_host_header: bytes | None) -> bytes:
+        """The page with the proxy's URL filled in."""
+        url = html.escape(self.proxy_url(admin_host_header), quote=True)
+        return self.template.replace(_PROXY_URL_PLACEHOLDER, url).encode("utf-8")
+
+
+def route(context: SidecarContext, method: bytes, target: bytes, *,
+          playground: Playground | None = None, host_header: bytes | None = None) -> Response:
     """The admin API's answer to one request (no I/O; easy to test)."""
     path = urllib.parse.unquote(target.split(b"?", 1)[0].decode("ascii", "replace"))
     if method in (b"GET", b"HEAD"):
+        if path == "/" and playground is not None:
+            return 200, b"text/html; charset=utf-8", playground.render(host_header)
         if path == "/metrics":
             return 200, CONTENT_TYPE_LATEST.encode(), context.metrics.render()
         if path == "/streams":
@@ -83,8 +135,13 @@ async def _read_request(reader: asyncio.StreamReader, conn: h11.Connection) -> h
 AdminHandler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
-def handler(context: SidecarContext) -> AdminHandler:
-    """The ``asyncio.start_server`` callback serving the admin API."""
+def handler(context: SidecarContext, *, proxy_address: tuple[str, int] | None = None) -> AdminHandler:
+    """The ``asyncio.start_server`` callback serving the admin API.
+
+    ``proxy_address`` is the proxy listener's bound (host, port), which the
+    playground page calls; the configured ``listen`` may say port 0.
+    """
+    playground = Playground.load(context, proxy_address)
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_ADMIN_HEAD_BYTES)
@@ -92,7 +149,9 @@ def handler(context: SidecarContext) -> AdminHandler:
             request = await asyncio.wait_for(_read_request(reader, conn), _ADMIN_READ_TIMEOUT_S)
             if request is None:
                 return
-            status, content_type, body = route(context, request.method, request.target)
+            status, content_type, body = route(context, request.method, request.target,
+                                               playground=playground,
+                                               host_header=header_value(request.headers, b"host"))
             headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()),
                        (b"connection", b"close")]
             writer.write(conn.send(h11.Response(status_code=status, headers=headers)))

@@ -48,6 +48,7 @@ import h11
 from tokenwire.middleware import ClientError, ClientGone, ErrorCode, SocketPaused, SocketResumed
 from tokenwire.middleware.headers import header_value
 
+from . import cors
 from .context import SidecarContext
 from .exchange import Exchange
 from .forwarding import request_id_from, upstream_request_headers, wants_stream
@@ -62,6 +63,32 @@ _LINGER_S = 2.0
 _PIPELINE_BUFFER_BYTES = 64 * 1024
 # How a response head h11 wrote declares a chunked body (the lowered head is searched).
 _CHUNKED_HEADER_LINE = b"\r\ntransfer-encoding: chunked\r\n"
+
+
+def _framing_problem(received: bytes | bytearray) -> str | None:
+    """What is wrong with a request head h11 accepted but an edge proxy must not.
+
+    ``received`` starts with the head as it came off the wire. h11 is lenient
+    where RFC 9112 allows it (bare LF line ends, obsolete line folding, a
+    repeated identical Content-Length, which it merges); the next hop may read
+    such a head differently, which is what request smuggling exploits, so the
+    sidecar refuses them as nginx and HAProxy do.
+    """
+    end = received.find(b"\n\r\n")
+    bare_end = received.find(b"\n\n")
+    if bare_end != -1 and (end == -1 or bare_end < end):
+        return "bare LF in the request head"
+    head = received[:end + 1]
+    if head.count(b"\n") != head.count(b"\r\n"):
+        return "bare LF in the request head"
+    if b"\n " in head or b"\n\t" in head:
+        return "obsolete line folding in the request head"
+    lowered = head.lower()
+    at = lowered.find(b"\ncontent-length:")
+    if at != -1 and (lowered.find(b"\ncontent-length:", at + 1) != -1
+                     or b"," in lowered[at:lowered.find(b"\r", at + 1)]):
+        return "more than one Content-Length"
+    return None
 
 
 class Phase(enum.Enum):
@@ -93,6 +120,10 @@ class ClientConnection(asyncio.Protocol):
         self._body = bytearray()
         self._exchange: Exchange | None = None
         self._chunked_body = False
+        # What arrived since the current request head began, for _framing_problem.
+        # One buffer, not a list of reads: a client sending a byte per packet
+        # would otherwise cost an object per byte.
+        self._head_received = bytearray()
 
     # ------------------------------------------------------------ asyncio.Protocol
 
@@ -124,10 +155,13 @@ class ClientConnection(asyncio.Protocol):
         if self._phase is Phase.IDLE:
             self._phase = Phase.HEAD
             self._arm_timer(self._config.header_read_timeout_s)
+        if self._phase is Phase.HEAD:
+            # Bounded: h11 refuses a head still incomplete past max_head_bytes.
+            self._head_received += data
         try:
             self._conn.receive_data(data)
         except h11.RemoteProtocolError as error:
-            self._refuse(error.error_status_hint, str(error))
+            self._refuse_malformed(error)
             return
         if self._phase is Phase.RESPONSE:
             # Pipelined bytes wait in h11's buffer; stop reading if they pile up.
@@ -174,7 +208,7 @@ class ClientConnection(asyncio.Protocol):
             try:
                 event = self._conn.next_event()
             except h11.RemoteProtocolError as error:
-                self._refuse(error.error_status_hint, str(error))
+                self._refuse_malformed(error)
                 return
             if event is h11.NEED_DATA or event is h11.PAUSED:
                 return
@@ -194,6 +228,7 @@ class ClientConnection(asyncio.Protocol):
         self._arm_timer(config.body_read_timeout_s)
         headers = list(request.headers)
         names = [name for name, _ in headers]
+        received, self._head_received = self._head_received, bytearray()
         if self._context.draining or self._over_limit:
             self._refuse(503, "the server is not taking new requests", retry_after_s=1)
             return
@@ -210,6 +245,20 @@ class ClientConnection(asyncio.Protocol):
         if b"transfer-encoding" in names and b"content-length" in names:
             # Request smuggling: two framings, and two hops that may pick differently.
             self._refuse(400, "Content-Length and Transfer-Encoding together")
+            return
+        problem = _framing_problem(received)
+        if problem is not None:
+            self._refuse(400, problem)
+            return
+        if b"transfer-encoding" in names and request.http_version == b"1.0":
+            # RFC 9112 section 6.1: chunked framing in HTTP/1.0 is faulty framing.
+            self._refuse(400, "Transfer-Encoding in an HTTP/1.0 request")
+            return
+        if b"upgrade" in names:
+            # h2c (and WebSocket) upgrades are not served; refusing them rather
+            # than dropping the header means no hop ever sees a half-upgraded
+            # connection (h2c smuggling past a front proxy's rules).
+            self._refuse(400, "protocol upgrades are not supported")
             return
         if not request.target.startswith(b"/"):
             self._refuse(400, "only origin-form request targets are served")
@@ -236,6 +285,9 @@ class ClientConnection(asyncio.Protocol):
         assert request is not None
         self._phase = Phase.RESPONSE
         self._cancel_timer()
+        if self._config.cors_allow_origins and cors.is_preflight(request.method, request.headers):
+            self._answer_preflight(request)
+            return
         config = self._config
         id_header = config.request_id_header.encode()
         headers = list(request.headers)
@@ -259,6 +311,10 @@ class ClientConnection(asyncio.Protocol):
     def send_headers(self, status: int, headers: Sequence[Header]) -> None:
         """Send the response head (called by the exchange on ``CommitHeaders``)."""
         headers = list(headers)
+        if self._config.cors_allow_origins and self._request is not None:
+            headers = cors.with_cors_headers(headers, self._config.cors_allow_origins,
+                                             header_value(self._request.headers, b"origin"),
+                                             request_id_header=self._config.request_id_header.encode())
         if self._context.draining:
             headers.append((b"connection", b"close"))
         head = self._conn.send(h11.Response(status_code=status, headers=headers))
@@ -301,7 +357,7 @@ class ClientConnection(asyncio.Protocol):
         else:
             self._write(self._conn.send(h11.EndOfMessage()))
 
-    def exchange_finished(self, exchange: Exchange) -> None:
+    def exchange_finished(self, exchange: Exchange | None) -> None:
         """The exchange is over: serve the next request on this connection, or close it."""
         if self._exchange is exchange:
             self._exchange = None
@@ -314,16 +370,31 @@ class ClientConnection(asyncio.Protocol):
             return
         conn.start_next_cycle()
         self._request = None
+        self._head_received = bytearray()
         self._chunked_body = False
         self._phase = Phase.IDLE
         self._arm_timer(self._config.keepalive_timeout_s)
         if self._reading_paused:
             self._reading_paused = False
             self._transport.resume_reading()
-        if conn.trailing_data[0]:
+        buffered = conn.trailing_data[0]
+        if buffered:
             self._phase = Phase.HEAD
+            self._head_received = bytearray(buffered)
             self._arm_timer(self._config.header_read_timeout_s)
             self._process()
+
+    def _answer_preflight(self, request: h11.Request) -> None:
+        """Answer a CORS preflight here: the engine knows nothing of the sidecar's origins."""
+        status, headers, body = cors.preflight_response(
+            self._config.cors_allow_origins, request.headers,
+            request_id_header=self._config.request_id_header.encode())
+        # Straight to h11, not send_headers: that would treat these as a proxied response's.
+        self._write(self._conn.send(h11.Response(status_code=status, headers=headers)))
+        if body:
+            self._write(self._conn.send(h11.Data(data=body)))
+        self._write(self._conn.send(h11.EndOfMessage()))
+        self.exchange_finished(None)
 
     # ------------------------------------------------------------ shutdown
 
@@ -352,6 +423,14 @@ class ClientConnection(asyncio.Protocol):
         self._cancel_timer()
         if self._transport is not None:
             self._transport.close()
+
+    def _refuse_malformed(self, error: h11.RemoteProtocolError) -> None:
+        # h11 hints 501 for a Transfer-Encoding it does not implement (RFC 9110
+        # says SHOULD); here such a framing is a malformed or smuggling request,
+        # the client's fault, which must not count as a server error (5xx is
+        # what load balancers eject backends for and what clients retry).
+        status = error.error_status_hint
+        self._refuse(400 if status == 501 else status, str(error))
 
     def _refuse(self, status: int, message: str, *, retry_after_s: int | None = None) -> None:
         """Answer with an error status, nothing forwarded, then close lingeringly."""

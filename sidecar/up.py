@@ -27,6 +27,10 @@ from typing import IO
 
 _ENGINE_START_TIMEOUT_S = 300.0  # the first run builds the tiny model (about a minute)
 _SIDECAR_START_TIMEOUT_S = 30.0
+# ``up`` is for trying things in a browser: the playground's resume button needs ids and a
+# replay, and a few seconds of grace let a killed tab come back before the engine is aborted.
+# Only ``up`` itself: the demo measures an abort reaching the engine at once.
+_UP_SIDECAR_ARGS = ("--resume", "--resume-grace-s", "5")
 
 
 class Child:
@@ -118,6 +122,22 @@ def _engine_ready(socket_path: str) -> bool:
         return False
 
 
+def admin_origins(host: str, port: int) -> list[str]:
+    """The origins a browser may load the playground from, for the proxy's CORS list.
+
+    A loopback admin port is reached as ``127.0.0.1`` or ``localhost`` alike,
+    and the browser's ``Origin`` is whichever name was typed.
+    """
+    hosts = [f"[{host}]" if ":" in host else host]
+    if host in ("127.0.0.1", "localhost", "::1"):
+        hosts = ["127.0.0.1", "localhost", "[::1]"]
+    elif host in ("0.0.0.0", "::"):
+        # Every interface: the page's origin cannot be known here, so loopback names are
+        # covered and other hosts can be added with --cors-allow-origin.
+        hosts = ["127.0.0.1", "localhost", "[::1]", socket.gethostname()]
+    return [f"http://{name}:{port}" for name in hosts]
+
+
 def _wait(child: Child, ready: threading.Event | None, probe: str | None, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -150,6 +170,8 @@ def running(*, listen: str, admin_listen: str, model: str, sidecar_args: Sequenc
         sidecar = Child("sidecar", [python, "-m", "tokenwire.sidecar", "sidecar",
                                     "--listen", f"{host}:{port}", "--upstream", f"unix:{engine_socket}",
                                     "--admin-listen", f"{admin_host}:{admin_port}",
+                                    *(arg for origin in admin_origins(admin_host, admin_port)
+                                      for arg in ("--cors-allow-origin", origin)),
                                     *sidecar_args], echo=echo)
         children.append(sidecar)
         _wait(sidecar, sidecar.ready, None, _SIDECAR_START_TIMEOUT_S)
@@ -170,7 +192,8 @@ def banner(endpoints: Endpoints, model: str) -> str:
     return f"""
 tokenwire is up
   API (sidecar, OpenAI-compatible)  {api}/v1
-  admin (metrics, streams, page)    {endpoints.admin_url}/
+  playground (open in a browser)    {endpoints.admin_url}/
+  admin (metrics, streams)          {endpoints.admin_url}/metrics  {endpoints.admin_url}/streams
   engine (behind the sidecar)       unix:{endpoints.engine_socket}
 
 try it:
@@ -201,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with running(listen=args.listen, admin_listen=args.admin_listen, model=args.model,
-                     echo=args.verbose) as endpoints:
+                     sidecar_args=_UP_SIDECAR_ARGS, echo=args.verbose) as endpoints:
             print(banner(endpoints, args.model), flush=True)
             while (dead := endpoints.dead_child()) is None:
                 time.sleep(0.5)

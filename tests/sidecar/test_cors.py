@@ -1,0 +1,134 @@
+"""CORS on the proxy port: preflights answered by the sidecar, headers on proxied answers."""
+
+from __future__ import annotations
+
+import pytest
+from clients import ResponseReader, chat_body, connect, exchange, request_bytes
+from tokenwire.middleware import ConfigError
+from tokenwire.sidecar import cors
+from tokenwire.sidecar.cli import load_sidecar_config
+from tokenwire.sidecar.settings import build_config
+from upstreams import FakeUpstream
+
+PAGE = "http://127.0.0.1:8081"
+PREFLIGHT = {"Origin": PAGE, "Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "content-type"}
+
+
+def test_preflight_fromAllowedOrigin_thenAnswered204WithoutReachingTheUpstream(
+        start_sidecar, upstream: FakeUpstream) -> None:
+    sidecar = start_sidecar(cors_allow_origins=(PAGE,))
+    seen = len(upstream.requests)
+    response = exchange(sidecar.port, "OPTIONS", "/normal/v1/chat/completions", headers=PREFLIGHT)
+    assert response.status == 204 and response.clean_end
+    headers = response.headers
+    assert headers["access-control-allow-origin"] == PAGE
+    assert "POST" in headers["access-control-allow-methods"]
+    allowed = {name.strip() for name in headers["access-control-allow-headers"].split(",")}
+    assert {"content-type", "authorization", "last-event-id", "idempotency-key", "x-request-id"} <= allowed
+    assert int(headers["access-control-max-age"]) > 0
+    assert len(upstream.requests) == seen
+
+
+def test_preflight_fromOtherOrigin_thenRefused403WithoutCorsHeaders(start_sidecar,
+                                                                    upstream: FakeUpstream) -> None:
+    sidecar = start_sidecar(cors_allow_origins=(PAGE,))
+    seen = len(upstream.requests)
+    response = exchange(sidecar.port, "OPTIONS", "/normal/v1/chat/completions",
+                        headers={**PREFLIGHT, "Origin": "http://evil.example"})
+    assert response.status == 403
+    assert not any(name.startswith("access-control-") for name in response.headers)
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    assert len(upstream.requests) == seen
+
+
+def test_streamedAnswer_forAllowedOrigin_carriesAllowAndExposeHeaders(start_sidecar) -> None:
+    sidecar = start_sidecar(cors_allow_origins=(PAGE,))
+    response = exchange(sidecar.port, "POST", "/normal/v1/chat/completions", body=chat_body(),
+                        headers={"Origin": PAGE, "X-Request-Id": "cors-1"})
+    assert response.status == 200 and response.datas()[-1] == "[DONE]"
+    assert response.headers["access-control-allow-origin"] == PAGE
+    exposed = {name.strip() for name in response.headers["access-control-expose-headers"].split(",")}
+    assert exposed == {"x-request-id", "x-tokenwire-stream-id"}
+    assert "origin" in response.headers["vary"].lower()
+    other = exchange(sidecar.port, "POST", "/normal/v1/chat/completions", body=chat_body(),
+                     headers={"Origin": "http://evil.example"})
+    # Still proxied (CORS guards the reader), but the browser will not hand it to that page.
+    assert other.status == 200 and "access-control-allow-origin" not in other.headers
+
+
+def test_plainAnswer_models_forAllowedOrigin_carriesAllowOrigin(start_sidecar) -> None:
+    sidecar = start_sidecar(cors_allow_origins=("*",))
+    response = exchange(sidecar.port, "GET", "/models/v1/models", headers={"Origin": "http://any.example:3000"})
+    assert response.status == 200 and response.json()["data"][0]["id"] == "fake"
+    assert response.headers["access-control-allow-origin"] == "http://any.example:3000"
+
+
+def test_preflight_thenRequest_onOneKeepAliveConnection_bothServed(start_sidecar) -> None:
+    sidecar = start_sidecar(cors_allow_origins=(PAGE,))
+    with connect(sidecar.port) as sock:
+        sock.sendall(request_bytes("OPTIONS", "/normal/v1/chat/completions", headers=PREFLIGHT))
+        first = ResponseReader(sock)
+        assert first.read().status == 204
+        sock.sendall(request_bytes("POST", "/normal/v1/chat/completions", body=chat_body(),
+                                   headers={"Origin": PAGE}))
+        second = ResponseReader(sock, buffered=first.trailing).read()
+    assert second.status == 200 and second.datas()[-1] == "[DONE]"
+    assert second.headers["access-control-allow-origin"] == PAGE
+
+
+def test_withoutCorsConfigured_optionsIsForwardedAndNoHeadersAdded(start_sidecar) -> None:
+    sidecar = start_sidecar()
+    response = exchange(sidecar.port, "OPTIONS", "/echo/v1/chat/completions", headers=PREFLIGHT)
+    # The engine answers its own preflights when the sidecar has no CORS policy.
+    assert response.status == 200 and response.json()["method"] == "OPTIONS"
+    assert "access-control-allow-origin" not in response.headers
+
+
+# ---------------------------------------------------------------- the pure functions
+
+
+@pytest.mark.parametrize(("allowed", "origin", "expected"), [
+    ((PAGE,), PAGE.encode(), True),
+    ((PAGE,), b"HTTP://127.0.0.1:8081", True),
+    ((PAGE,), b"http://127.0.0.1:8082", False),
+    ((PAGE,), None, False),
+    (("*",), b"http://anything", True),
+    ((), PAGE.encode(), False),
+])
+def test_origin_allowed(allowed: tuple[str, ...], origin: bytes | None, expected: bool) -> None:
+    assert cors.origin_allowed(allowed, origin) is expected
+
+
+def test_with_cors_headers_dropsTheUpstreamsOwnCorsHeaders() -> None:
+    upstream = [(b"content-type", b"text/event-stream"), (b"access-control-allow-origin", b"*")]
+    headers = cors.with_cors_headers(upstream, (PAGE,), PAGE.encode())
+    assert [v for k, v in headers if k == b"access-control-allow-origin"] == [PAGE.encode()]
+    assert cors.with_cors_headers(upstream, (), PAGE.encode()) == upstream
+
+
+def test_is_preflight_needsOriginAndRequestMethod() -> None:
+    assert cors.is_preflight(b"OPTIONS", [(b"origin", b"x"), (b"access-control-request-method", b"POST")])
+    assert not cors.is_preflight(b"OPTIONS", [(b"origin", b"x")])
+    assert not cors.is_preflight(b"GET", [(b"origin", b"x"), (b"access-control-request-method", b"POST")])
+
+
+# ---------------------------------------------------------------- configuration
+
+
+def test_config_repeatedFlag_envAndToml() -> None:
+    config = load_sidecar_config(["--upstream", "http://a:1", "--cors-allow-origin", "http://A:1/",
+                                  "--cors-allow-origin", "https://b"], {})
+    assert config.cors_allow_origins == ("http://a:1", "https://b")
+    config = load_sidecar_config(["--upstream", "http://a:1"],
+                                 {"TOKENWIRE_CORS_ALLOW_ORIGINS": "http://a:1, http://b:2"})
+    assert config.cors_allow_origins == ("http://a:1", "http://b:2")
+    config = build_config(flags={"upstream": ["http://a:1"]}, file_values={"cors_allow_origins": ["*"]})
+    assert config.cors_allow_origins == ("*",)
+
+
+@pytest.mark.parametrize("origin", ["127.0.0.1:8081", "http://h/path", "ftp://h", "http://"])
+def test_config_badOrigin_namesTheKey(origin: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        build_config(flags={"upstream": ["http://a:1"], "cors_allow_origins": [origin]})
+    assert error.value.key == "cors_allow_origins"

@@ -1,0 +1,252 @@
+"""The playground page on the admin port, driven in headless Chromium (Debian's, never downloaded).
+
+The page streams from the proxy port, another origin, so these tests also
+prove the CORS path a real browser takes: preflight, exposed headers, a
+``ReadableStream`` read while the sidecar writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import LoopThread, RunningSidecar
+from tokenwire.sidecar.admin import Playground
+from tokenwire.sidecar.up import admin_origins
+from upstreams import FakeUpstream, Request, expected_text
+
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+SCREENSHOT = Path(__file__).resolve().parents[2] / "bench" / "results" / "playground.png"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+class PageUpstream(FakeUpstream):
+    """The fake engine at the paths a page calls (``/v1/...``), tuned by attributes.
+
+    A browser page cannot send the fake's ``x-fake-*`` headers, so each test
+    sets ``tokens`` and ``delay_s`` here instead.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = 5
+        self.delay_s = 0.0
+
+    async def _respond(self, request: Request, writer: asyncio.StreamWriter) -> bool:
+        if request.path.startswith("/v1/models"):
+            request.path = "/models" + request.path
+        else:
+            request.path = "/normal" + request.path
+            request.headers.setdefault("x-fake-tokens", str(self.tokens))
+            request.headers.setdefault("x-fake-delay-s", str(self.delay_s))
+        return await super()._respond(request, writer)
+
+
+@pytest.fixture(scope="module")
+def page_upstream(loop_thread: LoopThread) -> Iterator[PageUpstream]:
+    fake = PageUpstream()
+    loop_thread.run(fake.start())
+    yield fake
+    loop_thread.run(fake.stop())
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    # Fail, never skip: a missing browser would otherwise hide a broken page.
+    try:
+        from playwright.sync_api import Error, sync_playwright
+    except ImportError:
+        pytest.fail("playwright is not installed in this venv (scripts/setup-venv.sh dev installs it)",
+                    pytrace=False)
+    chromium = shutil.which("chromium") or "/usr/bin/chromium"
+    if not Path(chromium).exists():
+        pytest.fail("no chromium: install Debian's package (scripts/system-deps.sh chromium); "
+                    "a downloaded browser is not used", pytrace=False)
+    with sync_playwright() as playwright:
+        try:
+            launched = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        except Error as error:
+            pytest.fail(f"chromium at {chromium} did not start: {error}", pytrace=False)
+        yield launched
+        launched.close()
+
+
+@pytest.fixture
+def page(browser: Any) -> Iterator[Any]:
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    opened = context.new_page()
+    yield opened
+    context.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _playground(start_sidecar: Any, page_upstream: PageUpstream, **overrides: Any) -> RunningSidecar:
+    # The page's origin must be known before the sidecar starts, for its CORS list.
+    admin_port = _free_port()
+    return start_sidecar(page_upstream.url, admin_listen=f"127.0.0.1:{admin_port}",
+                         cors_allow_origins=(f"http://127.0.0.1:{admin_port}",), **overrides)
+
+
+def _open(page: Any, sidecar: RunningSidecar) -> None:
+    page.goto(sidecar.admin_url + "/")
+    page.wait_for_selector("#model[data-loaded=true]", state="attached")
+
+
+def _send(page: Any, prompt: str) -> None:
+    page.fill("#prompt", prompt)
+    page.click("#send")
+
+
+def _text(page: Any, selector: str) -> str:
+    return str(page.text_content(selector))
+
+
+def test_adminRoot_servesTheSelfContainedPage_pointedAtTheBoundProxyPort(start_sidecar) -> None:
+    sidecar = start_sidecar()  # listen port 0: only the bound port is right
+    response = httpx.get(sidecar.admin_url + "/")
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "text/html; charset=utf-8"
+    page = response.text
+    assert f'<meta name="tokenwire-proxy" content="{sidecar.url}">' in page
+    assert "{{PROXY_URL}}" not in page
+    # Self-contained: nothing fetched from elsewhere (no CDN, no fonts).
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", page)
+    assert "@import" not in page
+
+
+@pytest.mark.parametrize(("bound_host", "host_header", "expected"), [
+    ("127.0.0.1", b"127.0.0.1:9", "http://127.0.0.1:8080"),
+    ("0.0.0.0", b"box.example:9", "http://box.example:8080"),
+    ("::", b"[::1]:9", "http://[::1]:8080"),
+    ("0.0.0.0", None, "http://127.0.0.1:8080"),
+    ("::1", b"[::1]:9", "http://[::1]:8080"),
+])
+def test_playground_proxyUrl_isWhatTheBrowserCanReach(bound_host: str, host_header: bytes | None,
+                                                      expected: str) -> None:
+    playground = Playground("{{PROXY_URL}}", "http", bound_host, 8080)
+    assert playground.proxy_url(host_header) == expected
+    assert playground.render(host_header) == expected.encode()
+
+
+def test_up_allowsTheAdminOrigin_underEitherLoopbackName() -> None:
+    assert admin_origins("127.0.0.1", 8081) == ["http://127.0.0.1:8081", "http://localhost:8081",
+                                                "http://[::1]:8081"]
+    assert admin_origins("10.0.0.5", 8081) == ["http://10.0.0.5:8081"]
+
+
+def test_page_streamsTheAnswerThroughTheProxy_withTimingsAndScreenshot(
+        start_sidecar, page_upstream: PageUpstream, page: Any, tmp_path: Path) -> None:
+    page_upstream.tokens, page_upstream.delay_s = 40, 0.01
+    sidecar = _playground(start_sidecar, page_upstream)
+    _open(page, sidecar)
+    assert _text(page, "#proxy-url") == sidecar.url
+    assert page.eval_on_selector_all("#model option", "options => options.map(o => o.value)") == ["fake"]
+    _send(page, "Tell me about the sea.")
+    page.wait_for_selector("#status[data-state=done]", timeout=15_000)
+
+    assert _text(page, "#output") == expected_text(40)
+    assert re.fullmatch(r"[\d.]+ m?s", _text(page, "#ttft"))
+    assert re.fullmatch(r"[\d.]+ m?s", _text(page, "#itl-p95"))
+    assert _text(page, "#tokens") == "40"
+    content_events = int(_text(page, "#content-events"))
+    assert 1 <= content_events <= 40
+    assert _text(page, "#events-vs-tokens") == f"{content_events} / 40"
+    # The request id comes from a response header the page may only read if the sidecar exposed it.
+    request_id = _text(page, "#request-id")
+    assert re.fullmatch(r"[0-9a-f]{32}", request_id)
+    assert sidecar.record(request_id).end_reason == "complete"
+    assert page_upstream.requests_with(request_id)[-1].headers["content-type"] == "application/json"
+    assert page.is_disabled("#resume")  # no stream id: the sidecar runs without --resume
+
+    shot = tmp_path / "playground.png"
+    page.screenshot(path=str(shot), full_page=True)
+    data = shot.read_bytes()
+    assert data.startswith(PNG_SIGNATURE) and len(data) > 10_000
+    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(shot, SCREENSHOT)
+    assert SCREENSHOT.read_bytes() == data
+
+
+def test_killButton_midStream_stopsTheTextAndTheUpstreamSeesTheDisconnect(
+        start_sidecar, page_upstream: PageUpstream, page: Any) -> None:
+    page_upstream.tokens, page_upstream.delay_s = 200, 0.05  # ten seconds of answer
+    sidecar = _playground(start_sidecar, page_upstream)
+    _open(page, sidecar)
+    _send(page, "a long answer, please")
+    page.wait_for_function("Number(document.getElementById('content-events').textContent) >= 5",
+                           timeout=10_000)
+    page.click("#kill")
+    page.wait_for_selector("#status[data-state=killed]")
+
+    request_id = _text(page, "#request-id")
+    connection = page_upstream.connection_of(request_id)
+    assert connection.closed.wait(5) and connection.peer_closed_at is not None
+    assert page_upstream.requests_with(request_id)[-1].finished_at is None
+    assert sidecar.record(request_id).end_reason == "client_gone"
+    shown = _text(page, "#output")
+    time.sleep(0.5)
+    assert _text(page, "#output") == shown  # nothing more arrives after the kill
+    assert expected_text(200).startswith(shown) and len(shown) < len(expected_text(200))
+    assert page.is_disabled("#kill") and page.is_disabled("#resume")
+
+
+def test_throttledReader_getsSeveralEventsPerRead_andStillTheWholeText(
+        start_sidecar, page_upstream: PageUpstream, page: Any) -> None:
+    page_upstream.tokens, page_upstream.delay_s = 120, 0.002
+    sidecar = _playground(start_sidecar, page_upstream)
+    _open(page, sidecar)
+    page.eval_on_selector("#throttle", "e => { e.value = '200'; e.dispatchEvent(new Event('input')); }")
+    assert _text(page, "#throttle-value") == "200 ms"
+    _send(page, "quickly")
+    page.wait_for_selector("#status[data-state=done]", timeout=20_000)
+    assert _text(page, "#output") == expected_text(120)
+    reads, events = int(_text(page, "#reads")), int(_text(page, "#events"))
+    # A slow reader takes what piled up in one read: many events per read, none lost.
+    assert reads * 3 < events
+    assert _text(page, "#tokens") == "120"
+
+
+def test_resumeButton_afterAKill_appendsTheRestFromTheReplay_exactlyOnce(
+        start_sidecar, page_upstream: PageUpstream, page: Any) -> None:
+    page_upstream.tokens, page_upstream.delay_s = 60, 0.03
+    # Grace keeps the engine generating into the replay store while the page is away.
+    sidecar = _playground(start_sidecar, page_upstream, resume=True, resume_grace_s=10.0)
+    _open(page, sidecar)
+    _send(page, "resume me")
+    page.wait_for_function("Number(document.getElementById('content-events').textContent) >= 5",
+                           timeout=10_000)
+    page.click("#kill")
+    page.wait_for_selector("#status[data-state=killed]")
+    stream_id = _text(page, "#stream-id")
+    last_id = _text(page, "#last-event-id")
+    assert last_id.startswith(stream_id + ".")
+    killed_at_seq = int(last_id.rpartition(".")[2])
+    shown = _text(page, "#output")
+    assert len(shown) < len(expected_text(60))
+    assert page.is_enabled("#resume")
+
+    page.click("#resume")
+    page.wait_for_selector("#status[data-state=done]", timeout=15_000)
+    assert _text(page, "#output") == expected_text(60)
+    assert _text(page, "#note") == f"resumed at seq {killed_at_seq + 1}"
+    assert _text(page, "#duplicates") == "0"
+    assert page.eval_on_selector_all("#output .resumed", "spans => spans.map(s => s.textContent).join('')") \
+        == expected_text(60)[len(shown):]
+    request_id = _text(page, "#request-id")
+    # One generation: the resume read the replay, it did not ask the engine again.
+    assert len(page_upstream.requests_with(request_id)) == 1
+    assert page_upstream.requests_with(request_id)[0].finished_at is not None
