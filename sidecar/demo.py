@@ -14,7 +14,9 @@ shows, section by section:
    reader straight at the engine for reference;
 4. a dropped connection: a long answer reset mid-stream (RST), and the
    engine's running count before and after;
-5. resume: not yet (issue 6), and said so rather than faked.
+5. resume: an answer cut mid-stream and resumed with ``Last-Event-ID`` on a
+   resumable sidecar, the text proven identical to an uninterrupted run and the
+   engine's token counter proving it generated once; then an idempotent repeat.
 
 The same figures go to ``--out`` as ``report.html`` (with matplotlib PNGs) and
 ``report.json``. The exit status is 0 only if every section ran and its key
@@ -41,8 +43,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +75,9 @@ _GENERATED_COUNTER = "tokenwire_engine_generated_tokens_total"
 _SIDECAR_START_TIMEOUT_S = 30.0
 _READ_TIMEOUT_S = 120.0
 _DROP_WAIT_S = 10.0
+# The resumable sidecar of section 5: a grace long enough for the demo's own
+# reconnect, which comes at once.
+RESUME_SIDECAR_ARGS = ("--resume", "--resume-grace-s", "5")
 
 
 class DemoError(RuntimeError):
@@ -89,10 +94,13 @@ class DemoSettings:
     slow_max_tokens: int = 300
     drop_max_tokens: int = 2000
     drop_read_events: int = 5
+    resume_max_tokens: int = 200
+    resume_read_events: int = 12
 
     @classmethod
     def quick(cls) -> DemoSettings:
-        return cls(timing_requests=8, timing_max_tokens=32, slow_max_tokens=200)
+        return cls(timing_requests=8, timing_max_tokens=32, slow_max_tokens=200,
+                   resume_max_tokens=100)
 
 
 # --- raw HTTP over real sockets ---------------------------------------------------------
@@ -126,10 +134,11 @@ def unix_connector(path: str, *, receive_buffer_bytes: int | None = None) -> Con
 
 
 def _request_bytes(method: str, target: str, body: bytes = b"", *,
-                   connection: h11.Connection | None = None) -> bytes:
+                   connection: h11.Connection | None = None,
+                   extra_headers: Sequence[tuple[str, str]] = ()) -> bytes:
     conn = connection or h11.Connection(h11.CLIENT)
     headers = [("host", "tokenwire-demo"), ("accept", "text/event-stream"),
-               ("connection", "close")]
+               ("connection", "close"), *extra_headers]
     if method == "POST":
         headers += [("content-type", "application/json"), ("content-length", str(len(body)))]
     out = conn.send(h11.Request(method=method, target=target, headers=headers)) or b""
@@ -179,6 +188,10 @@ class Answer:
     error: str | None = None
     body_complete: bool = False
     wall_s: float = 0.0
+    stream_id: str = ""
+    """``x-tokenwire-stream-id`` (resumable sidecars only)."""
+    ids: list[str] = field(default_factory=list)
+    """The ``id:`` of every data event, in order (resumable sidecars only)."""
 
     @property
     def complete(self) -> bool:
@@ -220,8 +233,10 @@ class StreamReader:
         self._conn = h11.Connection(h11.CLIENT)
         self._parser = SSEParser()
 
-    def send(self, target: str, body: bytes) -> None:
-        self.sock.sendall(_request_bytes("POST", target, body, connection=self._conn))
+    def send(self, target: str, body: bytes, *, method: str = "POST",
+             headers: Sequence[tuple[str, str]] = ()) -> None:
+        self.sock.sendall(_request_bytes(method, target, body, connection=self._conn,
+                                         extra_headers=headers))
 
     def read(self, on_event: Callable[[Answer], bool] | None = None) -> Answer:
         started = time.perf_counter()
@@ -247,11 +262,15 @@ class StreamReader:
                 return False
             if isinstance(event, h11.Response):
                 self.answer.status = event.status_code
-                self.answer.request_id = dict(event.headers).get(b"x-request-id", b"").decode()
+                headers = dict(event.headers)
+                self.answer.request_id = headers.get(b"x-request-id", b"").decode()
+                self.answer.stream_id = headers.get(b"x-tokenwire-stream-id", b"").decode()
             elif isinstance(event, h11.Data):
                 for sse in self._parser.feed(event.data):
                     if sse.data is None:
                         continue
+                    if sse.id is not None:
+                        self.answer.ids.append(sse.id)
                     self.answer.take(sse.data)
                     if on_event is not None and not on_event(self.answer):
                         return True
@@ -362,8 +381,8 @@ def section_timing(api_url: str, model: str, settings: DemoSettings) -> dict[str
 
 
 @dataclass
-class PolicySidecar:
-    """One extra sidecar with a given slow-client policy, and its stream log."""
+class ExtraSidecar:
+    """One extra sidecar in front of the same engine (a policy, resume), and its stream log."""
 
     policy: str
     child: up.Child
@@ -383,17 +402,17 @@ class PolicySidecar:
 
 
 @contextlib.contextmanager
-def policy_sidecars(engine_socket: str, workdir: Path, *, echo: bool) -> Iterator[list[PolicySidecar]]:
-    """Start one sidecar per policy in front of ``engine_socket``; stop them on exit."""
-    sidecars: list[PolicySidecar] = []
+def extra_sidecars(engine_socket: str, workdir: Path, flavours: Mapping[str, Sequence[str]], *,
+                   echo: bool) -> Iterator[list[ExtraSidecar]]:
+    """Start one sidecar per ``{name: extra args}`` in front of ``engine_socket``; stop them on exit."""
+    sidecars: list[ExtraSidecar] = []
     try:
-        for policy in POLICIES:
-            log_file = workdir / f"sidecar-{policy}.jsonl"
+        for name, args in flavours.items():
+            log_file = workdir / f"sidecar-{name}.jsonl"
             argv = [sys.executable, "-m", "tokenwire.sidecar", "sidecar", "--listen", "127.0.0.1:0",
-                    "--upstream", f"unix:{engine_socket}", "--slow-client-policy", policy,
-                    *SLOW_SIDECAR_ARGS, "--log-file", str(log_file)]
-            sidecars.append(PolicySidecar(policy, up.Child(f"sidecar ({policy})", argv, echo=echo),
-                                          log_file))
+                    "--upstream", f"unix:{engine_socket}", *args, "--log-file", str(log_file)]
+            sidecars.append(ExtraSidecar(name, up.Child(f"sidecar ({name})", argv, echo=echo),
+                                         log_file))
         deadline = time.monotonic() + _SIDECAR_START_TIMEOUT_S
         for sidecar in sidecars:
             child = sidecar.child
@@ -421,7 +440,8 @@ def section_slow_reader(engine_socket: str, model: str, settings: DemoSettings, 
                         *, echo: bool) -> dict[str, Any]:
     """3. The same slow reader under each policy, and straight at the engine, side by side."""
     body = chat_body(model, settings.slow_max_tokens)
-    with policy_sidecars(engine_socket, workdir, echo=echo) as sidecars:
+    flavours = {policy: ("--slow-client-policy", policy, *SLOW_SIDECAR_ARGS) for policy in POLICIES}
+    with extra_sidecars(engine_socket, workdir, flavours, echo=echo) as sidecars:
         targets: dict[str, Connect] = {
             s.policy: tcp_connector("127.0.0.1", s.port,
                                     receive_buffer_bytes=SLOW_RECEIVE_BUFFER_BYTES)
@@ -527,8 +547,66 @@ def section_drop(api: Connect, engine_socket: str, model: str, settings: DemoSet
             "sidecar_end_reason": None if record is None else record.get("end_reason")}
 
 
-RESUME_NOTE = ("resume (Last-Event-ID, GET /v1/streams/{id}, Idempotency-Key) arrives with "
-               "issue 6; this demo will show it once it exists, not before.")
+def _read_all(connect: Connect, target: str, body: bytes = b"", *, method: str = "POST",
+              headers: Sequence[tuple[str, str]] = ()) -> Answer:
+    reader = StreamReader(connect())
+    reader.send(target, body, method=method, headers=headers)
+    with reader.sock:
+        return reader.read()
+
+
+def section_resume(engine_socket: str, model: str, settings: DemoSettings, workdir: Path,
+                   *, echo: bool) -> dict[str, Any]:
+    """5. Cut an answer mid-stream, resume it with Last-Event-ID, prove it identical."""
+    body = chat_body(model, settings.resume_max_tokens)
+    with extra_sidecars(engine_socket, workdir, {"resume": RESUME_SIDECAR_ARGS}, echo=echo) as sidecars:
+        sidecar = sidecars[0]
+        api = tcp_connector("127.0.0.1", sidecar.port)
+        # The uninterrupted run (greedy decoding: the same prompt gives the same text).
+        reference = _read_all(api, "/v1/chat/completions", body)
+        if not reference.complete:
+            raise DemoError(f"the uninterrupted answer did not complete: {reference.error}")
+        # The interrupted run: read some events, then the "phone" loses its network.
+        before = engine_metrics(engine_socket)
+        reader = stream_chat(api, body)
+        first = reader.read(lambda a: a.events < settings.resume_read_events)
+        if not first.stream_id or not first.ids:
+            reader.sock.close()
+            raise DemoError("the resumable sidecar sent no stream id or event ids")
+        _reset(reader.sock)
+        last_id = first.ids[-1]
+        rest = _read_all(api, f"/v1/streams/{first.stream_id}", method="GET",
+                         headers=[("last-event-id", last_id)])
+        after = engine_metrics(engine_socket)
+        # An idempotent repeat: the second request gets the first one's answer.
+        key = [("idempotency-key", f"demo-{first.stream_id}")]
+        one = _read_all(api, "/v1/chat/completions", body, headers=key)
+        between = engine_metrics(engine_socket)
+        two = _read_all(api, "/v1/chat/completions", body, headers=key)
+        last = engine_metrics(engine_socket)
+        records = [json.loads(line) for line in sidecar.log_file.read_text().splitlines()
+                   if line.strip()] if sidecar.log_file.exists() else []
+    ids = first.ids + rest.ids
+    seqs = [int(i.rpartition(".")[2]) for i in ids]
+    generated = after.get(_GENERATED_COUNTER, 0) - before.get(_GENERATED_COUNTER, 0)
+    end_reasons = {r.get("request_id"): r.get("end_reason") for r in records}
+    return {
+        "max_tokens": settings.resume_max_tokens, "stream_id": first.stream_id,
+        "events_before_drop": first.events, "last_event_id": last_id,
+        "resumed_status": rest.status, "resumed_events": rest.events,
+        "resumed_complete": rest.complete,
+        "ids_contiguous": seqs == list(range(1, len(seqs) + 1)),
+        "duplicate_ids": len(ids) - len(set(ids)),
+        "text_identical": first.text + rest.text == reference.text,
+        "text_chars": len(reference.text),
+        "engine_tokens_for_interrupted_run": generated,
+        "completion_tokens": rest.completion_tokens or reference.completion_tokens,
+        "first_request_end_reason": end_reasons.get(first.request_id),
+        "idempotent_same_text": one.text == two.text == reference.text,
+        "idempotent_second_engine_tokens": last.get(_GENERATED_COUNTER, 0)
+        - between.get(_GENERATED_COUNTER, 0),
+        "idempotent_same_ids": one.ids == two.ids,
+    }
 
 
 # --- the terminal report ------------------------------------------------------------------
@@ -618,7 +696,23 @@ def render_text(report: dict[str, Any]) -> str:
             out.append("  the count did NOT drop")
         if drop["sidecar_end_reason"]:
             out.append(f"  sidecar stream record: end_reason={drop['sidecar_end_reason']}")
-    out += ["", f"5. Resume: {RESUME_NOTE}"]
+    resume = report.get("resume")
+    if resume:
+        out += ["", f"5. Resume: a {resume['max_tokens']}-token answer through a sidecar with "
+                    f"{' '.join(RESUME_SIDECAR_ARGS)}",
+                f"  read {resume['events_before_drop']} events, then RST; reconnected with "
+                f"GET /v1/streams/{resume['stream_id']} and Last-Event-ID: {resume['last_event_id']}",
+                f"  -> HTTP {resume['resumed_status']}, {resume['resumed_events']} more events, "
+                f"complete={_fmt(resume['resumed_complete'])}; ids contiguous="
+                f"{_fmt(resume['ids_contiguous'])}, duplicates={resume['duplicate_ids']}",
+                f"  text identical to an uninterrupted run ({resume['text_chars']} chars): "
+                f"{_fmt(resume['text_identical'])}",
+                f"  the engine generated {resume['engine_tokens_for_interrupted_run']:g} tokens for "
+                f"the interrupted answer ({_fmt(resume['completion_tokens'])} in it): one generation; "
+                f"first request's record: end_reason={resume['first_request_end_reason']}",
+                f"  Idempotency-Key sent twice: same text={_fmt(resume['idempotent_same_text'])}, "
+                f"same ids={_fmt(resume['idempotent_same_ids'])}, engine tokens for the second: "
+                f"{resume['idempotent_second_engine_tokens']:g}"]
     if report.get("failures"):
         out += ["", "checks failed:"] + [f"  - {failure}" for failure in report["failures"]]
     else:
@@ -740,8 +834,18 @@ def render_html(report: dict[str, Any], text: str, plots: list[str]) -> str:
                                 _fmt(drop["tokens_generated"])]])]
         if "drop.png" in plots:
             parts.append("<img src='drop.png' alt='engine running count after the reset'>")
-    parts += [f"<h2>5. Resume</h2><p>{html.escape(RESUME_NOTE)}</p>",
-              "<h2>Terminal report</h2><pre>" + html.escape(text) + "</pre>"]
+    resume = report.get("resume")
+    if resume:
+        parts += ["<h2>5. Resume</h2>",
+                  _html_table(["events before drop", "Last-Event-ID", "resumed events",
+                               "ids contiguous", "text identical", "engine tokens",
+                               "idempotent repeat: engine tokens"],
+                              [[_fmt(resume["events_before_drop"]), html.escape(resume["last_event_id"]),
+                                _fmt(resume["resumed_events"]), _fmt(resume["ids_contiguous"]),
+                                _fmt(resume["text_identical"]),
+                                _fmt(resume["engine_tokens_for_interrupted_run"]),
+                                _fmt(resume["idempotent_second_engine_tokens"])]])]
+    parts += ["<h2>Terminal report</h2><pre>" + html.escape(text) + "</pre>"]
     return "\n".join(parts) + "\n"
 
 
@@ -760,6 +864,13 @@ def _checks(report: dict[str, Any]) -> list[str]:
             failures.append(f"slow reader under {row['policy']}: answer incomplete ({row['error']})")
     if not report["drop"]["dropped"]:
         failures.append("the engine's running count did not drop after the reset")
+    resume = report["resume"]
+    if not (resume["text_identical"] and resume["ids_contiguous"] and resume["resumed_complete"]):
+        failures.append("resume: the resumed text was not the uninterrupted text, complete and in order")
+    if resume["engine_tokens_for_interrupted_run"] > resume["max_tokens"]:
+        failures.append("resume: the engine generated more than one answer's tokens")
+    if not resume["idempotent_same_text"] or resume["idempotent_second_engine_tokens"] > 0:
+        failures.append("resume: an idempotent repeat generated again")
     return failures
 
 
@@ -795,7 +906,8 @@ def run_tour(api_url: str, engine_socket: str, settings: DemoSettings, workdir: 
     report["slow_reader"] = section_slow_reader(engine_socket, model, settings, workdir, echo=echo)
     _progress("[4/5] a dropped connection")
     report["drop"] = section_drop(api, engine_socket, model, settings, sidecar_log)
-    _progress("[5/5] resume: not yet (issue 6)")
+    _progress("[5/5] resume: a cut answer resumed with Last-Event-ID, and an idempotent repeat")
+    report["resume"] = section_resume(engine_socket, model, settings, workdir, echo=echo)
     report["tour_s"] = round(time.perf_counter() - started, 1)
     report["failures"] = _checks(report)
     return report

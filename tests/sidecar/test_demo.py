@@ -58,7 +58,7 @@ def test_demo_runs_the_whole_tour_and_writes_the_report(tiny_cache: tuple[Path, 
                     "5. Resume", "all checks passed"):
         assert heading in stdout
     assert "text/event-stream" in stdout and "\\n\\n\\r\\n" in stdout  # bytes shown escaped
-    assert "issue 6" in stdout  # resume is announced, not faked
+    assert "Last-Event-ID" in stdout
 
     report: dict[str, Any] = json.loads((out_dir / "report.json").read_text())
     assert report["wire"]["complete"] and report["wire"]["answer"]["saw_done"]
@@ -76,6 +76,13 @@ def test_demo_runs_the_whole_tour_and_writes_the_report(tiny_cache: tuple[Path, 
     assert drop["running_during"] >= 1 and drop["running_after"] < drop["running_during"]
     assert drop["tokens_generated"] < drop["max_tokens"]
     assert drop["sidecar_end_reason"] == "client_gone"
+    resume = report["resume"]
+    assert resume["text_identical"] and resume["ids_contiguous"] and resume["duplicate_ids"] == 0
+    assert resume["resumed_complete"] and resume["resumed_status"] == 200
+    # One generation for the interrupted answer, none for the idempotent repeat.
+    assert resume["engine_tokens_for_interrupted_run"] == resume["max_tokens"]
+    assert resume["idempotent_same_text"] and resume["idempotent_second_engine_tokens"] == 0
+    assert resume["first_request_end_reason"] == "detached"
 
     html = (out_dir / "report.html").read_text()
     for plot in ("gaps.png", "policies.png", "drop.png"):
