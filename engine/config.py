@@ -1,8 +1,36 @@
-"""Engine configuration: one frozen dataclass, built from flags, passed in."""
+"""Engine configuration: one frozen dataclass, built from four layers, passed in.
+
+Precedence, highest first: command-line flag > ``TOKENWIRE_ENGINE_*``
+environment variable > TOML file (``--config``, see ``conf/engine.toml``) >
+built-in default, as for the sidecar (``tokenwire.sidecar.settings``). Every key
+has one spelling in all three sources: ``max_running`` is ``--max-running``,
+``TOKENWIRE_ENGINE_MAX_RUNNING`` and ``max_running = 64``.
+
+The environment prefix is ``TOKENWIRE_ENGINE_``, not the sidecar's bare
+``TOKENWIRE_``: both processes have a ``listen`` key and may share one
+environment (``tokenwire up``, one container running both), and
+``TOKENWIRE_LISTEN`` must not move the engine onto the sidecar's port.
+
+Unknown TOML keys and bad values are :class:`~tokenwire.middleware.ConfigError`\\ s
+naming the key. This module imports neither torch nor the web stack, so a bad
+config file fails fast, before a model is loaded.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import tomllib
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenwire.middleware import ConfigError
+
+ENV_PREFIX = "TOKENWIRE_ENGINE_"
+CONFIG_ENV = ENV_PREFIX + "CONFIG"
+"""The environment variable naming a TOML file, when ``--config`` is not given."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,12 +55,157 @@ class EngineConfig:
     """Context cap; default: the model's ``max_position_embeddings``."""
     max_waiting: int = 1024
     """Queued requests beyond this are refused with 503 instead of queued."""
+    listen: str = "127.0.0.1:8001"
+    """``HOST:PORT`` or ``unix:PATH`` the API listens on."""
+    log_level: str = "info"
+    """uvicorn and engine log level: critical, error, warning, info, debug, trace."""
 
     def __post_init__(self) -> None:
         for name in ("max_running", "kv_budget_tokens", "max_waiting"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if self.max_prefill_tokens_per_step < 0:
-            raise ValueError("max_prefill_tokens_per_step: must be >= 0 (0 = no chunking)")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError("max_model_len: must be >= 2")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(name, f"must be a whole number >= 1, got {value!r}")
+        steps = self.max_prefill_tokens_per_step
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ConfigError("max_prefill_tokens_per_step", f"must be >= 0 (0 = no chunking), got {steps!r}")
+        if self.max_model_len is not None and (
+                isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int)
+                or self.max_model_len < 2):
+            raise ConfigError("max_model_len", f"must be >= 2, got {self.max_model_len!r}")
+        for name in ("model", "device", "dtype"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ConfigError(name, "must be a non-empty string")
+        check_listen(self.listen)
+        if not isinstance(self.log_level, str) or self.log_level.lower() not in _LOG_LEVELS:
+            raise ConfigError("log_level", f"must be one of {', '.join(_LOG_LEVELS)}, got {self.log_level!r}")
+
+
+_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def check_listen(value: str) -> None:
+    """Raise :class:`ConfigError` unless ``value`` is ``HOST:PORT`` or ``unix:PATH``."""
+    if value.startswith("unix:"):
+        if not value[len("unix:"):]:
+            raise ConfigError("listen", "unix:PATH needs a path")
+        return
+    _host, separator, port = value.rpartition(":")
+    if not separator or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError("listen", f"must be HOST:PORT or unix:PATH, got {value!r}")
+
+
+# ---------------------------------------------------------------- the layers
+
+
+@dataclass(frozen=True, slots=True)
+class EngineKey:
+    """One configuration key: its type, help text, flag and variable."""
+
+    name: str
+    kind: Any
+    """``str``, ``int``, ``str | None`` or ``int | None``."""
+    help: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def optional(self) -> bool:
+        """An empty value (or 0 for a number) means "unset": TOML has no null."""
+        return self.kind in (str | None, int | None)
+
+
+def _field_docs() -> dict[str, str]:
+    """The attribute docstrings of :class:`EngineConfig`, for ``--help``."""
+    import ast
+    import inspect
+    import itertools
+
+    try:
+        tree = ast.parse(inspect.getsource(EngineConfig))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs: dict[str, str] = {}
+    for node, following in itertools.pairwise(body):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)):
+            docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def engine_keys() -> list[EngineKey]:
+    """Every key of :class:`EngineConfig`, in field order."""
+    hints = typing.get_type_hints(EngineConfig)
+    docs = _field_docs()
+    return [EngineKey(f.name, hints[f.name], docs.get(f.name, "")) for f in dataclasses.fields(EngineConfig)]
+
+
+def _from_text(key: EngineKey, text: str) -> object:
+    """A flag or environment value (always text) as the key's type."""
+    if key.optional and text.strip() in ("", "none"):
+        return None
+    if key.kind in (int, int | None):
+        try:
+            value = int(text)
+        except ValueError:
+            raise ConfigError(key.name, f"not a whole number: {text!r}") from None
+        return None if key.optional and value == 0 else value
+    return text
+
+
+def _from_toml(key: EngineKey, value: object) -> object:
+    """A TOML value, type-checked against the key."""
+    if key.kind in (int, int | None):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(key.name, f"must be a whole number, got {value!r}")
+        return None if key.optional and value == 0 else value
+    if not isinstance(value, str):
+        raise ConfigError(key.name, f"must be a string, got {value!r}")
+    return None if key.optional and value == "" else value
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """The TOML file's table; an unreadable or malformed file names ``config``."""
+    try:
+        with open(path, "rb") as file:
+            return tomllib.load(file)
+    except OSError as error:
+        raise ConfigError("config", f"cannot read {path}: {error.strerror}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError("config", f"{path}: {error}") from None
+
+
+def build_engine_config(
+    flags: Mapping[str, str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    file_values: Mapping[str, Any] | None = None,
+) -> EngineConfig:
+    """Merge the layers (flag > env > file > default) into a validated config.
+
+    ``flags`` maps key names to the text given on the command line; only the
+    flags actually given belong in it. Unknown ``TOKENWIRE_ENGINE_*``
+    variables are ignored (a newer deployment may set keys this version lacks);
+    unknown file keys and flags are errors.
+    """
+    keys = {key.name: key for key in engine_keys()}
+    values: dict[str, object] = {}
+    for name, value in (file_values or {}).items():
+        if name not in keys:
+            raise ConfigError(name, "unknown configuration key")
+        values[name] = _from_toml(keys[name], value)
+    for key in keys.values():
+        text = (environ or {}).get(key.env)
+        if text is not None:
+            values[key.name] = _from_text(key, text)
+    for name, text in (flags or {}).items():
+        if name not in keys:
+            raise ConfigError(name, "unknown configuration key")
+        values[name] = _from_text(keys[name], text)
+    return EngineConfig(**values)  # type: ignore[arg-type]

@@ -6,12 +6,12 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from starlette.types import ASGIApp
-from tokenwire.engine.config import EngineConfig
+from tokenwire.engine.config import CONFIG_ENV, EngineConfig, build_engine_config, engine_keys, load_toml
 from tokenwire.middleware import WireConfig
 from tokenwire.middleware.asgi import listening_socket
 
@@ -39,50 +39,35 @@ class ListenAddress:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``tokenwire engine`` command line."""
-    defaults = EngineConfig()
+    """The ``tokenwire engine`` command line: ``--config`` and one flag per config key.
+
+    Flags default to "not given" (``SUPPRESS``) so that an absent flag leaves
+    the environment, the file or the built-in default in charge.
+    """
     parser = argparse.ArgumentParser(
         prog="tokenwire engine",
-        description="Serve a causal LM over an OpenAI-compatible API with continuous batching.",
+        description="Serve a causal LM over an OpenAI-compatible API with continuous batching. "
+                    "Every option is also a TOKENWIRE_ENGINE_* environment variable and a key of the "
+                    "--config TOML file; precedence: flag > environment > file > default.",
+        argument_default=argparse.SUPPRESS,
     )
-    parser.add_argument("--listen", default="127.0.0.1:8001",
-                        help="HOST:PORT or unix:PATH (default: %(default)s)")
-    parser.add_argument("--model", default=defaults.model,
-                        help="'tiny' (built locally on first use) or a Hugging Face model folder")
-    parser.add_argument("--served-model-name", default=None,
-                        help="name in /v1/models and requests (default: tiny or the folder name)")
-    parser.add_argument("--device", default=defaults.device,
-                        help="auto, cpu or cuda[:N] (default: %(default)s)")
-    parser.add_argument("--dtype", default=defaults.dtype,
-                        help="auto, float32, float16, bfloat16 (default: %(default)s)")
-    parser.add_argument("--max-running", type=int, default=defaults.max_running,
-                        help="most sequences in the batch (default: %(default)s)")
-    parser.add_argument("--kv-budget-tokens", type=int, default=defaults.kv_budget_tokens,
-                        help="admission budget, prompt + max_tokens summed (default: %(default)s)")
-    parser.add_argument("--max-prefill-tokens-per-step", type=int,
-                        default=defaults.max_prefill_tokens_per_step,
-                        help="prompt tokens per step; 0 disables chunking (default: %(default)s)")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="cap the context length (default: the model's)")
-    parser.add_argument("--max-waiting", type=int, default=defaults.max_waiting,
-                        help="queued requests beyond this get a 503 (default: %(default)s)")
-    parser.add_argument("--log-level", default="info", help="uvicorn and engine log level")
+    parser.add_argument("--config", metavar="FILE",
+                        help=f"TOML file (see conf/engine.toml) [{CONFIG_ENV}]")
+    defaults = EngineConfig()
+    for key in engine_keys():
+        default = getattr(defaults, key.name)
+        shown = "derived" if default is None else default
+        parser.add_argument(key.flag, dest=key.name, metavar=key.name.upper(),
+                            help=f"{key.help} [{key.env}; default {shown}]")
     return parser
 
 
-def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The frozen config the flags describe."""
-    return EngineConfig(
-        model=args.model,
-        served_model_name=args.served_model_name,
-        device=args.device,
-        dtype=args.dtype,
-        max_running=args.max_running,
-        kv_budget_tokens=args.kv_budget_tokens,
-        max_prefill_tokens_per_step=args.max_prefill_tokens_per_step,
-        max_model_len=args.max_model_len,
-        max_waiting=args.max_waiting,
-    )
+def load_engine_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> EngineConfig:
+    """Parse flags, read the environment and the ``--config`` file; merge them."""
+    flags = vars(build_parser().parse_args(list(argv)))
+    config_path = flags.pop("config", None) or (environ or {}).get(CONFIG_ENV)
+    file_values = load_toml(config_path) if config_path else {}
+    return build_engine_config(flags=flags, environ=environ, file_values=file_values)
 
 
 def build_asgi_app(config: EngineConfig) -> ASGIApp:
@@ -122,14 +107,13 @@ def wire_config() -> WireConfig:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``tokenwire engine`` and ``python -m tokenwire.engine.server``."""
-    parser = build_parser()
-    args = parser.parse_args(list(argv) if argv is not None else None)
     try:
-        config = config_from_args(args)
-        listen = ListenAddress.parse(args.listen)
-    except ValueError as error:
-        parser.error(str(error))
-    logging.basicConfig(level=args.log_level.upper(), format="%(message)s", stream=sys.stderr)
+        config = load_engine_config(sys.argv[1:] if argv is None else argv, os.environ)
+        listen = ListenAddress.parse(config.listen)
+    except ValueError as error:  # ConfigError included: it names the key
+        print(f"tokenwire engine: configuration error: {error}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.log_level.upper(), format="%(message)s", stream=sys.stderr)
     import uvicorn
 
     try:
@@ -138,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tokenwire engine: {error}", file=sys.stderr)
         return 2
     uvicorn_config = uvicorn.Config(
-        app, uds=listen.unix_path, log_level=args.log_level, timeout_graceful_shutdown=5
+        app, uds=listen.unix_path, log_level=config.log_level.lower(), timeout_graceful_shutdown=5
     )
     server = uvicorn.Server(uvicorn_config)
     if listen.unix_path is not None:
@@ -150,7 +134,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         sock = listening_socket(listen.host, listen.port, wire_config())
         server.run(sockets=[sock])
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

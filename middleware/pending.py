@@ -7,11 +7,22 @@ outstanding), events queue here instead of in the kernel. When it can, the
 whole buffer leaves in one write.
 
 Under the ``coalesce`` and ``block`` policies, consecutive OpenAI chunks that
-carry nothing but text (``delta.content``, ``delta.reasoning_content`` or a
-completion's ``text``) for the same id and choice are merged into one chunk
-whose text is the exact concatenation. Anything else — a role, tool calls, a
-finish reason, usage, logprobs, unknown keys with values, non-JSON, named
-events, comments — is a barrier: kept as its own event, never merged across.
+carry nothing but text (``delta.content``, ``delta.reasoning_content``, vLLM's
+and Ollama's newer ``delta.reasoning``, or a completion's ``text``) for the same
+id and choice are merged into one chunk whose text is the exact concatenation.
+Anything else — a role-only chunk, tool calls, a finish reason, usage,
+logprobs, unknown keys with values, non-JSON, named events, comments — is a
+barrier: kept as its own event, never merged across.
+
+Two engine habits are text-only chunks too (tests/compat has their transcripts):
+TGI and Ollama repeat ``"role": "assistant"`` in *every* delta, and Ollama sends
+``"content": ""`` beside each ``reasoning`` delta. A delta may therefore carry a
+``role`` beside its text and empty strings in the other text fields. The role
+is part of the merge key (a chunk with a role never merges with one without),
+a role with no text (``{"role": "assistant", "content": ""}``) is the role
+chunk and stays a barrier, and the empty fields stay empty, so the merge is
+still exact. Without this, every chunk
+of those engines was a barrier and a slow reader of them got no coalescing.
 A merged chunk is the first chunk's JSON with the escaped texts concatenated
 inside its string (so escapes, even a surrogate pair split across chunks, join
 exactly). Chunks are looked at only when a second event queues behind the
@@ -40,7 +51,7 @@ _CHUNK_KEYS = frozenset({"id", "object", "created", "model", "system_fingerprint
                          "service_tier", "choices", "usage", "obfuscation"})
 _CHOICE_KEYS = frozenset({"index", "delta", "text", "finish_reason", "logprobs", "stop_reason",
                           "matched_stop"})
-_TEXT_FIELDS = ("content", "reasoning_content")
+_TEXT_FIELDS = ("content", "reasoning_content", "reasoning")
 
 
 def _text_slot(data: str) -> tuple[tuple[object, ...], dict[str, Any], dict[str, Any], str] | None:
@@ -75,18 +86,27 @@ def _text_slot(data: str) -> tuple[tuple[object, ...], dict[str, Any], dict[str,
         return (chunk.get("id"), choice.get("index"), "text"), chunk, choice, "text"
     if not isinstance(delta, dict) or "text" in choice:
         return None
-    fields = [k for k, v in delta.items() if v is not None]
-    if len(fields) != 1 or fields[0] not in _TEXT_FIELDS or not isinstance(delta[fields[0]], str):
+    role = delta.get("role")
+    if role is not None and not isinstance(role, str):
         return None
-    field = fields[0]
-    return (chunk.get("id"), choice.get("index"), field), chunk, delta, field
+    fields = [k for k, v in delta.items() if v is not None and k != "role"]
+    if not fields or any(k not in _TEXT_FIELDS or not isinstance(delta[k], str) for k in fields):
+        return None
+    # One field carries the text; any other text field must be empty (Ollama's
+    # ``"content": ""`` beside ``reasoning``). With all empty, the first one --
+    # unless a role is named: a role with no text is the role chunk, a barrier.
+    with_text = [k for k in fields if delta[k]]
+    if len(with_text) > 1 or (role is not None and not with_text):
+        return None
+    field = with_text[0] if with_text else fields[0]
+    return (chunk.get("id"), choice.get("index"), field, role), chunk, delta, field
 
 
 # A JSON string holding one text field's value: ``"field": "<escaped>"``. Only a
 # value made of valid JSON string characters matches, so the chunk stays valid
 # JSON when values are concatenated.
 _TEXT_VALUE_RE = re.compile(
-    r'"(content|reasoning_content|text)"[ \t\r\n]*:[ \t\r\n]*"'
+    r'"(content|reasoning_content|reasoning|text)"[ \t\r\n]*:[ \t\r\n]*"'
     r'((?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*)"')
 _SENTINEL = "tokenwire-merge-sentinel-1f2e3d"
 _SHAPE_CACHE_LIMIT = 64
@@ -94,6 +114,19 @@ _SHAPE_CACHE_LIMIT = 64
 # A mergeable chunk, as a template: ``prefix + escaped_text + suffix`` is its JSON
 # (``escaped_text`` without the quotes); chunks with equal ``key`` merge.
 _Slot = tuple[tuple[object, ...], str, str, str]
+
+
+def _text_value(data: str) -> re.Match[str] | None:
+    """The text value a chunk carries: the first non-empty one the regex
+    finds, else the first (an empty field may come first, as in Ollama's
+    ``"content":"","reasoning":"..."``)."""
+    first: re.Match[str] | None = None
+    for match in _TEXT_VALUE_RE.finditer(data):
+        if match.group(2):
+            return match
+        if first is None:
+            first = match
+    return first
 
 
 def _dumps(obj: object) -> str:
@@ -272,7 +305,7 @@ class PendingBuffer:
                 item.slot = slot
                 return slot
         if event.event is None and event.retry is None and data and data[0] == "{":
-            match = _TEXT_VALUE_RE.search(data)
+            match = _text_value(data)
             if match is None:
                 slot = _slow_slot(data)
             else:

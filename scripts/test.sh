@@ -4,8 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup-venv.sh dev,engine
-# Real Redis (resume store) and headless Chromium (EventSource, playground).
-scripts/system-deps.sh redis-server chromium
+# Real Redis (resume store), headless Chromium (EventSource, playground), and
+# nginx (the ingress example is checked with nginx -t).
+scripts/system-deps.sh redis-server chromium nginx
 py=.venv/bin/python
 echo "== ruff"; $py -m ruff check middleware sidecar engine tests bench
 echo "== mypy --strict (middleware, sidecar)"; scripts/typecheck.sh

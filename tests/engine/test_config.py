@@ -1,0 +1,90 @@
+"""Engine configuration layers (flag > env > file > default), conf/engine.toml, errors naming the key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tokenwire.engine.config import EngineConfig, build_engine_config, engine_keys, load_toml
+from tokenwire.engine.server import load_engine_config
+from tokenwire.middleware import ConfigError
+
+CONF = Path(__file__).resolve().parents[2] / "conf" / "engine.toml"
+
+
+def test_conf_file_has_every_key_with_its_default() -> None:
+    values = load_toml(CONF)
+    assert set(values) == {key.name for key in engine_keys()}
+    assert build_engine_config(file_values=values) == EngineConfig()
+
+
+def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path) -> None:
+    config_file = tmp_path / "engine.toml"
+    config_file.write_text('max_running = 3\nmax_waiting = 7\nkv_budget_tokens = 1000\n'
+                           'listen = "unix:/tmp/from-file.sock"\n')
+    environ = {"TOKENWIRE_ENGINE_MAX_RUNNING": "4", "TOKENWIRE_ENGINE_MAX_WAITING": "8",
+               # The sidecar's variables (bare prefix) are not the engine's.
+               "TOKENWIRE_LISTEN": "0.0.0.0:8080", "TOKENWIRE_HEARTBEAT_S": "1"}
+    config = load_engine_config(["--config", str(config_file), "--max-running", "5"], environ)
+    assert config.max_running == 5                      # flag
+    assert config.max_waiting == 8                      # env
+    assert config.kv_budget_tokens == 1000              # file
+    assert config.listen == "unix:/tmp/from-file.sock"  # file, not the sidecar's TOKENWIRE_LISTEN
+    assert config.max_prefill_tokens_per_step == 256    # default
+
+
+def test_config_file_from_the_environment(tmp_path: Path) -> None:
+    config_file = tmp_path / "engine.toml"
+    config_file.write_text('model = "/models/qwen"\nserved_model_name = "qwen"\n')
+    config = load_engine_config([], {"TOKENWIRE_ENGINE_CONFIG": str(config_file)})
+    assert (config.model, config.served_model_name) == ("/models/qwen", "qwen")
+
+
+def test_optional_keys_unset_by_empty_or_zero() -> None:
+    config = build_engine_config(flags={"max_model_len": "4096", "served_model_name": "m"})
+    assert (config.max_model_len, config.served_model_name) == (4096, "m")
+    config = build_engine_config(file_values={"max_model_len": 0, "served_model_name": ""})
+    assert (config.max_model_len, config.served_model_name) == (None, None)
+    assert build_engine_config(environ={"TOKENWIRE_ENGINE_MAX_MODEL_LEN": ""}).max_model_len is None
+
+
+@pytest.mark.parametrize(("flags", "environ", "file_values", "key"), [
+    ({"max_running": "many"}, {}, {}, "max_running"),
+    ({}, {"TOKENWIRE_ENGINE_KV_BUDGET_TOKENS": "1.5"}, {}, "kv_budget_tokens"),
+    ({}, {}, {"max_waiting": "10"}, "max_waiting"),
+    ({}, {}, {"max_runing": 1}, "max_runing"),
+    ({"max_prefill_tokens_per_step": "-1"}, {}, {}, "max_prefill_tokens_per_step"),
+    ({"max_model_len": "1"}, {}, {}, "max_model_len"),
+    ({}, {}, {"max_running": True}, "max_running"),
+    ({"listen": "nowhere"}, {}, {}, "listen"),
+    ({}, {}, {"log_level": "loud"}, "log_level"),
+    ({}, {}, {"model": 7}, "model"),
+])
+def test_bad_values_and_unknown_keys_name_the_key(flags: dict[str, str], environ: dict[str, str],
+                                                  file_values: dict[str, object], key: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        build_engine_config(flags=flags, environ=environ, file_values=file_values)
+    assert error.value.key == key
+
+
+def test_unreadable_config_file_names_config(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as error:
+        load_engine_config(["--config", str(tmp_path / "missing.toml")], {})
+    assert error.value.key == "config"
+    broken = tmp_path / "broken.toml"
+    broken.write_text("max_running = = 3\n")
+    with pytest.raises(ConfigError) as error:
+        load_engine_config(["--config", str(broken)], {})
+    assert error.value.key == "config"
+
+
+def test_cli_reports_a_bad_file_before_loading_a_model(tmp_path: Path) -> None:
+    """The real command line, in its own process: exit 2 and the key, no model built."""
+    config_file = tmp_path / "engine.toml"
+    config_file.write_text("max_running = 0\n")
+    result = subprocess.run([sys.executable, "-m", "tokenwire.engine.server", "--config", str(config_file)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "max_running" in result.stderr

