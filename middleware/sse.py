@@ -14,7 +14,11 @@ an event stream" algorithm:
 * ``data`` lines are joined with ``\\n``; ``event`` sets the type; ``id`` with a
   NUL is ignored; ``retry`` is taken only if it is all ASCII digits; a field
   without a colon has an empty value; one space after the colon is removed;
-  unknown fields are ignored;
+  unknown fields are ignored — except ``error``, llama.cpp server's way of
+  reporting a failure mid-stream (``error: {json}`` then ``data: [DONE]``):
+  ignoring it would make a failed answer look complete, so its value becomes
+  the data ``{"error": value}``, which the wire core maps like any upstream
+  error event;
 * an empty line dispatches the event; an event without data is not dispatched
   unless it carried ``id`` or ``retry`` (a proxy must not swallow those);
 * comment lines are surfaced as their own events (``comment`` set), so a proxy
@@ -35,6 +39,7 @@ before it is buffered further.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from .errors import SSEProtocolError
@@ -250,6 +255,16 @@ class SSEParser:
                 self._id = value
         elif name == "retry" and value and value.isascii() and value.isdigit():
             self._retry = int(value)
+        elif name == "error":
+            self._data_bytes += len(raw) + 12
+            if self._data_bytes > self.max_event_bytes:
+                raise SSEProtocolError(f"SSE event larger than {self.max_event_bytes} bytes")
+            try:
+                json.loads(value)
+                payload = value
+            except ValueError:
+                payload = json.dumps(value)  # a bare message: kept as a JSON string
+            self._data.append('{"error":' + payload + "}")
         # Any other field name is ignored, as the spec says.
 
     def _dispatch(self, events: list[SSEEvent]) -> None:

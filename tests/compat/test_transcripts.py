@@ -49,10 +49,6 @@ from .replay import (
 )
 
 NO_MARKER = BASE.replace(terminal_marker=None)
-LLAMACPP_ERROR_FIELD = pytest.mark.xfail(strict=True, reason=(
-    "llama.cpp sends a failure as an `error:` SSE field and then `data: [DONE]`; the WHATWG "
-    "parser drops unknown fields, so the stream reads as complete (needs a change in "
-    "middleware/sse.py + stream.py, see tests/compat/README.md)"))
 
 EXPECT: dict[str, Expect] = {
     "vllm_chat_reasoning": Expect(),
@@ -73,6 +69,8 @@ EXPECT: dict[str, Expect] = {
                            error_type="BadRequestError"),
     "llamacpp_chat_reasoning": Expect(),
     "llamacpp_tool_calls": Expect(),
+    # llama.cpp reports the failure in an `error:` field, then sends [DONE]: the
+    # parser turns that field into an error event (middleware/sse.py).
     "llamacpp_error": Expect(ends_in_error=True, error_message="Input prompt is too big"),
     "ollama_chat_reasoning": Expect(),
     "ollama_tool_calls": Expect(),
@@ -80,11 +78,8 @@ EXPECT: dict[str, Expect] = {
     # without [DONE]: its message is unreadable, the truncation is not.
     "ollama_error": Expect(ends_in_error=True, error_message=None),
 }
-GAPS = {"llamacpp_error": LLAMACPP_ERROR_FIELD}
-
-
 def cases(names: list[str]) -> list[object]:
-    return [pytest.param(name, marks=GAPS[name]) if name in GAPS else name for name in names]
+    return list(names)
 
 
 def test_everyTranscriptHasAnExpectation() -> None:

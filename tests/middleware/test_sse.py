@@ -251,3 +251,13 @@ def test_feed_whenRandomBytes_thenOnlySSEProtocolErrorAndBoundedMemory(feeds: li
         parser.close()
     except SSEProtocolError:
         pass
+
+
+def test_llamacpp_error_field_becomes_an_error_payload() -> None:
+    """llama.cpp's ``error:`` field (then ``data: [DONE]``) must not vanish: a
+    failed answer would look complete."""
+    parser = SSEParser()
+    events = parser.feed(b'error: {"code":500,"message":"too big"}\n\ndata: [DONE]\n\nerror: plain\n\n')
+    assert [e.data for e in events] == ['{"error":{"code":500,"message":"too big"}}', "[DONE]",
+                                        '{"error":"plain"}']
+    assert events[0].event is None  # `event: error` stays an app's own named event
