@@ -56,6 +56,7 @@ class RedisReplayStore:
         self._redis: Any = redis_asyncio.Redis.from_url(url)
         self._queue: asyncio.Queue[ReplayAppend] | None = None
         self._writer: asyncio.Task[None] | None = None
+        self._claims: dict[str, str] = {}  # stream -> its idempotency key, while it is written here
         self.write_errors = 0
 
     async def open(self, stream_id: str, idempotency: tuple[str, str] | None = None) -> str | None:
@@ -74,6 +75,8 @@ class RedisReplayStore:
                         return str(held_stream)
                 # Held by a stream that is gone: take the key over.
                 await self._redis.set(claim, f"{stream_id} {digest}", ex=self._ttl)
+        if idempotency is not None:
+            self._claims[stream_id] = "tw:k:" + idempotency[0]
         mapping = {"key": idempotency[0] if idempotency is not None else ""}
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.hset(meta, mapping=mapping)
@@ -104,6 +107,7 @@ class RedisReplayStore:
             for action in batch:
                 events, meta, attach = _keys(action.stream_id)
                 if action.discard:
+                    self._claims.pop(action.stream_id, None)
                     key_reads.append(len(pipe))
                     pipe.hget(meta, "key")
                     pipe.delete(events, meta, attach)
@@ -116,6 +120,12 @@ class RedisReplayStore:
                     pipe.hset(meta, "end", action.end.value)
                 pipe.expire(events, self._ttl)
                 pipe.expire(meta, self._ttl)
+                claim = self._claims.get(action.stream_id)
+                if claim is not None:
+                    # The key lives as long as its stream, however long that runs.
+                    pipe.expire(claim, self._ttl)
+                    if action.end is not None:
+                        del self._claims[action.stream_id]
             results = await pipe.execute(raise_on_error=False)
         # Discarded streams (failed before their first event) free their key.
         keys = [results[i] for i in key_reads if isinstance(results[i], bytes) and results[i]]

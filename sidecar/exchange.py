@@ -102,7 +102,6 @@ class Exchange:
         self._target = target
         self._upstream_headers = list(upstream_headers)
         self._body = body
-        self._expect_stream = expect_stream
         resume = context.config.wire.resume
         self.stream_id = new_stream_id() if resume else None
         self.replaying = False
@@ -281,13 +280,14 @@ class Exchange:
             if isinstance(route, ResumeFrom):
                 await self._replay(route.stream_id, route.after_seq)
                 return
-            if self._expect_stream or isinstance(route, Idempotent):
-                idempotency = (route.key, route.digest) if isinstance(route, Idempotent) else None
-                holder = await store.open(self.stream_id, idempotency)
-                if holder is not None:
-                    # The same request again: the answer already being made, from the start.
-                    await self._replay(holder, 0)
-                    return
+            # Opened whatever the request looks like: an answer that turns out not
+            # to be an event stream is discarded by the core at its end.
+            idempotency = (route.key, route.digest) if isinstance(route, Idempotent) else None
+            holder = await store.open(self.stream_id, idempotency)
+            if holder is not None:
+                # The same request again: the answer already being made, from the start.
+                await self._replay(holder, 0)
+                return
         except ClientError as error:
             self.feed(Rejected(error))
             return

@@ -232,3 +232,12 @@ def test_the_per_stream_cap_makes_a_resume_past_it_fail_in_band(
     error = json.loads(late.data_events[-1].data or "")["error"]
     assert error["code"] == "resume_unavailable"
     assert 3 < len(late.ids) < 40
+
+
+def test_a_plain_json_answer_leaves_nothing_in_the_store(
+        resumable: Callable[..., RunningSidecar], loop_thread: Any) -> None:
+    sidecar = resumable()
+    answer = exchange(sidecar.port, "POST", PATH, body=chat_body(stream=False))
+    assert answer.status == 200 and "x-tokenwire-stream-id" not in answer.headers
+    store = sidecar.sidecar.context.replay_store  # type: ignore[union-attr]
+    wait_for(lambda: loop_thread.call(lambda: len(store)) == 0)
