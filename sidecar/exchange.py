@@ -278,6 +278,7 @@ class Exchange:
         try:
             route = classify(self._method.decode("latin-1"), path, self._upstream_headers, self._body)
             if isinstance(route, ResumeFrom):
+                self._context.metrics.replays.labels("reconnect").inc()
                 await self._replay(route.stream_id, route.after_seq)
                 return
             # Opened whatever the request looks like: an answer that turns out not
@@ -286,6 +287,7 @@ class Exchange:
             holder = await store.open(self.stream_id, idempotency)
             if holder is not None:
                 # The same request again: the answer already being made, from the start.
+                self._context.metrics.replays.labels("idempotent").inc()
                 await self._replay(holder, 0)
                 return
         except ClientError as error:

@@ -78,6 +78,10 @@ class SidecarMetrics:
         self.rejected_requests = Counter("tokenwire_rejected_requests",
                                          "Requests refused before reaching an upstream, by status.",
                                          ["status"], registry=r)
+        self.replays = Counter("tokenwire_replays",
+                               "Streams served from the replay store instead of an upstream, by kind "
+                               "(reconnect: Last-Event-ID or GET /v1/streams; idempotent: a repeated "
+                               "Idempotency-Key).", ["kind"], registry=r)
 
     def observe_record(self, record: StreamRecord) -> None:
         """Count one finished stream."""

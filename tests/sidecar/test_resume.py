@@ -134,6 +134,8 @@ def test_idempotency_key_repeat_replays_the_same_answer_with_one_upstream_reques
     assert [e.data for e in repeat.data_events] == [e.data for e in first[0].data_events]
     assert repeat.ids == first[0].ids and text_of(repeat.events) == expected_text(20)
     assert len(upstream.requests_with("idem-a")) == 1 and upstream.requests_with("idem-b") == []
+    metrics = exchange(sidecar.admin_port or 0, "GET", "/metrics").body.decode()
+    assert 'tokenwire_replays_total{kind="idempotent"} 1.0' in metrics
     # Same key, different body: refused, still nothing sent upstream.
     other = exchange(sidecar.port, "POST", PATH, body=chat_body(temperature=0.5),
                      headers={**headers, "x-request-id": "idem-c"})
