@@ -8,6 +8,7 @@ prove the CORS path a real browser takes: preflight, exposed headers, a
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import shutil
 import socket
@@ -176,9 +177,9 @@ def test_page_streamsTheAnswerThroughTheProxy_withTimingsAndScreenshot(
     page.screenshot(path=str(shot), full_page=True)
     data = shot.read_bytes()
     assert data.startswith(PNG_SIGNATURE) and len(data) > 10_000
-    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(shot, SCREENSHOT)
-    assert SCREENSHOT.read_bytes() == data
+    if os.environ.get("TOKENWIRE_UPDATE_SCREENSHOT"):
+        # The README's picture; refreshed on request, so a test run leaves the tree clean.
+        shutil.copyfile(shot, SCREENSHOT)
 
 
 def test_killButton_midStream_stopsTheTextAndTheUpstreamSeesTheDisconnect(
