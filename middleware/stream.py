@@ -782,6 +782,7 @@ class WireStream:
         self._commit_at = None
         self._retry_at = None
         self._headers_deadline_at = None
+        self._hold_until = None  # whatever ended a held stream, its grace is over
         if self._upstream_open and reason is not EndReason.COMPLETE:
             self._upstream_open = False
             self._actions.append(AbortUpstream(reason))

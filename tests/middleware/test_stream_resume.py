@@ -148,6 +148,22 @@ def test_grace_holds_the_stream_then_aborts_at_its_deadline() -> None:
     assert d.of(CloseClient) == []  # the client was already gone
 
 
+@pytest.mark.parametrize("ending", ["shutdown", "complete"])
+def test_a_held_stream_that_ends_otherwise_ends_once(ending: str) -> None:
+    d = resumable(WireConfig(resume=True, resume_grace_s=2.0))
+    d.send(UpstreamData(frames_of([chunk("a")])), at=1.0)
+    d.send(ClientGone(), at=1.5)
+    if ending == "shutdown":
+        d.send(StopRequested(EndReason.SHUTDOWN), at=3.6)  # after the grace's deadline
+        assert d.finished.record.end_reason is EndReason.SHUTDOWN
+        assert json.loads(recorded(d)[-1][len(b"data: "):])["error"]["code"] == "shutdown"
+    else:
+        d.send(UpstreamData(b"data: [DONE]\n\n"), at=3.6)
+        assert d.finished.record.end_reason is EndReason.COMPLETE
+    assert len([a for a in d.of(ReplayAppend) if a.end is not None]) == 1
+    assert d.stream.next_deadline() is None
+
+
 def test_grace_with_a_reader_completes_into_the_store() -> None:
     d = resumable(WireConfig(resume=True, resume_grace_s=2.0))
     d.send(UpstreamData(frames_of([chunk("a")])), at=1.0)
