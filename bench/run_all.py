@@ -28,6 +28,7 @@ def main() -> int:
         ["middleware_bench.py"] + (["--repeats", "2", "--resets", "50"] if args.quick else []),
         ["sidecar_bench.py"] + (["--quick"] if args.quick else []),
         ["engine_bench.py"] + (["--chunk-tokens", "16", "--abort-trials", "3"] if args.quick else []),
+        ["resume_bench.py"] + (["--quick"] if args.quick else []),
     ]
     failed: list[str] = []
     for script, *flags in runs:

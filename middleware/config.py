@@ -77,8 +77,9 @@ class WireConfig:
     client can reconnect with ``Last-Event-ID`` or re-send its ``Idempotency-Key``."""
     resume_ttl_s: float = 300.0
     """How long a stream stays resumable after its last event."""
-    resume_max_bytes: int = 1 << 20
-    """Replay store cap per stream; a longer answer is resumable only up to here."""
+    resume_max_bytes: int = 8 << 20
+    """Replay store cap per stream; a longer answer is resumable only up to here
+    (an 8,000-token answer of OpenAI chunks is about 2.2 MB)."""
     resume_total_bytes: int = 256 << 20
     """Replay store cap in total (memory store; the oldest streams go first)."""
     resume_grace_s: float = 0.0

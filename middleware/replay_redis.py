@@ -39,6 +39,9 @@ logger = logging.getLogger("tokenwire.resume")
 
 _BLOCK_MS = 1000
 _READ_COUNT = 1024
+# The first read is small: its events go out while the rest of a long backlog
+# is still being fetched and decoded (the reader's time to first byte).
+_FIRST_READ_COUNT = 64
 
 
 def _keys(stream_id: str) -> tuple[str, str, str]:
@@ -142,8 +145,10 @@ class RedisReplayStore:
             await pipe.execute()
         last = f"0-{max(after_seq, 0)}"
         block: int | None = None
+        count = _FIRST_READ_COUNT
         while True:
-            reply = await self._redis.xread({events: last}, count=_READ_COUNT, block=block)
+            reply = await self._redis.xread({events: last}, count=count, block=block)
+            count = _READ_COUNT
             entries = reply[0][1] if reply else []
             if entries:
                 last = entries[-1][0].decode()
