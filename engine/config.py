@@ -19,14 +19,13 @@ config file fails fast, before a model is loaded.
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from tokenwire.middleware import ConfigError
+from tokenwire.middleware.config import field_docs
 
 ENV_PREFIX = "TOKENWIRE_ENGINE_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
@@ -120,30 +119,10 @@ class EngineKey:
         return self.kind in (str | None, int | None)
 
 
-def _field_docs() -> dict[str, str]:
-    """The attribute docstrings of :class:`EngineConfig`, for ``--help``."""
-    import ast
-    import inspect
-    import itertools
-
-    try:
-        tree = ast.parse(inspect.getsource(EngineConfig))
-    except (OSError, TypeError):
-        return {}
-    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-    docs: dict[str, str] = {}
-    for node, following in itertools.pairwise(body):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
-                and isinstance(following.value.value, str)):
-            docs[node.target.id] = " ".join(following.value.value.split())
-    return docs
-
-
 def engine_keys() -> list[EngineKey]:
     """Every key of :class:`EngineConfig`, in field order."""
     hints = typing.get_type_hints(EngineConfig)
-    docs = _field_docs()
+    docs = field_docs(EngineConfig)
     return [EngineKey(f.name, hints[f.name], docs.get(f.name, "")) for f in dataclasses.fields(EngineConfig)]
 
 
@@ -169,17 +148,6 @@ def _from_toml(key: EngineKey, value: object) -> object:
     if not isinstance(value, str):
         raise ConfigError(key.name, f"must be a string, got {value!r}")
     return None if key.optional and value == "" else value
-
-
-def load_toml(path: str | Path) -> dict[str, Any]:
-    """The TOML file's table; an unreadable or malformed file names ``config``."""
-    try:
-        with open(path, "rb") as file:
-            return tomllib.load(file)
-    except OSError as error:
-        raise ConfigError("config", f"cannot read {path}: {error.strerror}") from None
-    except tomllib.TOMLDecodeError as error:
-        raise ConfigError("config", f"{path}: {error}") from None
 
 
 def build_engine_config(

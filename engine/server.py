@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from starlette.types import ASGIApp
-from tokenwire.engine.config import CONFIG_ENV, EngineConfig, build_engine_config, engine_keys, load_toml
+from tokenwire.engine.config import CONFIG_ENV, EngineConfig, build_engine_config, engine_keys
 from tokenwire.middleware import WireConfig
 from tokenwire.middleware.asgi import listening_socket
+from tokenwire.middleware.config import load_toml
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,9 +9,15 @@ key whichever way it came in.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
+import itertools
+import tomllib
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
+from typing import Any
 
 
 class SlowClientPolicy(StrEnum):
@@ -128,3 +134,35 @@ def _check_positive(config: WireConfig, *keys: str) -> None:
         value = getattr(config, key)
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
             raise ConfigError(key, f"must be a number > 0, got {value!r}")
+
+
+# ---------------------------------------------------------------- config files
+# Shared by the sidecar's and the engine's loaders (flag > env > file > default).
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The attribute docstrings of a dataclass, by field name (for ``--help``
+    and the commented TOML files); empty if the source is not available."""
+    try:
+        tree = ast.parse(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs: dict[str, str] = {}
+    for node, following in itertools.pairwise(body):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)):
+            docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """A TOML file's table; an unreadable or malformed file is a ConfigError naming ``config``."""
+    try:
+        with open(path, "rb") as file:
+            return tomllib.load(file)
+    except OSError as error:
+        raise ConfigError("config", f"cannot read {path}: {error.strerror}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError("config", f"{path}: {error}") from None

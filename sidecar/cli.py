@@ -10,8 +10,9 @@ import sys
 from collections.abc import Sequence
 
 from tokenwire.middleware import ConfigError, WireConfig
+from tokenwire.middleware.config import load_toml
 
-from .settings import SidecarConfig, all_keys, build_config, load_toml
+from .settings import SidecarConfig, all_keys, build_config
 
 USAGE = """\
 usage: tokenwire <command> [options]

@@ -15,17 +15,15 @@ prefix for its own keys and both may share one environment.
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import tomllib
 import types
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from pathlib import Path
 from typing import Any
 
 from tokenwire.middleware import ConfigError, WireConfig
+from tokenwire.middleware.config import field_docs
 
 from .cors import normalize_origin
 
@@ -156,31 +154,12 @@ class Key:
         return ENV_PREFIX + self.name.upper()
 
 
-def _field_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings, for ``--help``: read from the class source if available."""
-    import ast
-    import inspect
-
-    try:
-        tree = ast.parse(inspect.getsource(cls))
-    except (OSError, TypeError):
-        return {}
-    docs: dict[str, str] = {}
-    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-    for node, following in itertools.pairwise(body):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
-                and isinstance(following.value.value, str)):
-            docs[node.target.id] = " ".join(following.value.value.split())
-    return docs
-
-
 def all_keys() -> list[Key]:
     """Every key: the wire core's first, then the sidecar's."""
     keys: list[Key] = []
     for cls, wire in ((WireConfig, True), (SidecarConfig, False)):
         hints = typing.get_type_hints(cls)
-        docs = _field_docs(cls)
+        docs = field_docs(cls)
         for f in dataclasses.fields(cls):
             if f.name == "wire":
                 continue
@@ -257,17 +236,6 @@ def _kind_name(kind: Any) -> str:
     if isinstance(kind, type) and issubclass(kind, Enum):
         return "one of " + ", ".join(str(m.value) for m in kind)
     return getattr(kind, "__name__", str(kind))
-
-
-def load_toml(path: str | Path) -> dict[str, Any]:
-    """The TOML file's table; a missing or malformed file names ``config``."""
-    try:
-        with open(path, "rb") as file:
-            return tomllib.load(file)
-    except OSError as error:
-        raise ConfigError("config", f"cannot read {path}: {error.strerror}") from None
-    except tomllib.TOMLDecodeError as error:
-        raise ConfigError("config", f"{path}: {error}") from None
 
 
 def build_config(

@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 import yaml
-from tokenwire.engine.config import EngineConfig, load_toml
+from tokenwire.engine.config import EngineConfig
 from tokenwire.middleware import (
     EndReason,
     Finished,
@@ -43,6 +43,7 @@ from tokenwire.middleware import (
     WireStream,
     WriteCompleted,
 )
+from tokenwire.middleware.config import load_toml
 from tokenwire.sidecar.cli import load_sidecar_config
 from tokenwire.sidecar.metrics import SidecarMetrics
 

@@ -7,9 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from tokenwire.engine.config import EngineConfig, build_engine_config, engine_keys, load_toml
+from tokenwire.engine.config import EngineConfig, build_engine_config, engine_keys
 from tokenwire.engine.server import load_engine_config
 from tokenwire.middleware import ConfigError
+from tokenwire.middleware.config import load_toml
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "engine.toml"
 

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 from tokenwire.middleware import ConfigError, SlowClientPolicy
+from tokenwire.middleware.config import load_toml
 from tokenwire.sidecar.cli import load_sidecar_config, main
-from tokenwire.sidecar.settings import all_keys, build_config, load_toml
+from tokenwire.sidecar.settings import all_keys, build_config
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "sidecar.toml"
 
