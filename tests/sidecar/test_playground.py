@@ -24,8 +24,6 @@ from tokenwire.sidecar.admin import Playground
 from tokenwire.sidecar.up import admin_origins
 from upstreams import FakeUpstream, Request, expected_text
 
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 SCREENSHOT = Path(__file__).resolve().parents[2] / "bench" / "results" / "playground.png"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -58,27 +56,6 @@ def page_upstream(loop_thread: LoopThread) -> Iterator[PageUpstream]:
     loop_thread.run(fake.start())
     yield fake
     loop_thread.run(fake.stop())
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    # Fail, never skip: a missing browser would otherwise hide a broken page.
-    try:
-        from playwright.sync_api import Error, sync_playwright
-    except ImportError:
-        pytest.fail("playwright is not installed in this venv (scripts/setup-venv.sh dev installs it)",
-                    pytrace=False)
-    chromium = shutil.which("chromium") or "/usr/bin/chromium"
-    if not Path(chromium).exists():
-        pytest.fail("no chromium: install Debian's package (scripts/system-deps.sh chromium); "
-                    "a downloaded browser is not used", pytrace=False)
-    with sync_playwright() as playwright:
-        try:
-            launched = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
-        except Error as error:
-            pytest.fail(f"chromium at {chromium} did not start: {error}", pytrace=False)
-        yield launched
-        launched.close()
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import http.server
 import json
-import shutil
 import threading
 import time
 import urllib.request
@@ -29,8 +28,6 @@ from resume_client import open_stream
 from upstreams import FakeUpstream, expected_text
 
 PATH = "/normal/v1/chat/completions"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TOKENS = 60
 # role, the tokens, finish, usage, [DONE]: each one numbered event.
@@ -106,27 +103,6 @@ def page_origin() -> Iterator[str]:
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    # Fail, never skip: a missing browser would otherwise hide a broken resume.
-    try:
-        from playwright.sync_api import Error, sync_playwright
-    except ImportError:
-        pytest.fail("playwright is not installed in this venv (scripts/setup-venv.sh dev installs it)",
-                    pytrace=False)
-    chromium = shutil.which("chromium") or "/usr/bin/chromium"
-    if not Path(chromium).exists():
-        pytest.fail("no chromium: install Debian's package (scripts/system-deps.sh chromium); "
-                    "a downloaded browser is not used", pytrace=False)
-    with sync_playwright() as playwright:
-        try:
-            launched = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
-        except Error as error:
-            pytest.fail(f"chromium at {chromium} did not start: {error}", pytrace=False)
-        yield launched
-        launched.close()
 
 
 def _admin(sidecar: RunningSidecar, method: str, path: str) -> Any:
