@@ -30,8 +30,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-import redis.asyncio as redis_asyncio
-
+from .config import ConfigError
 from .events import ReplayAppend
 from .replay_store import KeyReused, ReplayUnavailable, StreamNotFound
 
@@ -56,6 +55,12 @@ class RedisReplayStore:
         self.url = url
         self.ttl_s = ttl_s
         self._ttl = max(1, round(ttl_s))
+        try:
+            # Optional: the base install has no Redis client (pip install tokenwire[redis]).
+            import redis.asyncio as redis_asyncio
+        except ImportError:
+            raise ConfigError("resume_store", "a redis:// store needs the redis package: "
+                                              "pip install 'tokenwire[redis]'") from None
         self._redis: Any = redis_asyncio.Redis.from_url(url)
         self._queue: asyncio.Queue[ReplayAppend] | None = None
         self._writer: asyncio.Task[None] | None = None

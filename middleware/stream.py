@@ -175,6 +175,13 @@ def _plain_event_count(data: bytes, limit_bytes: int, marker: bytes | None) -> i
     usage = data.count(b'"usage"')
     if usage and usage != data.count(b'"usage":null') + data.count(b'"usage": null'):
         return 0
+    if not data.isascii():
+        # The parser replaces invalid UTF-8 with U+FFFD; bytes passed through
+        # unparsed must be no different, or the output would depend on timing.
+        try:
+            data.decode()
+        except UnicodeDecodeError:
+            return 0
     return count
 
 

@@ -23,6 +23,13 @@ The pools use :class:`~tokenwire.sidecar.upstream_io.UpstreamBackend` as their
 network layer (see there why).
 
 Exceptions are converted once, here, into :class:`FailureKind`.
+
+Compression: every upstream request asks for ``Accept-Encoding: identity``
+(whatever the client sent), because the wire core parses the event stream. An
+upstream that compresses an event stream anyway is refused by the core
+(``invalid_stream``: 502 before the first byte) rather than decompressed, which
+would let a small body expand without bound; a non-stream answer is not parsed
+and goes through untouched, ``Content-Encoding`` and all.
 """
 
 from __future__ import annotations

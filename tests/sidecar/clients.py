@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
 import ssl
 import struct
+import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import h11
@@ -165,3 +168,67 @@ def wait_for(predicate: Any, timeout_s: float = 5.0, interval_s: float = 0.005) 
             raise AssertionError("condition not met in time")
         time.sleep(interval_s)
     return time.monotonic() - start
+
+
+class StreamWatcher(threading.Thread):
+    """A bystander: reads one long stream in the background and notes when each
+    read carrying events arrived, so a test can assert that what it does to
+    the sidecar meanwhile never stalled this client. ``stop()`` ends it."""
+
+    def __init__(self, port: int, *, path: str = "/normal/v1/chat/completions", tokens: int = 100_000,
+                 delay_s: float = 0.01, ssl_context: ssl.SSLContext | None = None) -> None:
+        super().__init__(daemon=True)
+        self.sock = connect(port, ssl_context=ssl_context)
+        self.sock.sendall(request_bytes("POST", path, body=chat_body(), headers={
+            "x-fake-tokens": str(tokens), "x-fake-delay-s": str(delay_s)}))
+        self.arrivals: list[float] = []
+        self.body = bytearray()
+        self.error = ""
+        self.first_event = threading.Event()
+        self._stopping = threading.Event()
+
+    def run(self) -> None:
+        self.sock.settimeout(0.5)
+        try:
+            while not self._stopping.is_set():
+                try:
+                    data = self.sock.recv(65536)
+                except TimeoutError:
+                    continue
+                if not data:
+                    self.error = "closed by the server"
+                    return
+                self.body += data
+                if b"data: " in data:
+                    self.arrivals.append(time.monotonic())
+                    self.first_event.set()
+        except OSError as error:
+            if not self._stopping.is_set():
+                self.error = f"{type(error).__name__}: {error}"
+
+    def stop(self) -> float:
+        """Stop reading and close; the longest gap between reads that carried events."""
+        self._stopping.set()
+        self.join(5)
+        self.sock.close()
+        assert not self.error, self.error
+        assert len(self.arrivals) > 10, f"the bystander stream barely moved: {len(self.arrivals)} reads"
+        return max(b - a for a, b in itertools.pairwise(self.arrivals))
+
+
+def tls_server_files(ca: Any, directory: Path, *, name: str = "server") -> dict[str, str]:
+    """Write a certificate for localhost/127.0.0.1 from the trustme ``ca`` and its
+    key under ``directory``: the sidecar's ``tls_cert``/``tls_key``, and ``ca``."""
+    cert = ca.issue_cert("localhost", "127.0.0.1")
+    paths = {key: directory / f"{name}-{key}.pem" for key in ("tls_cert", "tls_key", "ca")}
+    paths["tls_cert"].write_bytes(b"".join(blob.bytes() for blob in cert.cert_chain_pems))
+    cert.private_key_pem.write_to_path(str(paths["tls_key"]))
+    ca.cert_pem.write_to_path(str(paths["ca"]))
+    return {key: str(path) for key, path in paths.items()}
+
+
+def tls_client_context(ca: Any) -> ssl.SSLContext:
+    """A client context that trusts ``ca`` (a trustme CA)."""
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    return context

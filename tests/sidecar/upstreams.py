@@ -26,6 +26,7 @@ import contextlib
 import json
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -228,3 +229,77 @@ class FakeUpstream:
                      f"content-length: {len(body)}\r\n\r\n".encode() + body)
         with contextlib.suppress(ConnectionError):
             await writer.drain()
+
+
+Respond = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def _answer_ok(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await FakeUpstream._plain(writer, 200, b"{}")
+
+
+class ScriptedUpstream:
+    """A raw upstream that records every byte it receives and answers with ``respond``.
+
+    Unlike :class:`FakeUpstream` it never parses more than it must (one head and
+    its Content-Length body per request, to know where the answer goes), so a
+    test sees exactly what the sidecar forwarded, byte for byte, and can answer
+    with anything: a gzip body, a line of 100 MB, bytes that are not UTF-8.
+    """
+
+    def __init__(self, respond: Respond = _answer_ok) -> None:
+        self.respond = respond
+        self.received = bytearray()
+        self.connections = 0
+        self.sent_bytes = 0
+        """What ``respond`` managed to write through :meth:`send` before the sidecar cut it off."""
+        self.cut_off = threading.Event()
+        """Set when the sidecar closed or reset the connection while ``respond`` was writing."""
+        self.request_seen = threading.Event()
+        self._server: asyncio.Server | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    async def send(self, writer: asyncio.StreamWriter, data: bytes) -> None:
+        """Write and drain ``data``, counting it; the sidecar going away sets ``cut_off``."""
+        try:
+            writer.write(data)
+            await writer.drain()
+        except ConnectionError:
+            self.cut_off.set()
+            raise
+        self.sent_bytes += len(data)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError) as error:
+                    self.received += getattr(error, "partial", b"")
+                    return
+                self.received += head
+                length = 0
+                for line in head.split(b"\r\n"):
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                self.received += await reader.readexactly(length)
+                self.request_seen.set()
+                await self.respond(reader, writer)
+        except ConnectionError:
+            self.cut_off.set()
+        finally:
+            writer.close()

@@ -1,0 +1,462 @@
+"""Soak: a real sidecar process under mixed traffic for a long time (not in CI).
+
+Method (figures in bench/README.md, "Soak"):
+
+* A fake engine (``soak.py upstream``, its own process) streams OpenAI chat
+  chunks at the pace each request asks for, and can die mid-stream on request.
+* ``tokenwire sidecar`` runs as a process in front of it, writing its JSON
+  stream records to a file.
+* This process keeps ``--streams`` clients busy, each request one behaviour
+  drawn at random: ``normal`` (read to the end), ``disconnect`` (close or reset
+  after a few events), ``slow`` (small receive window, reads 1 KiB per 50 ms),
+  ``stall`` (stops reading: the write deadline must end it), ``die`` (the
+  upstream drops the connection mid-stream) and ``json`` (a non-stream request).
+* Every ``--sample-s`` seconds the sidecar's RSS and open file descriptors are
+  read from /proc.
+* At the end the load stops, in-flight requests finish, the sidecar gets
+  SIGTERM, and every request id sent is looked up in the record file: each must
+  have exactly one record, and its end reason must be the one its behaviour
+  implies. Flatness is the least-squares slope of RSS and fds after warm-up,
+  and the last-minutes median against the first.
+
+``soak.py idle --connections 10000`` instead measures memory per idle keep-alive
+connection (each served one request, then left open).
+
+Usage: ``python bench/soak.py [run] [--minutes 30]`` (writes
+``bench/results/soak.json`` and ``soak.png``); ``python bench/soak.py idle``
+(writes ``bench/results/idle_connections.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import json
+import os
+import random
+import resource
+import signal
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+PY = sys.executable
+
+# behaviour: (weight, the end reason its record must carry)
+BEHAVIOURS: dict[str, tuple[int, str]] = {
+    "normal": (55, "complete"),
+    "disconnect": (15, "client_gone"),
+    "slow": (10, "complete"),
+    "stall": (5, "slow_client"),
+    "die": (5, "upstream_error"),
+    "json": (10, "complete"),
+}
+_WRITE_DEADLINE_S = 5.0
+_WARM_UP_S = 60.0
+
+
+# ---------------------------------------------------------------- the fake engine
+
+
+def _chunk(text: str | None, finish: str | None = None) -> bytes:
+    delta = {} if text is None else {"content": text}
+    payload = {"id": "chatcmpl-soak", "object": "chat.completion.chunk", "created": 0, "model": "soak",
+               "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    data = b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+async def _serve_upstream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n"):
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            spec = json.loads(await reader.readexactly(length) or b"{}")
+            if not spec.get("stream"):
+                body = json.dumps({"object": "chat.completion", "choices": [
+                    {"index": 0, "message": {"role": "assistant", "content": "ok"},
+                     "finish_reason": "stop"}]}).encode()
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\n\r\n%b" % (len(body), body))
+                await writer.drain()
+                continue
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                         b"transfer-encoding: chunked\r\n\r\n")
+            interval_s = float(spec.get("interval_ms", 10)) / 1000
+            die_after = int(spec.get("die_after", -1))
+            for i in range(int(spec.get("events", 50))):
+                if i == die_after:
+                    writer.transport.abort()
+                    return
+                writer.write(_chunk(f"tok{i} "))
+                await writer.drain()
+                await asyncio.sleep(interval_s)
+            writer.write(_chunk(None, "stop") + b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+            await writer.drain()
+
+
+async def _run_upstream(port: int) -> None:
+    server = await asyncio.start_server(_serve_upstream, "127.0.0.1", port, backlog=4096)
+    print("ready", flush=True)
+    async with server:
+        await server.serve_forever()
+
+
+# ---------------------------------------------------------------- processes
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_line(proc: subprocess.Popen[str], prefix: str) -> str:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith(prefix):
+        raise RuntimeError(f"process did not start: {line!r}")
+    return line
+
+
+def _start(log_file: Path, max_connections: int = 2_000) -> tuple[subprocess.Popen[str],
+                                                                    subprocess.Popen[str], int]:
+    upstream_port = _free_port()
+    upstream = subprocess.Popen([PY, __file__, "upstream", "--port", str(upstream_port)],
+                                stdout=subprocess.PIPE, text=True)
+    _wait_line(upstream, "ready")
+    sidecar = subprocess.Popen(
+        [PY, "-m", "tokenwire.sidecar", "sidecar", "--listen", "127.0.0.1:0",
+         "--upstream", f"http://127.0.0.1:{upstream_port}", "--log-file", str(log_file),
+         "--max-connections", str(max_connections), "--write-deadline-s", str(_WRITE_DEADLINE_S),
+         "--drain-s", "5"],
+        stdout=subprocess.PIPE, text=True,
+        env={k: v for k, v in os.environ.items() if not k.startswith("TOKENWIRE_")})
+    ready = _wait_line(sidecar, "ready ")
+    port = int(ready.split("listen=")[1].split()[0].rsplit(":", 1)[1])
+    return upstream, sidecar, port
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmRSS")
+
+
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _raise_own_fd_limit() -> None:
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+# ---------------------------------------------------------------- clients
+
+
+def _request(request_id: str, spec: dict[str, Any], *, close: bool) -> bytes:
+    body = json.dumps({"model": "soak", "messages": [{"role": "user", "content": "hi"}], **spec}).encode()
+    return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n"
+            f"X-Request-Id: {request_id}\r\nContent-Length: {len(body)}\r\n"
+            + ("Connection: close\r\n" if close else "") + "\r\n").encode() + body
+
+
+async def _connect(port: int, *, slow: bool = False) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection; ``slow`` ones have a small receive window and a small
+    StreamReader buffer, so not reading really stops the socket."""
+    sock = socket.socket()
+    if slow:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    return await asyncio.open_connection(sock=sock, limit=2048 if slow else 1 << 20)
+
+
+async def _one_request(port: int, request_id: str, behaviour: str, rng: random.Random) -> str:
+    """Run one request; what the client saw (complete / error / cut / ...)."""
+    spec: dict[str, Any] = {"stream": behaviour != "json", "events": rng.randint(20, 200),
+                            "interval_ms": rng.choice([2, 5, 10, 20])}
+    if behaviour == "die":
+        spec["die_after"] = rng.randint(1, spec["events"] - 1)
+    if behaviour in ("slow", "stall"):
+        spec.update(events=300 if behaviour == "slow" else 20_000, interval_ms=2)
+    reader, writer = await _connect(port, slow=behaviour in ("slow", "stall"))
+    try:
+        writer.write(_request(request_id, spec, close=True))
+        body = bytearray()
+        stop_after = rng.randint(1, spec["events"] // 2) if behaviour == "disconnect" else -1
+        while True:
+            if behaviour == "stall" and body.startswith(b"HTTP/1.1 200"):
+                # Stop reading for good; the sidecar's write deadline must end the stream.
+                writer.transport.pause_reading()
+                await asyncio.sleep(_WRITE_DEADLINE_S * 2)
+                return "stalled"
+            data = await reader.read(1024 if behaviour == "slow" else 65536)
+            if not data:
+                break
+            body += data
+            if behaviour == "slow":
+                await asyncio.sleep(0.05)
+            if stop_after >= 0 and body.count(b"data: ") > stop_after and b"[DONE]" not in body:
+                if rng.random() < 0.5:
+                    sock = writer.get_extra_info("socket")
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                writer.transport.abort()
+                return "left"
+    except ConnectionError:
+        return "reset"
+    finally:
+        writer.close()
+    if behaviour == "json":
+        return "complete" if body.startswith(b"HTTP/1.1 200") and body.endswith(b"}") else "bad"
+    if body.endswith(b"0\r\n\r\n") and b"data: [DONE]" in body:
+        return "complete"
+    return "error" if b'"error"' in body else "cut"
+
+
+async def _load(port: int, streams: int, until: float, seed: int,
+                sent: dict[str, str], seen: collections.Counter[str]) -> None:
+    rng = random.Random(seed)
+    names = list(BEHAVIOURS)
+    weights = [BEHAVIOURS[name][0] for name in names]
+    counter = 0
+
+    async def worker() -> None:
+        nonlocal counter
+        while time.monotonic() < until:
+            counter += 1
+            request_id = f"soak-{counter}"
+            behaviour = rng.choices(names, weights)[0]
+            sent[request_id] = behaviour
+            try:
+                outcome = await asyncio.wait_for(_one_request(port, request_id, behaviour, rng), 120)
+            except (TimeoutError, OSError) as error:
+                outcome = f"client-{type(error).__name__}"
+            if behaviour == "disconnect" and outcome == "complete":
+                # The whole answer was there before the client meant to leave.
+                outcome = "complete-before-leaving"
+                sent[request_id] = "normal"
+            seen[f"{behaviour}:{outcome}"] += 1
+
+    await asyncio.gather(*(worker() for _ in range(streams)))
+
+
+async def _sample(pid: int, every_s: float, until: float, started: float,
+                  samples: list[dict[str, float]], sent: dict[str, str]) -> None:
+    while time.monotonic() < until:
+        samples.append({"t_s": round(time.monotonic() - started, 1), "rss_kib": _rss_kib(pid),
+                        "fds": _open_fds(pid), "requests": len(sent)})
+        await asyncio.sleep(every_s)
+
+
+def _slope_per_min(samples: list[dict[str, float]], key: str) -> float:
+    xs = [s["t_s"] / 60 for s in samples]
+    ys = [s[key] for s in samples]
+    if len(xs) < 2:
+        return 0.0
+    return statistics.linear_regression(xs, ys).slope
+
+
+def _account(log_file: Path, sent: dict[str, str]) -> dict[str, Any]:
+    records: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+    for line in log_file.read_text().splitlines():
+        record = json.loads(line)
+        records[record["request_id"]].append(record)
+    reasons: collections.Counter[str] = collections.Counter()
+    unexpected: collections.Counter[str] = collections.Counter()
+    for request_id, behaviour in sent.items():
+        for record in records.get(request_id, []):
+            reasons[record["end_reason"]] += 1
+            if record["end_reason"] != BEHAVIOURS[behaviour][1]:
+                unexpected[f"{behaviour}->{record['end_reason']}"] += 1
+    return {
+        "requests_sent": len(sent),
+        "records": sum(len(r) for r in records.values()),
+        "without_record": sorted(set(sent) - set(records))[:20],
+        "without_record_count": len(set(sent) - set(records)),
+        "with_several_records": sum(1 for r in records.values() if len(r) > 1),
+        "records_for_unknown_ids": len(set(records) - set(sent)),
+        "end_reasons": dict(reasons.most_common()),
+        "end_reason_not_the_expected_one": dict(unexpected.most_common()),
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    _raise_own_fd_limit()
+    with tempfile.TemporaryDirectory() as tmp:
+        log_file = Path(tmp) / "streams.jsonl"
+        upstream, sidecar, port = _start(log_file)
+        sent: dict[str, str] = {}
+        seen: collections.Counter[str] = collections.Counter()
+        samples: list[dict[str, float]] = []
+        started = time.monotonic()
+        until = started + args.minutes * 60
+
+        async def main() -> None:
+            sampler = asyncio.ensure_future(_sample(sidecar.pid, args.sample_s, until + 3600, started,
+                                                    samples, sent))
+            await _load(port, args.streams, until, args.seed, sent, seen)
+            # Load over, everything in flight finished: one last sample of the quiet process.
+            await asyncio.sleep(1)
+            sampler.cancel()
+            samples.append({"t_s": round(time.monotonic() - started, 1), "rss_kib": _rss_kib(sidecar.pid),
+                            "fds": _open_fds(sidecar.pid), "requests": len(sent)})
+
+        try:
+            asyncio.run(main())
+            sidecar.send_signal(signal.SIGTERM)
+            exit_code = sidecar.wait(30)
+        finally:
+            for proc in (sidecar, upstream):
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(5)
+        steady = [s for s in samples if s["t_s"] >= min(_WARM_UP_S, args.minutes * 60 / 4)]
+        window = max(1, len(steady) // 10)
+        result = {
+            "minutes": args.minutes, "concurrent_clients": args.streams, "seed": args.seed,
+            "write_deadline_s": _WRITE_DEADLINE_S, "sidecar_exit_code": exit_code,
+            "client_outcomes": dict(sorted(seen.items())),
+            "accounting": _account(log_file, sent),
+            "rss_kib": {"first": samples[0]["rss_kib"], "after_warm_up": steady[0]["rss_kib"],
+                        "max": max(s["rss_kib"] for s in samples), "last": samples[-1]["rss_kib"],
+                        "first_tenth_median": statistics.median(s["rss_kib"] for s in steady[:window]),
+                        "last_tenth_median": statistics.median(s["rss_kib"] for s in steady[-window:]),
+                        "slope_kib_per_min": round(_slope_per_min(steady, "rss_kib"), 2)},
+            "fds": {"min": min(s["fds"] for s in steady), "max": max(s["fds"] for s in steady),
+                    "last": samples[-1]["fds"],
+                    "slope_per_min": round(_slope_per_min(steady, "fds"), 3)},
+            "samples": samples,
+        }
+    return result
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    samples = result["samples"]
+    minutes = [s["t_s"] / 60 for s in samples]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    axes[0].plot(minutes, [s["rss_kib"] / 1024 for s in samples])
+    axes[0].set_title("sidecar RSS (MiB)")
+    axes[1].plot(minutes, [s["fds"] for s in samples])
+    axes[1].set_title("sidecar open file descriptors")
+    axes[2].plot(minutes, [s["requests"] for s in samples])
+    axes[2].set_title("requests sent (cumulative)")
+    for axis in axes:
+        axis.set_xlabel("minutes")
+        axis.set_ylim(bottom=0)
+    fig.suptitle(f"soak: {result['minutes']} min, {result['concurrent_clients']} concurrent clients, "
+                 f"{result['accounting']['requests_sent']} requests")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+# ---------------------------------------------------------------- idle connections
+
+
+async def _open_idle(port: int, count: int, batch: int) -> list[asyncio.StreamWriter]:
+    writers: list[asyncio.StreamWriter] = []
+
+    async def one(i: int) -> asyncio.StreamWriter:
+        reader, writer = await _connect(port)
+        writer.write(_request(f"idle-{i}", {"stream": False}, close=False))
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+        await reader.readexactly(length)
+        return writer
+
+    for start in range(0, count, batch):
+        writers += await asyncio.gather(*(one(i) for i in range(start, min(count, start + batch))))
+    return writers
+
+
+def idle(args: argparse.Namespace) -> dict[str, Any]:
+    _raise_own_fd_limit()
+    with tempfile.TemporaryDirectory() as tmp:
+        upstream, sidecar, port = _start(Path(tmp) / "streams.jsonl",
+                                         max_connections=args.connections + 100)
+        try:
+            async def main() -> dict[str, Any]:
+                warm = await _open_idle(port, args.warm_up, 100)
+                before = _rss_kib(sidecar.pid), _open_fds(sidecar.pid)
+                started = time.monotonic()
+                rest = await _open_idle(port, args.connections - args.warm_up, 200)
+                opened_s = time.monotonic() - started
+                await asyncio.sleep(2)
+                after = _rss_kib(sidecar.pid), _open_fds(sidecar.pid)
+                for writer in warm + rest:
+                    writer.transport.abort()
+                measured = args.connections - args.warm_up
+                return {"connections": args.connections, "warm_up": args.warm_up,
+                        "rss_kib_before": before[0], "rss_kib_after": after[0],
+                        "fds_before": before[1], "fds_after": after[1],
+                        "kib_per_connection": round((after[0] - before[0]) / measured, 2),
+                        "open_s": round(opened_s, 2)}
+
+            return asyncio.run(main())
+        finally:
+            for proc in (sidecar, upstream):
+                proc.send_signal(signal.SIGTERM)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(30)
+                if proc.poll() is None:
+                    proc.kill()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command")
+    run_parser = sub.add_parser("run", help="the soak (default)")
+    for p in (parser, run_parser):
+        p.add_argument("--minutes", type=float, default=30.0)
+        p.add_argument("--streams", type=int, default=32, help="concurrent clients")
+        p.add_argument("--sample-s", type=float, default=5.0)
+        p.add_argument("--seed", type=int, default=1)
+    idle_parser = sub.add_parser("idle", help="memory per idle keep-alive connection")
+    idle_parser.add_argument("--connections", type=int, default=10_000)
+    idle_parser.add_argument("--warm-up", type=int, default=500)
+    upstream_parser = sub.add_parser("upstream", help="(internal) the fake engine")
+    upstream_parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args(argv)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    if args.command == "upstream":
+        asyncio.run(_run_upstream(args.port))
+        return 0
+    if args.command == "idle":
+        result = idle(args)
+        (RESULTS / "idle_connections.json").write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result, indent=2))
+        return 0
+    result = run(args)
+    (RESULTS / "soak.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, RESULTS / "soak.png")
+    summary = {k: v for k, v in result.items() if k != "samples"}
+    print(json.dumps(summary, indent=2))
+    accounting = result["accounting"]
+    lost = accounting["without_record_count"] + accounting["with_several_records"]
+    return 0 if lost == 0 and result["sidecar_exit_code"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

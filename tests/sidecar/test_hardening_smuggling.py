@@ -1,0 +1,126 @@
+"""Request smuggling and malformed HTTP at the client side: refused, nothing forwarded.
+
+Each request below is one that two HTTP parsers may read differently (the
+classic CL.TE / TE.CL desyncs, obfuscated Transfer-Encoding, bare LF, obs-fold,
+duplicate lengths) or that no hop should act on (NUL/CR in a header value, an
+h2c upgrade). The upstream is a :class:`ScriptedUpstream` that records every
+byte it receives; after each refusal a well-formed request goes through as a
+barrier, so "nothing forwarded" is checked without sleeping: once the barrier
+arrived, anything forwarded before it would have arrived too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from clients import connect, exchange, read_response
+from conftest import LoopThread, RunningSidecar
+from upstreams import ScriptedUpstream
+
+
+@pytest.fixture
+def recorder(loop_thread: LoopThread) -> Iterator[ScriptedUpstream]:
+    upstream = ScriptedUpstream()
+    loop_thread.run(upstream.start())
+    yield upstream
+    loop_thread.run(upstream.stop())
+
+
+def _head(*lines: str) -> bytes:
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+_POST = "POST /v1/chat/completions HTTP/1.1"
+_CHUNKED = (_POST, "Host: x", "Transfer-Encoding: chunked")
+
+# (case, raw request): each must be answered 400 and the connection closed.
+REFUSED: list[tuple[str, bytes]] = [
+    ("te-then-cl", _head(*_CHUNKED, "Content-Length: 5") + b"0\r\n\r\n"),
+    ("cl-twice-same", _head(_POST, "Host: x", "Content-Length: 5", "Content-Length: 5") + b"hello"),
+    ("cl-list-same", _head(_POST, "Host: x", "Content-Length: 5, 5") + b"hello"),
+    ("cl-differing", _head(_POST, "Host: x", "Content-Length: 5", "Content-Length: 6") + b"hello!"),
+    ("cl-signed", _head(_POST, "Host: x", "Content-Length: +5") + b"hello"),
+    ("te-xchunked", _head(_POST, "Host: x", "Transfer-Encoding: xchunked") + b"0\r\n\r\n"),
+    ("te-list", _head(_POST, "Host: x", "Transfer-Encoding: chunked, identity") + b"0\r\n\r\n"),
+    ("te-twice", _head(*_CHUNKED, "Transfer-Encoding: identity") + b"0\r\n\r\n"),
+    ("te-space-before-colon", _head(_POST, "Host: x", "Transfer-Encoding : chunked") + b"0\r\n\r\n"),
+    ("te-vertical-tab", _head(_POST, "Host: x", "Transfer-Encoding:\x0bchunked") + b"0\r\n\r\n"),
+    ("te-in-http-1.0", _head("POST /v1/chat/completions HTTP/1.0", "Transfer-Encoding: chunked")
+     + b"0\r\n\r\n"),
+    ("chunk-size-not-hex", _head(*_CHUNKED) + b"zz\r\nhello\r\n0\r\n\r\n"),
+    ("chunk-size-negative", _head(*_CHUNKED) + b"-5\r\nhello\r\n0\r\n\r\n"),
+    ("chunk-size-0x", _head(*_CHUNKED) + b"0x5\r\nhello\r\n0\r\n\r\n"),
+    ("chunk-extension-with-lf", _head(*_CHUNKED) + b"5;a\nb\r\nhello\r\n0\r\n\r\n"),
+    ("chunk-data-longer-than-size", _head(*_CHUNKED) + b"5\r\nhelloXX\r\n0\r\n\r\n"),
+    ("nul-in-value", _head("GET /v1/models HTTP/1.1", "Host: x", "X-A: a\x00b")),
+    ("cr-in-value", _head("GET /v1/models HTTP/1.1", "Host: x", "X-A: a\rb")),
+    ("lf-in-value", _head("GET /v1/models HTTP/1.1", "Host: x", "X-A: a\nX-Injected: b")),
+    ("obs-fold", _head("GET /v1/models HTTP/1.1", "Host: x", "X-A: a", " b")),
+    ("bare-lf-everywhere", b"GET /v1/models HTTP/1.1\nHost: x\n\n"),
+    ("bare-lf-ending-the-head", b"GET /v1/models HTTP/1.1\r\nHost: x\n\n"),
+    ("h2c-upgrade", _head("GET /v1/models HTTP/1.1", "Host: x", "Connection: Upgrade, HTTP2-Settings",
+                          "Upgrade: h2c", "HTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA")),
+    ("h2-prior-knowledge", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"),
+    ("websocket-upgrade", _head("GET /v1/models HTTP/1.1", "Host: x", "Connection: Upgrade",
+                                "Upgrade: websocket")),
+    ("two-hosts", _head("GET /v1/models HTTP/1.1", "Host: x", "Host: y")),
+]
+
+
+def _assert_nothing_forwarded(sidecar: RunningSidecar, recorder: ScriptedUpstream) -> None:
+    barrier = exchange(sidecar.port, "GET", "/barrier")
+    assert barrier.status == 200
+    received = bytes(recorder.received)
+    assert received.startswith(b"GET /barrier HTTP/1.1\r\n"), received[:300]
+    assert received.count(b"HTTP/1.1\r\n") == 1, received
+
+
+@pytest.mark.parametrize("raw", [raw for _, raw in REFUSED], ids=[case for case, _ in REFUSED])
+def test_smuggling_whenAmbiguousOrMalformed_then400AndNothingForwarded(
+        start_sidecar: Callable[..., RunningSidecar], recorder: ScriptedUpstream, raw: bytes) -> None:
+    sidecar = start_sidecar(recorder.url)
+    with connect(sidecar.port, timeout_s=3.0) as sock:
+        sock.sendall(raw)
+        response = read_response(sock, timeout_s=3.0)
+        assert response.status == 400, response
+        assert response.headers["connection"] == "close"
+        assert response.json()["error"]["message"]
+        assert sock.recv(100) == b"", "the connection must be closed after the refusal"
+    _assert_nothing_forwarded(sidecar, recorder)
+
+
+# Framings h11 keeps waiting on (a chunk that announces more than will ever come,
+# a chunked body with bare-LF lines): bounded by body_read_timeout_s, not answered early.
+NEVER_COMPLETE: list[tuple[str, bytes]] = [
+    ("chunk-size-huge", _head(*_CHUNKED) + b"fffffffffffffffffff\r\nhello\r\n"),
+    ("chunk-lines-bare-lf", _head(*_CHUNKED) + b"5\nhello\n0\n\n"),
+]
+
+
+@pytest.mark.parametrize("raw", [raw for _, raw in NEVER_COMPLETE], ids=[c for c, _ in NEVER_COMPLETE])
+def test_smuggling_whenBodyFramingNeverCompletes_then408InTimeAndNothingForwarded(
+        start_sidecar: Callable[..., RunningSidecar], recorder: ScriptedUpstream, raw: bytes) -> None:
+    sidecar = start_sidecar(recorder.url, body_read_timeout_s=0.3)
+    with connect(sidecar.port, timeout_s=3.0) as sock:
+        sock.sendall(raw)
+        assert read_response(sock, timeout_s=3.0).status == 408
+    _assert_nothing_forwarded(sidecar, recorder)
+
+
+def test_smuggling_whenChunkedBodyWithExtensions_thenUpstreamGetsContentLengthOnly(
+        start_sidecar: Callable[..., Any], recorder: ScriptedUpstream) -> None:
+    """Whatever framing the client used, the upstream sees one Content-Length and
+    the decoded body: chunk extensions (even odd ones h11 lets through) and the
+    client's Transfer-Encoding never reach the next parser."""
+    sidecar = start_sidecar(recorder.url)
+    with connect(sidecar.port, timeout_s=3.0) as sock:
+        sock.sendall(_head("POST /v1/models HTTP/1.1", "Host: x", "Transfer-Encoding: chunked")
+                     + b"5;name=value\r\nhello\r\n6;odd\rext\r\n world\r\n0\r\n\r\n")
+        assert read_response(sock, timeout_s=3.0).status == 200
+    head, _, body = bytes(recorder.received).partition(b"\r\n\r\n")
+    lowered = head.lower()
+    assert body == b"hello world"
+    assert b"transfer-encoding" not in lowered and b"ext" not in lowered
+    assert lowered.count(b"\r\ncontent-length: 11") == 1
