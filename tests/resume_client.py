@@ -5,6 +5,7 @@ does. Self-contained: tests/ is on sys.path for every test folder."""
 
 from __future__ import annotations
 
+import random
 import socket
 import struct
 import time
@@ -120,3 +121,20 @@ def resume(port: int, stream_id: str, last_event_id: str | None, **kwargs: objec
     if last_event_id is not None:
         headers["Last-Event-ID"] = last_event_id
     return open_stream(port, "GET", f"/v1/streams/{stream_id}", headers=headers, **kwargs)  # type: ignore[arg-type]
+
+
+def resume_through_drops(port: int, first: SSEResponse, rng: random.Random,
+                         max_cut: int = 5) -> list[SSEEvent]:
+    """Reconnect after ``first`` (cut by the caller) until the stream ends,
+    dropping some reconnects again at random points: every data event received,
+    in order. Each reconnect that is not dropped must end cleanly."""
+    received = list(first.data_events)
+    while True:
+        cut = rng.choice([None, rng.randint(1, max_cut)])
+        more = resume(port, first.stream_id, received[-1].id, stop_after=cut)
+        if more.status == 204:  # after the last event: an EventSource would stop here
+            return received
+        received += more.data_events
+        if not more.dropped:
+            assert more.clean_end, more
+            return received

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
-from resume_client import SSEResponse, open_stream, resume
+from resume_client import SSEResponse, open_stream, resume, resume_through_drops
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
@@ -169,14 +169,6 @@ def test_random_disconnects_on_the_redis_store(served: Any, redis_url: str) -> N
     for run in range(8):
         response = post(port, tokens=25, delay_s=0.002, stop_after=rng.randint(1, 25),
                         headers={"x-request-id": f"mw-{run}"})
-        received = list(response.data_events)
-        while True:
-            more = resume(port, response.stream_id, received[-1].id,
-                          stop_after=rng.choice([None, rng.randint(1, 4)]))
-            if more.status == 204:
-                break
-            received += more.data_events
-            if not more.dropped:
-                break
+        received = resume_through_drops(port, response, rng)
         assert [e.id for e in received] == [f"{response.stream_id}.{n}" for n in range(1, 27)]
         assert text_of(received) == expected(25)

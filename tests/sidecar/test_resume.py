@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from clients import chat_body, exchange, wait_for
 from conftest import RunningSidecar
-from resume_client import SSEResponse, open_stream, resume
+from resume_client import SSEResponse, open_stream, resume, resume_through_drops
 from tokenwire.middleware import EndReason
 from upstreams import FakeUpstream, expected_text
 
@@ -202,22 +202,12 @@ def test_random_disconnect_points_always_give_the_uninterrupted_text(
     tokens = 30
     total_events = tokens + 4  # role, tokens, finish, usage, [DONE]
     for run in range(25):
-        received: list[Any] = []
         response = start_stream(sidecar, tokens=tokens, delay_s=0.002,
                                 stop_after=rng.randint(1, total_events - 1),
                                 headers={"x-request-id": f"random-{run}"})
         stream_id = response.stream_id
-        received += response.data_events
         # Several drops in a row on the reconnects too.
-        while True:
-            cut = rng.choice([None, rng.randint(1, 5)])
-            more = resume(sidecar.port, stream_id, received[-1].id, stop_after=cut)
-            if more.status == 204:
-                break
-            received += more.data_events
-            if not more.dropped:
-                assert more.clean_end
-                break
+        received = resume_through_drops(sidecar.port, response, rng)
         ids = [e.id for e in received]
         assert ids == [f"{stream_id}.{n}" for n in range(1, total_events + 1)], (run, ids)
         assert text_of(received) == expected_text(tokens)

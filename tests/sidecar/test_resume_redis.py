@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from conftest import LoopThread, RunningSidecar
 from processes import SidecarProcess, spawn
-from resume_client import open_stream, resume
+from resume_client import open_stream, resume, resume_through_drops
 from test_resume import PATH, seqs, start_stream, text_of
 from tokenwire.middleware import EndReason, ReplayAppend
 from tokenwire.middleware.replay_redis import RedisReplayStore
@@ -72,15 +72,7 @@ def test_random_disconnects_through_redis_give_the_uninterrupted_text(
     for run in range(10):
         response = start_stream(sidecar, tokens=20, delay_s=0.002, stop_after=rng.randint(1, 23),
                                 headers={"x-request-id": f"redis-random-{run}"})
-        received = list(response.data_events)
-        while True:
-            more = resume(sidecar.port, response.stream_id, received[-1].id,
-                          stop_after=rng.choice([None, rng.randint(1, 4)]))
-            if more.status == 204:
-                break
-            received += more.data_events
-            if not more.dropped:
-                break
+        received = resume_through_drops(sidecar.port, response, rng)
         assert [e.id for e in received] == [f"{response.stream_id}.{n}" for n in range(1, 25)]
         assert text_of(received) == expected_text(20)
 
