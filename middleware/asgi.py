@@ -69,7 +69,7 @@ from enum import Enum
 from typing import Any
 
 from .config import ConfigError, WireConfig
-from .errors import ClientError
+from .errors import ClientError, WireError
 from .events import (
     AbortUpstream,
     Action,
@@ -98,8 +98,8 @@ from .events import (
     WriteCompleted,
 )
 from .headers import is_event_stream
-from .replay_store import KeyReused, MemoryReplayStore, ReplayStore, feed_replay
-from .resume import Idempotent, ResumeFrom, classify, key_reused, new_stream_id
+from .replay_store import KeyReused, MemoryReplayStore, ReplayStore, StoreUnavailable, feed_replay
+from .resume import Idempotent, ResumeFrom, classify, key_reused, new_stream_id, store_unavailable
 from .stream import WireStream
 
 Scope = MutableMapping[str, Any]
@@ -303,6 +303,7 @@ class _Responder:
         headers = [(bytes(k).lower(), bytes(v)) for k, v in self.scope.get("headers", ())]
         body = await self.read_body() if method == "POST" and any(
             k == b"idempotency-key" for k, _ in headers) else b""
+        route = None
         try:
             route = classify(method, str(self.scope.get("path", "")), headers, body)
             if isinstance(route, ResumeFrom):
@@ -320,6 +321,12 @@ class _Responder:
         except KeyReused:
             self.refuse(key_reused())
             return True
+        except StoreUnavailable as error:
+            if isinstance(route, Idempotent):
+                # Running the app without the key could answer the same request twice.
+                self.refuse(store_unavailable())
+                return True
+            logger.warning("request %s: not resumable: %s", self.request_id, error)
         return False
 
     async def read_body(self) -> bytes:
@@ -339,7 +346,7 @@ class _Responder:
         self.inbox_ready.set()
         return b"".join(bytes(m.get("body", b"")) for m in messages)
 
-    def refuse(self, error: ClientError) -> None:
+    def refuse(self, error: WireError) -> None:
         stream = self.start_stream()
         self.app_ended = True
         self.apply(stream.handle(Rejected(error), self.loop.time()))
@@ -436,7 +443,10 @@ class _Responder:
             store = self.middleware.replay_store
             if store is not None and not self.stream_opened and self.stream_id is not None:
                 # Before the core's first ReplayAppend can reach the store.
-                await store.open(self.stream_id)
+                try:
+                    await store.open(self.stream_id)
+                except StoreUnavailable as error:
+                    logger.warning("request %s: not resumable: %s", self.request_id, error)
                 self.stream_opened = True
             stream = self.start_stream()
             self.apply(stream.handle(UpstreamHeaders(int(message["status"]), headers),

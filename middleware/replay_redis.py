@@ -27,16 +27,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from .config import ConfigError
 from .events import ReplayAppend
-from .replay_store import KeyReused, ReplayUnavailable, StreamNotFound
+from .replay_store import KeyReused, ReplayUnavailable, StoreUnavailable, StreamNotFound
 
 logger = logging.getLogger("tokenwire.resume")
 
 _BLOCK_MS = 1000
+_ERROR_LOG_EVERY_S = 10.0
 _READ_COUNT = 1024
 # The first read is small: its events go out while the rest of a long backlog
 # is still being fetched and decoded (the reader's time to first byte).
@@ -62,12 +64,34 @@ class RedisReplayStore:
             raise ConfigError("resume_store", "a redis:// store needs the redis package: "
                                               "pip install 'tokenwire[redis]'") from None
         self._redis: Any = redis_asyncio.Redis.from_url(url)
+        # What a Redis outage looks like from here; turned into StoreUnavailable.
+        self._outages: tuple[type[BaseException], ...] = (redis_asyncio.RedisError, OSError)
         self._queue: asyncio.Queue[ReplayAppend] | None = None
         self._writer: asyncio.Task[None] | None = None
         self._claims: dict[str, str] = {}  # stream -> its idempotency key, while it is written here
         self.write_errors = 0
+        self._error_logged_at = -_ERROR_LOG_EVERY_S
 
     async def open(self, stream_id: str, idempotency: tuple[str, str] | None = None) -> str | None:
+        try:
+            return await self._open(stream_id, idempotency)
+        except self._outages as error:
+            raise StoreUnavailable(f"redis: {error}") from error
+
+    async def read(self, stream_id: str, after_seq: int) -> AsyncIterator[tuple[bytes, ...]]:
+        try:
+            async for frames in self._read(stream_id, after_seq):
+                yield frames
+        except self._outages as error:
+            raise StoreUnavailable(f"redis: {error}") from error
+
+    async def wait_reader(self, stream_id: str, timeout_s: float) -> bool:
+        try:
+            return await self._wait_reader(stream_id, timeout_s)
+        except self._outages:
+            return False  # no reader can be known: the grace ends as if none came
+
+    async def _open(self, stream_id: str, idempotency: tuple[str, str] | None) -> str | None:
         meta = _keys(stream_id)[1]
         if idempotency is not None:
             key, digest = idempotency
@@ -105,9 +129,13 @@ class RedisReplayStore:
                 batch.append(queue.get_nowait())
             try:
                 await self._write(batch)
-            except Exception:  # a store outage must not take the streams down
+            except Exception as error:  # a store outage must not take the streams down
                 self.write_errors += len(batch)
-                logger.exception("replay store: %d appends lost", len(batch))
+                now = time.monotonic()
+                if now - self._error_logged_at >= _ERROR_LOG_EVERY_S:  # once a while, not per batch
+                    self._error_logged_at = now
+                    logger.error("replay store %s: appends lost (%d so far): %s", self.url,
+                                 self.write_errors, error)
 
     async def _write(self, batch: list[ReplayAppend]) -> None:
         key_reads: list[int] = []  # positions of the HGETs of discarded streams' keys
@@ -140,7 +168,7 @@ class RedisReplayStore:
         if keys:
             await self._redis.delete(*("tw:k:" + key.decode() for key in keys))
 
-    async def read(self, stream_id: str, after_seq: int) -> AsyncIterator[tuple[bytes, ...]]:
+    async def _read(self, stream_id: str, after_seq: int) -> AsyncIterator[tuple[bytes, ...]]:
         events, meta, attach = _keys(stream_id)
         if not await self._redis.exists(meta):
             raise StreamNotFound(stream_id)
@@ -175,7 +203,7 @@ class RedisReplayStore:
                 return
             block = _BLOCK_MS
 
-    async def wait_reader(self, stream_id: str, timeout_s: float) -> bool:
+    async def _wait_reader(self, stream_id: str, timeout_s: float) -> bool:
         _, _, attach = _keys(stream_id)
         found = await self._redis.blpop([attach], timeout=max(timeout_s, 0.01))
         return found is not None

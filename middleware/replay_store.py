@@ -38,7 +38,7 @@ from .events import (
     UpstreamHeaders,
 )
 from .headers import SSE_HEADERS
-from .resume import replay_unavailable, stream_not_found
+from .resume import replay_unavailable, store_unavailable, stream_not_found
 
 # Per-frame bookkeeping counted against resume_total_bytes besides the frame
 # itself (a bytes object's header and its list slot, measured in bench/).
@@ -56,6 +56,10 @@ class StreamNotFound(LookupError):
 class ReplayUnavailable(LookupError):
     """The reader has everything the store kept, but the stream went on past
     ``resume_max_bytes`` or was evicted: the rest cannot be replayed."""
+
+
+class StoreUnavailable(ConnectionError):
+    """The store cannot be reached (a Redis outage): nothing can be resumed now."""
 
 
 class KeyReused(ValueError):
@@ -262,5 +266,8 @@ async def feed_replay(store: ReplayStore, stream_id: str, after_seq: int, *,
         return
     except ReplayUnavailable:
         feed(Rejected(replay_unavailable(stream_id)))
+        return
+    except StoreUnavailable:
+        feed(Rejected(store_unavailable()))
         return
     feed(UpstreamEnded())

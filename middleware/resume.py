@@ -129,3 +129,10 @@ def replay_unavailable(stream_id: str) -> LocalError:
     return LocalError(f"the rest of stream {stream_id[:64]!r} was not kept (resume_max_bytes or "
                       "resume_total_bytes); it cannot be replayed", ErrorCode.RESUME_UNAVAILABLE,
                       http_status=410)
+
+
+def store_unavailable() -> LocalError:
+    """The replay store is down: a reconnect or an idempotent repeat cannot be
+    served (and must not be generated again), so the client retries later."""
+    return LocalError("the replay store is unavailable; retry shortly", ErrorCode.RESUME_UNAVAILABLE,
+                      http_status=503, retry_after_s=1)

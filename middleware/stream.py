@@ -699,8 +699,6 @@ class WireStream:
             self.heartbeats += 1
         if self._hold_until is not None and now >= self._hold_until:
             # Nobody came back for it: what the grace delayed happens now.
-            self._hold_until = None
-            self._end_reason = None
             self._end(EndReason.CLIENT_GONE, ErrorCode.CANCELLED, abrupt=True, trigger=_Trigger.ABORT)
 
     # ------------------------------------------------------------ decisions

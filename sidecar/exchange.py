@@ -49,8 +49,15 @@ from tokenwire.middleware import (
     WireStream,
     WriteCompleted,
 )
-from tokenwire.middleware.replay_store import KeyReused, feed_replay
-from tokenwire.middleware.resume import Idempotent, ResumeFrom, classify, key_reused, new_stream_id
+from tokenwire.middleware.replay_store import KeyReused, StoreUnavailable, feed_replay
+from tokenwire.middleware.resume import (
+    Idempotent,
+    ResumeFrom,
+    classify,
+    key_reused,
+    new_stream_id,
+    store_unavailable,
+)
 
 from .context import SidecarContext
 from .forwarding import with_request_id
@@ -275,6 +282,7 @@ class Exchange:
         store = self._context.replay_store
         assert store is not None and self.stream_id is not None
         path = self._target.partition(b"?")[0].decode("latin-1")
+        route = None
         try:
             route = classify(self._method.decode("latin-1"), path, self._upstream_headers, self._body)
             if isinstance(route, ResumeFrom):
@@ -296,6 +304,13 @@ class Exchange:
         except KeyReused:
             self.feed(Rejected(key_reused()))
             return
+        except StoreUnavailable as error:
+            if isinstance(route, Idempotent):
+                # Generating without the key could answer the same request twice.
+                self.feed(Rejected(store_unavailable()))
+                return
+            # An ordinary request still gets its answer; only its resume is lost.
+            logger.warning("stream %s: not resumable: %s", self.request_id, error)
         if self._attempt is asyncio.current_task():
             self._start_attempt(0)
 

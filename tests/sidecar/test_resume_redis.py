@@ -4,6 +4,7 @@ processes sharing it, so a reconnect that lands on the other replica resumes."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -118,3 +119,19 @@ def test_the_redis_store_contract(loop_thread: LoopThread, redis_url: str) -> No
         await store.aclose()
 
     loop_thread.run(scenario(), timeout_s=20)
+
+
+def test_a_redis_outage_loses_resume_but_never_an_answer_or_a_second_generation(
+        start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
+    import socket
+
+    with socket.socket() as probe:  # a port nobody listens on: every Redis call fails
+        probe.bind(("127.0.0.1", 0))
+        dead = f"redis://127.0.0.1:{probe.getsockname()[1]}/0"
+    sidecar = start_sidecar(resume=True, resume_store=dead)
+    plain = start_stream(sidecar, tokens=5, headers={"x-request-id": "outage-plain"})
+    assert plain.status == 200 and plain.clean_end and text_of(plain.events) == expected_text(5)
+    again = resume(sidecar.port, plain.stream_id, plain.ids[-2])
+    assert again.status == 503 and json.loads(again.body)["error"]["code"] == "resume_unavailable"
+    keyed = start_stream(sidecar, tokens=5, headers={"x-request-id": "outage-key", "Idempotency-Key": "k"})
+    assert keyed.status == 503 and upstream.requests_with("outage-key") == []
