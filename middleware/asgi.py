@@ -152,6 +152,12 @@ class StreamControl:
         return self._responder.request_id
 
     @property
+    def stream_id(self) -> str | None:
+        """With ``config.resume``: the id a client resumes this stream by (also
+        sent as ``x-tokenwire-stream-id``); None without resume."""
+        return self._responder.stream_id
+
+    @property
     def backpressured(self) -> bool:
         """True while the client is not keeping up (events are queueing)."""
         stream = self._responder.stream

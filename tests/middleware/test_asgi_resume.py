@@ -31,11 +31,13 @@ class CountingApp:
         self.started: list[str] = []
         self.completed: list[str] = []
         self.cancelled: list[str] = []
+        self.stream_ids: list[str | None] = []
         self.app = Starlette(routes=[Route("/v1/chat/completions", self.endpoint, methods=["POST"])])
 
     async def endpoint(self, request: Request) -> StreamingResponse:
         await request.body()
         name = request.headers.get("x-request-id", "")
+        self.stream_ids.append(request.scope["extensions"]["tokenwire"].stream_id)
         tokens = int(request.headers.get("x-tokens", "5"))
         delay_s = float(request.headers.get("x-delay-s", "0"))
         self.started.append(name)
@@ -112,6 +114,7 @@ def test_ids_retry_and_replay_from_any_point(served: Any) -> None:
         assert replay.ids == everything.ids[after:]
     assert resume(port, stream_id, f"{stream_id}.7").status == 204
     assert len(app.started) == 1  # replays never reach the app
+    assert app.stream_ids == [stream_id]  # the app can see its stream id
 
 
 def test_unknown_stream_and_bad_ids_are_refused_before_the_app(served: Any) -> None:
