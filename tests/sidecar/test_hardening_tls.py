@@ -81,11 +81,13 @@ def _served(port: int, context: ssl.SSLContext) -> bool:
 
 
 @pytest.mark.filterwarnings("ignore:ssl.TLSVersion.TLSv1:DeprecationWarning")
-def test_tls_whenClientOffersOnlyTls10_thenHandshakeRefused(
-        start_sidecar: StartSidecar, ca: trustme.CA, server_files: dict[str, str]) -> None:
-    client = _weak_client(ssl.TLSVersion.TLSv1, "ALL:@SECLEVEL=0")
+@pytest.mark.parametrize("version", [ssl.TLSVersion.TLSv1, ssl.TLSVersion.TLSv1_1], ids=["1.0", "1.1"])
+def test_tls_whenClientOffersOnlyTls10Or11_thenHandshakeRefused(
+        start_sidecar: StartSidecar, ca: trustme.CA, server_files: dict[str, str],
+        version: ssl.TLSVersion) -> None:
+    client = _weak_client(version, "ALL:@SECLEVEL=0")
     if not _handshakes_with_a_permissive_server(client, ca):
-        pytest.skip("this OpenSSL cannot speak TLS 1.0 at all")
+        pytest.skip(f"this OpenSSL cannot speak {version.name} at all")
     sidecar = start_sidecar(tls_cert=server_files["tls_cert"], tls_key=server_files["tls_key"])
     with pytest.raises(ssl.SSLError):
         connect(sidecar.port, ssl_context=client)
