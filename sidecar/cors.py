@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from tokenwire.middleware import ClientError, ErrorCode
-from tokenwire.middleware.headers import header_value
+from tokenwire.middleware.headers import STREAM_ID_HEADER, header_value
 
 Header = tuple[bytes, bytes]
 
@@ -36,7 +36,6 @@ ALLOWED_METHODS = b"GET, POST, DELETE, OPTIONS"
 # What the OpenAI SDKs and EventSource-style resumes send beyond the safelisted headers.
 ALLOWED_HEADERS = (b"content-type", b"authorization", b"last-event-id", b"idempotency-key",
                    b"x-request-id")
-STREAM_ID_HEADER = b"x-tokenwire-stream-id"
 # Browsers cache a preflight this long (Chromium caps it at two hours).
 MAX_AGE_S = 600
 

@@ -50,6 +50,7 @@ from typing import Any
 
 import h11
 from tokenwire.middleware.errors import SSEProtocolError
+from tokenwire.middleware.headers import STREAM_ID_HEADER
 from tokenwire.middleware.sse import SSEParser
 
 from . import up
@@ -264,7 +265,7 @@ class StreamReader:
                 self.answer.status = event.status_code
                 headers = dict(event.headers)
                 self.answer.request_id = headers.get(b"x-request-id", b"").decode()
-                self.answer.stream_id = headers.get(b"x-tokenwire-stream-id", b"").decode()
+                self.answer.stream_id = headers.get(STREAM_ID_HEADER, b"").decode()
             elif isinstance(event, h11.Data):
                 for sse in self._parser.feed(event.data):
                     if sse.data is None:
