@@ -11,6 +11,10 @@ Method (figures in bench/README.md, "Soak"):
   after a few events), ``slow`` (small receive window, reads 1 KiB per 50 ms),
   ``stall`` (stops reading: the write deadline must end it), ``die`` (the
   upstream drops the connection mid-stream) and ``json`` (a non-stream request).
+  With ``--resume`` the sidecar runs with ``--resume`` (memory store, a short
+  TTL so the store reaches its steady size) and a ``resume`` behaviour joins:
+  reset after a few events, reconnect with ``GET /v1/streams/{id}`` and
+  ``Last-Event-ID``, read the rest; the reconnect is a request of its own.
 * Every ``--sample-s`` seconds the sidecar's RSS and open file descriptors are
   read from /proc.
 * At the end the load stops, in-flight requests finish, the sidecar gets
@@ -52,15 +56,25 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 PY = sys.executable
 
-# behaviour: (weight, the end reason its record must carry)
-BEHAVIOURS: dict[str, tuple[int, str]] = {
-    "normal": (55, "complete"),
-    "disconnect": (15, "client_gone"),
-    "slow": (10, "complete"),
-    "stall": (5, "slow_client"),
-    "die": (5, "upstream_error"),
-    "json": (10, "complete"),
+# behaviour: (weight, the end reasons its record may carry)
+BEHAVIOURS: dict[str, tuple[int, tuple[str, ...]]] = {
+    "normal": (55, ("complete",)),
+    "disconnect": (15, ("client_gone",)),
+    "slow": (10, ("complete",)),
+    "stall": (5, ("slow_client",)),
+    "die": (5, ("upstream_error",)),
+    "json": (10, ("complete",)),
 }
+# Only with --resume. The first request is "detached" when its reader attached
+# within the grace, or "complete" when the answer was done before it did.
+RESUME_BEHAVIOURS: dict[str, tuple[int, tuple[str, ...]]] = {
+    # With a grace, a client that leaves for good still lets an answer that ends
+    # within the grace complete (into the store).
+    "disconnect": (15, ("client_gone", "complete")),
+    "resume": (15, ("detached", "complete")),
+    "resume-reader": (0, ("complete",)),  # the reconnect; never drawn, it follows "resume"
+}
+_RESUME_ARGS = ("--resume", "--resume-grace-s", "2", "--resume-ttl-s", "60")
 _WRITE_DEADLINE_S = 5.0
 _WARM_UP_S = 60.0
 
@@ -133,8 +147,8 @@ def _wait_line(proc: subprocess.Popen[str], prefix: str) -> str:
     return line
 
 
-def _start(log_file: Path, max_connections: int = 2_000) -> tuple[subprocess.Popen[str],
-                                                                    subprocess.Popen[str], int]:
+def _start(log_file: Path, max_connections: int = 2_000, *,
+           extra_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen[str], subprocess.Popen[str], int]:
     upstream_port = _free_port()
     upstream = subprocess.Popen([PY, __file__, "upstream", "--port", str(upstream_port)],
                                 stdout=subprocess.PIPE, text=True)
@@ -143,7 +157,7 @@ def _start(log_file: Path, max_connections: int = 2_000) -> tuple[subprocess.Pop
         [PY, "-m", "tokenwire.sidecar", "sidecar", "--listen", "127.0.0.1:0",
          "--upstream", f"http://127.0.0.1:{upstream_port}", "--log-file", str(log_file),
          "--max-connections", str(max_connections), "--write-deadline-s", str(_WRITE_DEADLINE_S),
-         "--drain-s", "5"],
+         "--drain-s", "5", *extra_args],
         stdout=subprocess.PIPE, text=True,
         env={k: v for k, v in os.environ.items() if not k.startswith("TOKENWIRE_")})
     ready = _wait_line(sidecar, "ready ")
@@ -171,6 +185,55 @@ def _raise_own_fd_limit() -> None:
 # ---------------------------------------------------------------- clients
 
 
+def _resume_request(request_id: str, stream_id: str, last_event_id: str) -> bytes:
+    return (f"GET /v1/streams/{stream_id} HTTP/1.1\r\nHost: soak\r\nAccept: text/event-stream\r\n"
+            f"X-Request-Id: {request_id}\r\nLast-Event-ID: {last_event_id}\r\n"
+            "Connection: close\r\n\r\n").encode()
+
+
+def _ids(body: bytes) -> list[int]:
+    return [int(line.rpartition(b".")[2]) for line in body.split(b"\n") if line.startswith(b"id: ")]
+
+
+async def _resume_one(port: int, request_id: str, spec: dict[str, Any], rng: random.Random,
+                      sent: dict[str, str]) -> str:
+    """Reset after a few events, reconnect with Last-Event-ID, read the rest:
+    "complete" if the two parts join exactly (ids k+1.. after k) and end in [DONE]."""
+    reader, writer = await _connect(port)
+    body = bytearray()
+    stop_after = rng.randint(1, spec["events"] // 2)
+    try:
+        writer.write(_request(request_id, spec, close=True))
+        while len(_ids(bytes(body))) < stop_after:
+            data = await reader.read(65536)
+            if not data:
+                return "cut"
+            body += data
+    finally:
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()
+    head = bytes(body).split(b"\r\n\r\n", 1)[0]
+    stream_id = next(value.strip().decode() for name, _, value in
+                     (line.partition(b":") for line in head.split(b"\r\n"))
+                     if name.strip().lower() == b"x-tokenwire-stream-id")
+    last = _ids(bytes(body))[-1]
+    reader_id = request_id + ".r"
+    sent[reader_id] = "resume-reader"
+    reader, writer = await _connect(port)
+    rest = bytearray()
+    try:
+        writer.write(_resume_request(reader_id, stream_id, f"{stream_id}.{last}"))
+        while data := await reader.read(65536):
+            rest += data
+    finally:
+        writer.close()
+    ids = _ids(bytes(rest))
+    joined = bool(ids) and ids[0] == last + 1 and ids == sorted(set(ids))
+    return "complete" if joined and rest.endswith(b"0\r\n\r\n") and b"data: [DONE]" in rest else "bad"
+
+
 def _request(request_id: str, spec: dict[str, Any], *, close: bool) -> bytes:
     body = json.dumps({"model": "soak", "messages": [{"role": "user", "content": "hi"}], **spec}).encode()
     return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n"
@@ -189,10 +252,13 @@ async def _connect(port: int, *, slow: bool = False) -> tuple[asyncio.StreamRead
     return await asyncio.open_connection(sock=sock, limit=2048 if slow else 1 << 20)
 
 
-async def _one_request(port: int, request_id: str, behaviour: str, rng: random.Random) -> str:
+async def _one_request(port: int, request_id: str, behaviour: str, rng: random.Random,
+                       sent: dict[str, str]) -> str:
     """Run one request; what the client saw (complete / error / cut / ...)."""
     spec: dict[str, Any] = {"stream": behaviour != "json", "events": rng.randint(20, 200),
                             "interval_ms": rng.choice([2, 5, 10, 20])}
+    if behaviour == "resume":
+        return await _resume_one(port, request_id, spec, rng, sent)
     if behaviour == "die":
         spec["die_after"] = rng.randint(1, spec["events"] - 1)
     if behaviour in ("slow", "stall"):
@@ -231,11 +297,11 @@ async def _one_request(port: int, request_id: str, behaviour: str, rng: random.R
     return "error" if b'"error"' in body else "cut"
 
 
-async def _load(port: int, streams: int, until: float, seed: int,
+async def _load(port: int, streams: int, until: float, seed: int, behaviours: dict[str, tuple[int, Any]],
                 sent: dict[str, str], seen: collections.Counter[str]) -> None:
     rng = random.Random(seed)
-    names = list(BEHAVIOURS)
-    weights = [BEHAVIOURS[name][0] for name in names]
+    names = list(behaviours)
+    weights = [behaviours[name][0] for name in names]
     counter = 0
 
     async def worker() -> None:
@@ -246,7 +312,7 @@ async def _load(port: int, streams: int, until: float, seed: int,
             behaviour = rng.choices(names, weights)[0]
             sent[request_id] = behaviour
             try:
-                outcome = await asyncio.wait_for(_one_request(port, request_id, behaviour, rng), 120)
+                outcome = await asyncio.wait_for(_one_request(port, request_id, behaviour, rng, sent), 120)
             except (TimeoutError, OSError) as error:
                 outcome = f"client-{type(error).__name__}"
             if behaviour == "disconnect" and outcome == "complete":
@@ -274,7 +340,8 @@ def _slope_per_min(samples: list[dict[str, float]], key: str) -> float:
     return statistics.linear_regression(xs, ys).slope
 
 
-def _account(log_file: Path, sent: dict[str, str]) -> dict[str, Any]:
+def _account(log_file: Path, sent: dict[str, str],
+             behaviours: dict[str, tuple[int, tuple[str, ...]]]) -> dict[str, Any]:
     records: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
     for line in log_file.read_text().splitlines():
         record = json.loads(line)
@@ -284,7 +351,7 @@ def _account(log_file: Path, sent: dict[str, str]) -> dict[str, Any]:
     for request_id, behaviour in sent.items():
         for record in records.get(request_id, []):
             reasons[record["end_reason"]] += 1
-            if record["end_reason"] != BEHAVIOURS[behaviour][1]:
+            if record["end_reason"] not in behaviours[behaviour][1]:
                 unexpected[f"{behaviour}->{record['end_reason']}"] += 1
     return {
         "requests_sent": len(sent),
@@ -302,7 +369,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     _raise_own_fd_limit()
     with tempfile.TemporaryDirectory() as tmp:
         log_file = Path(tmp) / "streams.jsonl"
-        upstream, sidecar, port = _start(log_file)
+        behaviours = {**BEHAVIOURS, **(RESUME_BEHAVIOURS if args.resume else {})}
+        upstream, sidecar, port = _start(log_file, extra_args=_RESUME_ARGS if args.resume else ())
         sent: dict[str, str] = {}
         seen: collections.Counter[str] = collections.Counter()
         samples: list[dict[str, float]] = []
@@ -312,7 +380,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         async def main() -> None:
             sampler = asyncio.ensure_future(_sample(sidecar.pid, args.sample_s, until + 3600, started,
                                                     samples, sent))
-            await _load(port, args.streams, until, args.seed, sent, seen)
+            await _load(port, args.streams, until, args.seed, behaviours, sent, seen)
             # Load over, everything in flight finished: one last sample of the quiet process.
             await asyncio.sleep(1)
             sampler.cancel()
@@ -334,7 +402,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "minutes": args.minutes, "concurrent_clients": args.streams, "seed": args.seed,
             "write_deadline_s": _WRITE_DEADLINE_S, "sidecar_exit_code": exit_code,
             "client_outcomes": dict(sorted(seen.items())),
-            "accounting": _account(log_file, sent),
+            "resume": args.resume,
+            "accounting": _account(log_file, sent, behaviours),
             "rss_kib": {"first": samples[0]["rss_kib"], "after_warm_up": steady[0]["rss_kib"],
                         "max": max(s["rss_kib"] for s in samples), "last": samples[-1]["rss_kib"],
                         "first_tenth_median": statistics.median(s["rss_kib"] for s in steady[:window]),
@@ -433,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--streams", type=int, default=32, help="concurrent clients")
         p.add_argument("--sample-s", type=float, default=5.0)
         p.add_argument("--seed", type=int, default=1)
+        p.add_argument("--resume", action="store_true",
+                       help="sidecar with --resume, and a resume behaviour (reset, reconnect, rest)")
     idle_parser = sub.add_parser("idle", help="memory per idle keep-alive connection")
     idle_parser.add_argument("--connections", type=int, default=10_000)
     idle_parser.add_argument("--warm-up", type=int, default=500)
@@ -449,8 +520,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=2))
         return 0
     result = run(args)
-    (RESULTS / "soak.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, RESULTS / "soak.png")
+    name = "soak_resume" if args.resume else "soak"
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, RESULTS / f"{name}.png")
     summary = {k: v for k, v in result.items() if k != "samples"}
     print(json.dumps(summary, indent=2))
     accounting = result["accounting"]

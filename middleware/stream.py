@@ -273,6 +273,7 @@ class WireStream:
         self._record_overflow = False
         self._sse_committed = False
         self._hold_until: float | None = None
+        self._hold_reason = (EndReason.CLIENT_GONE, ErrorCode.CANCELLED)  # why, if it expires
         self._reader_attached = False
         self._handlers: dict[type, Callable[[Any, float], None]] = {
             UpstreamHeaders: self._on_upstream_headers,
@@ -603,10 +604,12 @@ class WireStream:
             self._actions.append(ResumeUpstream())
 
     def _on_client_gone(self, event: ClientGone, now: float) -> None:
+        if self._hold_until is not None:
+            return  # already held for a reconnect (e.g. the reset of a slow client we cut)
         self._client_gone = True
         self._pending.clear()
         self._first_pending_at = None
-        if self._hold_for_resume(now):
+        if self._hold_for_resume(now, EndReason.CLIENT_GONE, ErrorCode.CANCELLED):
             return
         if self._state is StreamState.DONE or self._state not in _ENDED:
             # A complete answer the client did not get all of is still lost.
@@ -699,7 +702,8 @@ class WireStream:
             self.heartbeats += 1
         if self._hold_until is not None and now >= self._hold_until:
             # Nobody came back for it: what the grace delayed happens now.
-            self._end(EndReason.CLIENT_GONE, ErrorCode.CANCELLED, abrupt=True, trigger=_Trigger.ABORT)
+            reason, code = self._hold_reason
+            self._end(reason, code, abrupt=True, trigger=_Trigger.ABORT)
 
     # ------------------------------------------------------------ decisions
 
@@ -795,7 +799,7 @@ class WireStream:
     def _slow_client(self, code: ErrorCode, now: float) -> None:
         self._pending.clear()
         self._first_pending_at = None
-        if self._hold_for_resume(now):
+        if self._hold_for_resume(now, EndReason.SLOW_CLIENT, code):
             self._actions.append(CloseClient(abrupt=True, reset=True))
             return
         if self._state is not StreamState.ABORTED:
@@ -903,15 +907,17 @@ class WireStream:
         self._record_first_seq += len(frames)
         self._record_frames = []
 
-    def _hold_for_resume(self, now: float) -> bool:
+    def _hold_for_resume(self, now: float, reason: EndReason, code: ErrorCode) -> bool:
         """On a client's departure: keep the stream for a reconnect if the
-        grace allows; True if it is now held (not ended)."""
+        grace allows; True if it is now held (not ended). ``reason``/``code``
+        are what the stream ends with if nobody comes back."""
         grace_s = self.config.resume_grace_s
         if (not self._recording or grace_s <= 0 or self._hold_until is not None
                 or self._state not in (StreamState.COMMITTED, StreamState.STREAMING)):
             return False
         self._client_gone = True
         self._hold_until = now + grace_s
+        self._hold_reason = (reason, code)
         self._actions.append(AwaitReader(self._stream_id, self._hold_until))
         return True
 

@@ -185,6 +185,11 @@ def test_a_slow_client_cut_off_is_held_like_a_departure() -> None:
     d.send(Tick(), at=5.2)
     assert d.of(CloseClient) == [CloseClient(abrupt=True, reset=True)]
     assert d.of(AwaitReader) and d.of(AbortUpstream) == []
+    d.send(ClientGone(), at=5.3)  # the driver's echo of the reset it did: still held
+    assert d.of(AbortUpstream) == [] and not d.stream.finished
+    d.send(Tick(), at=6.2)  # nobody came back: it ends as what it was, a slow client
+    assert [a.reason for a in d.of(AbortUpstream)] == [EndReason.SLOW_CLIENT]
+    assert d.finished.record.end_reason is EndReason.SLOW_CLIENT
 
 
 def reader(after_seq: int, config: WireConfig = RESUME, **kwargs: Any) -> Driver:
