@@ -60,7 +60,7 @@ from tokenwire.middleware.resume import (
 )
 
 from .context import SidecarContext
-from .forwarding import with_request_id
+from .forwarding import client_response_headers
 from .upstream import run_attempt
 from .upstream_io import UpstreamStream
 
@@ -192,8 +192,8 @@ class Exchange:
         tell_engine = False
         for action in actions:
             if isinstance(action, CommitHeaders):
-                headers = with_request_id(action.headers, self._context.config.request_id_header.encode(),
-                                          self.request_id)
+                headers = client_response_headers(
+                    action.headers, self._context.config.request_id_header.encode(), self.request_id)
                 self._downstream.send_headers(action.status, headers)
             elif isinstance(action, AbortUpstream):
                 self._abort_attempt()

@@ -7,6 +7,7 @@ the facts about one request that the driver needs before it can build a
 
 from __future__ import annotations
 
+import email.utils
 import json
 import uuid
 from collections.abc import Iterable
@@ -86,9 +87,18 @@ def upstream_request_headers(
     return kept
 
 
-def with_request_id(headers: Iterable[Header], request_id_header: bytes, request_id: str) -> list[Header]:
-    """Response headers plus the request id, unless the upstream echoed one."""
-    result = list(headers)
+# The engine's own server and date are not the client's business; a proxy
+# states its own date (nginx's proxy_hide_header defaults do the same).
+_HIDDEN_RESPONSE = frozenset({b"server", b"date"})
+
+
+def client_response_headers(headers: Iterable[Header], request_id_header: bytes,
+                            request_id: str) -> list[Header]:
+    """The response head for the client: the upstream's ``Server`` and ``Date``
+    replaced by the sidecar's ``Date``, plus the request id unless the upstream
+    echoed one."""
+    result = [(k, v) for k, v in headers if k not in _HIDDEN_RESPONSE]
+    result.append((b"date", email.utils.formatdate(usegmt=True).encode()))
     if header_value(result, request_id_header) is None:
         result.append((request_id_header, request_id.encode()))
     return result

@@ -10,6 +10,7 @@ that dies mid-stream are in test_upstream_failures.py.)
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import gzip
 import json
 from collections.abc import Callable, Iterator
@@ -201,3 +202,15 @@ def test_upstream_whenJsonIsGzipped_thenPassedThroughUntouched(
     assert response.status == 200 and response.clean_end
     assert response.headers["content-encoding"] == "gzip"
     assert response.body == payload
+
+
+def test_upstream_serverAndDateHeaders_areReplacedByTheSidecars(
+        start_sidecar: StartSidecar, scripted: Scripted) -> None:
+    # As nginx's proxy_hide_header defaults: the engine's software and clock are not the client's.
+    head = _SSE_HEAD + b"server: engine/1.2\r\ndate: Thu, 01 Jan 1970 00:00:00 GMT\r\nx-engine-kept: 1\r\n"
+    upstream = scripted(_stream_of(chunk("hi", role="assistant"), DONE, head=head))
+    sidecar = start_sidecar(upstream.url)
+    response = exchange(sidecar.port, "POST", "/v1/chat/completions", body=chat_body())
+    assert response.status == 200 and response.clean_end
+    assert "server" not in response.headers and response.headers["x-engine-kept"] == "1"
+    assert email.utils.parsedate_to_datetime(response.headers["date"]).year >= 2026
