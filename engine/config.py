@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenwire.middleware import ConfigError
-from tokenwire.middleware.config import field_docs
+from tokenwire.middleware.config import field_docs, merge_layers
 
 ENV_PREFIX = "TOKENWIRE_ENGINE_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
@@ -163,17 +163,6 @@ def build_engine_config(
     unknown file keys and flags are errors.
     """
     keys = {key.name: key for key in engine_keys()}
-    values: dict[str, object] = {}
-    for name, value in (file_values or {}).items():
-        if name not in keys:
-            raise ConfigError(name, "unknown configuration key")
-        values[name] = _from_toml(keys[name], value)
-    for key in keys.values():
-        text = (environ or {}).get(key.env)
-        if text is not None:
-            values[key.name] = _from_text(key, text)
-    for name, text in (flags or {}).items():
-        if name not in keys:
-            raise ConfigError(name, "unknown configuration key")
-        values[name] = _from_text(keys[name], text)
+    values = merge_layers(keys, from_text=_from_text, from_toml=_from_toml, flags=flags,
+                          environ=environ, file_values=file_values)
     return EngineConfig(**values)  # type: ignore[arg-type]

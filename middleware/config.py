@@ -14,10 +14,11 @@ import dataclasses
 import inspect
 import itertools
 import tomllib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 
 class SlowClientPolicy(StrEnum):
@@ -166,3 +167,45 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError("config", f"cannot read {path}: {error.strerror}") from None
     except tomllib.TOMLDecodeError as error:
         raise ConfigError("config", f"{path}: {error}") from None
+
+
+class LayeredKey(Protocol):
+    """A configuration key as the loaders see it: its name and its variable."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def env(self) -> str: ...
+
+
+KeyT = TypeVar("KeyT", bound=LayeredKey)
+
+
+def merge_layers(
+    keys: Mapping[str, KeyT],
+    *,
+    from_text: Callable[[KeyT, str], object],
+    from_toml: Callable[[KeyT, object], object],
+    flags: Mapping[str, str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    file_values: Mapping[str, Any] | None = None,
+) -> dict[str, object]:
+    """The values set in any layer, flag > environment > file (defaults stay
+    the dataclass's). Unknown file keys and flags are errors naming the key;
+    unknown variables are ignored (a newer deployment may set keys this
+    version lacks)."""
+    values: dict[str, object] = {}
+    for name, value in (file_values or {}).items():
+        if name not in keys:
+            raise ConfigError(name, "unknown configuration key")
+        values[name] = from_toml(keys[name], value)
+    for key in keys.values():
+        text = (environ or {}).get(key.env)
+        if text is not None:
+            values[key.name] = from_text(key, text)
+    for name, text in (flags or {}).items():
+        if name not in keys:
+            raise ConfigError(name, "unknown configuration key")
+        values[name] = from_text(keys[name], text)
+    return values

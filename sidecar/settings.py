@@ -23,7 +23,7 @@ from enum import Enum
 from typing import Any
 
 from tokenwire.middleware import ConfigError, WireConfig
-from tokenwire.middleware.config import field_docs
+from tokenwire.middleware.config import field_docs, merge_layers
 
 from .cors import normalize_origin
 
@@ -249,24 +249,12 @@ def build_config(
     texts for repeatable keys such as ``upstream``).
     """
     keys = {key.name: key for key in all_keys()}
-    values: dict[str, object] = {}
-    for name, value in (file_values or {}).items():
-        if name not in keys:
-            raise ConfigError(name, "unknown configuration key")
-        values[name] = _convert_toml(keys[name], value)
-    for key in keys.values():
-        text = (environ or {}).get(key.env)
-        if text is not None:
-            values[key.name] = _convert_text(key, text)
-    for name, given in (flags or {}).items():
-        if name not in keys:
-            raise ConfigError(name, "unknown configuration key")
-        key = keys[name]
-        if isinstance(given, str):
-            values[name] = _convert_text(key, given)
-        else:
-            parts = [_convert_text(key, text) for text in given]
-            values[name] = tuple(p for part in parts for p in typing.cast(tuple[str, ...], part))
+    # A repeated flag (``--upstream a --upstream b``) reads as the comma list
+    # its environment variable would be.
+    texts = {name: given if isinstance(given, str) else ",".join(given)
+             for name, given in (flags or {}).items()}
+    values = merge_layers(keys, from_text=_convert_text, from_toml=_convert_toml, flags=texts,
+                          environ=environ, file_values=file_values)
     wire_values = {n: v for n, v in values.items() if keys[n].wire}
     own_values = {n: v for n, v in values.items() if not keys[n].wire}
     return SidecarConfig(wire=WireConfig(**wire_values), **own_values)  # type: ignore[arg-type]
