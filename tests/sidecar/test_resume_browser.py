@@ -145,18 +145,19 @@ def test_eventSource_droppedByTheServer_reconnectsWithLastEventId_andShowsTheWho
     sidecar = start_sidecar(resume=True, resume_grace_s=30.0, resume_retry_ms=200,
                             resume_store=resume_store, cors_allow_origins=(page_origin,))
 
-    # A client starts the answer (3 s of tokens) and loses its network after three events.
-    first = open_stream(sidecar.port, "POST", PATH, body=chat_body(), stop_after=3,
-                        headers={"x-fake-tokens": str(TOKENS), "x-fake-delay-s": "0.05"})
-    assert first.status == 200 and first.dropped
-    stream_id = first.stream_id
-
     context = browser.new_context(viewport={"width": 900, "height": 700})
     try:
+        # The page is loaded first, so a slow browser start cannot eat the answer's time.
         page = context.new_page()
         stream_requests: list[Any] = []
         page.on("request", lambda req: stream_requests.append(req) if "/v1/streams/" in req.url else None)
         page.goto(page_origin + "/")
+
+        # A client starts the answer (6 s of tokens) and loses its network after three events.
+        first = open_stream(sidecar.port, "POST", PATH, body=chat_body(), stop_after=3,
+                            headers={"x-fake-tokens": str(TOKENS), "x-fake-delay-s": "0.1"})
+        assert first.status == 200 and first.dropped
+        stream_id = first.stream_id
         page.evaluate("url => window.follow(url)", f"{sidecar.url}/v1/streams/{stream_id}")
 
         # Mid-answer, the server drops the browser's connection: the admin cancel
