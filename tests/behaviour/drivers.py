@@ -88,6 +88,27 @@ async def fetch(port: int, scenario: Scenario) -> bytes:
         writer.close()
 
 
+async def through_middleware(app: Any, scenario: Scenario) -> bytes:
+    """``app`` behind :class:`TokenWireMiddleware` under uvicorn; what a client of ``scenario`` got."""
+    wrapped = TokenWireMiddleware(app, scenario.config)
+    async with serve(wrapped, send_buffer_bytes=scenario.config.socket_send_buffer_bytes) as port:
+        return await fetch(port, scenario)
+
+
+async def through_sidecar(app: Any, scenario: Scenario) -> bytes:
+    """``app`` served bare by uvicorn as the upstream of an in-process
+    :class:`Sidecar` (same loop); what a client of ``scenario`` got."""
+    async with serve(app) as upstream_port:
+        config = SidecarConfig(wire=scenario.config, upstream=(f"http://127.0.0.1:{upstream_port}",),
+                               listen="127.0.0.1:0", admin_listen="", drain_s=0.0, log_file="")
+        sidecar = Sidecar(config, log=StreamLog(None))
+        await sidecar.start()
+        try:
+            return await fetch(sidecar.address[1], scenario)
+        finally:
+            await sidecar.shutdown()
+
+
 @register
 class MiddlewareDriver:
     """The scenario app behind :class:`TokenWireMiddleware`, under uvicorn (h11)."""
@@ -95,9 +116,7 @@ class MiddlewareDriver:
     name = "middleware"
 
     async def run(self, scenario: Scenario) -> bytes:
-        app = TokenWireMiddleware(scenario_app, scenario.config)
-        async with serve(app, send_buffer_bytes=scenario.config.socket_send_buffer_bytes) as port:
-            return await fetch(port, scenario)
+        return await through_middleware(scenario_app, scenario)
 
 
 @register
@@ -115,12 +134,4 @@ class SidecarDriver:
     name = "sidecar"
 
     async def run(self, scenario: Scenario) -> bytes:
-        async with serve(scenario_app) as upstream_port:
-            config = SidecarConfig(wire=scenario.config, upstream=(f"http://127.0.0.1:{upstream_port}",),
-                                   listen="127.0.0.1:0", admin_listen="", drain_s=0.0, log_file="")
-            sidecar = Sidecar(config, log=StreamLog(None))
-            await sidecar.start()
-            try:
-                return await fetch(sidecar.address[1], scenario)
-            finally:
-                await sidecar.shutdown()
+        return await through_sidecar(scenario_app, scenario)

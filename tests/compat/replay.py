@@ -19,11 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from behaviour.drivers import fetch, serve
+from behaviour.drivers import through_middleware, through_sidecar
 from behaviour.scenarios import SEND_GAP_S, Scenario, Send, Silence
 from behaviour.test_behaviour import parse
-from tokenwire.middleware import TokenWireMiddleware, WireConfig
-from tokenwire.sidecar import Sidecar, SidecarConfig, StreamLog
+from tokenwire.middleware import WireConfig
 
 TRANSCRIPTS = Path(__file__).resolve().parent / "transcripts"
 EVENT_STREAM = ((b"content-type", b"text/event-stream"),)
@@ -245,28 +244,16 @@ def replay_app(scenario: Scenario) -> Callable[[Scope, Callable[[], Awaitable[Me
     return app
 
 
-async def through_middleware(scenario: Scenario) -> bytes:
-    """The replay app behind :class:`TokenWireMiddleware` under uvicorn, as the
-    behaviour suite's middleware driver runs its scenario app."""
-    app = TokenWireMiddleware(replay_app(scenario), scenario.config)
-    async with serve(app, send_buffer_bytes=scenario.config.socket_send_buffer_bytes) as port:
-        return await fetch(port, scenario)
+async def replay_through_middleware(scenario: Scenario) -> bytes:
+    """The replay app behind the middleware, as the behaviour suite runs its apps."""
+    return await through_middleware(replay_app(scenario), scenario)
 
 
-async def through_sidecar(scenario: Scenario) -> bytes:
-    """The replay app as the upstream of an in-process :class:`Sidecar`, as the
-    behaviour suite's sidecar driver runs its scenario app."""
-    async with serve(replay_app(scenario)) as upstream_port:
-        config = SidecarConfig(wire=scenario.config, upstream=(f"http://127.0.0.1:{upstream_port}",),
-                               listen="127.0.0.1:0", admin_listen="", drain_s=0.0, log_file="")
-        sidecar = Sidecar(config, log=StreamLog(None))
-        await sidecar.start()
-        try:
-            return await fetch(sidecar.address[1], scenario)
-        finally:
-            await sidecar.shutdown()
+async def replay_through_sidecar(scenario: Scenario) -> bytes:
+    """The replay app as the upstream of an in-process sidecar, likewise."""
+    return await through_sidecar(replay_app(scenario), scenario)
 
 
-DRIVERS = {"middleware": through_middleware, "sidecar": through_sidecar}
+DRIVERS = {"middleware": replay_through_middleware, "sidecar": replay_through_sidecar}
 
 __all__ = ["DRIVERS", "Expect", "Transcript", "parse"]
