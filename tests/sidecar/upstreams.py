@@ -81,14 +81,11 @@ class Request:
     """``time.monotonic()`` when the fake wrote the last byte of its answer."""
 
 
-class FakeUpstream:
-    """The fake engine; ``await start()`` on a running loop, then use ``url``."""
+class _Listener:
+    """A TCP listener on a free 127.0.0.1 port; subclasses answer in ``_serve``."""
 
     def __init__(self) -> None:
-        self.requests: list[Request] = []
-        self.connections: list[Connection] = []
         self._server: asyncio.Server | None = None
-        self._failures: dict[str, int] = {}
         self.port = 0
 
     @property
@@ -102,6 +99,19 @@ class FakeUpstream:
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+
+class FakeUpstream(_Listener):
+    """The fake engine; ``await start()`` on a running loop, then use ``url``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests: list[Request] = []
+        self.connections: list[Connection] = []
+        self._failures: dict[str, int] = {}
 
     def requests_with(self, request_id: str) -> list[Request]:
         return [r for r in self.requests if r.headers.get("x-request-id") == request_id]
@@ -238,7 +248,7 @@ async def _answer_ok(reader: asyncio.StreamReader, writer: asyncio.StreamWriter)
     await FakeUpstream._plain(writer, 200, b"{}")
 
 
-class ScriptedUpstream:
+class ScriptedUpstream(_Listener):
     """A raw upstream that records every byte it receives and answers with ``respond``.
 
     Unlike :class:`FakeUpstream` it never parses more than it must (one head and
@@ -248,6 +258,7 @@ class ScriptedUpstream:
     """
 
     def __init__(self, respond: Respond = _answer_ok) -> None:
+        super().__init__()
         self.respond = respond
         self.received = bytearray()
         self.connections = 0
@@ -256,20 +267,6 @@ class ScriptedUpstream:
         self.cut_off = threading.Event()
         """Set when the sidecar closed or reset the connection while ``respond`` was writing."""
         self.request_seen = threading.Event()
-        self._server: asyncio.Server | None = None
-        self.port = 0
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
 
     async def send(self, writer: asyncio.StreamWriter, data: bytes) -> None:
         """Write and drain ``data``, counting it; the sidecar going away sets ``cut_off``."""
