@@ -319,4 +319,4 @@ def test_requestBody_whenLargerThanReadAhead_thenAppSeesItAll(server: str) -> No
 
 def test_config_whenRetriesRequested_thenRefused() -> None:
     with pytest.raises(ValueError, match="retry_attempts"):
-        TokenWireMiddleware(framework_app("starlette", chat_events), WireConfig())
+        TokenWireMiddleware(framework_app("starlette", chat_events), WireConfig(retry_attempts=1))

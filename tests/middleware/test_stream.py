@@ -43,7 +43,7 @@ from tokenwire.middleware import (
 )
 from tokenwire.middleware.stream import HEARTBEAT
 
-from .wire_harness import SSE_HEADERS, Driver, chunk, event, parse_all, texts
+from .wire_harness import PROXY_DEFAULTS, SSE_HEADERS, Driver, chunk, event, parse_all, proxy_config, texts
 
 DONE = "[DONE]"
 
@@ -63,7 +63,7 @@ def error_of(data: str | None) -> dict[str, Any]:
 
 
 def test_commit_whenFirstEventArrives_thenSseHeadersCommittedAtOnce() -> None:
-    d = Driver(WireConfig(commit_deadline_s=2.0))
+    d = Driver(proxy_config(commit_deadline_s=2.0))
     d.send(UpstreamHeaders(200, (*SSE_HEADERS, (b"x-request-id", b"abc"), (b"content-length", b"9"),
                                  (b"connection", b"keep-alive"))), at=0.1)
     assert d.of(CommitHeaders) == []
@@ -83,7 +83,7 @@ def test_commit_whenFirstEventArrives_thenSseHeadersCommittedAtOnce() -> None:
 @pytest.mark.parametrize("deadline_s", [0.5, 2.0])
 @pytest.mark.parametrize("headers_first", [True, False], ids=["upstream_answered", "upstream_silent"])
 def test_commit_whenNoEventByDeadline_thenCommittedAtDeadline(deadline_s: float, headers_first: bool) -> None:
-    d = Driver(WireConfig(commit_deadline_s=deadline_s))
+    d = Driver(proxy_config(commit_deadline_s=deadline_s))
     if headers_first:
         d.sse_headers(at=0.1)
     assert d.stream.next_deadline() == pytest.approx(deadline_s)
@@ -96,7 +96,7 @@ def test_commit_whenNoEventByDeadline_thenCommittedAtDeadline(deadline_s: float,
 
 
 def test_commit_whenRequestNotStreamed_thenNoDeadlineUntilUpstreamAnswers() -> None:
-    d = Driver(WireConfig(commit_deadline_s=1.0), expect_stream=False)
+    d = Driver(proxy_config(commit_deadline_s=1.0), expect_stream=False)
     d.send(Tick(), at=5.0)
     assert d.of(CommitHeaders) == []
     d.sse_headers(at=6.0)
@@ -146,7 +146,7 @@ FAILURES = {
 @pytest.mark.parametrize("name", list(FAILURES))
 def test_retry_whenUpstreamFailsBeforeFirstByte_thenRetriedWithBackoffAcrossUpstreams(name: str) -> None:
     fail, upstream_left_open = FAILURES[name]
-    config = WireConfig(retry_attempts=3, retry_backoff_s=0.1, retry_backoff_max_s=0.3,
+    config = proxy_config(retry_attempts=3, retry_backoff_s=0.1, retry_backoff_max_s=0.3,
                         commit_deadline_s=100)
     d = Driver(config, upstreams=("a", "b", "c"))
     expected_delays = [0.1, 0.2, 0.3]  # doubled, then capped
@@ -192,7 +192,7 @@ EXHAUSTED = {
 def test_retry_whenAttemptsExhausted_thenRealStatusWithJsonBody(name: str) -> None:
     fail = FAILURES[name][0]
     status, retry_after, code = EXHAUSTED[name]
-    d = Driver(WireConfig(retry_attempts=1, retry_backoff_s=0.1))
+    d = Driver(proxy_config(retry_attempts=1, retry_backoff_s=0.1))
     fail(d)
     d.send(Tick(), at=d.now + 0.1)
     assert len(d.of(RetryUpstream)) == 1
@@ -213,7 +213,7 @@ def test_retry_whenAttemptsExhausted_thenRealStatusWithJsonBody(name: str) -> No
 
 
 def test_retry_whenFirstEventIsErrorAndNoRetries_thenUpstreamMessageInRealStatus() -> None:
-    d = Driver(WireConfig(retry_attempts=0))
+    d = Driver(proxy_config(retry_attempts=0))
     fail_error_event(d)
     assert d.commit.status == 502
     assert error_of(d.written.decode())["message"] == "overloaded"
@@ -222,7 +222,7 @@ def test_retry_whenFirstEventIsErrorAndNoRetries_thenUpstreamMessageInRealStatus
 
 
 def test_retry_whenUpstreamHeadersTimeout_then504AfterAbort() -> None:
-    d = Driver(WireConfig(retry_attempts=0, upstream_headers_timeout_s=5.0, commit_deadline_s=10.0))
+    d = Driver(proxy_config(retry_attempts=0, upstream_headers_timeout_s=5.0, commit_deadline_s=10.0))
     assert d.stream.next_deadline() == 5.0
     d.send(Tick(), at=5.0)
     assert d.of(AbortUpstream)[0] == AbortUpstream(EndReason.UPSTREAM_TIMEOUT)
@@ -232,7 +232,7 @@ def test_retry_whenUpstreamHeadersTimeout_then504AfterAbort() -> None:
 
 @pytest.mark.parametrize("name", ["connect", "eof_before_event", "protocol_before_event", "status_502"])
 def test_retry_whenCommittedByDeadline_thenNeverRetriedButInBandError(name: str) -> None:
-    d = Driver(WireConfig(commit_deadline_s=1.0, retry_attempts=5))
+    d = Driver(proxy_config(commit_deadline_s=1.0, retry_attempts=5))
     d.send(Tick(), at=1.0)
     assert d.commit.streaming
     FAILURES[name][0](d)
@@ -245,7 +245,7 @@ def test_retry_whenCommittedByDeadline_thenNeverRetriedButInBandError(name: str)
 
 
 def test_retry_whenAfterFirstEvent_thenNeverRetried() -> None:
-    d = Driver(WireConfig(retry_attempts=5))
+    d = Driver(proxy_config(retry_attempts=5))
     d.sse_headers()
     d.send(event(chunk("a")))
     d.send(UpstreamFailed(FailureKind.PROTOCOL, "reset"))
@@ -256,7 +256,7 @@ def test_retry_whenAfterFirstEvent_thenNeverRetried() -> None:
 
 def test_retryBudget_whenOutage_thenSharedBudgetRefusesMostRetries() -> None:
     budget = RetryBudget(ratio=0.1, min_per_s=0.0, now=0.0, capacity=2.0)
-    config = WireConfig(retry_attempts=2, retry_backoff_s=0.0)
+    config = proxy_config(retry_attempts=2, retry_backoff_s=0.0)
     drivers = []
     for _ in range(30):  # requests arrive one after another, all during the outage
         d = Driver(config, retry_budget=budget)
@@ -275,7 +275,7 @@ def test_retryBudget_whenOutage_thenSharedBudgetRefusesMostRetries() -> None:
 
 def test_retryBudget_whenQuiet_thenFloorRefills() -> None:
     budget = RetryBudget(ratio=0.0, min_per_s=1.0, now=0.0, capacity=1.0)
-    config = WireConfig(retry_attempts=1, retry_backoff_s=0.0)
+    config = proxy_config(retry_attempts=1, retry_backoff_s=0.0)
     first = Driver(config, retry_budget=budget)
     first.send(UpstreamFailed(FailureKind.CONNECT, "down"))
     second = Driver(config, retry_budget=budget)
@@ -303,7 +303,7 @@ def test_passthrough_whenUpstreamAnswersJson_thenBytesUnchangedAndCleanClose() -
 
 
 def test_passthrough_whenSocketPausedOverHalfTheCap_thenUpstreamPausedThenResumed() -> None:
-    d = Driver(WireConfig(max_pending_bytes=1000), expect_stream=False)
+    d = Driver(proxy_config(max_pending_bytes=1000), expect_stream=False)
     d.send(UpstreamHeaders(400, ((b"content-type", b"application/json"),)))
     d.send(SocketPaused())
     d.send(UpstreamData(b"x" * 400))
@@ -316,7 +316,7 @@ def test_passthrough_whenSocketPausedOverHalfTheCap_thenUpstreamPausedThenResume
 
 
 def test_passthrough_whenClientStopsReadingPastCap_thenSlowClient() -> None:
-    d = Driver(WireConfig(max_pending_bytes=1000), expect_stream=False)
+    d = Driver(proxy_config(max_pending_bytes=1000), expect_stream=False)
     d.send(UpstreamHeaders(200, ((b"content-type", b"application/json"),)))
     d.send(SocketPaused())
     d.send(UpstreamData(b"x" * 1001))
@@ -345,7 +345,7 @@ def committed(config: WireConfig, at: float = 0.0) -> Driver:
 
 @pytest.mark.parametrize("heartbeat_s", [1.0, 15.0])
 def test_heartbeat_whenSilentForHeartbeatS_thenKeepaliveWritten(heartbeat_s: float) -> None:
-    d = committed(WireConfig(heartbeat_s=heartbeat_s), at=2.0)
+    d = committed(proxy_config(heartbeat_s=heartbeat_s), at=2.0)
     assert d.stream.next_deadline() == pytest.approx(2.0 + heartbeat_s)
     d.send(Tick(), at=2.0 + heartbeat_s - 0.01)
     assert d.writes[-1] != HEARTBEAT
@@ -360,7 +360,7 @@ def test_heartbeat_whenSilentForHeartbeatS_thenKeepaliveWritten(heartbeat_s: flo
 
 
 def test_heartbeat_whenBeforeFirstEvent_thenKeepaliveAfterCommit() -> None:
-    d = Driver(WireConfig(commit_deadline_s=2.0, heartbeat_s=5.0))
+    d = Driver(proxy_config(commit_deadline_s=2.0, heartbeat_s=5.0))
     d.sse_headers()
     d.send(Tick(), at=2.0)
     assert d.writes == []
@@ -371,7 +371,7 @@ def test_heartbeat_whenBeforeFirstEvent_thenKeepaliveAfterCommit() -> None:
 
 
 def test_heartbeat_whenContentWritten_thenTimerRestarts() -> None:
-    d = committed(WireConfig(heartbeat_s=5.0))
+    d = committed(proxy_config(heartbeat_s=5.0))
     d.send(event(chunk("b")), at=4.0)
     d.send(Tick(), at=8.0)
     assert HEARTBEAT not in d.writes
@@ -381,7 +381,7 @@ def test_heartbeat_whenContentWritten_thenTimerRestarts() -> None:
 
 @pytest.mark.parametrize("stall", ["paused", "write_in_flight"])
 def test_heartbeat_whenDataPending_thenNone(stall: str) -> None:
-    d = committed(WireConfig(heartbeat_s=1.0, write_deadline_s=30.0))
+    d = committed(proxy_config(heartbeat_s=1.0, write_deadline_s=30.0))
     if stall == "paused":
         d.send(SocketPaused(), at=0.5)
     else:
@@ -395,14 +395,14 @@ def test_heartbeat_whenDataPending_thenNone(stall: str) -> None:
 
 
 def test_heartbeat_whenDisabled_thenNever() -> None:
-    d = committed(WireConfig(heartbeat_s=0.0))
+    d = committed(proxy_config(heartbeat_s=0.0))
     assert d.stream.next_deadline() is None
     d.send(Tick(), at=1000.0)
     assert HEARTBEAT not in d.writes
 
 
 def test_heartbeat_whenUpstreamSendsComments_thenNotForwardedButOwnHeartbeats() -> None:
-    d = committed(WireConfig(heartbeat_s=10.0))
+    d = committed(proxy_config(heartbeat_s=10.0))
     d.send(UpstreamData(b": ping\n\n: ping\n\n"), at=3.0)
     assert all(e.comment is None for e in parse_all(d.written))
     assert d.stream.upstream_comments == 2
@@ -449,7 +449,7 @@ def test_coalesce_whenWriteOutstanding_thenEventsQueueAndMerge() -> None:
 
 
 def test_coalesceWindow_whenCoalesceMsSet_thenWritesBatchedForWindow() -> None:
-    d = Driver(WireConfig(coalesce_ms=20.0))
+    d = Driver(proxy_config(coalesce_ms=20.0))
     d.sse_headers(at=0.0)
     d.send(event(chunk("a")), at=0.0)
     assert d.writes == []
@@ -463,7 +463,7 @@ def test_coalesceWindow_whenCoalesceMsSet_thenWritesBatchedForWindow() -> None:
 
 
 def test_drop_whenSocketPaused_thenNewestPerEventTypeKeptAndDoneNeverDropped() -> None:
-    d = Driver(WireConfig(slow_client_policy=SlowClientPolicy.DROP))
+    d = Driver(proxy_config(slow_client_policy=SlowClientPolicy.DROP))
     d.sse_headers()
     d.send(event("p0", event="progress"))
     d.send(SocketPaused())
@@ -478,7 +478,7 @@ def test_drop_whenSocketPaused_thenNewestPerEventTypeKeptAndDoneNeverDropped() -
 
 
 def test_drop_whenUpstreamErrorWhilePaused_thenErrorKept() -> None:
-    d = Driver(WireConfig(slow_client_policy="drop"))  # type: ignore[arg-type]
+    d = Driver(proxy_config(slow_client_policy="drop"))  # type: ignore[arg-type]
     d.sse_headers()
     d.send(event("p0", event="progress"))
     d.send(SocketPaused())
@@ -491,7 +491,7 @@ def test_drop_whenUpstreamErrorWhilePaused_thenErrorKept() -> None:
 
 
 def test_block_whenPendingOverHalfTheCap_thenUpstreamPausedUntilDrained() -> None:
-    d = Driver(WireConfig(slow_client_policy=SlowClientPolicy.BLOCK, max_pending_bytes=1000))
+    d = Driver(proxy_config(slow_client_policy=SlowClientPolicy.BLOCK, max_pending_bytes=1000))
     d.sse_headers()
     d.send(event(chunk("start")))
     d.send(SocketPaused())
@@ -509,7 +509,7 @@ def test_block_whenPendingOverHalfTheCap_thenUpstreamPausedUntilDrained() -> Non
 
 @pytest.mark.parametrize("policy", [SlowClientPolicy.COALESCE, SlowClientPolicy.BLOCK])
 def test_cap_whenPendingExceedsMaxPendingBytes_thenSlowClientReset(policy: SlowClientPolicy) -> None:
-    d = Driver(WireConfig(max_pending_bytes=2000, slow_client_policy=policy))
+    d = Driver(proxy_config(max_pending_bytes=2000, slow_client_policy=policy))
     d.sse_headers()
     d.send(event(chunk("a")))
     d.send(SocketPaused())
@@ -528,7 +528,7 @@ def test_cap_whenPendingExceedsMaxPendingBytes_thenSlowClientReset(policy: SlowC
 
 @pytest.mark.parametrize("terminal", ["done", "upstream_error_event", "upstream_failed"])
 def test_cap_whenTerminalEventWouldExceedCap_thenSlowClientToo(terminal: str) -> None:
-    d = Driver(WireConfig(max_pending_bytes=1000))
+    d = Driver(proxy_config(max_pending_bytes=1000))
     d.sse_headers()
     d.send(event(chunk("a")))
     d.send(SocketPaused())
@@ -545,7 +545,7 @@ def test_cap_whenTerminalEventWouldExceedCap_thenSlowClientToo(terminal: str) ->
 @pytest.mark.parametrize("stall", ["paused", "write_in_flight", "paused_nothing_pending"])
 # write_in_flight: one write the client never takes, nothing queued behind it.
 def test_writeDeadline_whenNoProgressForWriteDeadlineS_thenSlowClientSendTimeout(stall: str) -> None:
-    d = committed(WireConfig(write_deadline_s=30.0, heartbeat_s=5.0), at=1.0)
+    d = committed(proxy_config(write_deadline_s=30.0, heartbeat_s=5.0), at=1.0)
     if stall == "write_in_flight":
         d.auto_complete = False
     if stall != "write_in_flight":
@@ -565,7 +565,7 @@ def test_writeDeadline_whenNoProgressForWriteDeadlineS_thenSlowClientSendTimeout
 
 
 def test_writeDeadline_whenLastWriteNeverTaken_thenStreamStillEnds() -> None:
-    d = Driver(WireConfig(write_deadline_s=30.0), auto_complete=False)
+    d = Driver(proxy_config(write_deadline_s=30.0), auto_complete=False)
     d.sse_headers()
     d.send(event(chunk("a")), at=1.0)
     d.send(event(DONE), at=1.0)
@@ -578,7 +578,7 @@ def test_writeDeadline_whenLastWriteNeverTaken_thenStreamStillEnds() -> None:
 
 
 def test_writeDeadline_whenSocketResumesInTime_thenNoTimeout() -> None:
-    d = committed(WireConfig(write_deadline_s=30.0))
+    d = committed(proxy_config(write_deadline_s=30.0))
     d.send(SocketPaused(), at=1.0)
     d.send(event(chunk("b")), at=1.0)
     d.send(SocketResumed(), at=29.0)
@@ -651,7 +651,7 @@ def test_terminal_whenDoneMarker_thenFinishPlusDoneAndCleanClose() -> None:
 ], ids=["protocol", "timeout", "invalid_stream", "connect", "line_too_long", "eof_without_done"])
 def test_terminal_whenUpstreamFailsAfterCommit_thenInBandErrorAndAbruptClose(failure: Any,
                                                                              code: str) -> None:
-    d = Driver(WireConfig(max_line_bytes=100))
+    d = Driver(proxy_config(max_line_bytes=100))
     d.sse_headers()
     d.send(event(chunk("a")))
     d.send(failure)
@@ -672,7 +672,7 @@ def test_terminal_whenEofMidEvent_thenTruncationReportedInBand() -> None:
 
 
 def test_terminal_whenNoTerminalMarkerConfigured_thenCleanEofCompletes() -> None:
-    d = Driver(WireConfig(terminal_marker=None))
+    d = Driver(proxy_config(terminal_marker=None))
     d.sse_headers()
     d.send(event(chunk("a")))
     d.send(UpstreamEnded())
@@ -750,7 +750,7 @@ def test_stop_whenAlreadyDone_thenIgnored() -> None:
 
 
 def test_compressed_whenBeforeCommit_thenRefusedWith502() -> None:
-    d = Driver(WireConfig(retry_attempts=3))
+    d = Driver(proxy_config(retry_attempts=3))
     d.send(UpstreamHeaders(200, (*SSE_HEADERS, (b"content-encoding", b"gzip"))))
     assert d.commit.status == 502
     assert error_of(d.written.decode())["code"] == "invalid_stream"
@@ -759,7 +759,7 @@ def test_compressed_whenBeforeCommit_thenRefusedWith502() -> None:
 
 
 def test_compressed_whenAfterDeadlineCommit_thenInBandError() -> None:
-    d = Driver(WireConfig(commit_deadline_s=1.0))
+    d = Driver(proxy_config(commit_deadline_s=1.0))
     d.send(Tick(), at=1.0)
     d.send(UpstreamHeaders(200, (*SSE_HEADERS, (b"content-encoding", b"br"))))
     assert error_of(parse_all(d.written)[-1].data)["code"] == "invalid_stream"
@@ -777,7 +777,7 @@ def test_compressed_whenIdentity_thenAccepted(encoding: bytes) -> None:
 
 
 def fresh() -> WireStream:
-    return WireStream(WireConfig(), now=0.0, request_id="r")
+    return WireStream(PROXY_DEFAULTS, now=0.0, request_id="r")
 
 
 @pytest.mark.parametrize("inputs", [
@@ -804,14 +804,14 @@ def test_handle_whenNotAnInput_thenTypeError() -> None:
 
 def test_stream_whenNoUpstreams_thenValueError() -> None:
     with pytest.raises(ValueError):
-        WireStream(WireConfig(), now=0.0, request_id="r", upstreams=())
+        WireStream(PROXY_DEFAULTS, now=0.0, request_id="r", upstreams=())
 
 
 # ------------------------------------------------------------------ accounting
 
 
 def test_record_whenCompleteStream_thenCountsEverything() -> None:
-    d = Driver(WireConfig(heartbeat_s=5.0), now=100.0, auto_complete=False)
+    d = Driver(proxy_config(heartbeat_s=5.0), now=100.0, auto_complete=False)
     d.sse_headers(at=100.5)
     d.send(event(chunk(role="assistant", text="")), at=101.0)  # first byte: ttfb 1.0
     d.send(event(chunk("a")), at=101.1)  # queues behind the write in flight
@@ -894,7 +894,7 @@ def op_sequences(draw: st.DrawFn) -> list[tuple[Any, ...]]:
 
 
 CONFIGS = st.builds(
-    WireConfig,
+    proxy_config,
     heartbeat_s=st.sampled_from([0.0, 1.0, 5.0]),
     commit_deadline_s=st.sampled_from([0.5, 2.0]),
     write_deadline_s=st.sampled_from([3.0, 30.0, 30.0]),
@@ -1174,7 +1174,7 @@ def test_properties_overRandomInterleavings(config: WireConfig, upstreams: int,
            max_size=60))
 def test_property_textReceivedEqualsUpstreamText_whateverPausingAndCoalescing(
         policy: SlowClientPolicy, ops: list[tuple[Any, ...]]) -> None:
-    config = WireConfig(slow_client_policy=policy)
+    config = proxy_config(slow_client_policy=policy)
     driver = check_run(config, 1, [("headers", "sse"), *ops, ("end", True)])
     assert driver.finished[0].record.end_reason is EndReason.COMPLETE
     assert driver.expected_text["content"] or not any(o[0] == "events" for o in ops) or True
@@ -1189,7 +1189,7 @@ def test_property_textReceivedEqualsUpstreamText_whateverPausingAndCoalescing(
 ), max_size=40))
 def test_property_heartbeatAfterHeartbeatSOfSilence_neverWhileDataPending(
         events_first_at: float, ops: list[tuple[Any, ...]]) -> None:
-    config = WireConfig(heartbeat_s=1.0, commit_deadline_s=0.5, write_deadline_s=1000.0)
+    config = proxy_config(heartbeat_s=1.0, commit_deadline_s=0.5, write_deadline_s=1000.0)
     driver = check_run(config, 1, [("headers", "sse"), ("tick", events_first_at), *ops, ("end", True)])
     record = driver.finished[0].record
     assert record.heartbeats == sum(w.count(HEARTBEAT) for w in driver.writes)
