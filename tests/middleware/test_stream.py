@@ -55,7 +55,8 @@ def header_dict(commit: CommitHeaders) -> dict[bytes, bytes]:
 def error_of(data: str | None) -> dict[str, Any]:
     assert data is not None
     obj = json.loads(data)
-    assert set(obj) == {"error"} and set(obj["error"]) == {"message", "type", "code"}, obj
+    assert set(obj) == {"error"} and set(obj["error"]) == {"message", "type", "code", "tokenwire"}, obj
+    assert obj["error"]["tokenwire"]["code"] == obj["error"]["code"], obj
     return obj["error"]  # type: ignore[no-any-return]
 
 
@@ -117,11 +118,6 @@ def fail_status(status: int) -> Any:
     return go
 
 
-def fail_error_event(d: Driver) -> None:
-    d.sse_headers()
-    d.send(event('{"error":{"message":"overloaded","type":"server_error","code":"busy"}}'))
-
-
 def fail_eof(d: Driver) -> None:
     d.sse_headers()
     d.send(UpstreamEnded())
@@ -137,7 +133,6 @@ FAILURES = {
     "status_502": (fail_status(502), True),
     "status_503": (fail_status(503), True),
     "status_504": (fail_status(504), True),
-    "error_event_first": (fail_error_event, True),
     "eof_before_event": (fail_eof, False),
     "protocol_before_event": (fail_protocol, False),
 }
@@ -183,7 +178,6 @@ EXHAUSTED = {
     "connect": (502, b"1", "upstream_unavailable"),
     "status_502": (502, None, None),
     "status_503": (503, None, None),
-    "error_event_first": (502, None, "upstream_failed"),
     "eof_before_event": (502, None, "upstream_failed"),
 }
 
@@ -203,6 +197,8 @@ def test_retry_whenAttemptsExhausted_thenRealStatusWithJsonBody(name: str) -> No
     commit = d.commit
     assert commit.status == status and not commit.streaming
     assert header_dict(commit).get(b"retry-after") == retry_after
+    # Retried here already: the OpenAI SDKs must not multiply the attempts.
+    assert header_dict(commit)[b"x-should-retry"] == b"false"
     if code is not None:
         assert error_of(d.written.decode())["code"] == code
         assert header_dict(commit)[b"content-length"] == str(len(d.written)).encode()
@@ -212,13 +208,47 @@ def test_retry_whenAttemptsExhausted_thenRealStatusWithJsonBody(name: str) -> No
     assert d.finished.record.status == status
 
 
-def test_retry_whenFirstEventIsErrorAndNoRetries_thenUpstreamMessageInRealStatus() -> None:
+def test_retry_whenNotRetried_thenClientMayRetry() -> None:
     d = Driver(proxy_config(retry_attempts=0))
-    fail_error_event(d)
-    assert d.commit.status == 502
-    assert error_of(d.written.decode())["message"] == "overloaded"
+    fail_status(503)(d)
+    d.send(UpstreamData(b'{"detail":"busy"}'))
+    d.send(UpstreamEnded())
+    assert d.commit.status == 503 and b"x-should-retry" not in header_dict(d.commit)
+
+
+@pytest.mark.parametrize(("payload", "status"), [
+    # vLLM / SGLang / our engine: the HTTP status as the code
+    ({"error": {"message": "prompt too long", "type": "BadRequestError", "param": None, "code": 400}}, 400),
+    ({"error": {"message": "no such model", "type": "NotFoundError", "code": "404"}}, 404),
+    ({"object": "error", "message": "m", "error": {"message": "x", "code": None}, "status": 422}, 422),
+    # OpenAI: a string code, the type says whose fault
+    ({"error": {"message": "too long", "type": "invalid_request_error", "param": "messages",
+                "code": "context_length_exceeded"}}, 400),
+    ({"error": "Input validation error: max_new_tokens", "error_type": "validation"}, 400),  # TGI
+    ({"error": {"message": "overloaded", "type": "server_error", "code": "busy"}}, 502),
+    ({"error": {"message": "engine crashed", "type": "server_error", "code": 500}}, 500),
+], ids=["vllm_400", "string_404", "top_level_status", "openai_invalid_request", "tgi_validation",
+        "server_error", "numeric_500"])
+def test_errorEventFirst_thenEnginesStatusAndBodyNeverRetried(payload: dict[str, Any], status: int) -> None:
+    d = Driver(proxy_config(retry_attempts=3))
+    d.sse_headers()
+    d.send(event(json.dumps(payload)))
+    assert d.of(RetryUpstream) == [] and d.stream.next_deadline() is None
+    commit = d.commit
+    assert commit.status == status and not commit.streaming
+    headers = header_dict(commit)
+    assert headers[b"content-type"] == b"application/json"
+    # Straight from the engine the SDK would have raised without retrying.
+    assert headers[b"x-should-retry"] == b"false"
+    body = json.loads(d.written)
+    if isinstance(payload["error"], dict):
+        # Forwarded as it came; tokenwire's own code beside the engine's fields.
+        assert body == {**payload, "error": {**payload["error"], "tokenwire": {"code": "upstream_failed"}}}
+    else:
+        assert body["error"]["message"] == payload["error"]
     assert d.of(AbortUpstream) == [AbortUpstream(EndReason.UPSTREAM_ERROR)]
-    assert d.finished.record.end_reason is EndReason.UPSTREAM_ERROR
+    record = d.finished.record
+    assert (record.end_reason, record.status, record.retries) == (EndReason.UPSTREAM_ERROR, status, 0)
 
 
 def test_retry_whenUpstreamHeadersTimeout_then504AfterAbort() -> None:
@@ -680,22 +710,32 @@ def test_terminal_whenNoTerminalMarkerConfigured_thenCleanEofCompletes() -> None
     assert d.finished.record.end_reason is EndReason.COMPLETE
 
 
-@pytest.mark.parametrize(("payload", "message", "error_type", "code"), [
-    ({"error": {"message": "context too long", "type": "invalid_request_error", "code": "ctx"}},
-     "context too long", "invalid_request_error", "ctx"),
-    ({"error": {"message": "boom", "type": "x", "code": 500}}, "boom", "x", "upstream_failed"),
-    ({"error": "Input validation error", "error_type": "validation"},
-     "Input validation error", "validation", "upstream_failed"),  # TGI
-    ({"error": "plain"}, "plain", "upstream_error", "upstream_failed"),
-], ids=["openai", "openai_numeric_code", "tgi", "bare_string"])
-def test_upstreamErrorEvent_whenMidStream_thenMappedToCommonShape(
-        payload: dict[str, Any], message: str, error_type: str, code: str) -> None:
+OURS = {"tokenwire": {"code": "upstream_failed"}}
+
+
+@pytest.mark.parametrize(("payload", "expected"), [
+    # An object is forwarded as it came (code, param, object kept), ours beside it.
+    ({"error": {"message": "context too long", "type": "invalid_request_error", "code": "ctx",
+                "param": None}, "object": "error"},
+     {"error": {"message": "context too long", "type": "invalid_request_error", "code": "ctx",
+                "param": None, **OURS}, "object": "error"}),
+    ({"error": {"message": "boom", "type": "x", "code": 500}},
+     {"error": {"message": "boom", "type": "x", "code": 500, **OURS}}),
+    ({"error": {"message": "boom", "code": None}}, {"error": {"message": "boom", "code": None, **OURS}}),
+    # A bare string gets the object shape the OpenAI SDKs need to raise at all.
+    ({"error": "Input validation error", "error_type": "validation"},  # TGI
+     {"error": {"message": "Input validation error", "type": "validation", "code": "upstream_failed",
+                **OURS}}),
+    ({"error": "plain"},
+     {"error": {"message": "plain", "type": "upstream_error", "code": "upstream_failed", **OURS}}),
+], ids=["openai", "openai_numeric_code", "null_code", "tgi", "bare_string"])
+def test_upstreamErrorEvent_whenMidStream_thenForwardedWithOurCodeBeside(
+        payload: dict[str, Any], expected: dict[str, Any]) -> None:
     d = Driver()
     d.sse_headers()
     d.send(event(chunk("a")))
     d.send(event(json.dumps(payload)))
-    assert error_of(parse_all(d.written)[-1].data) == {"message": message, "type": error_type,
-                                                      "code": code}
+    assert json.loads(parse_all(d.written)[-1].data or "") == expected
     assert d.of(CloseClient) == [CloseClient(abrupt=True)]
     assert d.of(AbortUpstream) == [AbortUpstream(EndReason.UPSTREAM_ERROR)]
 
