@@ -42,7 +42,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class WireConfig:
-    """Everything the wire core decides with. Defaults follow DESIGN.md."""
+    """Everything the wire core decides with (docs/architecture.md#wire-rules)."""
 
     heartbeat_s: float = 15.0
     """Downstream silence after which ``: keepalive`` is written (0 = never)."""
@@ -55,6 +55,8 @@ class WireConfig:
     max_pending_bytes: int = 1 << 20
     """Cap on bytes held for one slow client."""
     slow_client_policy: SlowClientPolicy = SlowClientPolicy.COALESCE
+    """Events a slow client cannot take yet: coalesce (merge text deltas), drop (keep the
+    newest of each event type) or block (stop reading the upstream)."""
     coalesce_ms: float = 0.0
     """Optional fixed batching window for writes (0 = latency first)."""
     retry_attempts: int = 2
@@ -62,12 +64,13 @@ class WireConfig:
     retry_backoff_s: float = 0.1
     """First retry delay; doubles each attempt."""
     retry_backoff_max_s: float = 2.0
+    """The retry delay never grows past this."""
     retry_budget_ratio: float = 0.2
     """Retries allowed as a fraction of recent requests (an Envoy-style budget)."""
     retry_budget_min_per_s: float = 3.0
     """Retries always allowed per second, whatever the ratio says."""
     terminal_marker: str | None = "[DONE]"
-    """The ``data:`` that ends a complete stream; ``None`` = upstream EOF is complete."""
+    """The ``data:`` that ends a complete stream; empty (``''``; None in Python) = EOF is complete."""
     socket_send_buffer_bytes: int = 16 * 1024
     """Drivers cap SO_SNDBUF so backpressure is seen before the kernel swallows it
     (Linux doubles the value). 16 KiB still carries a 100 tokens/s answer over a

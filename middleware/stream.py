@@ -507,7 +507,7 @@ class WireStream:
         error = _error_object(data) if data is not None and '"error"' in data else None
         if error is not None and self._state is StreamState.WAITING:
             # An error as the first event is a failure before the first byte:
-            # retried if allowed, else a real status (DESIGN: "the client gets a
+            # retried if allowed, else a real status (docs/architecture.md#retries: "the client gets a
             # real HTTP status"), keeping the upstream's message.
             if self._schedule_retry(now, EndReason.UPSTREAM_ERROR):
                 return

@@ -7,7 +7,7 @@ The replay app serves ``GET /<name>`` as that engine would: status 200,
 the behaviour suite, so both drivers see the same upstream timing).
 
 The oracle is independent of the wire core: a small SSE splitter for the
-transcripts (no CR in them) and the coalescing rule of DESIGN.md written out
+transcripts (no CR in them) and the coalescing rule (docs/architecture.md#coalescing) written out
 again, so a merge the core should not have made shows up as a difference.
 """
 
@@ -77,7 +77,7 @@ _TEXT_FIELDS = ("content", "reasoning_content", "reasoning")
 
 
 def text_piece(data: str) -> tuple[tuple[Any, ...], str] | None:
-    """``(merge key, text)`` if ``data`` is a chunk DESIGN.md lets merge: one
+    """``(merge key, text)`` if ``data`` is a chunk the coalescing rule lets merge: one
     choice whose delta holds text in one field (other text fields empty, an
     optional role) and nothing else of value. Anything else is a barrier."""
     try:

@@ -1,4 +1,4 @@
-"""WireConfig: DESIGN.md defaults, validation that names the key."""
+"""WireConfig: the documented defaults, validation that names the key."""
 
 from __future__ import annotations
 
