@@ -147,3 +147,13 @@ def test_console_script_without_torch(clean_venv: Path) -> None:
     assert version.returncode == 0, version.stderr
     expected = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert version.stdout.strip() == f"tokenwire {expected}"
+
+
+def test_demo_report_without_matplotlib(clean_venv: Path, tmp_path: Path) -> None:
+    """matplotlib is the ``demo`` extra, not a dependency: without it the report has no plots."""
+    script = ("import sys; from pathlib import Path; from tokenwire.sidecar.demo import write_plots\n"
+              "assert write_plots({}, Path(sys.argv[1])) == []\n")
+    result = subprocess.run([str(clean_venv), "-c", script, str(tmp_path)], capture_output=True,
+                            text=True, timeout=60, cwd="/")
+    assert result.returncode == 0, result.stderr
+    assert "matplotlib is not installed" in result.stderr
