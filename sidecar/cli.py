@@ -120,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         namespace = parser.parse_args(args)
     except SystemExit as stop:  # --help, --version or a usage error, already printed
-        return stop.code if isinstance(stop.code, int) else 2
+        return _status(stop)
     if namespace.command in (None, "help"):
         parser.print_help()
         return 0
@@ -128,8 +128,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     # ``tokenwire engine ...`` and ``python -m tokenwire.engine.server ...`` are one path.
     try:
         return cast(int, _resolve(_BY_NAME[namespace.command].entry)(args[1:]))
-    except SystemExit as stop:
-        return stop.code if isinstance(stop.code, int) else 1
+    except SystemExit as stop:  # a command's own usage error (argparse exits)
+        return _status(stop)
+
+
+def _status(stop: SystemExit) -> int:
+    """The exit status a ``SystemExit`` carries (``sys.exit("message")`` is 1)."""
+    if stop.code is None:
+        return 0
+    return stop.code if isinstance(stop.code, int) else 1
 
 
 def engine_main(argv: Sequence[str]) -> int:
