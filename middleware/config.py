@@ -48,7 +48,8 @@ class WireConfig:
     (a middleware cannot re-run its app's request) and no terminal marker (an
     in-process app ends its stream by ending its response). A proxy in front
     of an OpenAI-compatible engine changes both; the sidecar's own defaults
-    live in ``tokenwire.sidecar.settings.SIDECAR_WIRE_DEFAULTS``."""
+    live in ``tokenwire.sidecar.settings.SIDECAR_WIRE_DEFAULTS``. The rules
+    each key drives: docs/architecture.md#wire-rules."""
 
     heartbeat_s: float = 15.0
     """Downstream silence after which ``: keepalive`` is written (0 = never)."""

@@ -8,6 +8,6 @@ scripts/setup-venv.sh dev,engine
 # nginx (the ingress example is checked with nginx -t).
 scripts/system-deps.sh redis-server chromium nginx
 py=.venv/bin/python
-echo "== ruff"; $py -m ruff check middleware sidecar engine tests bench
+echo "== ruff"; $py -m ruff check tokenwire middleware sidecar engine tests bench
 echo "== mypy --strict (middleware, sidecar)"; scripts/typecheck.sh
 echo "== pytest"; $py -m pytest -q -p no:cacheprovider "$@"

@@ -7,7 +7,7 @@ The replay app serves ``GET /<name>`` as that engine would: status 200,
 the behaviour suite, so both drivers see the same upstream timing).
 
 The oracle is independent of the wire core: a small SSE splitter for the
-transcripts (no CR in them) and the coalescing rule of DESIGN.md written out
+transcripts (no CR in them) and the coalescing rule (docs/architecture.md#coalescing) written out
 again, so a merge the core should not have made shows up as a difference.
 """
 
@@ -80,7 +80,7 @@ _NEVER_COMPARED = {"choices", "created", "obfuscation"}  # obfuscation: the defa
 
 
 def text_piece(data: str) -> tuple[tuple[Any, ...], str] | None:
-    """``(merge key, text)`` if ``data`` is a chunk the wire rules let merge: one
+    """``(merge key, text)`` if ``data`` is a chunk the coalescing rule lets merge: one
     choice whose delta holds text in one field (other text fields empty, an
     optional role), or a later argument fragment of one tool call, and nothing
     else of value; top-level fields other than ``created`` and the volatile
