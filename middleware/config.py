@@ -85,8 +85,8 @@ class WireConfig:
     retry_budget_min_per_s: float = 3.0
     """Retries always allowed per second, whatever the ratio says."""
     terminal_marker: str | None = None
-    """The ``data:`` that ends a complete stream (the sidecar: ``[DONE]``); ``None`` or
-    ``''`` = the upstream's clean end of body is complete."""
+    """The ``data:`` that ends a complete stream (the sidecar's default: ``[DONE]``);
+    empty (``''``; None in Python) = the upstream's clean end of body is complete."""
     socket_send_buffer_bytes: int = 16 * 1024
     """Drivers cap SO_SNDBUF so backpressure is seen before the kernel swallows it
     (Linux doubles the value). 16 KiB still carries a 100 tokens/s answer over a
