@@ -16,8 +16,11 @@ from clients import ResponseReader, chat_body, connect, exchange, request_bytes,
 from conftest import LoopThread, RunningSidecar, make_config
 from resume_client import SSEResponse, open_stream, resume
 from tokenwire.middleware import ConfigError
+from tokenwire.sidecar.admin import AdminAccess
 from tokenwire.sidecar.cli import main
+from tokenwire.sidecar.cors import origins_for
 from tokenwire.sidecar.server import Sidecar
+from tokenwire.sidecar.settings import is_loopback
 from tokenwire.sidecar.upstream import UpstreamPools
 from upstreams import FakeUpstream, expected_text
 
@@ -255,3 +258,49 @@ def test_abortUrl_percentEncodesTheId(loop_thread: LoopThread, upstream: FakeUps
 
     loop_thread.run(call())
     assert upstream.requests[-1].path == "/abort/a%3Fadmin%3D1%23frag%20%2Fx"
+
+
+# ---------------------------------------------------------------- the pure rules
+
+
+@pytest.mark.parametrize(("host", "loopback"), [
+    ("127.0.0.1", True), ("127.9.9.9", True), ("::1", True), ("localhost", True), ("LocalHost", True),
+    ("0.0.0.0", False), ("::", False), ("10.0.0.5", False), ("box.example", False),
+])
+def test_isLoopback(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
+
+
+@pytest.mark.parametrize(("access", "path", "authorization", "allowed"), [
+    (AdminAccess(), "/streams", None, True),  # no token: open (loopback only)
+    (AdminAccess("t"), "/streams", None, False),
+    (AdminAccess("t"), "/streams", b"Bearer t", True),
+    (AdminAccess("t"), "/streams", b"bearer  t ", True),
+    (AdminAccess("t"), "/streams", b"Bearer t2", False),
+    (AdminAccess("t"), "/streams", b"Basic t", False),
+    (AdminAccess("t"), "/streams", b"t", False),
+    (AdminAccess("t"), "/streams/abc", b"", False),
+    (AdminAccess("t"), "/metrics", None, False),
+    (AdminAccess("t", metrics_public=True), "/metrics", None, True),
+    (AdminAccess("t", metrics_public=True), "/streams", None, False),
+    (AdminAccess("t"), "/healthz", None, True),
+    (AdminAccess("t"), "/readyz", None, True),
+    (AdminAccess("t"), "/", None, True),
+])
+def test_adminAccess(access: AdminAccess, path: str, authorization: bytes | None, allowed: bool) -> None:
+    assert access.allows(path, authorization) is allowed
+
+
+OWN = ("http://127.0.0.1:9090", "http://localhost:9090")
+
+
+@pytest.mark.parametrize(("configured", "origin", "expected"), [
+    ((), b"http://127.0.0.1:9090", OWN),  # the playground, on a plain sidecar
+    ((), b"http://127.0.0.1:9091", ()),  # any other origin: left to the engine, as without CORS
+    ((), None, ()),
+    (("http://app.example",), b"http://app.example", ("http://app.example", *OWN)),
+    (("http://app.example",), None, ("http://app.example", *OWN)),
+])
+def test_corsOriginsFor(configured: tuple[str, ...], origin: bytes | None,
+                        expected: tuple[str, ...]) -> None:
+    assert origins_for(configured, OWN, origin) == expected
