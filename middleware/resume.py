@@ -111,7 +111,7 @@ class CallerKey:
 def same_caller(stored_owner: str | None, owner: str) -> bool:
     """True if a stream opened by ``stored_owner`` may be served to ``owner``
     (None: no such stream). Constant time, so timing tells nothing either."""
-    return stored_owner is not None and hmac.compare_digest(stored_owner, owner)
+    return stored_owner is not None and hmac.compare_digest(stored_owner.encode(), owner.encode())
 
 
 def scoped_key(owner: str, key: str) -> str:
