@@ -112,6 +112,12 @@ class WireConfig:
     """A disconnect keeps the upstream running this long for a reconnect (0 = abort at once)."""
     resume_retry_ms: int = 1000
     """The ``retry:`` sent in the first frame: how soon an EventSource reconnects."""
+    resume_owner_header: str = "authorization"
+    """A resume or idempotent repeat is served only to a request with the same value of
+    this header as the original (kept as a keyed hash, never as it came)."""
+    resume_owner_secret: str = dataclasses.field(default="", repr=False)
+    """Key of that hash; empty = random per process. Replicas that share a Redis
+    store must share it."""
 
     def __post_init__(self) -> None:
         _check_non_negative(self, "heartbeat_s", "commit_deadline_s", "coalesce_ms",
@@ -141,6 +147,8 @@ class WireConfig:
             object.__setattr__(self, key, tuple(names))
         if self.terminal_marker == "":
             object.__setattr__(self, "terminal_marker", None)
+        if not self.resume_owner_header or not self.resume_owner_header.isascii():
+            raise ConfigError("resume_owner_header", "must be a non-empty ASCII header name")
         if self.max_line_bytes > self.max_event_bytes:
             raise ConfigError("max_line_bytes", "must not exceed max_event_bytes")
 

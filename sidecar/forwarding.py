@@ -46,6 +46,10 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
+CLIENT_REQUEST_ID_HEADER = b"x-client-request-id"
+"""Carries the client's own request id upstream, for the engine's logs only."""
+
+
 def request_id_from(headers: Iterable[Header], header_name: bytes) -> str:
     """The client's request id if it sent a usable one, else a new one."""
     value = header_value(headers, header_name)
@@ -57,6 +61,17 @@ def request_id_from(headers: Iterable[Header], header_name: bytes) -> str:
     return new_request_id()
 
 
+def upstream_request_id(headers: Iterable[Header], header_name: bytes, request_id: str) -> str:
+    """The id the upstream knows a request by, and the key of its abort call.
+
+    Never the client's: a client that sent another's id and hung up would cut
+    that other generation short (``--abort-url``), and an engine that refuses
+    a duplicate id would refuse the victim's retry. Where the client sent no
+    id, the one the sidecar made up serves for both.
+    """
+    return request_id if header_value(headers, header_name) is None else new_request_id()
+
+
 def upstream_request_headers(
     headers: Iterable[Header],
     *,
@@ -65,16 +80,19 @@ def upstream_request_headers(
     scheme: str,
     request_id: str,
     request_id_header: bytes,
+    client_request_id: str | None = None,
 ) -> list[Header]:
     """The client's headers as forwarded upstream.
 
-    Hop-by-hop headers go; ``X-Forwarded-For`` gains the real peer,
+    ``request_id`` is the upstream's id for the request (see
+    :func:`upstream_request_id`); a client's own id, when it differs, goes
+    along as ``X-Client-Request-Id``. Hop-by-hop headers go; ``X-Forwarded-For`` gains the real peer,
     ``X-Forwarded-Proto`` is the scheme the client actually used; the body is
     always sent whole with a ``Content-Length``; the upstream is asked for
     ``identity`` so an SSE body can be parsed and coalesced.
     """
     kept = [(k, v) for k, v in strip_hop_by_hop(headers)
-            if k not in _REPLACED_UPSTREAM and k != request_id_header]
+            if k not in _REPLACED_UPSTREAM and k != request_id_header and k != CLIENT_REQUEST_ID_HEADER]
     forwarded_for = header_value(kept, b"x-forwarded-for")
     if peer_host is not None:
         chain = peer_host.encode() if forwarded_for is None else forwarded_for + b", " + peer_host.encode()
@@ -82,6 +100,8 @@ def upstream_request_headers(
         kept.append((b"x-forwarded-for", chain))
     kept.append((b"x-forwarded-proto", scheme.encode()))
     kept.append((request_id_header, request_id.encode()))
+    if client_request_id is not None and client_request_id != request_id:
+        kept.append((CLIENT_REQUEST_ID_HEADER, client_request_id.encode()))
     kept.append((b"accept-encoding", b"identity"))
     kept.append((b"content-length", str(body_bytes).encode()))
     return kept
@@ -95,10 +115,9 @@ _HIDDEN_RESPONSE = frozenset({b"server", b"date"})
 def client_response_headers(headers: Iterable[Header], request_id_header: bytes,
                             request_id: str) -> list[Header]:
     """The response head for the client: the upstream's ``Server`` and ``Date``
-    replaced by the sidecar's ``Date``, plus the request id unless the upstream
-    echoed one."""
-    result = [(k, v) for k, v in headers if k not in _HIDDEN_RESPONSE]
+    replaced by the sidecar's ``Date``, and the client's request id (the
+    upstream echoes the id it was sent, which is the sidecar's own)."""
+    result = [(k, v) for k, v in headers if k not in _HIDDEN_RESPONSE and k != request_id_header]
     result.append((b"date", email.utils.formatdate(usegmt=True).encode()))
-    if header_value(result, request_id_header) is None:
-        result.append((request_id_header, request_id.encode()))
+    result.append((request_id_header, request_id.encode()))
     return result

@@ -51,7 +51,7 @@ from tokenwire.middleware.headers import header_value
 from . import cors
 from .context import SidecarContext
 from .exchange import Exchange
-from .forwarding import request_id_from, upstream_request_headers, wants_stream
+from .forwarding import request_id_from, upstream_request_headers, upstream_request_id, wants_stream
 
 logger = logging.getLogger("tokenwire.sidecar")
 
@@ -285,7 +285,7 @@ class ClientConnection(asyncio.Protocol):
         assert request is not None
         self._phase = Phase.RESPONSE
         self._cancel_timer()
-        if self._config.cors_allow_origins and cors.is_preflight(request.method, request.headers):
+        if self._cors_origins(request) and cors.is_preflight(request.method, request.headers):
             self._answer_preflight(request)
             return
         config = self._config
@@ -294,11 +294,13 @@ class ClientConnection(asyncio.Protocol):
         body = bytes(self._body)
         self._body = bytearray()
         request_id = request_id_from(headers, id_header)
+        upstream_id = upstream_request_id(headers, id_header, request_id)
         upstream_headers = upstream_request_headers(
             headers, body_bytes=len(body), peer_host=self._peer_host, scheme=self._scheme,
-            request_id=request_id, request_id_header=id_header)
+            request_id=upstream_id, request_id_header=id_header, client_request_id=request_id)
         exchange = Exchange(
-            self._context, self, request_id=request_id, method=request.method,
+            self._context, self, request_id=request_id, upstream_request_id=upstream_id,
+            method=request.method,
             target=request.target, upstream_headers=upstream_headers, body=body,
             expect_stream=wants_stream(headers, body))
         self._exchange = exchange
@@ -311,8 +313,8 @@ class ClientConnection(asyncio.Protocol):
     def send_headers(self, status: int, headers: Sequence[Header]) -> None:
         """Send the response head (called by the exchange on ``CommitHeaders``)."""
         headers = list(headers)
-        if self._config.cors_allow_origins and self._request is not None:
-            headers = cors.with_cors_headers(headers, self._config.cors_allow_origins,
+        if self._request is not None and (origins := self._cors_origins(self._request)):
+            headers = cors.with_cors_headers(headers, origins,
                                              header_value(self._request.headers, b"origin"),
                                              request_id_header=self._config.request_id_header.encode())
         if self._context.draining:
@@ -384,10 +386,14 @@ class ClientConnection(asyncio.Protocol):
             self._arm_timer(self._config.header_read_timeout_s)
             self._process()
 
+    def _cors_origins(self, request: h11.Request) -> tuple[str, ...]:
+        return cors.origins_for(self._config.cors_allow_origins, self._context.admin_origins,
+                                header_value(request.headers, b"origin"))
+
     def _answer_preflight(self, request: h11.Request) -> None:
         """Answer a CORS preflight here: the engine knows nothing of the sidecar's origins."""
         status, headers, body = cors.preflight_response(
-            self._config.cors_allow_origins, request.headers,
+            self._cors_origins(request), request.headers,
             request_id_header=self._config.request_id_header.encode())
         # Straight to h11, not send_headers: that would treat these as a proxied response's.
         self._write(self._conn.send(h11.Response(status_code=status, headers=headers)))
