@@ -515,7 +515,7 @@ class _Responder:
                 self.start_message = {"type": "http.response.start", "status": action.status,
                                       "headers": list(action.headers)}
             elif isinstance(action, AbortUpstream):
-                self.abort_app(action.reason)
+                self.abort_app(action.reason, tell_app=action.final)
             elif isinstance(action, CloseClient):
                 self.close = action
                 if action.reset and self.writer_sending and self.writer_task is not None:
@@ -558,15 +558,15 @@ class _Responder:
             self.wake = None
             wake.set_result(None)
 
-    def abort_app(self, reason: EndReason) -> None:
+    def abort_app(self, reason: EndReason, *, tell_app: bool = True) -> None:
         self.held = False
         task = self.app_task
         if task is not None and not task.done():
             self.app_cancelled_by_us = True
             task.cancel()
         on_abort = self.middleware.on_abort
-        if on_abort is None or self.replaying:
-            return  # a replay generates nothing: there is no generation to stop
+        if on_abort is None or not tell_app:
+            return
         try:
             result = on_abort(self.request_id, reason.value)
         except Exception:

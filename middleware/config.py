@@ -59,6 +59,12 @@ class WireConfig:
     """Pending data that makes no progress this long means the client is gone."""
     upstream_headers_timeout_s: float = 300.0
     """An upstream that has not sent its status line by then has failed."""
+    upstream_tail_grace_s: float = 5.0
+    """After a complete answer the upstream usually ends its body at once (and its
+    connection is reused); one that keeps the body open is cut after this long."""
+    close_flush_timeout_s: float = 30.0
+    """A body cut after an in-band error still gets its last bytes out; a client
+    that stopped reading is reset after this long."""
     max_pending_bytes: int = 1 << 20
     """Cap on bytes held for one slow client."""
     slow_client_policy: SlowClientPolicy = SlowClientPolicy.COALESCE
@@ -123,7 +129,8 @@ class WireConfig:
         _check_non_negative(self, "heartbeat_s", "commit_deadline_s", "coalesce_ms",
                             "retry_backoff_s", "retry_backoff_max_s",
                             "retry_budget_ratio", "retry_budget_min_per_s", "resume_grace_s")
-        _check_positive(self, "write_deadline_s", "upstream_headers_timeout_s",
+        _check_positive(self, "write_deadline_s", "upstream_headers_timeout_s", "upstream_tail_grace_s",
+                        "close_flush_timeout_s",
                         "max_pending_bytes", "socket_send_buffer_bytes",
                         "write_high_water_bytes", "max_line_bytes", "max_event_bytes",
                         "resume_ttl_s", "resume_max_bytes", "resume_total_bytes", "resume_retry_ms")

@@ -807,7 +807,9 @@ class WireStream:
         self._hold_until = None  # whatever ended a held stream, its grace is over
         if self._upstream_open and reason is not EndReason.COMPLETE:
             self._upstream_open = False
-            self._actions.append(AbortUpstream(reason))
+            # A reader's upstream is the replay store: it generates nothing, so
+            # there is no generation to tell the engine to stop.
+            self._actions.append(AbortUpstream(reason, final=not self._replaying))
 
     def _slow_client(self, code: ErrorCode, now: float) -> None:
         self._pending.clear()

@@ -61,12 +61,6 @@ logger = logging.getLogger("tokenwire.sidecar")
 
 Header = tuple[bytes, bytes]
 
-# After a complete answer the upstream usually ends its body at once, and its
-# connection goes back to the pool. One that keeps the body open after its
-# terminal event is cut off after this long rather than holding a task forever.
-_UPSTREAM_TAIL_GRACE_S = 5.0
-
-
 class Downstream(Protocol):
     """What an exchange needs from the client connection."""
 
@@ -215,7 +209,7 @@ class Exchange:
                     store.append(action)
             elif isinstance(action, AwaitReader):
                 self._reader_wait = self._loop.create_task(self._await_reader(action))
-        if tell_engine and not self.replaying:
+        if tell_engine:
             self._context.pools.send_abort(self.upstream_request_id)
 
     def _finish(self, action: Finished) -> None:
@@ -235,7 +229,7 @@ class Exchange:
             self._reader_wait.cancel()
         attempt = self._attempt
         if attempt is not None and not attempt.done():
-            cutoff = self._loop.call_later(_UPSTREAM_TAIL_GRACE_S, attempt.cancel)
+            cutoff = self._loop.call_later(context.config.wire.upstream_tail_grace_s, attempt.cancel)
             attempt.add_done_callback(lambda _: cutoff.cancel())
         self._downstream.exchange_finished(self)
 

@@ -355,7 +355,7 @@ class ClientConnection(asyncio.Protocol):
             self._phase = Phase.CLOSING
             transport.close()
             # A client that stopped reading would hold the flush forever.
-            self._loop.call_later(self._config.wire.write_deadline_s, transport.abort)
+            self._loop.call_later(self._config.wire.close_flush_timeout_s, transport.abort)
         else:
             self._write(self._conn.send(h11.EndOfMessage()))
 
