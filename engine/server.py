@@ -11,7 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from starlette.types import ASGIApp
-from tokenwire.engine.config import CONFIG_ENV, EngineConfig, build_engine_config, engine_keys
+from tokenwire.engine.config import (
+    CONFIG_ENV,
+    EngineConfig,
+    build_engine_config,
+    engine_keys,
+    engine_wire_defaults,
+)
 from tokenwire.middleware import WireConfig
 from tokenwire.middleware.asgi import listening_socket
 from tokenwire.middleware.config import load_toml
@@ -56,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"TOML file (see conf/engine.toml) [{CONFIG_ENV}]")
     defaults = EngineConfig()
     for key in engine_keys():
-        default = getattr(defaults, key.name)
+        default = getattr(defaults.wire if key.wire else defaults, key.name)
         shown = "derived" if default is None else default
         parser.add_argument(key.flag, dest=key.name, metavar=key.name.upper(),
                             help=f"{key.help} [{key.env}; default {shown}]")
@@ -86,24 +92,16 @@ def build_asgi_app(config: EngineConfig) -> ASGIApp:
         name = config.served_model_name or path.name
     loaded = load_model(path, device=config.device, dtype=config.dtype, name=name)
     app = build_app(loaded, config)
-    return _wrap_in_middleware(app)
+    return _wrap_in_middleware(app, config.wire)
 
 
-def _wrap_in_middleware(app: ASGIApp) -> ASGIApp:
+def _wrap_in_middleware(app: ASGIApp, wire: WireConfig | None = None) -> ASGIApp:
+    """``app`` behind tokenwire's middleware; ``wire`` defaults to the engine's wire defaults."""
     from tokenwire.middleware import TokenWireMiddleware
 
     engine = app.state.engine  # type: ignore[attr-defined]
-    return TokenWireMiddleware(app, config=wire_config(), on_abort=engine.service.abort)
-
-
-def wire_config() -> WireConfig:
-    """The middleware config for the engine.
-
-    No retries (the middleware cannot re-run a request it has handed to the
-    app), and ``[DONE]`` as the terminal marker: every complete engine stream
-    ends with it, so one that lacks it is reported as broken.
-    """
-    return WireConfig(retry_attempts=0, terminal_marker="[DONE]")
+    return TokenWireMiddleware(app, config=wire or engine_wire_defaults(),
+                               on_abort=engine.service.abort)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -132,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Our own listening socket: it caps the send buffer of accepted
         # connections, so the middleware sees a slow client (DESIGN.md).
         assert listen.host is not None and listen.port is not None
-        sock = listening_socket(listen.host, listen.port, wire_config())
+        sock = listening_socket(listen.host, listen.port, config.wire)
         server.run(sockets=[sock])
     return 0
 
