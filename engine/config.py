@@ -26,6 +26,7 @@ config file fails fast, before a model is loaded.
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -78,6 +79,8 @@ class EngineConfig:
     """``HOST:PORT`` or ``unix:PATH`` the API listens on."""
     log_level: str = "info"
     """uvicorn and engine log level: critical, error, warning, info, debug, trace."""
+    threads: int | None = None
+    """torch intra-op threads; default: the CPUs this process may use, minus one for the event loop."""
 
     def __post_init__(self) -> None:
         for name in ("max_running", "kv_budget_tokens", "max_waiting"):
@@ -91,6 +94,9 @@ class EngineConfig:
                 isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int)
                 or self.max_model_len < 2):
             raise ConfigError("max_model_len", f"must be >= 2, got {self.max_model_len!r}")
+        if self.threads is not None and (
+                isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1):
+            raise ConfigError("threads", f"must be a whole number >= 1 (0 = derived), got {self.threads!r}")
         for name in ("model", "device", "dtype"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigError(name, "must be a non-empty string")
@@ -100,6 +106,24 @@ class EngineConfig:
 
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def default_threads() -> int:
+    """The CPUs this process may run on, minus one left to the event loop, at least one.
+
+    ``sched_getaffinity``, not ``cpu_count``: in a container pinned to two of
+    a host's 64 cores, 63 spinning torch threads would fight over two.
+    """
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        usable = os.cpu_count() or 1
+    return max(1, usable - 1)
+
+
+def torch_threads(config: EngineConfig) -> int:
+    """The intra-op thread count ``config`` asks for (``threads`` or the default)."""
+    return config.threads if config.threads is not None else default_threads()
 
 
 def check_listen(value: str) -> None:

@@ -17,6 +17,7 @@ from tokenwire.engine.config import (
     build_engine_config,
     engine_keys,
     engine_wire_defaults,
+    torch_threads,
 )
 from tokenwire.middleware import WireConfig
 from tokenwire.middleware.asgi import listening_socket
@@ -80,10 +81,14 @@ def load_engine_config(argv: Sequence[str], environ: Mapping[str, str] | None = 
 def build_asgi_app(config: EngineConfig) -> ASGIApp:
     """Load the model, build the API, wrap it in tokenwire's middleware."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
     from tokenwire.engine.api import build_app
     from tokenwire.engine.loader import load_model
     from tokenwire.engine.tiny import ensure_tiny_model
 
+    # Before the first torch op: the pool is sized once. One CPU is left to the
+    # event loop, which encodes and writes while the engine thread computes.
+    torch.set_num_threads(torch_threads(config))
     if config.model == "tiny":
         path: Path = ensure_tiny_model()
         name = config.served_model_name or "tiny"

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from tokenwire.engine.config import EngineConfig, build_engine_config, engine_keys
+from tokenwire.engine.config import EngineConfig, build_engine_config, engine_keys, torch_threads
 from tokenwire.engine.server import load_engine_config
 from tokenwire.middleware import ConfigError
 from tokenwire.middleware.config import SlowClientPolicy, load_toml
@@ -65,6 +66,13 @@ def test_the_engine_sets_its_wire_defaults_explicitly() -> None:
     assert build_engine_config(flags={"retry_attempts": "1"}).wire.retry_attempts == 1
 
 
+def test_threads_default_to_the_usable_cpus_minus_one_for_the_loop() -> None:
+    usable = len(os.sched_getaffinity(0))
+    assert torch_threads(EngineConfig()) == max(1, usable - 1)
+    assert torch_threads(build_engine_config(flags={"threads": "3"})) == 3
+    assert build_engine_config(file_values={"threads": 0}).threads is None
+
+
 def test_config_file_from_the_environment(tmp_path: Path) -> None:
     config_file = tmp_path / "engine.toml"
     config_file.write_text('model = "/models/qwen"\nserved_model_name = "qwen"\n')
@@ -92,6 +100,7 @@ def test_optional_keys_unset_by_empty_or_zero() -> None:
     ({}, {}, {"log_level": "loud"}, "log_level"),
     ({}, {}, {"model": 7}, "model"),
     ({"heartbeat_s": "soon"}, {}, {}, "heartbeat_s"),
+    ({"threads": "-2"}, {}, {}, "threads"),
     ({}, {"TOKENWIRE_ENGINE_RESUME": "maybe"}, {}, "resume"),
     ({}, {}, {"slow_client_policy": "shout"}, "slow_client_policy"),
     ({}, {}, {"write_deadline_s": 0}, "write_deadline_s"),
