@@ -128,62 +128,75 @@ def bench_chunked_prefill(loaded: LoadedModel, long_prompt_tokens: int,
         outputs = scheduler.step()
         return (time.perf_counter() - started_s) * 1000, outputs
 
+    def p95(values: list[float]) -> float:
+        return sorted(values)[max(0, int(round(0.95 * len(values))) - 1)]
+
     for chunk in [*chunk_sizes, 0]:
         label = f"chunk {chunk}" if chunk else "unchunked"
+        # The control: the same 16 streams with no long prompt, stepped in
+        # lockstep with the measured scheduler (one step of each in turn), so
+        # both see the same machine: on a shared box the noise of the minute
+        # is the same for both, and their caches grow alike.
         scheduler = decoding_scheduler(chunk)
+        control = decoding_scheduler(chunk)
         step_ms: list[float] = []
+        control_ms: list[float] = []
         phase: list[str] = []
-        for _ in range(30):  # steady state
-            step_ms.append(timed_step(scheduler)[0])
-            phase.append("steady")
-        scheduler.add(GenerationRequest("long", long_prompt,
-                                        SamplingParams(max_tokens=64, ignore_eos=True)))
-        after_first_token = None
+        after_first_token: int | None = None
         while after_first_token is None or after_first_token < 20:
+            if len(step_ms) == 30:
+                scheduler.add(GenerationRequest("long", long_prompt,
+                                                SamplingParams(max_tokens=64, ignore_eos=True)))
             ms, outputs = timed_step(scheduler)
             step_ms.append(ms)
-            if after_first_token is None:
+            control_ms.append(timed_step(control)[0])
+            if len(step_ms) <= 30:
+                phase.append("steady")
+            elif after_first_token is None:
                 phase.append("prefill")
                 if any(o.request_id == "long" for o in outputs):
                     after_first_token = 0
             else:
                 phase.append("joined")
                 after_first_token += 1
-        # The control: the same 16 streams for the same number of steps with no
-        # long prompt. Their contexts grow during the run, so a decode step at
-        # the end costs more than one at the start; "their steady gap" is the
-        # control's step time over the same window, not the first 30 steps'.
-        control = decoding_scheduler(chunk)
-        control_ms = [timed_step(control)[0] for _ in range(len(step_ms))]
         del control
+        window = step_ms[30:]
+        control_window = control_ms[30:]
         steady_ms = statistics.median(ms for ms, p in zip(step_ms, phase, strict=True) if p == "steady")
-        window_steady_ms = statistics.median(control_ms[30:])
-        prefill_worst_ms = max(ms for ms, p in zip(step_ms, phase, strict=True) if p == "prefill")
+        control_median_ms = statistics.median(control_window)
+        prefill_gaps = [ms for ms, p in zip(step_ms, phase, strict=True) if p == "prefill"]
         joined = [ms for ms, p in zip(step_ms, phase, strict=True) if p == "joined"]
-        worst_ms = max(step_ms[30:])
+        worst_ms = max(window)
         results["runs"].append({
             "label": label,
             "max_prefill_tokens_per_step": chunk,
             "steady_gap_ms": round(steady_ms, 2),
-            "control_gap_ms": round(window_steady_ms, 2),
-            "control_worst_gap_ms": round(max(control_ms[30:]), 2),
-            "worst_gap_during_prefill_ms": round(prefill_worst_ms, 2),
+            "control_gap_ms": round(control_median_ms, 2),
+            "control_p95_gap_ms": round(p95(control_window), 2),
+            "control_worst_gap_ms": round(max(control_window), 2),
+            "median_gap_ms": round(statistics.median(window), 2),
+            "p95_gap_ms": round(p95(window), 2),
+            "worst_gap_during_prefill_ms": round(max(prefill_gaps), 2),
             "worst_gap_after_join_ms": round(max(joined), 2),
             "median_gap_after_join_ms": round(statistics.median(joined), 2),
             "worst_gap_ms": round(worst_ms, 2),
             "worst_over_steady": round(worst_ms / steady_ms, 2),
-            "worst_over_control": round(worst_ms / window_steady_ms, 2),
+            "worst_over_control": round(worst_ms / control_median_ms, 2),
+            "worst_over_control_worst": round(worst_ms / max(control_window), 2),
+            "p95_over_control_p95": round(p95(window) / p95(control_window), 2),
+            "p95_over_control": round(p95(window) / control_median_ms, 2),
             "prefill_steps": phase.count("prefill"),
-            "long_prompt_first_token_ms": round(sum(
-                ms for ms, p in zip(step_ms, phase, strict=True) if p == "prefill"), 1),
+            "long_prompt_first_token_ms": round(sum(prefill_gaps), 1),
             "gaps_ms": [round(ms, 2) for ms in step_ms],
             "control_gaps_ms": [round(ms, 2) for ms in control_ms],
             "phases": phase,
         })
-        print(f"prefill {label:>9}: steady {steady_ms:.1f} ms, control {window_steady_ms:.1f} ms, "
-              f"worst {worst_ms:.1f} ms (x{worst_ms / steady_ms:.1f} of the first steps, "
-              f"x{worst_ms / window_steady_ms:.1f} of the control), prefill steps "
-              f"{phase.count('prefill')}", flush=True)
+        run = results["runs"][-1]
+        print(f"prefill {label:>9}: control median {control_median_ms:.1f} ms; worst {worst_ms:.1f} ms "
+              f"= x{run['worst_over_control_worst']} the control's worst "
+              f"(x{run['worst_over_control']} its median); p95 {run['p95_gap_ms']} ms = "
+              f"x{run['p95_over_control_p95']} the control's p95 (x{run['p95_over_control']} its "
+              f"median); prefill steps {phase.count('prefill')}", flush=True)
     return results
 
 
