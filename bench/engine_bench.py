@@ -129,7 +129,7 @@ def bench_chunked_prefill(loaded: LoadedModel, long_prompt_tokens: int,
         return (time.perf_counter() - started_s) * 1000, outputs
 
     def p95(values: list[float]) -> float:
-        return sorted(values)[max(0, int(round(0.95 * len(values))) - 1)]
+        return sorted(values)[max(0, round(0.95 * len(values)) - 1)]
 
     for chunk in [*chunk_sizes, 0]:
         label = f"chunk {chunk}" if chunk else "unchunked"

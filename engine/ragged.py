@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F  # noqa: N812 (torch's own spelling)
+import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
 ATTENTION_NAME = "tokenwire_ragged"
