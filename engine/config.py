@@ -70,7 +70,8 @@ class EngineConfig:
     kv_budget_tokens: int = 262_144
     """Admission budget: sum over admitted requests of prompt + max_tokens."""
     max_prefill_tokens_per_step: int = 256
-    """Prompt tokens processed per scheduler step; 0 = whole prompts at once (no chunking)."""
+    """Prompt tokens processed per scheduler step, attention over the cached context counted
+    (late chunks of a long prompt get fewer tokens); 0 = whole prompts at once (no chunking)."""
     max_model_len: int | None = None
     """Context cap; default: the model's ``max_position_embeddings``."""
     max_waiting: int = 1024

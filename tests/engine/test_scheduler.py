@@ -8,7 +8,11 @@ from tokenwire.engine.backend import GenerationRequest, RequestOutput, RequestRe
 from tokenwire.engine.config import EngineConfig
 from tokenwire.engine.loader import LoadedModel
 from tokenwire.engine.sampling import SamplingParams
-from tokenwire.engine.scheduler import ContinuousBatchingScheduler, SequenceState
+from tokenwire.engine.scheduler import (
+    ContinuousBatchingScheduler,
+    SequenceState,
+    attention_pair_cost,
+)
 
 PROMPTS = (
     "The kitchen is",
@@ -174,15 +178,26 @@ def test_chunked_prefill_caps_prompt_tokens_per_step_while_others_decode(
         scheduler.step()
     long_prompt = (7,) * 100
     scheduler.add(GenerationRequest("long", long_prompt, SamplingParams(max_tokens=5)))
-    steps_until_first_token = 0
+    chunks: list[int] = []
+    pair_cost = attention_pair_cost(tiny_f32.model.config)
     while True:
+        cached = scheduler.stats().kv_tokens_in_use
         outputs = scheduler.step()
-        steps_until_first_token += 1
+        chunks.append(scheduler.stats().kv_tokens_in_use - cached - 1)  # minus the decoded token
         # The decoding stream gets a token in every step of the long prefill.
         assert [o.request_id for o in outputs if o.request_id == "decoding"] == ["decoding"]
         if any(o.request_id == "long" for o in outputs):
             break
-    assert steps_until_first_token == -(-len(long_prompt) // chunk_tokens)
+    assert sum(chunks) == len(long_prompt)
+    # Each chunk fits the budget once its attention over the cached prompt is counted:
+    # the first is (nearly) the full 16 tokens, later ones shrink as the context grows.
+    assert chunk_tokens - 1 <= chunks[0] <= chunk_tokens
+    done = 0
+    for tokens in chunks[:-1]:
+        assert tokens * (1 + pair_cost * (done + tokens / 2)) <= chunk_tokens
+        assert (tokens + 1) * (1 + pair_cost * (done + (tokens + 1) / 2)) > chunk_tokens
+        done += tokens
+    assert chunks == sorted(chunks, reverse=True)
 
 
 def test_stop_string_cuts_the_text_and_reports_it(tiny_f32: LoadedModel) -> None:
