@@ -25,7 +25,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 _MIN_SPARE_COLUMNS = 64
 
 
-class AppendOnlyLayer(DynamicLayer):
+class AppendOnlyLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # (untyped base)
     """A ``DynamicLayer`` backed by a buffer with spare columns.
 
     ``keys``/``values`` stay views of the filled part, so everything in
@@ -33,7 +33,7 @@ class AppendOnlyLayer(DynamicLayer):
     """
 
     def __init__(self, min_capacity_columns: int = 0, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+        super().__init__(**kwargs)  # type: ignore[no-untyped-call]
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
         self._filled_columns = 0
@@ -97,6 +97,12 @@ class BatchCache(Cache):
         super().__init__(layers=[AppendOnlyLayer(min_capacity_columns)
                                  for _ in range(num_layers)])
 
+    def layer(self, index: int) -> AppendOnlyLayer:
+        """Layer ``index``, typed as what this cache holds."""
+        layer = self.layers[index]
+        assert isinstance(layer, AppendOnlyLayer)
+        return layer
+
 
 class RunningBatch:
     """Rows of the decode batch: their KV, attention mask and next positions.
@@ -137,7 +143,7 @@ class RunningBatch:
     def rebuild(
         self,
         keep_row_ids: set[str],
-        joining: Sequence[tuple[str, Cache]],
+        joining: Sequence[tuple[str, BatchCache]],
     ) -> None:
         """Drop rows not in ``keep_row_ids`` and append ``joining`` rows, in one copy.
 
@@ -164,7 +170,7 @@ class RunningBatch:
             parts_k: list[torch.Tensor] = []
             parts_v: list[torch.Tensor] = []
             if keep_rows:
-                layer = self.cache.layers[layer_index]
+                layer = self.cache.layer(layer_index)
                 assert layer.keys is not None and layer.values is not None
                 # Kept rows are right-aligned at old_width; keep the last `width` columns.
                 start = old_width - width
@@ -173,13 +179,12 @@ class RunningBatch:
                 parts_k.append(_fit_columns(kept_k, start, width))
                 parts_v.append(_fit_columns(kept_v, start, width))
             for _, cache in joining:
-                joined = cache.layers[layer_index]
+                joined = cache.layer(layer_index)
                 assert joined.keys is not None and joined.values is not None
                 pad = width - joined.keys.shape[-2]
                 parts_k.append(_fit_columns(joined.keys, -pad, width))
                 parts_v.append(_fit_columns(joined.values, -pad, width))
-            new_layer = self.cache.layers[layer_index]
-            assert isinstance(new_layer, AppendOnlyLayer)
+            new_layer = self.cache.layer(layer_index)
             new_layer.replace(torch.cat(parts_k, dim=0), torch.cat(parts_v, dim=0))
         counts = kept_counts + joining_counts
         columns = torch.arange(width, device=self._device).unsqueeze(0)
@@ -188,8 +193,7 @@ class RunningBatch:
         self.row_ids = new_row_ids
         self.token_counts = counts
 
-    def _adopt(self, row_id: str, cache: Cache) -> None:
-        assert isinstance(cache, BatchCache)
+    def _adopt(self, row_id: str, cache: BatchCache) -> None:
         self.cache = cache
         count = cache.get_seq_length()
         self.attention_mask = torch.ones((1, count), dtype=torch.bool, device=self._device)

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers.cache_utils import Cache
+from tokenwire.engine.batch import BatchCache
 
 ATTENTION_NAME = "tokenwire_ragged"
 """The name the attention function is registered under (``config._attn_implementation``)."""
@@ -48,7 +48,7 @@ class LaneSegment:
 
     start: int
     stop: int
-    cache: Cache
+    cache: BatchCache
     mask: torch.Tensor
     """``[rows, 1, 1, columns]`` bool, True where a row may attend (after this step's append)."""
 
@@ -59,7 +59,7 @@ class PrefillSegment:
 
     start: int
     stop: int
-    cache: Cache
+    cache: BatchCache
     mask: torch.Tensor | None
     """``[1, 1, chunk, context]`` bool (chunk after cached tokens), or None when the chunk is
     the whole context so far (plain causal attention)."""
@@ -85,7 +85,7 @@ class StepPlan:
             a, b = lane.start, lane.stop
             # [heads, rows, dim] -> [rows, heads, 1, dim]: one query per row.
             rows_query = query[0, :, a:b].transpose(0, 1).unsqueeze(2)
-            keys, values = lane.cache.layers[layer_index].update(
+            keys, values = lane.cache.layer(layer_index).update(
                 key[0, :, a:b].transpose(0, 1).unsqueeze(2),
                 value[0, :, a:b].transpose(0, 1).unsqueeze(2),
             )
@@ -94,7 +94,7 @@ class StepPlan:
             output[0, a:b] = attended[:, :, 0]
         for prefill in self.prefills:
             a, b = prefill.start, prefill.stop
-            keys, values = prefill.cache.layers[layer_index].update(
+            keys, values = prefill.cache.layer(layer_index).update(
                 key[:, :, a:b], value[:, :, a:b])
             attended = F.scaled_dot_product_attention(
                 query[:, :, a:b], keys, values, attn_mask=prefill.mask,
@@ -121,7 +121,7 @@ def _ragged_attention(
     if plan is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(  # type: ignore[no-any-return]
+        return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     assert isinstance(plan, StepPlan)
     layer_index = int(module.layer_idx)  # type: ignore[arg-type]
