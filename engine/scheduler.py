@@ -24,18 +24,24 @@ One call to :meth:`ContinuousBatchingScheduler.step` is one scheduling round:
    (``prompt + max_tokens`` each) fit in ``kv_budget_tokens``. Reserving the
    worst case up front means an admitted request never has to be pre-empted.
    A request that could never fit was refused by :meth:`check` already.
-4. **Decode**: one forward pass per lane feeds every RUNNING row its last
-   sampled token and samples the next one.
-5. **Prefill**: PREFILLING requests get prompt chunks in arrival order until
-   ``max_prefill_tokens_per_step`` prompt tokens have been processed, each in
-   its own single-row cache. So a long prompt costs the running streams at
-   most one chunk of delay per step instead of its whole prefill. A request
-   whose prompt is complete samples its first token here and becomes READY.
+4. **One forward pass** (``ragged.py``) runs the step's tokens together:
+   every RUNNING row's last sampled token (rows of every lane) and a chunk of
+   each PREFILLING prompt, in arrival order, while the chunks fit
+   ``max_prefill_tokens_per_step``, a budget in token-equivalents that counts a
+   chunk's attention over the prompt cached so far (``_plan_chunks``). So a
+   long prompt costs the running streams one bounded slice of a step, not its
+   whole prefill, and not a second forward pass either: on a small model a
+   forward's fixed cost is most of a decode step.
+5. **Sampling**: every decoding row, and every request whose prompt completed
+   in this forward, samples its next token from the same logits batch. A
+   request that got its first token becomes READY and joins a lane at the
+   membership update that ends the step.
 
-Failures are contained: an exception in one request's prefill or in handling
-its sampled token finishes that request with reason ``error`` and the loop
-goes on. A failing batched decode forward cannot be pinned on one row, so it
-ends every row of that lane with an error; the other lanes go on.
+Failures are contained where they can be pinned: an exception while handling
+one request's sampled token finishes that request with reason ``error``, and
+a prompt with token ids outside the vocabulary is refused at admission. A
+failing forward pass (or sampling) cannot be pinned on one row, so it ends
+every row that took part in that step with an error; the loop goes on.
 
 The scheduler is single-threaded; ``engine/runner.py`` owns the thread.
 """
@@ -278,7 +284,7 @@ class ContinuousBatchingScheduler:
         attention and memory, and its join would copy all of them. Rows join a
         lane whose width is within a factor of two (or 64 tokens) of theirs;
         otherwise they open a new lane, up to ``_MAX_LANES``, each lane costing
-        one extra forward pass per step.
+        one more attention call per layer in the step's forward pass.
         """
         best_index, best_ratio = len(self._lanes), float("inf")
         for index, lane in enumerate(self._lanes):

@@ -109,6 +109,9 @@ def _wrap_in_middleware(app: ASGIApp, wire: WireConfig | None = None) -> ASGIApp
                                on_abort=engine.service.abort)
 
 
+_SWITCH_INTERVAL_S = 0.001
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``tokenwire engine`` and ``python -m tokenwire.engine.server``."""
     try:
@@ -118,6 +121,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tokenwire engine: configuration error: {error}", file=sys.stderr)
         return 2
     logging.basicConfig(level=config.log_level.upper(), format="%(message)s", stream=sys.stderr)
+    # The engine thread gives up the GIL inside every torch op and must take
+    # it back after; with the default 5 ms switch interval, an event loop busy
+    # encoding chunks could hold it that long each time. 1 ms bounds what the
+    # loop can cost a step.
+    sys.setswitchinterval(_SWITCH_INTERVAL_S)
     import uvicorn
 
     try:
