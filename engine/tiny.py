@@ -68,7 +68,7 @@ class TinySpec:
     num_heads: int = 2
     max_position_embeddings: int = 8192
     """Long enough for the benchmark's 4,000-token prompt."""
-    train_steps: int = 260
+    train_steps: int = 600
     batch_size: int = 8
     sequence_length_tokens: int = 128
     learning_rate: float = 3e-3
@@ -150,20 +150,27 @@ def _exclusive_lock(path: Path) -> Iterator[None]:
 
 
 def _chat_example(document: list[str], index: int) -> str:
-    """One chat turn from paragraph ``index`` on: its first sentence asks, the rest answers.
+    """One chat turn answered by paragraph ``index`` and the two after it.
 
-    The answer runs on through the next two paragraphs, so the model learns
-    that an answer is a few hundred tokens long; it ends with the end-of-turn
-    token, so chat completions stop on their own instead of at ``max_tokens``.
+    Every fourth paragraph: its first sentence asks and the rest answers; the
+    others: a general request (``_OPEN_REQUESTS``) and the paragraphs whole, so an
+    unseen question still gets a few hundred tokens of prose instead of a
+    confused line. The answer ends with the end-of-turn token, so chat
+    completions stop on their own instead of at ``max_tokens``.
     """
     paragraph = document[index]
     first, _, rest = paragraph.partition(". ")
-    if not rest:
-        rest = paragraph
+    if index % 4 != 0 or not rest:
+        first, rest = _OPEN_REQUESTS[(index // 2) % len(_OPEN_REQUESTS)].rstrip("."), paragraph
     answer = "\n\n".join([rest, *document[index + 1 : index + _CHAT_ANSWER_PARAGRAPHS]])
     return f"<|user|>\n{first}.{END_OF_TURN}\n<|assistant|>\n{answer}{END_OF_TURN}\n"
 
 
+_OPEN_REQUESTS = (
+    "Tell me something interesting.", "Write a few paragraphs.", "Tell me about the world.",
+    "What do you know?", "Hello, say something.", "Tell me more.", "Describe something you like.",
+    "Can you explain something to me.",
+)
 _CHAT_ANSWER_PARAGRAPHS = 3
 
 
@@ -199,7 +206,7 @@ def _build(spec: TinySpec, documents: list[list[str]], folder: Path, *, progress
 
     # Whole files as documents (paragraphs joined, one end-of-text at the end),
     # so a continuation runs on for paragraphs instead of stopping after one;
-    # every other paragraph also becomes a chat turn (see _chat_example).
+    # every other paragraph also starts a chat turn (see _chat_example).
     stream: list[int] = []
     for document in documents:
         stream.extend(tokenizer.encode("\n\n".join(document)).ids)
