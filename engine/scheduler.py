@@ -218,6 +218,11 @@ class ContinuousBatchingScheduler:
         """Request ids of the rows the next decode forward will run, in row order."""
         return [row_id for lane in self._lanes for row_id in lane.row_ids]
 
+    @property
+    def lane_widths(self) -> list[int]:
+        """Cache width of each lane (see ``_choose_lane``)."""
+        return [lane.columns for lane in self._lanes]
+
     def _rows(self) -> int:
         return sum(lane.rows for lane in self._lanes)
 
