@@ -13,9 +13,11 @@ lines are joined, comments dropped, and each command line is matched against
 or names a second terminal), then each gets a real request, then all are
 stopped with SIGTERM and must exit cleanly. What is rewritten, and why:
 
-* listen addresses (``--listen``, ``--admin-listen``): ``HOST:PORT`` becomes
-  ``127.0.0.1:0`` (the real port is read from the ready line), so tests never
-  race other processes for a port and nothing listens beyond loopback;
+* listen addresses (``--listen``, ``--admin-listen``): the port becomes 0 (the
+  real one is read from the ready line), so tests never race other processes
+  for a port; the host is kept when it is this machine's (``0.0.0.0`` too: an
+  admin port there must still demand a token), else it becomes 127.0.0.1;
+  clients always connect to 127.0.0.1;
 * ports a block serves (``vllm serve --port 8000``) are mapped to the port the
   stand-in really got, and every ``--upstream`` naming that port follows; an
   ``--upstream`` port no line of the block serves gets a fake OpenAI upstream;
@@ -23,6 +25,9 @@ stopped with SIGTERM and must exit cleanly. What is rewritten, and why:
   consistently within the block;
 * file arguments the reader must supply (``--tls-cert cert.pem --tls-key
   key.pem``) are a trustme certificate for 127.0.0.1, trusted by the client;
+  ``--admin-token-file FILE`` is a temp file holding a token;
+* leading ``NAME=value`` assignments become that command's environment (the
+  tests' own ``TOKENWIRE_*`` variables are never passed on);
 * optional ``[...]`` groups in a command line are run included (brackets
   removed), so the optional flags are exercised too;
 * ``--config conf/...`` paths are kept: commands run from the repository root.
@@ -72,6 +77,7 @@ SHELL_LANGUAGES = frozenset({"sh", "bash", "shell", "console"})
 DATA_LANGUAGES = frozenset({"json", "toml", "yaml", "text"})
 START_TIMEOUT_S = 120.0  # the engine loads torch and a model on a busy two-core machine
 REQUEST_TIMEOUT_S = 60.0
+LOCAL_HOSTS = frozenset({"0.0.0.0", "127.0.0.1", "localhost", "[::]", "[::1]"})
 
 
 class NoRule(AssertionError):
@@ -113,6 +119,8 @@ class Command:
     argv: list[str]
     text: str
     background: bool
+    env: dict[str, str] = field(default_factory=dict)
+    """Leading ``NAME=value`` assignments: the command's environment on top of ours."""
 
 
 def shell_commands(block: Block) -> list[Command]:
@@ -131,7 +139,13 @@ def shell_commands(block: Block) -> list[Command]:
         if operators:
             raise NoRule(f"{block.where}: {logical.strip()!r} uses {operators}; the shell rules run "
                          "one command per line: split it, or add a rule in tests/test_readme.py")
-        commands.append(Command(argv, " ".join(argv), background))
+        env: dict[str, str] = {}
+        while argv and re.fullmatch(r"[A-Za-z_]\w*=.*", argv[0]):
+            name, _, value = argv.pop(0).partition("=")
+            env[name] = value
+        if not argv:
+            raise NoRule(f"{block.where}: {logical.strip()!r} only sets variables; add a rule")
+        commands.append(Command(argv, " ".join(argv), background, env))
     return commands
 
 
@@ -370,16 +384,20 @@ def _unflatten(pairs: list[tuple[str, str | None]]) -> list[str]:
 
 
 def _listen(run: ShellRun, value: str) -> str:
+    """A listen address with its port made 0; the host kept when this machine has it
+    (an admin port on 0.0.0.0 must still demand a token), else 127.0.0.1."""
     if value.startswith("unix:"):
         return f"unix:{run.socket_path(value[5:])}"
-    return "127.0.0.1:0"
+    host = value.rpartition(":")[0]
+    return f"{host if host in LOCAL_HOSTS else '127.0.0.1'}:0"
 
 
 def run_sidecar(run: ShellRun, command: Command) -> None:
     """Start it with the rewritten flags, wait for ``ready listen=...``; later, a chat
     stream through it (the fake's exact text, or the engine's) and ``/readyz`` on its admin port."""
     pairs = _options(command.argv[2:], frozenset({
-        "--listen", "--admin-listen", "--upstream", "--config", "--tls-cert", "--tls-key"}))
+        "--listen", "--admin-listen", "--upstream", "--config", "--tls-cert", "--tls-key",
+        "--admin-token-file"}))
     upstream_is_fake = False
     uds_upstream = False
     for index, (name, value) in enumerate(pairs):
@@ -402,9 +420,13 @@ def run_sidecar(run: ShellRun, command: Command) -> None:
             assert (ROOT / value).is_file(), f"{command.text}: {value} is not in the repository"
         elif name in ("--tls-cert", "--tls-key") and value is not None:
             pairs[index] = (name, str(run.certificate("cert" if name == "--tls-cert" else "key")))
+        elif name == "--admin-token-file" and value is not None:
+            token = run.tmp / "admin-token"
+            token.write_text("readme-test-token\n")
+            pairs[index] = (name, str(token))
     argv = [str(BIN / "tokenwire"), "sidecar", *_unflatten(pairs)]
     ready = r"^ready listen=(\S+):(\d+) scheme=(\w+)(?: admin=(\S+):(\d+))?"
-    server = start_server(command.text, argv, ready, on="stdout", env=child_env())
+    server = start_server(command.text, argv, ready, on="stdout", env=child_env(**command.env))
     run.servers.append(server)
     scheme, listen_port, admin_port = server.ready.group(3), server.ready.group(2), server.ready.group(5)
     tls = run.client_tls() if scheme == "https" else None
@@ -437,7 +459,7 @@ def run_engine(run: ShellRun, command: Command) -> None:
             assert (ROOT / value).is_file(), f"{command.text}: {value} is not in the repository"
         elif name == "--model":
             pairs[index] = (name, str(run.fixture("readme_tiny_model")))
-    env = child_env(TOKENWIRE_ENGINE_MODEL=str(run.fixture("readme_tiny_model")),
+    env = child_env(**command.env, TOKENWIRE_ENGINE_MODEL=str(run.fixture("readme_tiny_model")),
                     TOKENWIRE_ENGINE_DEVICE="cpu", OMP_NUM_THREADS="1")
     argv = [str(BIN / "tokenwire"), "engine", *_unflatten(pairs)]
     server = start_server(command.text, argv, r"Uvicorn running on ",
@@ -520,7 +542,7 @@ def _script(command: Command) -> Path:
 def run_tokenwire_quick(run: ShellRun, command: Command) -> None:
     """Commands that answer and exit: run as written, exit status 0."""
     done = subprocess.run([str(BIN / "tokenwire"), *command.argv[1:]], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60, env=child_env())
+                          text=True, timeout=60, env=child_env(**command.env))
     assert done.returncode == 0, f"{command.text}: exit {done.returncode}\n{done.stdout}{done.stderr}"
 
 
@@ -775,9 +797,10 @@ def test_fences_inside_list_items_are_found_and_dedented() -> None:
 
 def test_shell_lines_are_joined_and_optional_groups_included() -> None:
     block = Block("sh", "tokenwire sidecar --listen 0.0.0.0:8080 \\\n    [--tls-cert c.pem --tls-key k.pem]"
-                        "  # note\ntokenwire engine --listen unix:/x.sock &\n", 1)
+                        "  # note\nTOKENWIRE_ENGINE_DEVICE=cpu tokenwire engine --listen unix:/x.sock &\n", 1)
     commands = shell_commands(block)
     assert [c.argv for c in commands] == [
         ["tokenwire", "sidecar", "--listen", "0.0.0.0:8080", "--tls-cert", "c.pem", "--tls-key", "k.pem"],
         ["tokenwire", "engine", "--listen", "unix:/x.sock"]]
     assert [c.background for c in commands] == [False, True]
+    assert [c.env for c in commands] == [{}, {"TOKENWIRE_ENGINE_DEVICE": "cpu"}]
