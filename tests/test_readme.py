@@ -4,7 +4,10 @@ Each fenced block is one test (``README.md:LINE``). A block is run by the
 first rule whose pattern matches it; a block no rule matches FAILS, naming
 the rule table to extend, so a new example cannot slip in untested. The
 rules match commands and code shapes, not paragraphs, so prose around the
-examples can change freely.
+examples can change freely. The rule tables are ``SHELL_RULES`` and
+``PYTHON_RULES``; each rule's ``how`` (and its function's docstring) says what
+it runs and, for what cannot run here (Docker builds, vLLM, the suite itself),
+what stands in and why.
 
 Shell blocks (``sh``, ``bash``, ``shell``, ``console``): backslash-continued
 lines are joined, comments dropped, and each command line is matched against
@@ -43,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import importlib.util
 import json
 import os
 import re
@@ -740,20 +744,43 @@ def run_block(block: Block, tmp: Path, fixture: Callable[[str], Any]) -> None:
 BLOCKS = fenced_blocks(README.read_text())
 
 
-@pytest.fixture(scope="module")
-def readme_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny model trained for 30 steps, built in a child process (this one never loads torch)."""
-    pytest.importorskip("torch")
+@pytest.fixture(scope="module", autouse=True)
+def _tiny_model_build(request: pytest.FixtureRequest,
+                      tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen[str] | None]:
+    """Starts building the engine's tiny model (30 training steps, in a child process:
+    this one never loads torch) when this module starts, if an engine block is selected,
+    so the build overlaps the blocks before it."""
+    wanted = False
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        if getattr(item, "module", None) is request.module and callspec is not None:
+            block = callspec.params.get("block")
+            wanted = wanted or (isinstance(block, Block) and _is_slow(block))
+    if not wanted or importlib.util.find_spec("torch") is None:
+        yield None
+        return
     cache = tmp_path_factory.mktemp("tokenwire-cache")
     script = ("import sys, torch; torch.set_num_threads(1)\n"
               "from pathlib import Path\n"
               "from tokenwire.engine.tiny import TinySpec, ensure_tiny_model\n"
               "print(ensure_tiny_model(TinySpec(train_steps=30, batch_size=4, sequence_length_tokens=64), "
               "Path(sys.argv[1]), log=False))")
-    built = subprocess.run([sys.executable, "-c", script, str(cache)], capture_output=True, text=True,
-                           timeout=600, env=child_env(OMP_NUM_THREADS="1"))
-    assert built.returncode == 0, built.stderr[-3000:]
-    return Path(built.stdout.strip().splitlines()[-1])
+    process = subprocess.Popen([sys.executable, "-c", script, str(cache)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=child_env(OMP_NUM_THREADS="1"))
+    yield process
+    if process.poll() is None:
+        process.kill()
+        process.communicate()
+
+
+@pytest.fixture(scope="module")
+def readme_tiny_model(_tiny_model_build: subprocess.Popen[str] | None) -> Path:
+    """The tiny model folder, once its build finished."""
+    pytest.importorskip("torch")
+    assert _tiny_model_build is not None, "the engine block was not selected when the module started"
+    out, err = _tiny_model_build.communicate(timeout=600)
+    assert _tiny_model_build.returncode == 0, err[-3000:]
+    return Path(out.strip().splitlines()[-1])
 
 
 def _is_slow(block: Block) -> bool:
