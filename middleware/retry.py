@@ -14,6 +14,8 @@ Sans-IO like the rest of the core: the caller passes ``now``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class RetryBudget:
     """A token bucket shared by every stream of one driver."""
@@ -56,3 +58,22 @@ class RetryBudget:
     @property
     def tokens(self) -> float:
         return self._tokens
+
+
+# RFC 9110 section 9.2.2: methods whose repetition has the effect of one request.
+IDEMPOTENT_METHODS = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"})
+IDEMPOTENCY_KEY_HEADER = b"idempotency-key"
+
+
+def may_repeat(method: bytes, headers: Iterable[tuple[bytes, bytes]]) -> bool:
+    """Whether a request may be sent to an upstream again after the upstream
+    may have read it: its method is idempotent, or the client said so with an
+    ``Idempotency-Key`` (header names lower-case).
+
+    A request that may not be repeated is still retried when the failure
+    proves the upstream never processed it (see ``WireStream``): nginx's
+    ``proxy_next_upstream`` rule for non-idempotent requests, plus a 503.
+    """
+    if method.upper() in IDEMPOTENT_METHODS:
+        return True
+    return any(name == IDEMPOTENCY_KEY_HEADER and value.strip() for name, value in headers)
