@@ -31,5 +31,7 @@ class SidecarContext:
     """Where resumable streams are kept (``resume = true``), else None."""
     registry: StreamRegistry = field(default_factory=StreamRegistry)
     connections: set[ClientConnection] = field(default_factory=set)
+    buffered_body_bytes: int = 0
+    """Request body bytes held by all connections now (``max_buffered_body_bytes``)."""
     draining: bool = False
     """Set on shutdown: no new requests; connections close after their current response."""
