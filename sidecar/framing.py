@@ -27,6 +27,7 @@ _QUOTED = rb'"(?:[\t \x21\x23-\x5b\x5d-\x7e\x80-\xff]|\\[\t \x21-\x7e\x80-\xff])
 _CHUNK_EXT = re.compile(rb"(?:[ \t]*;[ \t]*" + _TOKEN + rb"(?:[ \t]*=[ \t]*(?:" + _TOKEN + rb"|" + _QUOTED
                         + rb"))?)*[ \t]*")
 _HEX = re.compile(rb"[0-9A-Fa-f]+")
+_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 _TRAILER_LINE = re.compile(_TOKEN + rb":[\t \x21-\x7e\x80-\xff]*")
 # A chunk size needing more than 64 bits is no size at all (nginx: "invalid chunked body").
 _MAX_SIZE_DIGITS = 16
@@ -50,7 +51,7 @@ def request_line_problem(received: bytes | bytearray) -> Problem | None:
         return None
     line = bytes(received[start:end]).removesuffix(b"\r")
     parts = line.split(b" ")
-    if len(parts) == 2:
+    if len(parts) == 2 and not parts[1].startswith(b"HTTP/"):
         return 400, "an HTTP/0.9 request line (no HTTP version); HTTP/1.0 or 1.1 is required"
     if len(parts) != 3 or not parts[0] or not parts[1]:
         return 400, "a malformed request line (method, target and version, one space apart)"
@@ -123,7 +124,7 @@ class ChunkedScanner:
                 at += len(piece)
                 self._line += piece
                 if not b"\r\n".startswith(bytes(self._line)):
-                    return 400, "chunk data not followed by CRLF (a chunk longer than its size)"
+                    return 400, "chunk data not followed by CRLF (a chunk of another length than its size)"
                 if len(self._line) == 2:
                     self._line.clear()
                     self._state = _State.SIZE
@@ -152,8 +153,16 @@ class ChunkedScanner:
         digits = _HEX.match(line)
         if digits is None:
             return 400, "a chunk size that is not a hexadecimal number"
-        if _CHUNK_EXT.fullmatch(line, digits.end()) is None:
-            return 400, "an invalid chunk extension (control characters or bad syntax)"
+        rest = line[digits.end():]
+        if rest.strip(b" \t"):  # whitespace alone before the CRLF is tolerated, as nginx does
+            extension = rest.lstrip(b" \t").startswith(b";")
+            where = "a chunk extension" if extension else "a chunk-size line"
+            if _CONTROL.search(rest) is not None:
+                return 400, f"a control character (CR, NUL or the like) in {where}"
+            if not extension:
+                return 400, "a chunk size that is not a hexadecimal number"
+            if _CHUNK_EXT.fullmatch(rest) is None:
+                return 400, "an invalid chunk extension (RFC 9112: ;name or ;name=value)"
         significant = digits.group().lstrip(b"0")
         if len(significant) > _MAX_SIZE_DIGITS:
             return 400, "an impossible chunk size (over 64 bits)"
