@@ -9,9 +9,12 @@ included, carry on untouched.
 from __future__ import annotations
 
 import _ssl
+import asyncio
 import ctypes
 import logging
 import ssl
+from asyncio import sslproto
+from collections.abc import Callable
 
 from tokenwire.middleware import ConfigError
 
@@ -91,3 +94,44 @@ def load_certificates(context: ssl.SSLContext, config: SidecarConfig) -> None:
         except (OSError, ssl.SSLError) as error:
             raise ConfigError("tls_client_ca", f"cannot load {config.tls_client_ca}: {error}") from None
         context.verify_mode = ssl.CERT_REQUIRED
+
+
+class _AlertingSSLProtocol(sslproto.SSLProtocol):
+    """asyncio's TLS protocol, but a failed handshake sends its alert.
+
+    asyncio (and uvloop's copy of it) drop the transport when the handshake
+    fails without writing what OpenSSL left for the peer: a client whose
+    certificate was refused sees the connection vanish instead of
+    ``unknown_ca`` or ``certificate_required`` (CPython gh-98078, fixed after
+    3.14). Writing the outgoing bytes first is that fix.
+    """
+
+    def _on_handshake_complete(self, handshake_exc: BaseException | None) -> None:
+        if handshake_exc is not None:
+            try:
+                self._process_outgoing()  # type: ignore[attr-defined]  # (not in typeshed)
+            except Exception:  # the alert is a courtesy; the close must happen regardless
+                logger.debug("could not send the TLS alert", exc_info=True)
+        super()._on_handshake_complete(handshake_exc)
+
+
+def alerting_protocol_factory(
+    app_protocol: Callable[[], asyncio.BaseProtocol], context: ssl.SSLContext,
+    handshake_timeout_s: float | None,
+) -> Callable[[], asyncio.BaseProtocol] | None:
+    """A listener's protocol factory that terminates TLS with alerts (for mTLS,
+    where a refused certificate is the client's to learn about); None if this
+    Python's asyncio has not the shape the fix relies on (then the loop's own
+    TLS is used, without the alert)."""
+    if not all(hasattr(sslproto.SSLProtocol, name) for name in ("_on_handshake_complete",
+                                                                "_process_outgoing")):
+        return None
+
+    def build() -> asyncio.BaseProtocol:
+        # No waiter: nobody awaits the handshake of a server-side connection here
+        # (typeshed's stub wants a future; asyncio accepts None).
+        return _AlertingSSLProtocol(
+            asyncio.get_running_loop(), app_protocol(), context, None,  # type: ignore[arg-type]
+            server_side=True, ssl_handshake_timeout=handshake_timeout_s)  # type: ignore[arg-type]
+
+    return build

@@ -180,3 +180,32 @@ def test_tls_cipherSuites_areExactlyMozillaIntermediate(server_files: dict[str, 
         "ECDHE-ECDSA-CHACHA20-POLY1305", "ECDHE-RSA-CHACHA20-POLY1305",
         "TLS_AES_128_GCM_SHA256", "TLS_AES_256_GCM_SHA384", "TLS_CHACHA20_POLY1305_SHA256",
     }
+
+
+@pytest.mark.parametrize("version", [ssl.TLSVersion.TLSv1_2, ssl.TLSVersion.TLSv1_3], ids=["1.2", "1.3"])
+@pytest.mark.parametrize(("client_cert", "alert"), [
+    ("none", ("handshake failure", "certificate required")),
+    ("from-another-ca", ("unknown ca",)),
+    ("expired", ("certificate expired",)),
+])
+def test_tls_whenMtlsHandshakeFails_thenClientIsToldWhyByAnAlert(
+        start_sidecar: StartSidecar, ca: trustme.CA, server_files: dict[str, str], version: ssl.TLSVersion,
+        client_cert: str, alert: tuple[str, ...]) -> None:
+    """Not a vanished connection: the alert names the fault, as nginx sends it."""
+    sidecar = start_sidecar(tls_cert=server_files["tls_cert"], tls_key=server_files["tls_key"],
+                            tls_client_ca=server_files["ca"])
+    client = tls_client_context(ca)
+    client.maximum_version = version
+    now = datetime.datetime.now(datetime.UTC)
+    if client_cert == "from-another-ca":
+        trustme.CA().issue_cert("client@example.com").configure_cert(client)
+    elif client_cert == "expired":
+        ca.issue_cert("client@example.com", not_before=now - datetime.timedelta(days=30),
+                      not_after=now - datetime.timedelta(days=1)).configure_cert(client)
+    with pytest.raises(ssl.SSLError) as refused, connect(sidecar.port, ssl_context=client) as sock:
+        # TLS 1.3 checks the client's certificate after the client's side of the
+        # handshake is done: the alert is what its first read gets.
+        sock.sendall(request_bytes("GET", "/models/v1/models"))
+        sock.recv(100)
+    assert "alert" in str(refused.value).lower() and any(a in str(refused.value).lower().replace("_", " ")
+                                                         for a in alert), refused.value
