@@ -1,4 +1,10 @@
-"""The retry budget: retries cannot multiply load during an outage.
+"""When a request may go upstream again: the retry budget, and which requests.
+
+Two questions decide a retry, both here. *May this request be sent twice?*
+(:func:`may_repeat`: its method is idempotent or it carries an
+``Idempotency-Key``; otherwise only a failure proving nothing was processed
+allows it, which ``WireStream`` judges from what the driver reports.) And
+*can the proxy afford it?* (the budget below).
 
 A per-stream attempt limit is not enough: when every request fails, each one
 retrying twice triples the load on an engine that is already down. Envoy's
