@@ -65,6 +65,13 @@ class WireConfig:
     close_flush_timeout_s: float = 30.0
     """A body cut after an in-band error still gets its last bytes out; a client
     that stopped reading is reset after this long."""
+    upstream_idle_timeout_s: float = 300.0
+    """After its headers, an upstream that sends no byte for this long has hung: the
+    stream ends with ``upstream_timeout`` and the upstream is aborted (0 = never;
+    300 s is Envoy's stream idle timeout). Not counted while the core paused it."""
+    max_stream_duration_s: float = 0.0
+    """A stream still running this long after its request is ended with
+    ``upstream_timeout`` and its upstream aborted (0 = no limit)."""
     max_pending_bytes: int = 1 << 20
     """Cap on bytes held for one slow client."""
     slow_client_policy: SlowClientPolicy = SlowClientPolicy.COALESCE
@@ -128,7 +135,8 @@ class WireConfig:
     def __post_init__(self) -> None:
         _check_non_negative(self, "heartbeat_s", "commit_deadline_s", "coalesce_ms",
                             "retry_backoff_s", "retry_backoff_max_s",
-                            "retry_budget_ratio", "retry_budget_min_per_s", "resume_grace_s")
+                            "retry_budget_ratio", "retry_budget_min_per_s", "resume_grace_s",
+                            "upstream_idle_timeout_s", "max_stream_duration_s")
         _check_positive(self, "write_deadline_s", "upstream_headers_timeout_s", "upstream_tail_grace_s",
                         "close_flush_timeout_s",
                         "max_pending_bytes", "socket_send_buffer_bytes",

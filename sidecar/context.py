@@ -36,5 +36,7 @@ class SidecarContext:
     """The admin port's own origins (its playground page), allowed by the proxy's CORS."""
     registry: StreamRegistry = field(default_factory=StreamRegistry)
     connections: set[ClientConnection] = field(default_factory=set)
+    buffered_body_bytes: int = 0
+    """Request body bytes held by all connections now (``max_buffered_body_bytes``)."""
     draining: bool = False
     """Set on shutdown: no new requests; connections close after their current response."""

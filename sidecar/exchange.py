@@ -51,6 +51,7 @@ from tokenwire.middleware import (
 )
 from tokenwire.middleware.replay_store import StoreUnavailable, admit, feed_replay
 from tokenwire.middleware.resume import ResumeFrom, classify, new_stream_id
+from tokenwire.middleware.retry import may_repeat
 
 from .context import SidecarContext
 from .forwarding import client_response_headers
@@ -108,7 +109,8 @@ class Exchange:
         self.stream = WireStream(
             context.config.wire, now=self._loop.time(), request_id=request_id,
             upstreams=context.pools.names, retry_budget=context.retry_budget,
-            expect_stream=expect_stream, stream_id=self.stream_id)
+            expect_stream=expect_stream, stream_id=self.stream_id,
+            may_repeat=may_repeat(method, self._upstream_headers))
         self._inbox: deque[tuple[Input, float | None]] = deque()
         self._busy = False
         self._done = False

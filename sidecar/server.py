@@ -34,7 +34,7 @@ from .logs import StreamLog
 from .metrics import SidecarMetrics
 from .protocol import ClientConnection
 from .settings import SidecarConfig, parse_host_port, read_admin_token
-from .tls import load_certificates, server_context
+from .tls import alerting_protocol_factory, load_certificates, server_context
 from .upstream import UpstreamPools
 
 logger = logging.getLogger("tokenwire.sidecar")
@@ -98,9 +98,18 @@ class Sidecar:
         # loop's default would hold the socket for 60 s, before ClientConnection
         # (and its timers and connection count) even exists.
         handshake_timeout_s = (config.header_read_timeout_s or None) if self._ssl is not None else None
-        self._server = await loop.create_server(
-            lambda: ClientConnection(context), host, port, ssl=self._ssl, backlog=4096,
-            reuse_address=True, ssl_handshake_timeout=handshake_timeout_s)
+        factory: Callable[[], asyncio.BaseProtocol] = lambda: ClientConnection(context)  # noqa: E731
+        alerting = (alerting_protocol_factory(factory, self._ssl, handshake_timeout_s)
+                    if self._ssl is not None and config.tls_client_ca else None)
+        if alerting is not None:
+            # mTLS: TLS is terminated by asyncio's protocol (with the handshake
+            # alert fix, see tls.py) rather than uvloop's, which has no such fix.
+            self._server = await loop.create_server(alerting, host, port, backlog=4096,
+                                                    reuse_address=True)
+        else:
+            self._server = await loop.create_server(
+                factory, host, port, ssl=self._ssl, backlog=4096,
+                reuse_address=True, ssl_handshake_timeout=handshake_timeout_s)
         if self._admin is not None:
             self._admin_handler = admin_handler(context, proxy_address=self.address, access=access)
             await self._admin.start_serving()

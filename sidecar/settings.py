@@ -75,6 +75,14 @@ class SidecarConfig:
     """Requests with more header lines than this get 400."""
     max_body_bytes: int = 16 * 1024 * 1024
     """Request bodies larger than this get 413 (the sidecar reads them whole)."""
+    max_buffered_body_bytes: int = 64 * 1024 * 1024
+    """Request bytes held in memory across all connections (bodies are read whole, and
+    kept until their answer ends, for retries); a body that would go beyond it gets 503
+    with Retry-After."""
+    drop_underscore_headers: bool = True
+    """Request headers with ``_`` in their name are not forwarded (nginx's
+    ``underscores_in_headers off``): ``X_Real_IP`` and ``X-Real-IP`` may be one header
+    to the engine's framework and two to the sidecar."""
     header_read_timeout_s: float = 10.0
     """A request head not complete this long after its first byte gets 408."""
     body_read_timeout_s: float = 60.0
@@ -101,7 +109,7 @@ class SidecarConfig:
             if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
                 raise ConfigError(key, f"must be a number >= 0, got {value!r}")
         for key in ("max_connections", "max_head_bytes", "max_header_count", "max_body_bytes",
-                    "upstream_max_connections"):
+                    "max_buffered_body_bytes", "upstream_max_connections"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(key, f"must be a whole number > 0, got {value!r}")
@@ -117,6 +125,8 @@ class SidecarConfig:
                     "FILE, TOKENWIRE_ADMIN_TOKEN or --admin-token) or listen on 127.0.0.1")
         if not self.upstream:
             raise ConfigError("upstream", "at least one upstream is required")
+        if not isinstance(self.drop_underscore_headers, bool):
+            raise ConfigError("drop_underscore_headers", "must be true or false")
         if self.resume_store not in ("", "memory") and not self.resume_store.startswith(
                 ("redis://", "rediss://", "unix://")):
             raise ConfigError("resume_store", f"expected memory or redis://HOST:PORT/DB, "
