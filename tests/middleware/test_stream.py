@@ -335,7 +335,6 @@ UNREPEATABLE_RETRIED = {
     "status_503": True,  # the upstream refused to take it on
     "status_502": False,
     "status_504": False,
-    "error_event_first": False,  # the engine ran it and failed
     "eof_before_event": False,  # the engine may be generating still
     "protocol_before_event": False,
 }
