@@ -106,7 +106,7 @@ from .headers import (
 )
 from .pending import PendingBuffer
 from .retry import RetryBudget
-from .sse import SSEEvent, SSEParser, encode
+from .sse import SSEEvent, SSEParseError, SSEParser, encode
 
 HEARTBEAT = b": keepalive\n\n"
 RETRYABLE_STATUSES = frozenset({502, 503, 504})
@@ -480,7 +480,12 @@ class WireStream:
                 return
         try:
             events = self._parser.feed(event.data)
-        except SSEProtocolError as error:
+        except SSEParseError as error:
+            # The events before the fault go out first, however the reads were cut.
+            for sse_event in error.events_before:
+                self._on_sse_event(sse_event, now)
+                if self._state in _ENDED or self._retry_at is not None:
+                    return
             self._upstream_failure(error, EndReason.UPSTREAM_ERROR, now)
             return
         on_sse_event = self._on_sse_event

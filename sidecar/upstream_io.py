@@ -21,6 +21,19 @@ policy) is pushed back on exactly as before. ``is_readable`` (httpcore's "did
 the server close this idle connection?") is answered from the protocol's own
 state, without a system call.
 
+Response framing: after each request is written, ``read()`` hands httpcore
+the response head and nothing past it (a 1xx head and the next head are
+handed one at a time), so h11 never buffers body bytes. The body is then read
+by the sidecar itself (:mod:`~tokenwire.sidecar.upstream_body`, through
+:meth:`UpstreamStream.read`), or, for a ``Content-Length`` body, by h11 with
+reads capped at the bytes still due (:meth:`UpstreamStream.limit_reads`).
+Either way a byte the upstream sends past its response's framing stays here,
+where :attr:`UpstreamStream.buffered` sees it and the connection is closed
+instead of pooled: otherwise the next request on it would read those bytes as
+the start of its answer. When the sidecar read a chunked body itself, h11 is
+handed a bare last chunk (:meth:`UpstreamStream.end_body`) so that it, and so
+httpcore's pool, knows the response ended.
+
 Timeouts and exceptions follow httpcore's contract: ``ConnectError``/
 ``ConnectTimeout`` when connecting, ``ReadError``/``ReadTimeout`` and
 ``WriteError``/``WriteTimeout`` after; ``b""`` from ``read()`` is EOF.
@@ -30,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import socket
 import ssl
 import typing
@@ -39,6 +53,11 @@ import httpcore
 
 # Bytes buffered from the upstream before its transport stops reading.
 _READ_HIGH_WATER_BYTES = 256 * 1024
+
+# Where a response head ends (h11's own rule: a line feed, optional CR, line feed).
+_HEAD_END = re.compile(rb"\n\r?\n")
+# What h11 is handed, in place of the chunked body the sidecar read itself.
+_LAST_CHUNK = b"0\r\n\r\n"
 
 SocketOption = tuple[int, int, int] | tuple[int, int, bytes | bytearray] | tuple[int, int, None, int]
 
@@ -110,8 +129,71 @@ class UpstreamStream(httpcore.AsyncNetworkStream):
         self._transport = transport
         self._protocol = protocol
         self._loop = asyncio.get_running_loop()
+        # A request was written and its final response head is not read whole yet.
+        self._head_pending = False
+        self._head_tail = b""  # the last bytes of the head so far (an end may straddle reads)
+        self._head_start = b""  # its first bytes: is it a 1xx head?
+        self._read_limit: int | None = None
+        self._replay = b""
+
+    @property
+    def buffered(self) -> bool:
+        """Bytes have arrived that no read has taken (or the upstream closed)."""
+        return bool(self._protocol.chunks) or self._protocol.eof
+
+    def limit_reads(self, remaining_bytes: int | None) -> None:
+        """Hand out at most ``remaining_bytes`` more (the rest of a
+        ``Content-Length`` body); None lifts the cap."""
+        self._read_limit = remaining_bytes
+
+    def unread(self, data: bytes) -> None:
+        """Put bytes back in front of the buffer (read past a body's end)."""
+        protocol = self._protocol
+        protocol.chunks.insert(0, data)
+        protocol.buffered_bytes += len(data)
+
+    def end_body(self) -> None:
+        """The sidecar read a chunked body to its end itself: the next read
+        gives httpcore's h11 a bare last chunk, so it sees the response end."""
+        self._replay = _LAST_CHUNK
 
     async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        if self._replay:
+            data, self._replay = self._replay, b""
+            return data
+        if self._read_limit is not None:
+            if self._read_limit <= 0:
+                return b""
+            max_bytes = min(max_bytes, self._read_limit)
+        data = await self._read(max_bytes, timeout)
+        if self._head_pending and data:
+            data = self._cut_at_head_end(data)
+        if self._read_limit is not None:
+            self._read_limit -= len(data)
+        return data
+
+    def _cut_at_head_end(self, data: bytes) -> bytes:
+        """``data`` up to the end of the response head; the rest is put back."""
+        if len(self._head_start) < 12:
+            self._head_start += data[:12 - len(self._head_start)]
+        tail = self._head_tail
+        match = _HEAD_END.search(tail + data)
+        if match is None:
+            self._head_tail = (tail + data)[-2:]
+            return data
+        cut = match.end() - len(tail)
+        # h11 reads 1xx heads (other than 101) and then the real one: keep cutting.
+        status = self._head_start[9:12]
+        informational = status[:1] == b"1" and status != b"101"
+        self._head_pending = informational
+        self._head_tail = b""
+        self._head_start = b""
+        if cut < len(data):
+            self.unread(data[cut:])
+            data = data[:cut]
+        return data
+
+    async def _read(self, max_bytes: int, timeout: float | None) -> bytes:
         protocol = self._protocol
         if not protocol.chunks:
             if protocol.error is not None:
@@ -152,6 +234,12 @@ class UpstreamStream(httpcore.AsyncNetworkStream):
         if not buffer:
             return
         protocol = self._protocol
+        # A new request (or the rest of one): its response starts with a head.
+        self._head_pending = True
+        self._head_tail = b""
+        self._head_start = b""
+        self._read_limit = None
+        self._replay = b""
         if protocol.error is not None or self._transport.is_closing():
             raise httpcore.WriteError("the upstream connection is closed")
         self._transport.write(buffer)
