@@ -12,9 +12,10 @@ to the pool (keep-alive), but only if it ended exactly where its framing says
 (nothing after a HEAD/204/304 head, the ``Content-Length`` and no more, the
 chunked terminator and no more); anything extra closes it. A chunked body is
 read by :class:`~tokenwire.sidecar.upstream_body.ChunkedBodyReader`, one
-wire-core input per socket read, not httpcore's one per chunk. An aborted attempt is cancelled: httpcore closes a
-connection whose response was not read to the end instead of pooling it, so an
-aborted stream's connection is never reused. httpcore's own retries are off;
+wire-core input per socket read, not httpcore's one per chunk. An aborted
+attempt is cancelled: httpcore closes a connection whose response was not
+read to the end instead of pooling it, so an aborted stream's connection is
+never reused. httpcore's own retries are off;
 retrying is the wire core's decision (``RetryUpstream``).
 
 Each upstream's connections are split over ``_POOL_SHARDS`` pools taken in
