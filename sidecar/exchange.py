@@ -46,6 +46,7 @@ from tokenwire.middleware import (
     ResumeUpstream,
     RetryUpstream,
     Tick,
+    UpstreamData,
     WireStream,
     WriteCompleted,
 )
@@ -161,6 +162,19 @@ class Exchange:
             self._busy = False
         self._reschedule()
 
+    def feed_read(self, data: bytes) -> None:
+        """One upstream body read. When the client keeps up the core's
+        one-call path (``forward_read``) answers with the bytes to write and
+        they go straight to the socket; otherwise it is ``UpstreamData``."""
+        if not self._busy and not self._done and not self._inbox and not self._response_ended:
+            out = self.stream.forward_read(data, self._loop.time())
+            if out is not None:
+                # A write that fills the socket calls pause_writing → SocketPaused,
+                # which the core takes after this write, as it would have.
+                self._downstream.send_body(out)
+                return
+        self.feed(UpstreamData(data))
+
     def describe(self, now: float) -> dict[str, Any]:
         """The ``GET /streams`` entry for this stream."""
         stream = self.stream
@@ -203,8 +217,12 @@ class Exchange:
                 self._start_attempt(action.upstream_index)
             elif isinstance(action, PauseUpstream):
                 self._upstream_readable.clear()
+                if isinstance(self._attempt_connection, UpstreamStream):
+                    self._attempt_connection.pause_delivery()
             elif isinstance(action, ResumeUpstream):
                 self._upstream_readable.set()
+                if isinstance(self._attempt_connection, UpstreamStream):
+                    self._attempt_connection.resume_delivery()
             elif isinstance(action, CloseClient):
                 self._response_ended = True
                 self._downstream.end_response(abrupt=action.abrupt, reset=action.reset)
@@ -351,11 +369,16 @@ class Exchange:
             if attempt is not None and attempt is self._attempt:
                 self._attempt_connection = stream
 
+        def body_from_attempt(data: bytes) -> None:
+            if attempt is not None and attempt is self._attempt:
+                self.feed_read(data)
+
         self._attempt_connection = None
         attempt = self._loop.create_task(run_attempt(
             pools.upstreams[upstream_index], method=self._method, target=self._target,
             headers=self._upstream_headers, body=self._body, timeouts=pools.timeouts,
-            readable=self._upstream_readable, feed=feed_from_attempt, on_connection=connected))
+            readable=self._upstream_readable, feed=feed_from_attempt, on_connection=connected,
+            feed_body=body_from_attempt))
         self._attempt = attempt
 
     def _abort_attempt(self) -> None:

@@ -209,6 +209,7 @@ async def run_attempt(
     readable: asyncio.Event,
     feed: Callable[[Input], None],
     on_connection: Callable[[object], None] | None = None,
+    feed_body: Callable[[bytes], None] | None = None,
 ) -> None:
     """One upstream request; every outcome is reported through ``feed``.
 
@@ -216,7 +217,10 @@ async def run_attempt(
     (``PauseUpstream``); TCP then pushes back on the engine. Cancel the task
     to abort: the connection is closed, not pooled. ``on_connection`` gets
     the response's network stream, so an abort can close it without waiting
-    for the cancellation to unwind.
+    for the cancellation to unwind. ``feed_body``, if given, takes the bytes
+    of a chunked body as they arrive, straight from the socket's callback
+    (pause it with the stream's ``pause_delivery``/``resume_delivery``);
+    otherwise they come through ``feed`` as ``UpstreamData``.
     """
     pool = upstream.next_pool()
     reusable = True
@@ -231,7 +235,12 @@ async def run_attempt(
             feed(UpstreamHeaders(status, response_headers))
             framing = _body_framing(method, status, response_headers)
             if isinstance(network, UpstreamStream) and framing == "chunked":
-                await _read_chunked(network, readable, feed)
+                if feed_body is not None:
+                    if not readable.is_set():
+                        network.pause_delivery()
+                    await network.deliver_chunked(feed_body)
+                else:
+                    await _read_chunked(network, readable, feed)
                 network.end_body()  # h11 ends the message: see upstream_io
             elif isinstance(network, UpstreamStream) and isinstance(framing, int):
                 network.limit_reads(framing)

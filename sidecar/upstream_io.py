@@ -47,9 +47,11 @@ import re
 import socket
 import ssl
 import typing
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import httpcore
+
+from .upstream_body import ChunkedBodyReader
 
 # Bytes buffered from the upstream before its transport stops reading.
 _READ_HIGH_WATER_BYTES = 256 * 1024
@@ -75,11 +77,18 @@ class _UpstreamProtocol(asyncio.Protocol):
         self.waiter: asyncio.Future[None] | None = None
         self.write_paused = False
         self.drain_waiter: asyncio.Future[None] | None = None
+        # While a body is delivered (UpstreamStream.deliver_chunked): where reads go.
+        self.sink: _BodySink | None = None
+        self.sink_paused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = typing.cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
+        sink = self.sink
+        if sink is not None and not self.sink_paused and not self.chunks:
+            sink.data(data)
+            return
         self.chunks.append(data)
         self.buffered_bytes += len(data)
         if self.buffered_bytes > _READ_HIGH_WATER_BYTES and not self.reading_paused:
@@ -91,6 +100,8 @@ class _UpstreamProtocol(asyncio.Protocol):
     def eof_received(self) -> bool | None:
         self.eof = True
         self._wake()
+        if self.sink is not None:
+            self.sink.closed(None)
         return None  # close the transport: we never half-close towards the upstream
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -99,6 +110,8 @@ class _UpstreamProtocol(asyncio.Protocol):
             self.error = exc
         self._wake()
         self._wake_writer()
+        if self.sink is not None:
+            self.sink.closed(exc)
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -120,6 +133,37 @@ class _UpstreamProtocol(asyncio.Protocol):
             self.drain_waiter = None
             if not waiter.done():
                 waiter.set_result(None)
+
+
+class _BodySink:
+    """A chunked body delivered from ``data_received`` itself: no task wakes
+    per read, the reader and the driver's callback run right there."""
+
+    def __init__(self, deliver: Callable[[bytes], None]) -> None:
+        self.reader = ChunkedBodyReader()
+        self.deliver = deliver
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def data(self, data: bytes) -> None:
+        if self.done.done():
+            return
+        try:
+            body = self.reader.feed(data)
+        except httpcore.RemoteProtocolError as error:
+            self.done.set_exception(error)
+            return
+        if body:
+            self.deliver(body)
+        if self.reader.done and not self.done.done():
+            self.done.set_result(None)
+
+    def closed(self, error: Exception | None) -> None:
+        if not self.done.done():
+            if error is not None:
+                self.done.set_exception(httpcore.ReadError(str(error) or type(error).__name__))
+            else:
+                self.done.set_exception(httpcore.RemoteProtocolError(
+                    "the upstream closed before the end of its chunked body"))
 
 
 class UpstreamStream(httpcore.AsyncNetworkStream):
@@ -151,6 +195,53 @@ class UpstreamStream(httpcore.AsyncNetworkStream):
         protocol = self._protocol
         protocol.chunks.insert(0, data)
         protocol.buffered_bytes += len(data)
+
+    async def deliver_chunked(self, deliver: Callable[[bytes], None]) -> None:
+        """Read a chunked body to its last chunk, handing each read's body
+        bytes to ``deliver`` as they arrive (see :class:`_BodySink`); returns
+        once the body ended, with anything after it left buffered."""
+        protocol = self._protocol
+        sink = _BodySink(deliver)
+        protocol.sink = sink
+        try:
+            self._drain_into_sink()
+            if protocol.eof and not sink.done.done():
+                sink.closed(protocol.error)
+            await sink.done
+        finally:
+            protocol.sink = None
+            protocol.sink_paused = False
+            if not sink.done.done():
+                sink.done.cancel()
+        if sink.reader.leftover:
+            self.unread(sink.reader.leftover)
+
+    def pause_delivery(self) -> None:
+        """Stop handing body reads over (the wire core paused the upstream):
+        they buffer, and past the high-water mark TCP pushes back."""
+        self._protocol.sink_paused = True
+
+    def resume_delivery(self) -> None:
+        protocol = self._protocol
+        if protocol.sink_paused:
+            protocol.sink_paused = False
+            if protocol.chunks:
+                # Not from inside the driver's own action loop.
+                self._loop.call_soon(self._drain_into_sink)
+
+    def _drain_into_sink(self) -> None:
+        protocol = self._protocol
+        sink = protocol.sink
+        if sink is None or protocol.sink_paused or not protocol.chunks:
+            return
+        chunks = protocol.chunks
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        protocol.chunks = []
+        protocol.buffered_bytes = 0
+        if protocol.reading_paused:
+            protocol.reading_paused = False
+            self._transport.resume_reading()
+        sink.data(data)
 
     def end_body(self) -> None:
         """The sidecar read a chunked body to its end itself: the next read
