@@ -110,13 +110,6 @@ def encode(event: SSEEvent) -> bytes:
     return "".join(parts).encode()
 
 
-class SSEParseError(SSEProtocolError):
-    """The event stream broke a limit; ``events_before`` are the events the
-    same ``feed`` completed before the fault (still to be delivered)."""
-
-    events_before: tuple[SSEEvent, ...] = ()
-
-
 class SSEParser:
     """Incremental EventSource parser; see the module docstring."""
 
@@ -177,29 +170,11 @@ class SSEParser:
             self._skip_lf = buffer.endswith(b"\r")
             buffer = buffer.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         max_line_bytes = self.max_line_bytes
-        fault: SSEParseError | None = None
         if len(buffer) > max_line_bytes:
-            start = 0
             for line in buffer.split(b"\n"):
                 if len(line) > max_line_bytes:
-                    # The lines before it are parsed first: what reaches the
-                    # client must not depend on where the reads were cut.
-                    fault = SSEParseError(f"SSE line longer than {max_line_bytes} bytes")
-                    buffer = buffer[:start]
-                    break
-                start += len(line) + 1
+                    raise SSEProtocolError(f"SSE line longer than {max_line_bytes} bytes")
         events: list[SSEEvent] = []
-        try:
-            self._parse(buffer, events)
-        except SSEParseError as error:
-            error.events_before = tuple(events)
-            raise
-        if fault is not None:
-            fault.events_before = tuple(events)
-            raise fault
-        return events
-
-    def _parse(self, buffer: bytes, events: list[SSEEvent]) -> None:
         if not self._data and self._event is None and self._id is None and self._retry is None:
             # The hot path: whole blocks (``data: ...\n\n``) at an event boundary,
             # one check per event; any other block takes the full algorithm.
@@ -221,7 +196,7 @@ class SSEParser:
             if line[:6] == b"data: ":
                 self._data_bytes += len(line) + 1
                 if self._data_bytes > self.max_event_bytes:
-                    raise SSEParseError(f"SSE event larger than {self.max_event_bytes} bytes")
+                    raise SSEProtocolError(f"SSE event larger than {self.max_event_bytes} bytes")
                 self._data.append(line[6:].decode("utf-8", "replace"))
             elif not line and len(self._data) == 1 and self._event is None and self._id is None \
                     and self._retry is None:
@@ -230,6 +205,7 @@ class SSEParser:
                 self._data_bytes = 0
             else:
                 self._line(line, events)
+        return events
 
     def close(self) -> list[SSEEvent]:
         """EOF: an unterminated last event is discarded, as the spec says."""
@@ -270,7 +246,7 @@ class SSEParser:
         if name == "data":
             self._data_bytes += len(raw) + 1
             if self._data_bytes > self.max_event_bytes:
-                raise SSEParseError(f"SSE event larger than {self.max_event_bytes} bytes")
+                raise SSEProtocolError(f"SSE event larger than {self.max_event_bytes} bytes")
             self._data.append(value)
         elif name == "event":
             self._event = value
@@ -282,7 +258,7 @@ class SSEParser:
         elif name == "error":
             self._data_bytes += len(raw) + 12
             if self._data_bytes > self.max_event_bytes:
-                raise SSEParseError(f"SSE event larger than {self.max_event_bytes} bytes")
+                raise SSEProtocolError(f"SSE event larger than {self.max_event_bytes} bytes")
             try:
                 json.loads(value)
                 payload = value

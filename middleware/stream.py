@@ -106,7 +106,7 @@ from .headers import (
 )
 from .pending import PendingBuffer
 from .retry import RetryBudget
-from .sse import SSEEvent, SSEParseError, SSEParser, encode
+from .sse import SSEEvent, SSEParser, encode
 
 HEARTBEAT = b": keepalive\n\n"
 RETRYABLE_STATUSES = frozenset({502, 503, 504})
@@ -518,12 +518,7 @@ class WireStream:
                 return
         try:
             events = self._parser.feed(event.data)
-        except SSEParseError as error:
-            # The events before the fault go out first, however the reads were cut.
-            for sse_event in error.events_before:
-                self._on_sse_event(sse_event, now)
-                if self._state in _ENDED or self._retry_at is not None:
-                    return
+        except SSEProtocolError as error:
             self._upstream_failure(error, EndReason.UPSTREAM_ERROR, now)
             return
         on_sse_event = self._on_sse_event

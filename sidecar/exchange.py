@@ -162,18 +162,36 @@ class Exchange:
             self._busy = False
         self._reschedule()
 
-    def feed_read(self, data: bytes) -> None:
-        """One upstream body read. When the client keeps up the core's
-        one-call path (``forward_read``) answers with the bytes to write and
-        they go straight to the socket; otherwise it is ``UpstreamData``."""
-        if not self._busy and not self._done and not self._inbox and not self._response_ended:
-            out = self.stream.forward_read(data, self._loop.time())
-            if out is not None:
-                # A write that fills the socket calls pause_writing → SocketPaused,
-                # which the core takes after this write, as it would have.
-                self._downstream.send_body(out)
-                return
-        self.feed(UpstreamData(data))
+    def feed_chunks(self, chunks: list[bytes]) -> None:
+        """The upstream body chunks of one socket read, in order. Each is one
+        input of the core; while the client keeps up, the core's one-call path
+        (``forward_read``) answers each with the bytes to write, and those of
+        one read go to the socket in one write (flushed early past the write
+        high-water mark, so the socket still pauses where it would have)."""
+        batch: list[bytes] = []
+        batched = 0
+        high_water = self._context.config.wire.write_high_water_bytes
+        for data in chunks:
+            if not self._busy and not self._done and not self._inbox and not self._response_ended:
+                out = self.stream.forward_read(data, self._loop.time())
+                if out is not None:
+                    batch.append(out)
+                    batched += len(out)
+                    if batched >= high_water:
+                        self._write_batch(batch)
+                        batch, batched = [], 0
+                    continue
+            if batch:
+                self._write_batch(batch)
+                batch, batched = [], 0
+            self.feed(UpstreamData(data))
+        if batch:
+            self._write_batch(batch)
+
+    def _write_batch(self, batch: list[bytes]) -> None:
+        # A write that fills the socket calls pause_writing → SocketPaused,
+        # which the core takes now, before the next chunk, as it would have.
+        self._downstream.send_body(batch[0] if len(batch) == 1 else b"".join(batch))
 
     def describe(self, now: float) -> dict[str, Any]:
         """The ``GET /streams`` entry for this stream."""
@@ -369,9 +387,9 @@ class Exchange:
             if attempt is not None and attempt is self._attempt:
                 self._attempt_connection = stream
 
-        def body_from_attempt(data: bytes) -> None:
+        def body_from_attempt(chunks: list[bytes]) -> None:
             if attempt is not None and attempt is self._attempt:
-                self.feed_read(data)
+                self.feed_chunks(chunks)
 
         self._attempt_connection = None
         attempt = self._loop.create_task(run_attempt(

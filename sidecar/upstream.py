@@ -11,8 +11,8 @@ A completed response is read to its end, so httpcore returns its connection
 to the pool (keep-alive), but only if it ended exactly where its framing says
 (nothing after a HEAD/204/304 head, the ``Content-Length`` and no more, the
 chunked terminator and no more); anything extra closes it. A chunked body is
-read by :class:`~tokenwire.sidecar.upstream_body.ChunkedBodyReader`, one
-wire-core input per socket read, not httpcore's one per chunk. An aborted
+read by :class:`~tokenwire.sidecar.upstream_body.ChunkedBodyReader`, all the
+chunks of a socket read at once, not through httpcore's layers. An aborted
 attempt is cancelled: httpcore closes a connection whose response was not
 read to the end instead of pooling it, so an aborted stream's connection is
 never reused. httpcore's own retries are off;
@@ -209,7 +209,7 @@ async def run_attempt(
     readable: asyncio.Event,
     feed: Callable[[Input], None],
     on_connection: Callable[[object], None] | None = None,
-    feed_body: Callable[[bytes], None] | None = None,
+    feed_body: Callable[[list[bytes]], None] | None = None,
 ) -> None:
     """One upstream request; every outcome is reported through ``feed``.
 
@@ -217,8 +217,8 @@ async def run_attempt(
     (``PauseUpstream``); TCP then pushes back on the engine. Cancel the task
     to abort: the connection is closed, not pooled. ``on_connection`` gets
     the response's network stream, so an abort can close it without waiting
-    for the cancellation to unwind. ``feed_body``, if given, takes the bytes
-    of a chunked body as they arrive, straight from the socket's callback
+    for the cancellation to unwind. ``feed_body``, if given, takes the chunks
+    of a chunked body, those of one read at once, straight from the socket's callback
     (pause it with the stream's ``pause_delivery``/``resume_delivery``);
     otherwise they come through ``feed`` as ``UpstreamData``.
     """
@@ -289,7 +289,7 @@ def _body_framing(method: bytes, status: int, headers: Sequence[Header]) -> str 
 
 async def _read_chunked(network: UpstreamStream, readable: asyncio.Event,
                         feed: Callable[[Input], None]) -> None:
-    """Read a chunked body to its last chunk: one ``UpstreamData`` per read."""
+    """Read a chunked body to its last chunk: one ``UpstreamData`` per chunk."""
     reader = ChunkedBodyReader()
     while not reader.done:
         if not readable.is_set():
@@ -297,8 +297,7 @@ async def _read_chunked(network: UpstreamStream, readable: asyncio.Event,
         data = await network.read(_BODY_READ_BYTES)
         if not data:
             raise httpcore.RemoteProtocolError("the upstream closed before the end of its chunked body")
-        chunk = reader.feed(data)
-        if chunk:
+        for chunk in reader.feed(data):
             feed(UpstreamData(chunk))
     if reader.leftover:
         network.unread(reader.leftover)

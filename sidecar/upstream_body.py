@@ -7,11 +7,13 @@ response is then read here. h11 turns every chunk into a ``Data`` event that
 httpcore yields through three async-generator layers, so a streaming upstream
 that sends one chunk per token cost a state-machine pass and four Python
 objects per token, and the sidecar fed the wire core, and wrote to the client,
-once per chunk even when one socket read held many. :class:`ChunkedBodyReader`
-takes a whole read at once and returns the body bytes it holds, joined: one
-wire-core input and one client write per read, as nginx does.
+through async-generator layers even when one socket read held many chunks.
+:class:`ChunkedBodyReader` takes a whole read at once and returns the body
+bytes of each chunk it holds (a list: the wire core still sees one input per
+chunk, as the upstream framed it, so what it writes does not depend on how
+the reads were cut; the sidecar then writes what they give in one go).
 
-It is sans-IO: ``feed(data)`` returns the body bytes, ``done`` says whether the
+It is sans-IO: ``feed(data)`` returns the body pieces, ``done`` says whether the
 last chunk and the trailer section were read. Bytes after the end are not
 consumed; ``leftover`` holds them, and a response followed by anything is a
 reason to close its connection rather than pool it (the next response on it
@@ -56,12 +58,12 @@ class ChunkedBodyReader:
         """The last chunk and the trailer section have been read."""
         return self._state == self._DONE
 
-    def feed(self, data: bytes) -> bytes:
-        """The body bytes in ``data`` (possibly ``b""``); raises
-        :class:`httpcore.RemoteProtocolError` on a malformed body."""
+    def feed(self, data: bytes) -> list[bytes]:
+        """The body bytes in ``data``, one piece per chunk (or part of one);
+        raises :class:`httpcore.RemoteProtocolError` on a malformed body."""
         if self._state == self._DONE:
             self.leftover += data
-            return b""
+            return []
         buffer = self._buffer + data if self._buffer else data
         self._buffer = b""
         out: list[bytes] = []
@@ -121,6 +123,4 @@ class ChunkedBodyReader:
         self._state = state
         if pos < end:
             self._buffer = buffer[pos:]
-        if not out:
-            return b""
-        return out[0] if len(out) == 1 else b"".join(out)
+        return out

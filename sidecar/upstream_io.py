@@ -139,7 +139,7 @@ class _BodySink:
     """A chunked body delivered from ``data_received`` itself: no task wakes
     per read, the reader and the driver's callback run right there."""
 
-    def __init__(self, deliver: Callable[[bytes], None]) -> None:
+    def __init__(self, deliver: Callable[[list[bytes]], None]) -> None:
         self.reader = ChunkedBodyReader()
         self.deliver = deliver
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -148,12 +148,12 @@ class _BodySink:
         if self.done.done():
             return
         try:
-            body = self.reader.feed(data)
+            chunks = self.reader.feed(data)
         except httpcore.RemoteProtocolError as error:
             self.done.set_exception(error)
             return
-        if body:
-            self.deliver(body)
+        if chunks:
+            self.deliver(chunks)
         if self.reader.done and not self.done.done():
             self.done.set_result(None)
 
@@ -196,9 +196,9 @@ class UpstreamStream(httpcore.AsyncNetworkStream):
         protocol.chunks.insert(0, data)
         protocol.buffered_bytes += len(data)
 
-    async def deliver_chunked(self, deliver: Callable[[bytes], None]) -> None:
-        """Read a chunked body to its last chunk, handing each read's body
-        bytes to ``deliver`` as they arrive (see :class:`_BodySink`); returns
+    async def deliver_chunked(self, deliver: Callable[[list[bytes]], None]) -> None:
+        """Read a chunked body to its last chunk, handing each read's chunks
+        to ``deliver`` as they arrive (see :class:`_BodySink`); returns
         once the body ended, with anything after it left buffered."""
         protocol = self._protocol
         sink = _BodySink(deliver)

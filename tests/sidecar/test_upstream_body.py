@@ -15,7 +15,7 @@ _BODY = (b"6\r\ndata: \r\n"
 
 def _read(pieces: list[bytes]) -> tuple[bytes, ChunkedBodyReader]:
     reader = ChunkedBodyReader()
-    out = b"".join(reader.feed(piece) for piece in pieces)
+    out = b"".join(b"".join(reader.feed(piece)) for piece in pieces)
     return out, reader
 
 
@@ -30,9 +30,10 @@ def test_everySplit_givesTheSameBody() -> None:
     assert body == expected and reader.done
 
 
-def test_oneReadOfManyChunks_isOneJoinedPiece() -> None:
+def test_oneReadOfManyChunks_givesOnePiecePerChunk() -> None:
     reader = ChunkedBodyReader()
-    assert reader.feed(b"2\r\nab\r\n2\r\ncd\r\n") == b"abcd"
+    assert reader.feed(b"2\r\nab\r\n2\r\ncd\r\n3\r\nef") == [b"ab", b"cd", b"ef"]
+    assert reader.feed(b"g\r\n") == [b"g"]
     assert not reader.done
 
 
