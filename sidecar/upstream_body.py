@@ -35,6 +35,7 @@ import httpcore
 _MAX_SIZE_LINE_BYTES = 4096
 _MAX_TRAILER_BYTES = 64 * 1024
 # A chunk-size line: hex digits, then optional extensions (";" onwards, no CR/LF/NUL).
+_HEX_DIGITS = b"0123456789abcdefABCDEF"
 _SIZE_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[^\r\n\x00]*)?\Z")
 
 
@@ -85,10 +86,14 @@ class ChunkedBodyReader:
                     if end - pos >= _MAX_SIZE_LINE_BYTES or b"\n" in buffer[pos:]:
                         raise httpcore.RemoteProtocolError("malformed chunk-size line from the upstream")
                     break
-                match = _SIZE_LINE.match(buffer, pos, line_end)
-                if match is None:
-                    raise httpcore.RemoteProtocolError("malformed chunk-size line from the upstream")
-                size = int(match.group(1), 16)
+                digits = buffer[pos:line_end]
+                if not 0 < len(digits) <= 16 or digits.strip(_HEX_DIGITS):
+                    # Not bare hex digits: extensions, or malformed.
+                    match = _SIZE_LINE.match(buffer, pos, line_end)
+                    if match is None:
+                        raise httpcore.RemoteProtocolError("malformed chunk-size line from the upstream")
+                    digits = match.group(1)
+                size = int(digits, 16)
                 pos = line_end + 2
                 if size:
                     self._remaining = size
