@@ -89,6 +89,8 @@ from .events import (
     ReplaySource,
     ResumeUpstream,
     RetryUpstream,
+    SocketPaused,
+    SocketResumed,
     StopRequested,
     StreamRecord,
     Tick,
@@ -251,6 +253,7 @@ class _Responder:
         self.wake: asyncio.Future[None] | None = None  # set while the writer waits
         self.writer_sending = False
         self.pending_send: Awaitable[None] | None = None  # an inline send that suspended
+        self.pending_paused = False  # ... after forward_read: the core was told SocketPaused
         self.upstream_resumed: asyncio.Event | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at = 0.0
@@ -469,7 +472,7 @@ class _Responder:
             raise RuntimeError("ASGI message after the response body ended")
         now = self.loop.time()
         body = message.get("body", b"")
-        if body:
+        if body and not self.forward_inline(stream, bytes(body), now):
             self.apply(stream.handle(UpstreamData(bytes(body)), now), wake=False)
             if not self.write_inline(stream):
                 self.wake_writer()
@@ -571,6 +574,59 @@ class _Responder:
             self.wake = None
             wake.set_result(None)
 
+    def writer_idle(self) -> bool:
+        """The writer waits with nothing of its own to do: this send may write."""
+        return (self.wake is not None and not self.writer_sending and self.start_message is None
+                and self.close is None and self.pending_send is None)
+
+    def forward_inline(self, stream: WireStream, body: bytes, now: float) -> bool:
+        """The keeps-up path: the core's one call (``forward_read``) gives the
+        bytes to write and the server's ``send`` takes them at once. A send
+        that suspends instead means the socket is full: the core is told it
+        is paused until the writer has finished that send. False (and
+        nothing done) when the core says this body needs its usual way."""
+        if not self.writer_idle():
+            return False
+        out = stream.forward_read(body, now)
+        if out is None:
+            return False
+        self.start_send(stream, out, paused=True)
+        return True
+
+    def start_send(self, stream: WireStream, data: bytes, *, paused: bool) -> None:
+        """Run the server's ``send`` of ``data`` here until it completes or
+        suspends; a suspended one is handed to the writer (``pending_send``),
+        which finishes it. ``paused``: the core counted the write as done, so
+        a suspension is reported as ``SocketPaused`` (resumed when it ends);
+        otherwise the write is in flight and ends with ``WriteCompleted``."""
+        sending = self.send({"type": "http.response.body", "body": data, "more_body": True})
+        if inspect.iscoroutine(sending):
+            try:
+                yielded = sending.send(None)
+            except StopIteration:
+                if not paused:
+                    self.apply(stream.handle(WriteCompleted(), self.loop.time()), wake=False)
+                    if (self.start_message is not None or self.close is not None or stream.finished
+                            or stream.pending_bytes):
+                        self.wake_writer()
+                return
+            except Exception as error:
+                # As the writer does when the server's send fails.
+                if not isinstance(error, OSError):
+                    self.writer_error = error
+                self.client_gone = True
+                self.apply(stream.handle(ClientGone(), self.loop.time()))
+                return
+            self.pending_send = _finish(sending, yielded)
+        else:
+            self.pending_send = sending  # some other awaitable: the writer awaits it
+        # Outstanding: the writer owns it now.
+        self.pending_paused = paused
+        self.writer_sending = True
+        if paused:
+            self.apply(stream.handle(SocketPaused(), self.loop.time()), wake=False)
+        self.wake_writer()
+
     def write_inline(self, stream: WireStream) -> bool:
         """Write from the app's ``send`` itself when the writer is idle: the
         server's ``send`` usually completes without suspending (the bytes go
@@ -579,38 +635,12 @@ class _Responder:
         full), the rest of that ``send`` is handed to the writer, which
         finishes it as if it had started it. False if there was nothing to
         write this way (the writer must look)."""
-        if (self.wake is None or self.writer_sending or self.start_message is not None
-                or self.close is not None or self.pending_send is not None):
+        if not self.writer_idle():
             return False
         data = stream.data_to_send(self.loop.time())
         if not data:
             return False
-        sending = self.send({"type": "http.response.body", "body": data, "more_body": True})
-        if not inspect.iscoroutine(sending):
-            # Some other awaitable: the writer awaits it, as it would have.
-            self.pending_send = sending
-            self.writer_sending = True
-            self.wake_writer()
-            return True
-        try:
-            yielded = sending.send(None)
-        except StopIteration:
-            self.apply(stream.handle(WriteCompleted(), self.loop.time()), wake=False)
-            if (self.start_message is not None or self.close is not None or stream.finished
-                    or stream.pending_bytes):
-                self.wake_writer()
-            return True
-        except Exception as error:
-            # As the writer does when the server's send fails.
-            if not isinstance(error, OSError):
-                self.writer_error = error
-            self.client_gone = True
-            self.apply(stream.handle(ClientGone(), self.loop.time()))
-            return True
-        # Suspended on the socket: the write is outstanding, the writer owns it now.
-        self.pending_send = _finish(sending, yielded)
-        self.writer_sending = True
-        self.wake_writer()
+        self.start_send(stream, data, paused=False)
         return True
 
     def abort_app(self, reason: EndReason) -> None:
@@ -681,7 +711,8 @@ class _Responder:
                     finally:
                         self.pending_send = None
                         self.writer_sending = False
-                    self.apply(stream.handle(WriteCompleted(), loop.time()))
+                    ended = SocketResumed() if self.pending_paused else WriteCompleted()
+                    self.apply(stream.handle(ended, loop.time()))
                     continue
                 start = self.start_message
                 if start is not None:
