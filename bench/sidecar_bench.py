@@ -176,7 +176,7 @@ def sidecar(listen_port: int, upstream_port: int, workers: int = 1) -> Iterator[
     cmd = [PY, "-m", "tokenwire.sidecar", "sidecar",
            "--listen", f"127.0.0.1:{listen_port}", "--upstream", f"http://127.0.0.1:{upstream_port}",
            "--admin-listen", f"127.0.0.1:{admin_port}", "--max-connections", "20000",
-           "--log-file", "", "--workers", str(workers)]
+           "--log-file", "", *(["--workers", str(workers)] if workers > 1 else [])]
     with process(cmd, "sidecar") as proc:
         yield proc
 
@@ -292,7 +292,11 @@ SWEEP_STREAMS = 200
 SWEEP_SECONDS = 4.0
 
 
-def sweep(rounds: int, rates: tuple[int, ...] = SWEEP_RATES) -> dict[str, Any]:
+SWEEP_TARGETS = ("direct", "tokenwire-1", "tokenwire-2", "nginx-1", "nginx-2")
+
+
+def sweep(rounds: int, rates: tuple[int, ...] = SWEEP_RATES,
+          names: tuple[str, ...] = SWEEP_TARGETS) -> dict[str, Any]:
     """Offered load against every target, side by side in one run.
 
     Targets: direct, tokenwire with ``--workers`` 1 and 2, nginx with 1 and 2
@@ -305,17 +309,16 @@ def sweep(rounds: int, rates: tuple[int, ...] = SWEEP_RATES) -> dict[str, Any]:
     until the upstream sees each connection close.
     """
     upstream_port = free_port()
-    ports = {name: free_port() for name in ("tokenwire-1", "tokenwire-2", "nginx-1", "nginx-2")}
+    ports = {name: free_port() for name in names if name != "direct"}
     cells: dict[str, dict[str, list[dict[str, Any]]]] = {}
     with contextlib.ExitStack() as stack:
         stack.enter_context(process([PY, LOAD, "upstream", "--port", str(upstream_port)], "upstream"))
-        pids = {"direct": None}
-        for workers in (1, 2):
-            side = stack.enter_context(sidecar(ports[f"tokenwire-{workers}"], upstream_port, workers))
-            ngx = stack.enter_context(nginx(ports[f"nginx-{workers}"], upstream_port, workers))
-            pids[f"tokenwire-{workers}"] = side.pid
-            pids[f"nginx-{workers}"] = ngx.pid
-        targets = {"direct": upstream_port, **ports}
+        pids: dict[str, int | None] = {"direct": None}
+        for name, port in ports.items():
+            kind, _, workers = name.partition("-")
+            proxy = sidecar if kind == "tokenwire" else nginx
+            pids[name] = stack.enter_context(proxy(port, upstream_port, int(workers))).pid
+        targets = {"direct": upstream_port, **ports}  # direct first: the others' reference
         # Warm-up: every target once at the lowest rate.
         for port in targets.values():
             client("throughput", port, upstream_port, "--streams", "50", "--events", "50",
@@ -438,12 +441,15 @@ def main() -> int:
                         help="offered load 5k/10k/20k events/s against direct, tokenwire --workers 1/2 "
                              "and nginx 1/2 workers, ROUNDS rounds each, plus 50 resets at once; "
                              "writes sidecar_sweep.json and sidecar_sweep.png")
+    parser.add_argument("--targets", default=",".join(SWEEP_TARGETS),
+                        help="--sweep: which targets (direct must come first)")
+    parser.add_argument("--out", default="sidecar_sweep", help="--sweep: results file name")
     args = parser.parse_args()
     if args.sweep:
         RESULTS.mkdir(parents=True, exist_ok=True)
-        sweep_results = sweep(args.sweep)
-        (RESULTS / "sidecar_sweep.json").write_text(json.dumps(sweep_results, indent=2) + "\n")
-        plot_sweep(sweep_results, RESULTS / "sidecar_sweep.png")
+        sweep_results = sweep(args.sweep, names=tuple(args.targets.split(",")))
+        (RESULTS / f"{args.out}.json").write_text(json.dumps(sweep_results, indent=2) + "\n")
+        plot_sweep(sweep_results, RESULTS / f"{args.out}.png")
         print(json.dumps(sweep_results["summary"], indent=2))
         print(json.dumps(sweep_results["reset_50_at_once"], indent=2))
         return 0

@@ -56,6 +56,8 @@ from .upstream_body import ChunkedBodyReader
 # Bytes buffered from the upstream before its transport stops reading.
 _READ_HIGH_WATER_BYTES = 256 * 1024
 
+# Writes smaller than this are held until the next read or loop turn (see write).
+_HOLD_WRITE_BYTES = 64 * 1024
 # Where a response head ends (h11's own rule: a line feed, optional CR, line feed).
 _HEAD_END = re.compile(rb"\n\r?\n")
 # What h11 is handed, in place of the chunked body the sidecar read itself.
@@ -179,6 +181,7 @@ class UpstreamStream(httpcore.AsyncNetworkStream):
         self._head_start = b""  # its first bytes: is it a 1xx head?
         self._read_limit: int | None = None
         self._replay = b""
+        self._held: list[bytes] = []  # small writes not sent yet (see write)
 
     @property
     def buffered(self) -> bool:
@@ -248,7 +251,17 @@ class UpstreamStream(httpcore.AsyncNetworkStream):
         gives httpcore's h11 a bare last chunk, so it sees the response end."""
         self._replay = _LAST_CHUNK
 
+    def _send_held(self) -> None:
+        held = self._held
+        if held:
+            data = held[0] if len(held) == 1 else b"".join(held)
+            held.clear()
+            if not self._transport.is_closing():
+                self._transport.write(data)
+
     async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        if self._held:
+            self._send_held()
         if self._replay:
             data, self._replay = self._replay, b""
             return data
@@ -333,6 +346,18 @@ class UpstreamStream(httpcore.AsyncNetworkStream):
         self._replay = b""
         if protocol.error is not None or self._transport.is_closing():
             raise httpcore.WriteError("the upstream connection is closed")
+        held = self._held
+        if not held and len(buffer) < _HOLD_WRITE_BYTES:
+            # httpcore writes a request's head and then its body: held for a
+            # moment, they leave in one send() (one packet, one system call).
+            # The next read sends them at the latest, else the loop's next turn.
+            held.append(buffer)
+            self._loop.call_soon(self._send_held)
+            return
+        if held:
+            held.append(buffer)
+            buffer = b"".join(held)
+            held.clear()
         self._transport.write(buffer)
         if not protocol.write_paused:
             return
