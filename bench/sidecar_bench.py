@@ -93,9 +93,10 @@ def wait_port(port: int, timeout_s: float = 30) -> None:
 
 
 @contextlib.contextmanager
-def process(cmd: list[str], what: str, *, ready_line: bool = True) -> Iterator[subprocess.Popen[str]]:
+def process(cmd: list[str], what: str, *, ready_line: bool = True,
+            env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[str]]:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
     try:
         if ready_line:
             wait_ready(proc, what)
@@ -171,13 +172,16 @@ def nginx_worker_pid(master: subprocess.Popen[str]) -> int:
 
 
 @contextlib.contextmanager
-def sidecar(listen_port: int, upstream_port: int, workers: int = 1) -> Iterator[subprocess.Popen[str]]:
+def sidecar(listen_port: int, upstream_port: int, workers: int = 1,
+            code: str | None = None) -> Iterator[subprocess.Popen[str]]:
+    """``code``: a directory holding another ``tokenwire`` package (an older
+    checkout, for a before/after comparison in one run), put first on the path."""
     admin_port = free_port()
     cmd = [PY, "-m", "tokenwire.sidecar", "sidecar",
            "--listen", f"127.0.0.1:{listen_port}", "--upstream", f"http://127.0.0.1:{upstream_port}",
            "--admin-listen", f"127.0.0.1:{admin_port}", "--max-connections", "20000",
            "--log-file", "", *(["--workers", str(workers)] if workers > 1 else [])]
-    with process(cmd, "sidecar") as proc:
+    with process(cmd, "sidecar", env=None if code is None else {**os.environ, "PYTHONPATH": code}) as proc:
         yield proc
 
 
@@ -296,7 +300,7 @@ SWEEP_TARGETS = ("direct", "tokenwire-1", "tokenwire-2", "nginx-1", "nginx-2")
 
 
 def sweep(rounds: int, rates: tuple[int, ...] = SWEEP_RATES,
-          names: tuple[str, ...] = SWEEP_TARGETS) -> dict[str, Any]:
+          names: tuple[str, ...] = SWEEP_TARGETS, base_code: str | None = None) -> dict[str, Any]:
     """Offered load against every target, side by side in one run.
 
     Targets: direct, tokenwire with ``--workers`` 1 and 2, nginx with 1 and 2
@@ -306,8 +310,12 @@ def sweep(rounds: int, rates: tuple[int, ...] = SWEEP_RATES,
     in the same round, latency p50/p99 and the added latency over direct's
     (medians over rounds), and the CPU of the proxy's whole process tree per
     delivered event. Then 50 clients that reset at once, per target: time
-    until the upstream sees each connection close.
+    until the upstream sees each connection close. ``base_code``: also run
+    ``base-1``, the sidecar from that directory (one worker), for a
+    before/after comparison side by side.
     """
+    if base_code is not None:
+        names = (*names, "base-1")
     upstream_port = free_port()
     ports = {name: free_port() for name in names if name != "direct"}
     cells: dict[str, dict[str, list[dict[str, Any]]]] = {}
@@ -316,8 +324,12 @@ def sweep(rounds: int, rates: tuple[int, ...] = SWEEP_RATES,
         pids: dict[str, int | None] = {"direct": None}
         for name, port in ports.items():
             kind, _, workers = name.partition("-")
-            proxy = sidecar if kind == "tokenwire" else nginx
-            pids[name] = stack.enter_context(proxy(port, upstream_port, int(workers))).pid
+            if kind == "nginx":
+                started = stack.enter_context(nginx(port, upstream_port, int(workers)))
+            else:
+                started = stack.enter_context(sidecar(port, upstream_port, int(workers),
+                                                      base_code if kind == "base" else None))
+            pids[name] = started.pid
         targets = {"direct": upstream_port, **ports}  # direct first: the others' reference
         # Warm-up: every target once at the lowest rate.
         for port in targets.values():
@@ -444,10 +456,13 @@ def main() -> int:
     parser.add_argument("--targets", default=",".join(SWEEP_TARGETS),
                         help="--sweep: which targets (direct must come first)")
     parser.add_argument("--out", default="sidecar_sweep", help="--sweep: results file name")
+    parser.add_argument("--base", metavar="DIR", default=None,
+                        help="--sweep: also run the tokenwire package in DIR/tokenwire (e.g. "
+                             "`git archive OLD middleware sidecar` unpacked there) as base-1")
     args = parser.parse_args()
     if args.sweep:
         RESULTS.mkdir(parents=True, exist_ok=True)
-        sweep_results = sweep(args.sweep, names=tuple(args.targets.split(",")))
+        sweep_results = sweep(args.sweep, names=tuple(args.targets.split(",")), base_code=args.base)
         (RESULTS / f"{args.out}.json").write_text(json.dumps(sweep_results, indent=2) + "\n")
         plot_sweep(sweep_results, RESULTS / f"{args.out}.png")
         print(json.dumps(sweep_results["summary"], indent=2))
