@@ -173,7 +173,12 @@ class Exchange:
         high_water = self._context.config.wire.write_high_water_bytes
         for data in chunks:
             if not self._busy and not self._done and not self._inbox and not self._response_ended:
-                out = self.stream.forward_read(data, self._loop.time())
+                try:
+                    out = self.stream.forward_read(data, self._loop.time())
+                except Exception:
+                    logger.exception("stream %s: driver failure; resetting the client", self.request_id)
+                    self._crash()
+                    return
                 if out is not None:
                     batch.append(out)
                     batched += len(out)
