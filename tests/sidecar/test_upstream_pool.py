@@ -57,6 +57,13 @@ def pooled(loop_thread: LoopThread, start_sidecar: StartSidecar) -> Iterator[tup
             response = _sse(path, _SMUGGLED)
         elif path.startswith(b"/good-sse"):
             response = _sse(path, b"")
+        elif path.startswith(b"/bytewise"):
+            # One byte per write: the head's end and every chunk line straddle reads.
+            for byte in _sse(path, b""):
+                writer.write(bytes([byte]))
+                await writer.drain()
+                await asyncio.sleep(0)
+            return
         else:
             response = _json(200, b"" if method == b"HEAD" else _answer(path),
                              length=len(_answer(path)))
@@ -119,3 +126,12 @@ def test_bytesAfterTheLastChunk_closeTheConnection(pooled: tuple[ScriptedUpstrea
     assert "/bad-chunked" in datas[0]
     _next_answer_is_its_own(port)
     assert upstream.connections == 2
+
+
+def test_anAnswerCutIntoSingleBytes_isReadWhole_andTheConnectionReused(
+        pooled: tuple[ScriptedUpstream, int]) -> None:
+    upstream, port = pooled
+    datas = sse_datas(exchange(port, "POST", "/bytewise", body=chat_body()).body)
+    assert datas[-1] == "[DONE]" and "/bytewise" in datas[0]
+    _next_answer_is_its_own(port)
+    assert upstream.connections == 1
