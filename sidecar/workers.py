@@ -196,8 +196,13 @@ class Supervisor:
             await asyncio.gather(*(w.process.wait() for w in list(self.workers.values())))
             return 0
         finally:
+            self._stopping = True
             for task in list(self._tasks):
                 task.cancel()
+            for worker in self.workers.values():
+                if worker.process.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        worker.process.send_signal(signal.SIGTERM)
             if self._admin is not None:
                 self._admin.close()
             if self._holder is not None:
