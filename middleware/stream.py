@@ -168,17 +168,10 @@ def _plain_event_count(data: bytes, limit_bytes: int, marker: bytes | None) -> i
     if (len(data) > limit_bytes or not data.startswith(b"data: ") or not data.endswith(b"\n\n")
             or b"\r" in data or b'"error"' in data or (marker is not None and marker in data)):
         return 0
-    if data.find(b"\n") == len(data) - 2:
-        # One event (the usual read of a client that keeps up): its only line
-        # end is the final blank line, and "data: " opens it and nowhere else.
-        count = 1
-        if data.find(b"data: ", 1) != -1:
-            return 0
-    else:
-        count = data.count(b"\n\n")
-        if (data.count(b"\n") != 2 * count or data.count(b"data: ") != count
-                or data.count(b"\n\ndata: ") != count - 1):
-            return 0
+    count = data.count(b"\n\n")
+    if (data.count(b"\n") != 2 * count or data.count(b"data: ") != count
+            or data.count(b"\n\ndata: ") != count - 1):
+        return 0
     usage = data.count(b'"usage"')
     if usage and usage != data.count(b'"usage":null') + data.count(b'"usage": null'):
         return 0
