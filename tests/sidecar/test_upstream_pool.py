@@ -12,7 +12,16 @@ import re
 from collections.abc import Callable, Iterator
 
 import pytest
-from clients import RawResponse, chat_body, connect, exchange, read_response, request_bytes, sse_datas
+from clients import (
+    RawResponse,
+    chat_body,
+    connect,
+    exchange,
+    read_response,
+    request_bytes,
+    sse_datas,
+    wait_for,
+)
 from conftest import LoopThread, RunningSidecar
 from upstreams import ScriptedUpstream
 
@@ -41,7 +50,13 @@ def _sse(path: bytes, tail: bytes) -> bytes:
 
 
 @pytest.fixture
-def pooled(loop_thread: LoopThread, start_sidecar: StartSidecar) -> Iterator[tuple[ScriptedUpstream, int]]:
+def sidecar_of_pooled() -> dict[str, RunningSidecar]:
+    return {}
+
+
+@pytest.fixture
+def pooled(loop_thread: LoopThread, start_sidecar: StartSidecar,
+           sidecar_of_pooled: dict[str, RunningSidecar]) -> Iterator[tuple[ScriptedUpstream, int]]:
     """A scripted upstream whose answer to ``/bad-*`` oversteps its framing; every
     other path gets a well-framed JSON answer naming that path."""
     upstream: ScriptedUpstream
@@ -73,6 +88,7 @@ def pooled(loop_thread: LoopThread, start_sidecar: StartSidecar) -> Iterator[tup
     upstream = ScriptedUpstream(respond)
     loop_thread.run(upstream.start())
     sidecar = start_sidecar(upstream.url)
+    sidecar_of_pooled["sidecar"] = sidecar
     yield upstream, sidecar.port
     loop_thread.run(upstream.stop())
 
@@ -129,9 +145,20 @@ def test_bytesAfterTheLastChunk_closeTheConnection(pooled: tuple[ScriptedUpstrea
 
 
 def test_anAnswerCutIntoSingleBytes_isReadWhole_andTheConnectionReused(
-        pooled: tuple[ScriptedUpstream, int]) -> None:
+        pooled: tuple[ScriptedUpstream, int], loop_thread: LoopThread,
+        sidecar_of_pooled: dict[str, RunningSidecar]) -> None:
     upstream, port = pooled
     datas = sse_datas(exchange(port, "POST", "/bytewise", body=chat_body()).body)
     assert datas[-1] == "[DONE]" and "/bytewise" in datas[0]
+    # The client has its answer at [DONE]; the chunked terminator is still
+    # arriving a byte at a time. Once read, the connection is idle in the pool.
+    context = sidecar_of_pooled["sidecar"].sidecar.context
+    assert context is not None
+    pools = context.pools.upstreams[0].pools
+
+    def idle() -> bool:
+        return any(c.is_idle() for pool in pools for c in pool.connections)
+
+    wait_for(lambda: loop_thread.call(idle), timeout_s=10)
     _next_answer_is_its_own(port)
     assert upstream.connections == 1
