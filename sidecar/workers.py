@@ -47,8 +47,9 @@ from typing import Any, TextIO
 import h11
 from tokenwire.middleware import EndReason, StreamRecord
 
+from .admin import UNAUTHORIZED_HEADERS, AdminAccess
 from .logs import StreamLog
-from .settings import SidecarConfig, parse_host_port
+from .settings import SidecarConfig, parse_host_port, read_admin_token
 
 logger = logging.getLogger("tokenwire.sidecar")
 
@@ -76,13 +77,16 @@ class Worker:
     restarts: int = 0
 
 
-async def _fetch(address: tuple[str, int], method: str, path: str,
+async def _fetch(address: tuple[str, int], method: str, path: str, token: str = "",
                  timeout_s: float = _ADMIN_TIMEOUT_S) -> tuple[int, bytes, bytes]:
-    """One request to a worker's admin port: (status, content type, body)."""
+    """One request to a worker's admin port: (status, content type, body).
+    ``token``: the admin token, which a worker given one asks for too."""
+    authorization = f"Authorization: Bearer {token}\r\n" if token else ""
     async with asyncio.timeout(timeout_s):
         reader, writer = await asyncio.open_connection(*address)
         try:
-            writer.write(f"{method} {path} HTTP/1.1\r\nHost: worker\r\nConnection: close\r\n\r\n".encode())
+            writer.write(f"{method} {path} HTTP/1.1\r\nHost: worker\r\n{authorization}"
+                         "Connection: close\r\n\r\n".encode())
             await writer.drain()
             raw = await reader.read()
         finally:
@@ -145,6 +149,9 @@ class Supervisor:
         self._admin: asyncio.Server | None = None
         self._log = StreamLog.open(config.log_file)
         self._tasks: set[asyncio.Task[None]] = set()
+        # The public admin port asks what a single sidecar's would (issue: the
+        # admin surface), and the workers' own admin ports get the token along.
+        self._access = AdminAccess(read_admin_token(config), config.metrics_public)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -316,7 +323,7 @@ class Supervisor:
 
         async def one(worker: Worker) -> tuple[int, bytes, bytes] | None:
             try:
-                return await _fetch(worker.admin, method, path)
+                return await _fetch(worker.admin, method, path, self._access.token)
             except (OSError, TimeoutError, ValueError, IndexError):
                 return None
 
@@ -359,7 +366,7 @@ class Supervisor:
             return 503, json_type, b'{"status":"no worker running"}'
         try:
             return await _fetch(live[0].admin, method.decode("ascii", "replace"),
-                                target.decode("ascii", "replace"))
+                                target.decode("ascii", "replace"), self._access.token)
         except (OSError, TimeoutError, ValueError, IndexError):
             return 502, json_type, b'{"status":"worker did not answer"}'
 
@@ -379,9 +386,16 @@ class Supervisor:
                         break
             if request is None:
                 return
-            status, content_type, body = await self.route(request.method, request.target)
+            path = urllib.parse.unquote(request.target.split(b"?", 1)[0].decode("ascii", "replace"))
+            authorization = next((v for k, v in request.headers if k == b"authorization"), None)
+            extra: tuple[tuple[bytes, bytes], ...] = ()
+            if self._access.allows(path, authorization):
+                status, content_type, body = await self.route(request.method, request.target)
+            else:
+                status, content_type, body = 401, b"application/json", b'{"status":"admin token required"}'
+                extra = UNAUTHORIZED_HEADERS
             headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()),
-                       (b"connection", b"close")]
+                       (b"connection", b"close"), *extra]
             writer.write(conn.send(h11.Response(status_code=status, headers=headers)))
             if request.method != b"HEAD":
                 writer.write(conn.send(h11.Data(data=body)))

@@ -103,6 +103,23 @@ def test_adminPort_listsSumsAndCancels_acrossWorkers(workers: tuple[SidecarProce
         sock.close()
 
 
+def test_adminToken_isAskedByTheSupervisor_andPassedToTheWorkers(upstream: FakeUpstream) -> None:
+    token = "s3cret-admin-token"
+    process = spawn(["--upstream", upstream.url, "--workers", "2", "--admin-token", token], timeout_s=60)
+    try:
+        for path in ("/streams", "/workers", "/metrics"):
+            assert _admin(process, path)[0] == 401
+        assert _admin(process, "/streams/x", method="DELETE")[0] == 401
+        assert _admin(process, "/healthz")[0] == 200
+        request = urllib.request.Request(f"http://127.0.0.1:{process.admin_port}/streams",
+                                         headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            # The workers asked for the token as well, and got it from the supervisor.
+            assert response.status == 200 and json.loads(response.read()) == []
+    finally:
+        assert process.stop() == 0
+
+
 def test_sigterm_drainsEveryWorker(upstream: FakeUpstream) -> None:
     process = spawn(["--upstream", upstream.url, "--workers", "2", "--drain-s", "10"], timeout_s=60)
     opened = _open_silent_streams(process, 1.0, "drain")
