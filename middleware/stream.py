@@ -746,13 +746,15 @@ class WireStream:
         if self._finished:
             return
         config = self.config
+        # Time first, as below: the cheap test, false on almost every input.
         if (config.max_stream_duration_s and now >= self.started_at + config.max_stream_duration_s
                 and self._state not in _ENDED):
             self._retry_at = None
             self._fail(UpstreamError(f"the stream ran for its limit of {config.max_stream_duration_s:g} s",
                                      ErrorCode.UPSTREAM_TIMEOUT, http_status=504),
                        EndReason.UPSTREAM_TIMEOUT, now)
-        if self._idle_watched() and now >= self._upstream_seen_at + config.upstream_idle_timeout_s:
+        idle_s = config.upstream_idle_timeout_s
+        if idle_s and now >= self._upstream_seen_at + idle_s and self._idle_watched():
             # A hung engine: heartbeats would otherwise hide it from the client forever.
             self._upstream_failure(
                 UpstreamError(f"no data from upstream for {config.upstream_idle_timeout_s:g} s",

@@ -35,6 +35,16 @@ _MAX_SIZE_DIGITS = 16
 _MAX_LINE_BYTES = 4096
 
 
+def request_line_end(received: bytes | bytearray) -> int:
+    """Where the request line at the start of ``received`` ends (its LF), or -1
+    while it is incomplete."""
+    start = 0
+    # RFC 9112 section 2.2: empty lines before the request line are ignored.
+    while received.startswith(b"\r\n", start):
+        start += 2
+    return received.find(b"\n", start)
+
+
 def request_line_problem(received: bytes | bytearray) -> Problem | None:
     """What makes the request line at the start of ``received`` unservable, once
     that line is complete; None if it is fine or not complete yet.
@@ -42,13 +52,12 @@ def request_line_problem(received: bytes | bytearray) -> Problem | None:
     A line with no version is HTTP/0.9 (400); a version other than 1.0 or 1.1
     is 505, as nginx answers ``HTTP/2.0`` or ``HTTP/9.9`` over HTTP/1 framing.
     """
-    start = 0
-    # RFC 9112 section 2.2: empty lines before the request line are ignored.
-    while received.startswith(b"\r\n", start):
-        start += 2
-    end = received.find(b"\n", start)
+    end = request_line_end(received)
     if end == -1:
         return None
+    start = 0
+    while received.startswith(b"\r\n", start):
+        start += 2
     line = bytes(received[start:end]).removesuffix(b"\r")
     parts = line.split(b" ")
     if len(parts) == 2 and not parts[1].startswith(b"HTTP/"):

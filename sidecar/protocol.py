@@ -52,7 +52,7 @@ from . import cors
 from .context import SidecarContext
 from .exchange import Exchange
 from .forwarding import request_id_from, upstream_request_headers, upstream_request_id, wants_stream
-from .framing import ChunkedScanner, head_length, request_line_problem
+from .framing import ChunkedScanner, head_length, request_line_end, request_line_problem
 
 logger = logging.getLogger("tokenwire.sidecar")
 
@@ -157,6 +157,8 @@ class ClientConnection(asyncio.Protocol):
         # One buffer, not a list of reads: a client sending a byte per packet
         # would otherwise cost an object per byte.
         self._head_received = bytearray()
+        # The current head's request line was complete and found servable.
+        self._line_checked = False
         # Follows a chunked body beside h11 (framing.py); None otherwise.
         self._chunks: ChunkedScanner | None = None
         # Bytes of this request's body counted in context.buffered_body_bytes.
@@ -198,7 +200,8 @@ class ClientConnection(asyncio.Protocol):
         if self._phase is Phase.HEAD:
             # Bounded: h11 refuses a head still incomplete past max_head_bytes.
             self._head_received += data
-            if self._request_line_refused():
+            # Checked once, when the line is complete: only a read with a LF can complete it.
+            if not self._line_checked and b"\n" in data and self._request_line_refused():
                 return
         elif self._phase is Phase.BODY and self._chunks is not None:
             problem = self._chunks.feed(data)
@@ -470,6 +473,7 @@ class ClientConnection(asyncio.Protocol):
         conn.start_next_cycle()
         self._request = None
         self._chunks = None
+        self._line_checked = False
         self._head_received = bytearray()
         self._chunked_body = False
         self._phase = Phase.IDLE
@@ -540,8 +544,10 @@ class ClientConnection(asyncio.Protocol):
     def _request_line_refused(self) -> bool:
         """Refuse a request line h11 would wait on or accept wrongly, as soon as
         it is complete (see framing.py); True if refused."""
-        problem = request_line_problem(self._head_received)
+        received = self._head_received
+        problem = request_line_problem(received)
         if problem is None:
+            self._line_checked = request_line_end(received) != -1
             return False
         self._refuse(*problem)
         return True

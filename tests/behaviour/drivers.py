@@ -21,7 +21,7 @@ import uvicorn
 from tokenwire.middleware import TokenWireMiddleware
 from tokenwire.sidecar import Sidecar, SidecarConfig, StreamLog
 
-from .scenarios import Scenario, scenario_app
+from .scenarios import PLAYED, Scenario, scenario_app
 
 
 class Driver(Protocol):
@@ -75,12 +75,22 @@ async def fetch(port: int, scenario: Scenario) -> bytes:
     sock.setblocking(False)
     await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
     reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 20)
+    played = PLAYED[scenario.name] = asyncio.Event()
     writer.write(f"GET /{scenario.name} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                  f"Connection: close\r\n\r\n".encode())
     if scenario.client_stall_s:
         # asyncio reads eagerly; stop it so the kernel buffers fill up.
         writer.transport.pause_reading()
-        await asyncio.sleep(scenario.client_stall_s)
+        # Stalled until the app has sent everything (the driver then holds what
+        # the client did not take), and at least client_stall_s; bounded, for a
+        # driver that pushes back on the app instead.
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(played.wait(), max(10.0, 25 * scenario.client_stall_s))
+        rest_s = scenario.client_stall_s - (loop.time() - started)
+        if rest_s > 0:
+            await asyncio.sleep(rest_s)
         writer.transport.resume_reading()
     try:
         return await asyncio.wait_for(reader.read(), 20)

@@ -148,23 +148,37 @@ Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 
 
+PLAYED: dict[str, asyncio.Event] = {}
+"""Set (by name) when a scenario's app has played its last step: a stalled
+client waits for it, so what it tests does not depend on how fast the machine is."""
+
+
+def mark_played(name: str) -> None:
+    event = PLAYED.get(name)
+    if event is not None:
+        event.set()
+
+
 async def scenario_app(scope: Scope, receive: Callable[[], Awaitable[Message]],
                        send: Callable[[Message], Awaitable[None]]) -> None:
     """Plays ``/<scenario name>`` as an upstream would."""
     if scope["type"] != "http":
         return
     scenario = SCENARIOS_BY_NAME[scope["path"].strip("/")]
-    await send({"type": "http.response.start", "status": scenario.status,
-                "headers": list(scenario.headers)})
-    for step in scenario.steps:
-        if isinstance(step, Send):
-            await send({"type": "http.response.body", "body": step.data, "more_body": True})
-            await asyncio.sleep(step.gap_s)
-        elif isinstance(step, Silence):
-            await asyncio.sleep(step.seconds)
-        else:
-            raise ScenarioFailure(scenario.name)
-    await send({"type": "http.response.body", "body": b"", "more_body": False})
+    try:
+        await send({"type": "http.response.start", "status": scenario.status,
+                    "headers": list(scenario.headers)})
+        for step in scenario.steps:
+            if isinstance(step, Send):
+                await send({"type": "http.response.body", "body": step.data, "more_body": True})
+                await asyncio.sleep(step.gap_s)
+            elif isinstance(step, Silence):
+                await asyncio.sleep(step.seconds)
+            else:
+                raise ScenarioFailure(scenario.name)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    finally:
+        mark_played(scenario.name)
 
 
 # ---------------------------------------------------------------- the reference

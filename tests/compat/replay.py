@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from behaviour.drivers import through_middleware, through_sidecar
-from behaviour.scenarios import SEND_GAP_S, Scenario, Send, Silence
+from behaviour.scenarios import SEND_GAP_S, Scenario, Send, Silence, mark_played
 from behaviour.test_behaviour import parse
 from tokenwire.middleware import WireConfig
 from tokenwire.middleware.sse import SSEParser
@@ -280,13 +280,16 @@ def replay_app(scenario: Scenario) -> Callable[[Scope, Callable[[], Awaitable[Me
                   send: Callable[[Message], Awaitable[None]]) -> None:
         if scope["type"] != "http":
             return
-        await send({"type": "http.response.start", "status": scenario.status,
-                    "headers": list(scenario.headers)})
-        for step in scenario.steps:
-            assert isinstance(step, Send)
-            await send({"type": "http.response.body", "body": step.data, "more_body": True})
-            await asyncio.sleep(step.gap_s)
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        try:
+            await send({"type": "http.response.start", "status": scenario.status,
+                        "headers": list(scenario.headers)})
+            for step in scenario.steps:
+                assert isinstance(step, Send)
+                await send({"type": "http.response.body", "body": step.data, "more_body": True})
+                await asyncio.sleep(step.gap_s)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            mark_played(scenario.name)
 
     return app
 
