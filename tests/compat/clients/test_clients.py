@@ -1,0 +1,173 @@
+"""Every client x every wire feature x both drivers, each compared with the
+same client reading the same upstream script directly.
+
+A row fails on any difference between what the client accumulated through
+tokenwire and directly, unless README.md documents it as intended
+(``outcome.compare``). Beside the comparison, each row checks what only
+tokenwire can show: the upstream requests it caused (no retry storm), and
+from the accounting record that a slow reader's events really were merged
+and that heartbeats really were sent during a silent prefill.
+
+Python clients run in the test; the Node clients run batched in one ``node``
+process, the browser clients in one page per server (headless Chromium).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .outcome import Outcome, compare
+from .py_clients import PY_CLIENTS
+from .scripts import FEATURES, PROFILE, SLOW_FEATURES
+from .servers import DRIVERS, TARGETS, Servers, stall_max_s
+
+NODE_DIR = Path(__file__).resolve().parent / "node"
+NODE_CLIENTS = ("openai-node", "eventsource")
+BROWSER_CLIENTS = ("browser-eventsource", "browser-fetch")
+CLIENTS = (*PY_CLIENTS, *NODE_CLIENTS, *BROWSER_CLIENTS)
+CLOSE_AT_DONE = frozenset({"eventsource", "browser-eventsource"})
+
+
+def case_id(client: str, feature: str, target: str) -> str:
+    return f"{client}.{feature}.{target}"
+
+
+def base_url(servers: Servers, client: str, feature: str, target: str) -> str:
+    """The OpenAI ``base_url`` of one case (its path names the case and the script)."""
+    root = servers.url(target, PROFILE.get(feature, "plain"))
+    return f"{root}/{case_id(client, feature, target)}/{feature}/v1"
+
+
+def stall_spec(servers: Servers, client: str, feature: str, target: str) -> dict[str, Any] | None:
+    """How a Node or browser slow reader stalls: polls ``url`` until ``yes``, at most ``max_ms``."""
+    if feature not in SLOW_FEATURES:
+        return None
+    key = case_id(client, feature, target)
+    return {"url": f"{servers.url('direct', 'plain')}/finished/{key}", "max_ms": int(stall_max_s(key) * 1000)}
+
+
+def _reachable(servers: Servers, target: str, feature: str) -> bool:
+    return (target, PROFILE.get(feature, "plain")) not in servers.broken
+
+
+@pytest.fixture(scope="session")
+def node_outcomes(servers: Servers) -> dict[str, Outcome]:
+    """Every Node case, run by one ``node`` process (the npm packages come from
+    ``scripts/node-deps.sh``)."""
+    node = shutil.which("node")
+    if node is None:
+        pytest.fail("no node: run scripts/system-deps.sh nodejs npm", pytrace=False)
+    if not (NODE_DIR / "node_modules").is_dir():
+        pytest.fail("the npm packages are missing: run scripts/node-deps.sh", pytrace=False)
+    cases = [{"id": case_id(client, feature, target), "client": client,
+              "base_url": base_url(servers, client, feature, target),
+              "stall": stall_spec(servers, client, feature, target)}
+             for client in NODE_CLIENTS for feature in FEATURES for target in TARGETS
+             if _reachable(servers, target, feature)]
+    done = subprocess.run([node, str(NODE_DIR / "run_cases.mjs")], input=json.dumps(cases), text=True,
+                          capture_output=True, timeout=300, cwd=NODE_DIR)
+    assert done.returncode == 0, f"node failed: {done.stderr[-3000:]}"
+    return {key: Outcome.from_json(value) for key, value in json.loads(done.stdout).items()}
+
+
+@pytest.fixture(scope="session")
+def browser_outcomes(servers: Servers, browser: Any) -> dict[str, Outcome]:
+    """Every browser case: one page per server, loaded from that server itself
+    (``/page``), so the streams it reads are same-origin."""
+    results: dict[str, Outcome] = {}
+    for target in TARGETS:
+        for profile in sorted({PROFILE.get(f, "plain") for f in FEATURES}):
+            if (target, profile) in servers.broken or (target == "direct" and profile != "plain"):
+                continue
+            for slow in (False, True):
+                if slow and profile != "plain":
+                    continue
+                features = [f for f in FEATURES if (f in SLOW_FEATURES) == slow
+                            and (target == "direct" or PROFILE.get(f, "plain") == profile)]
+                # The slow cases' page and streams come over a slow link (servers.SlowLink).
+                origin = servers.url(f"slow-link-{target}" if slow else target, profile)
+                results.update(_browser_cases(browser, servers, origin, target, features))
+    return results
+
+
+def _browser_cases(browser: Any, servers: Servers, origin: str, target: str,
+                   features: list[str]) -> dict[str, Outcome]:
+    """One page from ``origin`` runs the cases; all at once, but slow readers one by one."""
+    cases = [{"id": case_id(client, feature, target), "client": client,
+              "url": f"/{case_id(client, feature, target)}/{feature}/v1/chat/completions",
+              "stall": stall_spec(servers, client, feature, target)}
+             for feature in features for client in BROWSER_CLIENTS]
+    page = browser.new_page()
+    try:
+        page.goto(f"{origin}/page")
+        together = [c for c in cases if c["stall"] is None]
+        raws = page.evaluate("cs => Promise.all(cs.map(c => window.runCase(c)))", together)
+        for c in cases:
+            if c["stall"] is not None:
+                raws.append(page.evaluate("c => window.runCase(c)", c))
+                together.append(c)
+    finally:
+        page.close()
+    return {c["id"]: Outcome.from_json(raw) for c, raw in zip(together, raws, strict=True)}
+
+
+@pytest.fixture(scope="session")
+def outcome_of(request: pytest.FixtureRequest,
+               servers: Servers) -> Iterator[Callable[[str, str, str], Outcome]]:
+    """``outcome_of(client, feature, target)``: run (or look up) one case, once."""
+    cache: dict[str, Outcome] = {}
+
+    def get(client: str, feature: str, target: str) -> Outcome:
+        key = case_id(client, feature, target)
+        if client in NODE_CLIENTS:
+            batch = request.getfixturevalue("node_outcomes")
+        elif client in BROWSER_CLIENTS:
+            batch = request.getfixturevalue("browser_outcomes")
+        else:
+            if key not in cache:
+                stall = (lambda: servers.stall(key)) if feature in SLOW_FEATURES else None
+                cache[key] = PY_CLIENTS[client](base_url(servers, client, feature, target), stall)
+            return cache[key]
+        servers.url(target, PROFILE.get(feature, "plain"))  # a broken target fails here, by name
+        return batch[key]
+
+    yield get
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("client", CLIENTS)
+def test_client_through_tokenwire_as_directly(client: str, feature: str, driver: str, servers: Servers,
+                                              outcome_of: Callable[[str, str, str], Outcome]) -> None:
+    direct = outcome_of(client, feature, "direct")
+    through = outcome_of(client, feature, driver)
+    compare(feature, client, direct, through)
+
+    requests_direct = len(servers.upstream.requests[case_id(client, feature, "direct")])
+    requests_through = len(servers.upstream.requests[case_id(client, feature, driver)])
+    if feature == "error_first_event":
+        assert requests_through == 1, f"an engine's error was retried: {requests_through} requests"
+    elif feature == "upstream_503" and driver == "sidecar":
+        # The sidecar retried; the client must not multiply that (x-should-retry: false).
+        assert requests_through == 1 + servers.sidecar_retries, \
+            f"{requests_through} upstream requests (direct: {requests_direct})"
+    else:
+        assert requests_through == requests_direct, \
+            f"{requests_through} upstream requests through tokenwire, {requests_direct} directly"
+
+    if feature in SLOW_FEATURES:
+        record = servers.record_of(case_id(client, feature, driver))
+        # An EventSource is closed at [DONE], maybe before the upstream's own end.
+        ends = ("complete", "client_gone") if client in CLOSE_AT_DONE else ("complete",)
+        assert record.end_reason in ends, record
+        assert record.coalesced_events > 0, f"the slow reader got no merged event: {record}"
+    if feature == "heartbeat":
+        record = servers.record_of(case_id(client, feature, driver))
+        assert record.heartbeats > 0, f"no heartbeat during the silent prefill: {record}"
