@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         streams.append(reads)
         total_events += count
         total_bytes += sum(len(r) for r in reads)
-    config = WireConfig()
+    config = WireConfig(terminal_marker="[DONE]")  # the sidecar's, without retries
     results: dict[str, object] = {}
     for name, paused in (("keeps_up", False), ("paused", True)):
         for feed_name, via_events in (("upstream_data", False), ("parser_then_events", True)):

@@ -111,12 +111,12 @@ OnAbort = Callable[[str, str], object]
 """``on_abort(request_id, reason)``; may be a coroutine function."""
 OnFinished = Callable[[StreamRecord], object]
 
-DEFAULT_CONFIG = WireConfig(retry_attempts=0, terminal_marker=None)
-"""The middleware's default: no retries (it cannot re-run the app's request)
-and no terminal marker, because a generic SSE app ends its stream by ending
-the response, which in-process is a reliable signal. An OpenAI-style app that
-always ends with ``data: [DONE]`` may pass ``terminal_marker="[DONE]"`` to have
-a stream that lacks it reported as an error."""
+DEFAULT_CONFIG = WireConfig()
+"""``WireConfig()``'s defaults are the middleware's: no retries (it cannot re-run
+the app's request) and no terminal marker, because a generic SSE app ends its
+stream by ending the response, which in-process is a reliable signal. An
+OpenAI-style app that always ends with ``data: [DONE]`` may pass
+``terminal_marker="[DONE]"`` to have a stream that lacks it reported as an error."""
 
 REQUEST_READ_AHEAD_BYTES = 1 << 20
 """Request body the listener reads ahead of the app before it waits for the
@@ -199,8 +199,8 @@ class TokenWireMiddleware:
         replay_store: ReplayStore | None = None,
     ) -> None:
         if config.retry_attempts != 0:
-            raise ConfigError("retry_attempts", "must be 0 for the ASGI middleware "
-                                                "(it cannot re-run the app's request)")
+            raise ConfigError("retry_attempts", "must be 0 for the ASGI middleware: it cannot "
+                                                "re-run the app's request (retries are the sidecar's)")
         self.app = app
         self.config = config
         self.on_abort = on_abort

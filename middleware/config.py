@@ -42,7 +42,13 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class WireConfig:
-    """Everything the wire core decides with. Defaults follow DESIGN.md."""
+    """Everything the wire core decides with.
+
+    The defaults suit the ASGI middleware and any generic SSE app: no retries
+    (a middleware cannot re-run its app's request) and no terminal marker (an
+    in-process app ends its stream by ending its response). A proxy in front
+    of an OpenAI-compatible engine changes both; the sidecar's own defaults
+    live in ``tokenwire.sidecar.settings.SIDECAR_WIRE_DEFAULTS``."""
 
     heartbeat_s: float = 15.0
     """Downstream silence after which ``: keepalive`` is written (0 = never)."""
@@ -55,19 +61,31 @@ class WireConfig:
     max_pending_bytes: int = 1 << 20
     """Cap on bytes held for one slow client."""
     slow_client_policy: SlowClientPolicy = SlowClientPolicy.COALESCE
+    """What waits for a slow reader: ``coalesce`` merges text and tool-call deltas,
+    ``drop`` also replaces queued events of the ``droppable_event_types``,
+    ``block`` stops reading the upstream."""
+    droppable_event_types: tuple[str, ...] = ()
+    """SSE ``event:`` types whose queued event a newer one of the same type may
+    replace under ``drop`` (refreshable state such as progress; never answer text)."""
+    volatile_chunk_fields: tuple[str, ...] = ("obfuscation",)
+    """Top-level OpenAI chunk fields that carry no content (padding, per-chunk
+    timestamps or sequence numbers): they do not block a merge, and a merged
+    chunk keeps the newest value."""
     coalesce_ms: float = 0.0
     """Optional fixed batching window for writes (0 = latency first)."""
-    retry_attempts: int = 2
-    """Upstream retries per stream, only before the first downstream byte."""
+    retry_attempts: int = 0
+    """Upstream retries per stream, only before the first downstream byte (the sidecar: 2)."""
     retry_backoff_s: float = 0.1
     """First retry delay; doubles each attempt."""
     retry_backoff_max_s: float = 2.0
+    """Upper bound of the doubling retry delay."""
     retry_budget_ratio: float = 0.2
     """Retries allowed as a fraction of recent requests (an Envoy-style budget)."""
     retry_budget_min_per_s: float = 3.0
     """Retries always allowed per second, whatever the ratio says."""
-    terminal_marker: str | None = "[DONE]"
-    """The ``data:`` that ends a complete stream; ``None`` = upstream EOF is complete."""
+    terminal_marker: str | None = None
+    """The ``data:`` that ends a complete stream (the sidecar: ``[DONE]``); ``None`` or
+    ``''`` = the upstream's clean end of body is complete."""
     socket_send_buffer_bytes: int = 16 * 1024
     """Drivers cap SO_SNDBUF so backpressure is seen before the kernel swallows it
     (Linux doubles the value). 16 KiB still carries a 100 tokens/s answer over a
@@ -115,6 +133,13 @@ class WireConfig:
                     "slow_client_policy", f"must be one of {choices}, got {self.slow_client_policy!r}"
                 ) from None
             object.__setattr__(self, "slow_client_policy", policy)
+        for key in ("droppable_event_types", "volatile_chunk_fields"):
+            names = getattr(self, key)
+            if isinstance(names, str) or not all(isinstance(n, str) and n for n in names):
+                raise ConfigError(key, f"must be a list of non-empty names, got {names!r}")
+            object.__setattr__(self, key, tuple(names))
+        if self.terminal_marker == "":
+            object.__setattr__(self, "terminal_marker", None)
         if self.max_line_bytes > self.max_event_bytes:
             raise ConfigError("max_line_bytes", "must not exceed max_event_bytes")
 

@@ -75,8 +75,17 @@ class WireError(Exception):
         self.retry_after_s = retry_after_s
 
     def to_json(self) -> dict[str, object]:
-        """The OpenAI-shaped error object: ``{"error": {...}}``."""
-        return {"error": {"message": self.message, "type": self.error_type, "code": self.code.value}}
+        """The OpenAI-shaped error object, ``{"error": {"message", "type", "code"}}``,
+        with tokenwire's own code (and its E73xx number, where it has one) beside
+        as ``"tokenwire"``: the same place as on a forwarded engine error."""
+        return {"error": {"message": self.message, "type": self.error_type, "code": self.code.value,
+                          "tokenwire": self.tokenwire_fields()}}
+
+    def tokenwire_fields(self) -> dict[str, str]:
+        """``{"code": ..., "number": ...}``: tokenwire's stable code of this error."""
+        number = self.code.number
+        return {"code": self.code.value} if number is None else {"code": self.code.value,
+                                                                  "number": number}
 
     def body(self) -> bytes:
         """JSON body for a response whose status line is still ours to choose."""
@@ -97,26 +106,34 @@ class WireError(Exception):
         return f"{type(self).__name__}({self.message!r}, code={self.code.value})"
 
 
-def upstream_error_payload(payload: dict[str, Any]) -> str:
-    """An upstream's own error event, mapped to the common in-band shape.
+_CLIENT_ERROR_TYPES = ("invalid_request", "badrequest", "bad_request", "validation", "not_found",
+                       "notfound", "unprocessable", "permission", "authentication")
 
-    Engines disagree: OpenAI and vLLM send ``{"error": {"message", "type",
-    "code"}}``, TGI ``{"error": "text", "error_type": "..."}``, others a bare
-    string. The message survives; ``code`` is the upstream's if it gave a
-    string one, else ``upstream_failed``.
-    """
-    raw = payload.get("error")
-    if isinstance(raw, dict):
-        message = str(raw.get("message") or json.dumps(raw, ensure_ascii=False))
-        error_type = raw.get("type") if isinstance(raw.get("type"), str) else "upstream_error"
-        code = raw.get("code") if isinstance(raw.get("code"), str) else ErrorCode.UPSTREAM_FAILED.value
-    else:
-        message = str(raw)
-        error_type = payload.get("error_type") if isinstance(payload.get("error_type"), str) \
-            else "upstream_error"
-        code = ErrorCode.UPSTREAM_FAILED.value
-    error = {"message": message, "type": error_type, "code": code}
-    return json.dumps({"error": error}, separators=(",", ":"), ensure_ascii=False)
+
+def _status_of(payload: dict[str, Any], error: object) -> int:
+    """The HTTP status an upstream's error object stands for: the ``code`` or
+    ``status`` it carries when that is an HTTP error status (vLLM, SGLang and
+    our engine put one there), else 400 when its type names a client error
+    (OpenAI's ``invalid_request_error``, TGI's ``validation``), else 502."""
+    holders = (error, payload) if isinstance(error, dict) else (payload,)
+    for holder in holders:
+        for key in ("code", "status", "status_code"):
+            value = holder.get(key)
+            if isinstance(value, str) and value.isascii() and value.isdigit():
+                value = int(value)
+            if isinstance(value, int) and not isinstance(value, bool) and 400 <= value <= 599:
+                return value
+    kind = error.get("type") if isinstance(error, dict) else payload.get("error_type")
+    if isinstance(kind, str) and kind.replace(" ", "").lower().startswith(_CLIENT_ERROR_TYPES):
+        return 400
+    return 502
+
+
+def _message_of(error: object) -> str:
+    if isinstance(error, dict):
+        message = error.get("message")
+        return str(message) if message else json.dumps(error, ensure_ascii=False)
+    return str(error)
 
 
 class ClientError(WireError):
@@ -145,6 +162,50 @@ class SSEProtocolError(UpstreamError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, ErrorCode.INVALID_STREAM, http_status=502)
+
+
+class UpstreamErrorEvent(UpstreamError):
+    """An upstream's own error event (``{"error": ...}``), forwarded as it came.
+
+    Its error object keeps every field the engine gave (``code``, ``param``,
+    ``type``...), so ``e.code`` in a client means what the engine meant;
+    tokenwire's own code rides beside them as ``"tokenwire": {"code": ...}``.
+    Engines that send a bare string (TGI's ``{"error": "text", "error_type"}``,
+    llama.cpp's ``error:`` field) get the common object shape, which the
+    OpenAI SDKs need in order to raise at all.
+
+    As the first event it becomes the response itself, with the status the
+    error carries (400 for a client error); it is never retried (the engine
+    refused this request, another attempt gets the same answer), and
+    ``x-should-retry: false`` tells the OpenAI SDKs not to retry it either:
+    straight from the engine they would have raised without retrying.
+    """
+
+    def __init__(self, payload: dict[str, Any]) -> None:
+        error = payload.get("error")
+        super().__init__(_message_of(error), ErrorCode.UPSTREAM_FAILED,
+                         http_status=_status_of(payload, error))
+        self.payload = payload
+
+    def to_json(self) -> dict[str, object]:
+        error = self.payload.get("error")
+        ours = self.tokenwire_fields()
+        if isinstance(error, dict):
+            forwarded: dict[str, object] = dict(self.payload)
+            forwarded["error"] = {**error, "tokenwire": error.get("tokenwire", ours)}
+            return forwarded
+        kind = self.payload.get("error_type")
+        return {"error": {"message": self.message,
+                          "type": kind if isinstance(kind, str) else "upstream_error",
+                          "code": self.code.value, "tokenwire": ours}}
+
+    def response_headers(self) -> list[tuple[bytes, bytes]]:
+        return [*super().response_headers(), NO_CLIENT_RETRY]
+
+
+NO_CLIENT_RETRY = (b"x-should-retry", b"false")
+"""The header the OpenAI SDKs (Python and Node) obey over their own retry rule:
+set where another attempt from the client would only multiply the load."""
 
 
 class LocalProtocolError(Exception):

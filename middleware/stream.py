@@ -41,7 +41,11 @@ over ``max_pending_bytes`` means the client is treated as gone.
 Resume (``config.resume``): every event the stream carries is numbered,
 ``id: <stream>.<seq>``, and also handed to the driver, without its id, in
 ``ReplayAppend`` actions for the replay store; the end goes with the last one.
-The first frame is ``retry: <resume_retry_ms>`` and the headers name the stream.
+The first numbered event also carries ``retry: <resume_retry_ms>`` and the
+headers name the stream. ``id:`` and ``retry:`` ride only on events that carry
+data, and a heartbeat is one comment line with no blank line after it: the
+decoders of openai-python and httpx-sse dispatch every blank line after an
+``id:`` as an event, and an event with empty data crashes their JSON decoding.
 A core fed ``ReplaySource`` first is a *reader*: its upstream is the replay
 store, so it numbers on from where the client left and records nothing. With
 ``resume_grace_s`` > 0 a client that leaves mid-stream does not end it: the
@@ -59,13 +63,14 @@ from typing import Any
 
 from .config import SlowClientPolicy, WireConfig
 from .errors import (
+    NO_CLIENT_RETRY,
     ErrorCode,
     LocalError,
     LocalProtocolError,
     SSEProtocolError,
     UpstreamError,
+    UpstreamErrorEvent,
     WireError,
-    upstream_error_payload,
 )
 from .events import (
     AbortUpstream,
@@ -108,7 +113,9 @@ from .pending import PendingBuffer
 from .retry import RetryBudget
 from .sse import SSEEvent, SSEParser, encode
 
-HEARTBEAT = b": keepalive\n\n"
+HEARTBEAT = b": keepalive\n"
+"""A comment line alone: no blank line, so no decoder can dispatch it as an event
+(see the module docstring)."""
 RETRYABLE_STATUSES = frozenset({502, 503, 504})
 # Upper bounds of the inter-event gap histogram carried in each record.
 GAP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, float("inf"))
@@ -264,6 +271,7 @@ class WireStream:
         # Resume.
         self._stream_id = stream_id or ""
         self._seq = 0  # the last numbered event
+        self._retry_field_due = False  # the next numbered event carries ``retry:``
         self._replaying = False
         self._recording = config.resume
         self._recorded_bytes = 0
@@ -454,7 +462,10 @@ class WireStream:
         # Anything else (JSON, an error status with its own body) goes through
         # unchanged: the upstream's own answer is the best error message.
         self._passthrough = True
-        self._commit(event.status, passthrough_headers(event.headers), streaming=False, now=now)
+        headers = passthrough_headers(event.headers)
+        if self.retries and event.status >= 500:
+            headers = (*headers, NO_CLIENT_RETRY)
+        self._commit(event.status, headers, streaming=False, now=now)
 
     def _on_upstream_data(self, event: UpstreamData, now: float) -> None:
         if self._state in _ENDED or self._retry_at is not None:
@@ -506,19 +517,16 @@ class WireStream:
         data = event.data
         error = _error_object(data) if data is not None and '"error"' in data else None
         if error is not None and self._state is StreamState.WAITING:
-            # An error as the first event is a failure before the first byte:
-            # retried if allowed, else a real status (DESIGN: "the client gets a
-            # real HTTP status"), keeping the upstream's message.
-            if self._schedule_retry(now, EndReason.UPSTREAM_ERROR):
-                return
-            message = json.loads(upstream_error_payload(error))["error"]["message"]
-            self._fail(UpstreamError(str(message), ErrorCode.UPSTREAM_FAILED),
-                       EndReason.UPSTREAM_ERROR, now)
+            # An error as the first event is the engine refusing this request
+            # (a bad prompt, too many tokens): the response is that error, with
+            # the status it carries, and another attempt would only be refused
+            # again, so it is never retried.
+            self._fail(UpstreamErrorEvent(error), EndReason.UPSTREAM_ERROR, now)
             return
         if self._state is StreamState.WAITING:
             self._commit_sse(now)
         if error is not None:
-            self._queue_event(SSEEvent(data=upstream_error_payload(error)), droppable=False)
+            self._queue_event(SSEEvent(data=UpstreamErrorEvent(error).sse_data()), droppable=False)
             self._end(EndReason.UPSTREAM_ERROR, ErrorCode.UPSTREAM_FAILED, abrupt=True,
                       trigger=_Trigger.ABORT)
             self._enforce_cap(now)
@@ -721,9 +729,8 @@ class WireStream:
             headers = (*headers, (STREAM_ID_HEADER, self._stream_id.encode()))
         self._commit(200, headers, streaming=True, now=now)
         self._sse_committed = True
-        if self.config.resume:
-            # First on the wire, so an EventSource knows how soon to come back.
-            self._pending.add_bytes(b"retry: %d\n\n" % self.config.resume_retry_ms)
+        # On the first numbered event, so an EventSource knows how soon to come back.
+        self._retry_field_due = self.config.resume
 
     def _schedule_retry(self, now: float, reason: EndReason) -> bool:
         """Arrange a retry of the upstream if allowed; True if one is coming.
@@ -763,6 +770,9 @@ class WireStream:
         if self._state is StreamState.WAITING:
             body = error.body()
             headers = (*error.response_headers(), (b"content-length", str(len(body)).encode()))
+            if self.retries and NO_CLIENT_RETRY not in headers:
+                # We already retried: a client's retries on top would multiply the load.
+                headers = (*headers, NO_CLIENT_RETRY)
             self._commit(error.http_status, headers, streaming=False, now=now)
             self._pending.add_bytes(body)
             self._end(reason, error.code, abrupt=False, trigger=_Trigger.ABORT)
@@ -855,13 +865,19 @@ class WireStream:
                 bare = event if event.id is None else SSEEvent(
                     data=event.data, event=event.event, retry=event.retry)
                 self._record(encode(bare))
-            event = SSEEvent(data=event.data, event=event.event, retry=event.retry,
+            retry = event.retry
+            if self._retry_field_due:
+                self._retry_field_due = False
+                retry = self.config.resume_retry_ms
+            event = SSEEvent(data=event.data, event=event.event, retry=retry,
                              id=f"{self._stream_id}.{self._seq}")
         if not self._client_gone:
             self._pending.add_event(event, droppable=droppable)
 
     def _number_plain(self, data: bytes) -> bytes:
-        """Fast-path bytes (whole single-line ``data:`` events) with ids added."""
+        """Fast-path bytes (whole single-line ``data:`` events) with ids added.
+        (The fast path runs only once STREAMING: the first event, which carries
+        ``retry:``, has always taken ``_queue_event``.)"""
         prefix = b"\nid: " + self._stream_id.encode() + b"."
         out: list[bytes] = []
         for frame in data.split(b"\n\n")[:-1]:

@@ -9,10 +9,10 @@ import os
 import sys
 from collections.abc import Sequence
 
-from tokenwire.middleware import ConfigError, WireConfig
+from tokenwire.middleware import ConfigError
 from tokenwire.middleware.config import load_toml
 
-from .settings import SidecarConfig, all_keys, build_config
+from .settings import SIDECAR_WIRE_DEFAULTS, SidecarConfig, all_keys, build_config
 
 USAGE = """\
 usage: tokenwire <command> [options]
@@ -70,7 +70,7 @@ def _probe_main(argv: list[str]) -> int:
 
 
 def _defaults() -> dict[str, object]:
-    wire = WireConfig()
+    wire = SIDECAR_WIRE_DEFAULTS
     values: dict[str, object] = {f.name: getattr(wire, f.name) for f in dataclasses.fields(wire)}
     for f in dataclasses.fields(SidecarConfig):
         if f.name != "wire":

@@ -18,7 +18,7 @@ import dataclasses
 import types
 import typing
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -29,12 +29,17 @@ from .cors import normalize_origin
 
 ENV_PREFIX = "TOKENWIRE_"
 
+SIDECAR_WIRE_DEFAULTS = WireConfig(retry_attempts=2, terminal_marker="[DONE]")
+"""The wire defaults of a proxy in front of an OpenAI-compatible engine: unlike
+the middleware, the sidecar can re-send a request that failed before its first
+byte, and an OpenAI stream that lacks its ``[DONE]`` was cut short."""
+
 
 @dataclass(frozen=True, slots=True)
 class SidecarConfig:
     """Everything one sidecar process runs with."""
 
-    wire: WireConfig = field(default_factory=WireConfig)
+    wire: WireConfig = SIDECAR_WIRE_DEFAULTS
     listen: str = "127.0.0.1:8080"
     """HOST:PORT the proxy listens on (port 0 picks a free one)."""
     upstream: tuple[str, ...] = ()
@@ -257,4 +262,4 @@ def build_config(
                           environ=environ, file_values=file_values)
     wire_values = {n: v for n, v in values.items() if keys[n].wire}
     own_values = {n: v for n, v in values.items() if not keys[n].wire}
-    return SidecarConfig(wire=WireConfig(**wire_values), **own_values)  # type: ignore[arg-type]
+    return SidecarConfig(wire=SIDECAR_WIRE_DEFAULTS.replace(**wire_values), **own_values)  # type: ignore[arg-type]

@@ -46,6 +46,7 @@ from tokenwire.middleware import (
 from tokenwire.middleware.config import load_toml
 from tokenwire.sidecar.cli import load_sidecar_config
 from tokenwire.sidecar.metrics import SidecarMetrics
+from tokenwire.sidecar.settings import SIDECAR_WIRE_DEFAULTS
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "conf" / "examples"
@@ -380,7 +381,7 @@ def sidecar_sample_names() -> set[str]:
     """Every sample name the sidecar's /metrics has once a stream has ended
     and a request was refused (labelled series appear only then)."""
     metrics = SidecarMetrics()
-    stream = WireStream(WireConfig(), now=0.0, request_id="r")
+    stream = WireStream(SIDECAR_WIRE_DEFAULTS, now=0.0, request_id="r")
     stream.handle(UpstreamHeaders(200, ((b"content-type", b"text/event-stream"),)), 0.0)
     actions = stream.handle(UpstreamData(b'data: {"x": 1}\n\ndata: [DONE]\n\n'), 0.0)
     while stream.data_to_send(0.0):

@@ -112,7 +112,7 @@ def test_driver_writesTheReferenceBytes(driver: str, scenario: str) -> None:
 def test_reference_matchesHandWrittenBytes() -> None:
     """Pin a few references so the oracle itself cannot drift unnoticed."""
     chat = reference(next(s for s in SCENARIOS if s.name == "heartbeat_mid_stream"))
-    assert chat.body.count(b": keepalive\n\n") == 2 and chat.complete
+    assert chat.body.count(b": keepalive\n") == 2 and chat.complete
     assert chat.body.endswith(b"data: [DONE]\n\n")
     framing = reference(next(s for s in SCENARIOS if s.name == "sse_framing"))
     assert framing.body == (b"event: progress\ndata: a\ndata: b\nid: 7\nretry: 1500\n\n"

@@ -23,6 +23,7 @@ from behaviour.drivers import through_middleware, through_sidecar
 from behaviour.scenarios import SEND_GAP_S, Scenario, Send, Silence
 from behaviour.test_behaviour import parse
 from tokenwire.middleware import WireConfig
+from tokenwire.middleware.sse import SSEParser
 
 TRANSCRIPTS = Path(__file__).resolve().parent / "transcripts"
 EVENT_STREAM = ((b"content-type", b"text/event-stream"),)
@@ -187,15 +188,38 @@ def expected_datas(transcript: Transcript, expect: Expect) -> list[str] | None:
     return [d for d in datas if d != "[DONE]"]
 
 
-def check_error_event(data: str, expect: Expect) -> None:
-    """The common in-band shape: exactly ``{"error": {"message", "type", "code"}}``."""
+def check_error_event(data: str, expect: Expect, upstream_body: bytes) -> None:
+    """The in-band error: the engine's own error object forwarded field for field
+    (a bare string becomes ``{"message", "type", "code"}``, the shape the OpenAI
+    SDKs raise on), with tokenwire's code beside it."""
     obj = json.loads(data)
-    assert set(obj) == {"error"} and set(obj["error"]) == {"message", "type", "code"}, obj
-    assert all(isinstance(v, str) for v in obj["error"].values()), obj
+    assert set(obj) == {"error"} and isinstance(obj["error"], dict), obj
+    error = dict(obj["error"])
+    ours = error.pop("tokenwire")
+    assert isinstance(error.get("message"), str), obj
+    upstream = _upstream_error(upstream_body)
+    if ours == {"code": "upstream_failed"} and isinstance(upstream, dict):
+        assert error == upstream, obj
+    else:
+        assert set(error) == {"message", "type", "code"} and ours["code"] == error["code"], obj
     if expect.error_message is not None:
         assert expect.error_message in obj["error"]["message"], obj
     if expect.error_type is not None:
         assert obj["error"]["type"] == expect.error_type, obj
+
+
+def _upstream_error(body: bytes) -> object:
+    """The ``error`` value of the engine's own error event in ``body``."""
+    parser = SSEParser()
+    for event in parser.feed(body) + parser.feed(b"\n\n"):
+        if event.data and '"error"' in event.data:
+            try:
+                payload = json.loads(event.data)
+            except ValueError:
+                continue
+            if isinstance(payload, dict) and "error" in payload:
+                return payload["error"]
+    return None
 
 
 # ---------------------------------------------------------------- the replay upstream

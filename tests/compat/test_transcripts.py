@@ -115,7 +115,7 @@ def test_fastReader_getsTheEnginesEventsOneForOne_andItsEnding(driver: str, name
     expected = expected_datas(transcript, expect)
     if expect.ends_in_error:
         assert not result.complete, "an errored stream must not end cleanly"
-        check_error_event(got[-1], expect)
+        check_error_event(got[-1], expect, transcript.body)
         got = got[:-1]
     else:
         assert result.complete
@@ -149,7 +149,7 @@ def test_slowReader_coalescesTextExactly_andNeverAcrossABarrier(driver: str, nam
     got = sse_data(result.body)
     if expect.ends_in_error:
         assert not result.complete
-        check_error_event(got[-1], expect)
+        check_error_event(got[-1], expect, transcript.body)
         got = got[:-1]
     else:
         assert result.complete
@@ -196,7 +196,7 @@ def test_core_withEverythingPending_mergesOnlyWhatMayMerge(name: str, split_byte
     assert expected is not None
     if expect.ends_in_error:
         assert not complete
-        check_error_event(got[-1], expect)
+        check_error_event(got[-1], expect, transcript.body)
         got = got[:-1]
     else:
         assert complete

@@ -70,6 +70,7 @@ def test_openaiSDK_whenAppRaisesAfter10Events_thenRaisesAPIError(server: str) ->
                 received.append(chunk.choices[0].delta.content or "")
     assert "".join(received) == "".join(f"w{i} " for i in range(10))
     assert raised.value.body == {"message": "upstream failed: the application raised RuntimeError",
-                                 "type": "upstream_error", "code": "upstream_failed"}
+                                 "type": "upstream_error", "code": "upstream_failed",
+                                 "tokenwire": {"code": "upstream_failed"}}
     record = hooks.wait_record()
     assert record.end_reason == "upstream_error" and record.events_in == 10

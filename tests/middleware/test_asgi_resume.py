@@ -99,7 +99,11 @@ def post(port: int, *, tokens: int, delay_s: float = 0.0, stop_after: int | None
 def test_ids_retry_and_replay_from_any_point(served: Any) -> None:
     port, app, _ = served(resume_retry_ms=1500)
     full = post(port, tokens=6)
-    assert full.status == 200 and full.clean_end and full.body.startswith(b"retry: 1500\n\n")
+    assert full.status == 200 and full.clean_end
+    # retry: rides on the first event that carries data: no frame is an empty event.
+    first_frame = full.body.split(b"\n\n")[0]
+    assert first_frame.startswith(b"data: {") and b"\nid: " in first_frame
+    assert first_frame.endswith(b"\nretry: 1500")
     stream_id = full.stream_id
     # Live, the app's burst may have been coalesced (a merged chunk carries the
     # id of its newest event); the last id is the [DONE] after 6 chunks.

@@ -1,4 +1,4 @@
-"""WireConfig: DESIGN.md defaults, validation that names the key."""
+"""WireConfig: the documented defaults, validation that names the key."""
 
 from __future__ import annotations
 
@@ -14,7 +14,11 @@ def test_defaults_followDesign() -> None:
     assert config.max_pending_bytes == 1 << 20
     assert config.slow_client_policy is SlowClientPolicy.COALESCE
     assert config.coalesce_ms == 0.0
-    assert config.terminal_marker == "[DONE]"
+    # The middleware's defaults: it cannot re-run its app, and a generic SSE app
+    # ends its stream by ending its response.
+    assert (config.retry_attempts, config.terminal_marker) == (0, None)
+    assert config.volatile_chunk_fields == ("obfuscation",)
+    assert config.droppable_event_types == ()
 
 
 @pytest.mark.parametrize(("key", "value"), [

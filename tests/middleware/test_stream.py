@@ -43,7 +43,7 @@ from tokenwire.middleware import (
 )
 from tokenwire.middleware.stream import HEARTBEAT
 
-from .wire_harness import SSE_HEADERS, Driver, chunk, event, parse_all, texts
+from .wire_harness import PROXY_DEFAULTS, SSE_HEADERS, Driver, chunk, event, parse_all, proxy_config, texts
 
 DONE = "[DONE]"
 
@@ -55,7 +55,8 @@ def header_dict(commit: CommitHeaders) -> dict[bytes, bytes]:
 def error_of(data: str | None) -> dict[str, Any]:
     assert data is not None
     obj = json.loads(data)
-    assert set(obj) == {"error"} and set(obj["error"]) == {"message", "type", "code"}, obj
+    assert set(obj) == {"error"} and set(obj["error"]) == {"message", "type", "code", "tokenwire"}, obj
+    assert obj["error"]["tokenwire"]["code"] == obj["error"]["code"], obj
     return obj["error"]  # type: ignore[no-any-return]
 
 
@@ -63,7 +64,7 @@ def error_of(data: str | None) -> dict[str, Any]:
 
 
 def test_commit_whenFirstEventArrives_thenSseHeadersCommittedAtOnce() -> None:
-    d = Driver(WireConfig(commit_deadline_s=2.0))
+    d = Driver(proxy_config(commit_deadline_s=2.0))
     d.send(UpstreamHeaders(200, (*SSE_HEADERS, (b"x-request-id", b"abc"), (b"content-length", b"9"),
                                  (b"connection", b"keep-alive"))), at=0.1)
     assert d.of(CommitHeaders) == []
@@ -83,7 +84,7 @@ def test_commit_whenFirstEventArrives_thenSseHeadersCommittedAtOnce() -> None:
 @pytest.mark.parametrize("deadline_s", [0.5, 2.0])
 @pytest.mark.parametrize("headers_first", [True, False], ids=["upstream_answered", "upstream_silent"])
 def test_commit_whenNoEventByDeadline_thenCommittedAtDeadline(deadline_s: float, headers_first: bool) -> None:
-    d = Driver(WireConfig(commit_deadline_s=deadline_s))
+    d = Driver(proxy_config(commit_deadline_s=deadline_s))
     if headers_first:
         d.sse_headers(at=0.1)
     assert d.stream.next_deadline() == pytest.approx(deadline_s)
@@ -96,7 +97,7 @@ def test_commit_whenNoEventByDeadline_thenCommittedAtDeadline(deadline_s: float,
 
 
 def test_commit_whenRequestNotStreamed_thenNoDeadlineUntilUpstreamAnswers() -> None:
-    d = Driver(WireConfig(commit_deadline_s=1.0), expect_stream=False)
+    d = Driver(proxy_config(commit_deadline_s=1.0), expect_stream=False)
     d.send(Tick(), at=5.0)
     assert d.of(CommitHeaders) == []
     d.sse_headers(at=6.0)
@@ -117,11 +118,6 @@ def fail_status(status: int) -> Any:
     return go
 
 
-def fail_error_event(d: Driver) -> None:
-    d.sse_headers()
-    d.send(event('{"error":{"message":"overloaded","type":"server_error","code":"busy"}}'))
-
-
 def fail_eof(d: Driver) -> None:
     d.sse_headers()
     d.send(UpstreamEnded())
@@ -137,7 +133,6 @@ FAILURES = {
     "status_502": (fail_status(502), True),
     "status_503": (fail_status(503), True),
     "status_504": (fail_status(504), True),
-    "error_event_first": (fail_error_event, True),
     "eof_before_event": (fail_eof, False),
     "protocol_before_event": (fail_protocol, False),
 }
@@ -146,7 +141,7 @@ FAILURES = {
 @pytest.mark.parametrize("name", list(FAILURES))
 def test_retry_whenUpstreamFailsBeforeFirstByte_thenRetriedWithBackoffAcrossUpstreams(name: str) -> None:
     fail, upstream_left_open = FAILURES[name]
-    config = WireConfig(retry_attempts=3, retry_backoff_s=0.1, retry_backoff_max_s=0.3,
+    config = proxy_config(retry_attempts=3, retry_backoff_s=0.1, retry_backoff_max_s=0.3,
                         commit_deadline_s=100)
     d = Driver(config, upstreams=("a", "b", "c"))
     expected_delays = [0.1, 0.2, 0.3]  # doubled, then capped
@@ -183,7 +178,6 @@ EXHAUSTED = {
     "connect": (502, b"1", "upstream_unavailable"),
     "status_502": (502, None, None),
     "status_503": (503, None, None),
-    "error_event_first": (502, None, "upstream_failed"),
     "eof_before_event": (502, None, "upstream_failed"),
 }
 
@@ -192,7 +186,7 @@ EXHAUSTED = {
 def test_retry_whenAttemptsExhausted_thenRealStatusWithJsonBody(name: str) -> None:
     fail = FAILURES[name][0]
     status, retry_after, code = EXHAUSTED[name]
-    d = Driver(WireConfig(retry_attempts=1, retry_backoff_s=0.1))
+    d = Driver(proxy_config(retry_attempts=1, retry_backoff_s=0.1))
     fail(d)
     d.send(Tick(), at=d.now + 0.1)
     assert len(d.of(RetryUpstream)) == 1
@@ -203,6 +197,8 @@ def test_retry_whenAttemptsExhausted_thenRealStatusWithJsonBody(name: str) -> No
     commit = d.commit
     assert commit.status == status and not commit.streaming
     assert header_dict(commit).get(b"retry-after") == retry_after
+    # Retried here already: the OpenAI SDKs must not multiply the attempts.
+    assert header_dict(commit)[b"x-should-retry"] == b"false"
     if code is not None:
         assert error_of(d.written.decode())["code"] == code
         assert header_dict(commit)[b"content-length"] == str(len(d.written)).encode()
@@ -212,17 +208,51 @@ def test_retry_whenAttemptsExhausted_thenRealStatusWithJsonBody(name: str) -> No
     assert d.finished.record.status == status
 
 
-def test_retry_whenFirstEventIsErrorAndNoRetries_thenUpstreamMessageInRealStatus() -> None:
-    d = Driver(WireConfig(retry_attempts=0))
-    fail_error_event(d)
-    assert d.commit.status == 502
-    assert error_of(d.written.decode())["message"] == "overloaded"
+def test_retry_whenNotRetried_thenClientMayRetry() -> None:
+    d = Driver(proxy_config(retry_attempts=0))
+    fail_status(503)(d)
+    d.send(UpstreamData(b'{"detail":"busy"}'))
+    d.send(UpstreamEnded())
+    assert d.commit.status == 503 and b"x-should-retry" not in header_dict(d.commit)
+
+
+@pytest.mark.parametrize(("payload", "status"), [
+    # vLLM / SGLang / our engine: the HTTP status as the code
+    ({"error": {"message": "prompt too long", "type": "BadRequestError", "param": None, "code": 400}}, 400),
+    ({"error": {"message": "no such model", "type": "NotFoundError", "code": "404"}}, 404),
+    ({"object": "error", "message": "m", "error": {"message": "x", "code": None}, "status": 422}, 422),
+    # OpenAI: a string code, the type says whose fault
+    ({"error": {"message": "too long", "type": "invalid_request_error", "param": "messages",
+                "code": "context_length_exceeded"}}, 400),
+    ({"error": "Input validation error: max_new_tokens", "error_type": "validation"}, 400),  # TGI
+    ({"error": {"message": "overloaded", "type": "server_error", "code": "busy"}}, 502),
+    ({"error": {"message": "engine crashed", "type": "server_error", "code": 500}}, 500),
+], ids=["vllm_400", "string_404", "top_level_status", "openai_invalid_request", "tgi_validation",
+        "server_error", "numeric_500"])
+def test_errorEventFirst_thenEnginesStatusAndBodyNeverRetried(payload: dict[str, Any], status: int) -> None:
+    d = Driver(proxy_config(retry_attempts=3))
+    d.sse_headers()
+    d.send(event(json.dumps(payload)))
+    assert d.of(RetryUpstream) == [] and d.stream.next_deadline() is None
+    commit = d.commit
+    assert commit.status == status and not commit.streaming
+    headers = header_dict(commit)
+    assert headers[b"content-type"] == b"application/json"
+    # Straight from the engine the SDK would have raised without retrying.
+    assert headers[b"x-should-retry"] == b"false"
+    body = json.loads(d.written)
+    if isinstance(payload["error"], dict):
+        # Forwarded as it came; tokenwire's own code beside the engine's fields.
+        assert body == {**payload, "error": {**payload["error"], "tokenwire": {"code": "upstream_failed"}}}
+    else:
+        assert body["error"]["message"] == payload["error"]
     assert d.of(AbortUpstream) == [AbortUpstream(EndReason.UPSTREAM_ERROR)]
-    assert d.finished.record.end_reason is EndReason.UPSTREAM_ERROR
+    record = d.finished.record
+    assert (record.end_reason, record.status, record.retries) == (EndReason.UPSTREAM_ERROR, status, 0)
 
 
 def test_retry_whenUpstreamHeadersTimeout_then504AfterAbort() -> None:
-    d = Driver(WireConfig(retry_attempts=0, upstream_headers_timeout_s=5.0, commit_deadline_s=10.0))
+    d = Driver(proxy_config(retry_attempts=0, upstream_headers_timeout_s=5.0, commit_deadline_s=10.0))
     assert d.stream.next_deadline() == 5.0
     d.send(Tick(), at=5.0)
     assert d.of(AbortUpstream)[0] == AbortUpstream(EndReason.UPSTREAM_TIMEOUT)
@@ -232,7 +262,7 @@ def test_retry_whenUpstreamHeadersTimeout_then504AfterAbort() -> None:
 
 @pytest.mark.parametrize("name", ["connect", "eof_before_event", "protocol_before_event", "status_502"])
 def test_retry_whenCommittedByDeadline_thenNeverRetriedButInBandError(name: str) -> None:
-    d = Driver(WireConfig(commit_deadline_s=1.0, retry_attempts=5))
+    d = Driver(proxy_config(commit_deadline_s=1.0, retry_attempts=5))
     d.send(Tick(), at=1.0)
     assert d.commit.streaming
     FAILURES[name][0](d)
@@ -245,7 +275,7 @@ def test_retry_whenCommittedByDeadline_thenNeverRetriedButInBandError(name: str)
 
 
 def test_retry_whenAfterFirstEvent_thenNeverRetried() -> None:
-    d = Driver(WireConfig(retry_attempts=5))
+    d = Driver(proxy_config(retry_attempts=5))
     d.sse_headers()
     d.send(event(chunk("a")))
     d.send(UpstreamFailed(FailureKind.PROTOCOL, "reset"))
@@ -256,7 +286,7 @@ def test_retry_whenAfterFirstEvent_thenNeverRetried() -> None:
 
 def test_retryBudget_whenOutage_thenSharedBudgetRefusesMostRetries() -> None:
     budget = RetryBudget(ratio=0.1, min_per_s=0.0, now=0.0, capacity=2.0)
-    config = WireConfig(retry_attempts=2, retry_backoff_s=0.0)
+    config = proxy_config(retry_attempts=2, retry_backoff_s=0.0)
     drivers = []
     for _ in range(30):  # requests arrive one after another, all during the outage
         d = Driver(config, retry_budget=budget)
@@ -275,7 +305,7 @@ def test_retryBudget_whenOutage_thenSharedBudgetRefusesMostRetries() -> None:
 
 def test_retryBudget_whenQuiet_thenFloorRefills() -> None:
     budget = RetryBudget(ratio=0.0, min_per_s=1.0, now=0.0, capacity=1.0)
-    config = WireConfig(retry_attempts=1, retry_backoff_s=0.0)
+    config = proxy_config(retry_attempts=1, retry_backoff_s=0.0)
     first = Driver(config, retry_budget=budget)
     first.send(UpstreamFailed(FailureKind.CONNECT, "down"))
     second = Driver(config, retry_budget=budget)
@@ -303,7 +333,7 @@ def test_passthrough_whenUpstreamAnswersJson_thenBytesUnchangedAndCleanClose() -
 
 
 def test_passthrough_whenSocketPausedOverHalfTheCap_thenUpstreamPausedThenResumed() -> None:
-    d = Driver(WireConfig(max_pending_bytes=1000), expect_stream=False)
+    d = Driver(proxy_config(max_pending_bytes=1000), expect_stream=False)
     d.send(UpstreamHeaders(400, ((b"content-type", b"application/json"),)))
     d.send(SocketPaused())
     d.send(UpstreamData(b"x" * 400))
@@ -316,7 +346,7 @@ def test_passthrough_whenSocketPausedOverHalfTheCap_thenUpstreamPausedThenResume
 
 
 def test_passthrough_whenClientStopsReadingPastCap_thenSlowClient() -> None:
-    d = Driver(WireConfig(max_pending_bytes=1000), expect_stream=False)
+    d = Driver(proxy_config(max_pending_bytes=1000), expect_stream=False)
     d.send(UpstreamHeaders(200, ((b"content-type", b"application/json"),)))
     d.send(SocketPaused())
     d.send(UpstreamData(b"x" * 1001))
@@ -345,7 +375,7 @@ def committed(config: WireConfig, at: float = 0.0) -> Driver:
 
 @pytest.mark.parametrize("heartbeat_s", [1.0, 15.0])
 def test_heartbeat_whenSilentForHeartbeatS_thenKeepaliveWritten(heartbeat_s: float) -> None:
-    d = committed(WireConfig(heartbeat_s=heartbeat_s), at=2.0)
+    d = committed(proxy_config(heartbeat_s=heartbeat_s), at=2.0)
     assert d.stream.next_deadline() == pytest.approx(2.0 + heartbeat_s)
     d.send(Tick(), at=2.0 + heartbeat_s - 0.01)
     assert d.writes[-1] != HEARTBEAT
@@ -360,7 +390,7 @@ def test_heartbeat_whenSilentForHeartbeatS_thenKeepaliveWritten(heartbeat_s: flo
 
 
 def test_heartbeat_whenBeforeFirstEvent_thenKeepaliveAfterCommit() -> None:
-    d = Driver(WireConfig(commit_deadline_s=2.0, heartbeat_s=5.0))
+    d = Driver(proxy_config(commit_deadline_s=2.0, heartbeat_s=5.0))
     d.sse_headers()
     d.send(Tick(), at=2.0)
     assert d.writes == []
@@ -371,7 +401,7 @@ def test_heartbeat_whenBeforeFirstEvent_thenKeepaliveAfterCommit() -> None:
 
 
 def test_heartbeat_whenContentWritten_thenTimerRestarts() -> None:
-    d = committed(WireConfig(heartbeat_s=5.0))
+    d = committed(proxy_config(heartbeat_s=5.0))
     d.send(event(chunk("b")), at=4.0)
     d.send(Tick(), at=8.0)
     assert HEARTBEAT not in d.writes
@@ -381,7 +411,7 @@ def test_heartbeat_whenContentWritten_thenTimerRestarts() -> None:
 
 @pytest.mark.parametrize("stall", ["paused", "write_in_flight"])
 def test_heartbeat_whenDataPending_thenNone(stall: str) -> None:
-    d = committed(WireConfig(heartbeat_s=1.0, write_deadline_s=30.0))
+    d = committed(proxy_config(heartbeat_s=1.0, write_deadline_s=30.0))
     if stall == "paused":
         d.send(SocketPaused(), at=0.5)
     else:
@@ -395,14 +425,14 @@ def test_heartbeat_whenDataPending_thenNone(stall: str) -> None:
 
 
 def test_heartbeat_whenDisabled_thenNever() -> None:
-    d = committed(WireConfig(heartbeat_s=0.0))
+    d = committed(proxy_config(heartbeat_s=0.0))
     assert d.stream.next_deadline() is None
     d.send(Tick(), at=1000.0)
     assert HEARTBEAT not in d.writes
 
 
 def test_heartbeat_whenUpstreamSendsComments_thenNotForwardedButOwnHeartbeats() -> None:
-    d = committed(WireConfig(heartbeat_s=10.0))
+    d = committed(proxy_config(heartbeat_s=10.0))
     d.send(UpstreamData(b": ping\n\n: ping\n\n"), at=3.0)
     assert all(e.comment is None for e in parse_all(d.written))
     assert d.stream.upstream_comments == 2
@@ -449,7 +479,7 @@ def test_coalesce_whenWriteOutstanding_thenEventsQueueAndMerge() -> None:
 
 
 def test_coalesceWindow_whenCoalesceMsSet_thenWritesBatchedForWindow() -> None:
-    d = Driver(WireConfig(coalesce_ms=20.0))
+    d = Driver(proxy_config(coalesce_ms=20.0))
     d.sse_headers(at=0.0)
     d.send(event(chunk("a")), at=0.0)
     assert d.writes == []
@@ -463,7 +493,7 @@ def test_coalesceWindow_whenCoalesceMsSet_thenWritesBatchedForWindow() -> None:
 
 
 def test_drop_whenSocketPaused_thenNewestPerEventTypeKeptAndDoneNeverDropped() -> None:
-    d = Driver(WireConfig(slow_client_policy=SlowClientPolicy.DROP))
+    d = Driver(proxy_config(slow_client_policy=SlowClientPolicy.DROP))
     d.sse_headers()
     d.send(event("p0", event="progress"))
     d.send(SocketPaused())
@@ -478,7 +508,7 @@ def test_drop_whenSocketPaused_thenNewestPerEventTypeKeptAndDoneNeverDropped() -
 
 
 def test_drop_whenUpstreamErrorWhilePaused_thenErrorKept() -> None:
-    d = Driver(WireConfig(slow_client_policy="drop"))  # type: ignore[arg-type]
+    d = Driver(proxy_config(slow_client_policy="drop"))  # type: ignore[arg-type]
     d.sse_headers()
     d.send(event("p0", event="progress"))
     d.send(SocketPaused())
@@ -491,7 +521,7 @@ def test_drop_whenUpstreamErrorWhilePaused_thenErrorKept() -> None:
 
 
 def test_block_whenPendingOverHalfTheCap_thenUpstreamPausedUntilDrained() -> None:
-    d = Driver(WireConfig(slow_client_policy=SlowClientPolicy.BLOCK, max_pending_bytes=1000))
+    d = Driver(proxy_config(slow_client_policy=SlowClientPolicy.BLOCK, max_pending_bytes=1000))
     d.sse_headers()
     d.send(event(chunk("start")))
     d.send(SocketPaused())
@@ -509,7 +539,7 @@ def test_block_whenPendingOverHalfTheCap_thenUpstreamPausedUntilDrained() -> Non
 
 @pytest.mark.parametrize("policy", [SlowClientPolicy.COALESCE, SlowClientPolicy.BLOCK])
 def test_cap_whenPendingExceedsMaxPendingBytes_thenSlowClientReset(policy: SlowClientPolicy) -> None:
-    d = Driver(WireConfig(max_pending_bytes=2000, slow_client_policy=policy))
+    d = Driver(proxy_config(max_pending_bytes=2000, slow_client_policy=policy))
     d.sse_headers()
     d.send(event(chunk("a")))
     d.send(SocketPaused())
@@ -528,7 +558,7 @@ def test_cap_whenPendingExceedsMaxPendingBytes_thenSlowClientReset(policy: SlowC
 
 @pytest.mark.parametrize("terminal", ["done", "upstream_error_event", "upstream_failed"])
 def test_cap_whenTerminalEventWouldExceedCap_thenSlowClientToo(terminal: str) -> None:
-    d = Driver(WireConfig(max_pending_bytes=1000))
+    d = Driver(proxy_config(max_pending_bytes=1000))
     d.sse_headers()
     d.send(event(chunk("a")))
     d.send(SocketPaused())
@@ -545,7 +575,7 @@ def test_cap_whenTerminalEventWouldExceedCap_thenSlowClientToo(terminal: str) ->
 @pytest.mark.parametrize("stall", ["paused", "write_in_flight", "paused_nothing_pending"])
 # write_in_flight: one write the client never takes, nothing queued behind it.
 def test_writeDeadline_whenNoProgressForWriteDeadlineS_thenSlowClientSendTimeout(stall: str) -> None:
-    d = committed(WireConfig(write_deadline_s=30.0, heartbeat_s=5.0), at=1.0)
+    d = committed(proxy_config(write_deadline_s=30.0, heartbeat_s=5.0), at=1.0)
     if stall == "write_in_flight":
         d.auto_complete = False
     if stall != "write_in_flight":
@@ -565,7 +595,7 @@ def test_writeDeadline_whenNoProgressForWriteDeadlineS_thenSlowClientSendTimeout
 
 
 def test_writeDeadline_whenLastWriteNeverTaken_thenStreamStillEnds() -> None:
-    d = Driver(WireConfig(write_deadline_s=30.0), auto_complete=False)
+    d = Driver(proxy_config(write_deadline_s=30.0), auto_complete=False)
     d.sse_headers()
     d.send(event(chunk("a")), at=1.0)
     d.send(event(DONE), at=1.0)
@@ -578,7 +608,7 @@ def test_writeDeadline_whenLastWriteNeverTaken_thenStreamStillEnds() -> None:
 
 
 def test_writeDeadline_whenSocketResumesInTime_thenNoTimeout() -> None:
-    d = committed(WireConfig(write_deadline_s=30.0))
+    d = committed(proxy_config(write_deadline_s=30.0))
     d.send(SocketPaused(), at=1.0)
     d.send(event(chunk("b")), at=1.0)
     d.send(SocketResumed(), at=29.0)
@@ -651,7 +681,7 @@ def test_terminal_whenDoneMarker_thenFinishPlusDoneAndCleanClose() -> None:
 ], ids=["protocol", "timeout", "invalid_stream", "connect", "line_too_long", "eof_without_done"])
 def test_terminal_whenUpstreamFailsAfterCommit_thenInBandErrorAndAbruptClose(failure: Any,
                                                                              code: str) -> None:
-    d = Driver(WireConfig(max_line_bytes=100))
+    d = Driver(proxy_config(max_line_bytes=100))
     d.sse_headers()
     d.send(event(chunk("a")))
     d.send(failure)
@@ -672,7 +702,7 @@ def test_terminal_whenEofMidEvent_thenTruncationReportedInBand() -> None:
 
 
 def test_terminal_whenNoTerminalMarkerConfigured_thenCleanEofCompletes() -> None:
-    d = Driver(WireConfig(terminal_marker=None))
+    d = Driver(proxy_config(terminal_marker=None))
     d.sse_headers()
     d.send(event(chunk("a")))
     d.send(UpstreamEnded())
@@ -680,22 +710,32 @@ def test_terminal_whenNoTerminalMarkerConfigured_thenCleanEofCompletes() -> None
     assert d.finished.record.end_reason is EndReason.COMPLETE
 
 
-@pytest.mark.parametrize(("payload", "message", "error_type", "code"), [
-    ({"error": {"message": "context too long", "type": "invalid_request_error", "code": "ctx"}},
-     "context too long", "invalid_request_error", "ctx"),
-    ({"error": {"message": "boom", "type": "x", "code": 500}}, "boom", "x", "upstream_failed"),
-    ({"error": "Input validation error", "error_type": "validation"},
-     "Input validation error", "validation", "upstream_failed"),  # TGI
-    ({"error": "plain"}, "plain", "upstream_error", "upstream_failed"),
-], ids=["openai", "openai_numeric_code", "tgi", "bare_string"])
-def test_upstreamErrorEvent_whenMidStream_thenMappedToCommonShape(
-        payload: dict[str, Any], message: str, error_type: str, code: str) -> None:
+OURS = {"tokenwire": {"code": "upstream_failed"}}
+
+
+@pytest.mark.parametrize(("payload", "expected"), [
+    # An object is forwarded as it came (code, param, object kept), ours beside it.
+    ({"error": {"message": "context too long", "type": "invalid_request_error", "code": "ctx",
+                "param": None}, "object": "error"},
+     {"error": {"message": "context too long", "type": "invalid_request_error", "code": "ctx",
+                "param": None, **OURS}, "object": "error"}),
+    ({"error": {"message": "boom", "type": "x", "code": 500}},
+     {"error": {"message": "boom", "type": "x", "code": 500, **OURS}}),
+    ({"error": {"message": "boom", "code": None}}, {"error": {"message": "boom", "code": None, **OURS}}),
+    # A bare string gets the object shape the OpenAI SDKs need to raise at all.
+    ({"error": "Input validation error", "error_type": "validation"},  # TGI
+     {"error": {"message": "Input validation error", "type": "validation", "code": "upstream_failed",
+                **OURS}}),
+    ({"error": "plain"},
+     {"error": {"message": "plain", "type": "upstream_error", "code": "upstream_failed", **OURS}}),
+], ids=["openai", "openai_numeric_code", "null_code", "tgi", "bare_string"])
+def test_upstreamErrorEvent_whenMidStream_thenForwardedWithOurCodeBeside(
+        payload: dict[str, Any], expected: dict[str, Any]) -> None:
     d = Driver()
     d.sse_headers()
     d.send(event(chunk("a")))
     d.send(event(json.dumps(payload)))
-    assert error_of(parse_all(d.written)[-1].data) == {"message": message, "type": error_type,
-                                                      "code": code}
+    assert json.loads(parse_all(d.written)[-1].data or "") == expected
     assert d.of(CloseClient) == [CloseClient(abrupt=True)]
     assert d.of(AbortUpstream) == [AbortUpstream(EndReason.UPSTREAM_ERROR)]
 
@@ -750,7 +790,7 @@ def test_stop_whenAlreadyDone_thenIgnored() -> None:
 
 
 def test_compressed_whenBeforeCommit_thenRefusedWith502() -> None:
-    d = Driver(WireConfig(retry_attempts=3))
+    d = Driver(proxy_config(retry_attempts=3))
     d.send(UpstreamHeaders(200, (*SSE_HEADERS, (b"content-encoding", b"gzip"))))
     assert d.commit.status == 502
     assert error_of(d.written.decode())["code"] == "invalid_stream"
@@ -759,7 +799,7 @@ def test_compressed_whenBeforeCommit_thenRefusedWith502() -> None:
 
 
 def test_compressed_whenAfterDeadlineCommit_thenInBandError() -> None:
-    d = Driver(WireConfig(commit_deadline_s=1.0))
+    d = Driver(proxy_config(commit_deadline_s=1.0))
     d.send(Tick(), at=1.0)
     d.send(UpstreamHeaders(200, (*SSE_HEADERS, (b"content-encoding", b"br"))))
     assert error_of(parse_all(d.written)[-1].data)["code"] == "invalid_stream"
@@ -777,7 +817,7 @@ def test_compressed_whenIdentity_thenAccepted(encoding: bytes) -> None:
 
 
 def fresh() -> WireStream:
-    return WireStream(WireConfig(), now=0.0, request_id="r")
+    return WireStream(PROXY_DEFAULTS, now=0.0, request_id="r")
 
 
 @pytest.mark.parametrize("inputs", [
@@ -804,14 +844,14 @@ def test_handle_whenNotAnInput_thenTypeError() -> None:
 
 def test_stream_whenNoUpstreams_thenValueError() -> None:
     with pytest.raises(ValueError):
-        WireStream(WireConfig(), now=0.0, request_id="r", upstreams=())
+        WireStream(PROXY_DEFAULTS, now=0.0, request_id="r", upstreams=())
 
 
 # ------------------------------------------------------------------ accounting
 
 
 def test_record_whenCompleteStream_thenCountsEverything() -> None:
-    d = Driver(WireConfig(heartbeat_s=5.0), now=100.0, auto_complete=False)
+    d = Driver(proxy_config(heartbeat_s=5.0), now=100.0, auto_complete=False)
     d.sse_headers(at=100.5)
     d.send(event(chunk(role="assistant", text="")), at=101.0)  # first byte: ttfb 1.0
     d.send(event(chunk("a")), at=101.1)  # queues behind the write in flight
@@ -894,7 +934,7 @@ def op_sequences(draw: st.DrawFn) -> list[tuple[Any, ...]]:
 
 
 CONFIGS = st.builds(
-    WireConfig,
+    proxy_config,
     heartbeat_s=st.sampled_from([0.0, 1.0, 5.0]),
     commit_deadline_s=st.sampled_from([0.5, 2.0]),
     write_deadline_s=st.sampled_from([3.0, 30.0, 30.0]),
@@ -1174,7 +1214,7 @@ def test_properties_overRandomInterleavings(config: WireConfig, upstreams: int,
            max_size=60))
 def test_property_textReceivedEqualsUpstreamText_whateverPausingAndCoalescing(
         policy: SlowClientPolicy, ops: list[tuple[Any, ...]]) -> None:
-    config = WireConfig(slow_client_policy=policy)
+    config = proxy_config(slow_client_policy=policy)
     driver = check_run(config, 1, [("headers", "sse"), *ops, ("end", True)])
     assert driver.finished[0].record.end_reason is EndReason.COMPLETE
     assert driver.expected_text["content"] or not any(o[0] == "events" for o in ops) or True
@@ -1189,7 +1229,7 @@ def test_property_textReceivedEqualsUpstreamText_whateverPausingAndCoalescing(
 ), max_size=40))
 def test_property_heartbeatAfterHeartbeatSOfSilence_neverWhileDataPending(
         events_first_at: float, ops: list[tuple[Any, ...]]) -> None:
-    config = WireConfig(heartbeat_s=1.0, commit_deadline_s=0.5, write_deadline_s=1000.0)
+    config = proxy_config(heartbeat_s=1.0, commit_deadline_s=0.5, write_deadline_s=1000.0)
     driver = check_run(config, 1, [("headers", "sse"), ("tick", events_first_at), *ops, ("end", True)])
     record = driver.finished[0].record
     assert record.heartbeats == sum(w.count(HEARTBEAT) for w in driver.writes)

@@ -18,6 +18,7 @@ from tokenwire.middleware import (
     WireStream,
     WriteCompleted,
 )
+from tokenwire.sidecar.settings import SIDECAR_WIRE_DEFAULTS
 
 SSE_HEADERS = ((b"content-type", b"text/event-stream"),)
 
@@ -75,13 +76,23 @@ def texts(events: list[SSEEvent], field: str = "content") -> str:
     return "".join(out)
 
 
+PROXY_DEFAULTS = SIDECAR_WIRE_DEFAULTS
+"""The core's tests run with a proxy's wire defaults (retries, ``[DONE]``), the
+richest rule set; the middleware's plainer defaults have tests of their own."""
+
+
+def proxy_config(**changes: Any) -> WireConfig:
+    """The sidecar's wire defaults with ``changes``."""
+    return SIDECAR_WIRE_DEFAULTS.replace(**changes)
+
+
 class Driver:
     """A minimal obedient driver: writes complete at once unless told otherwise."""
 
     def __init__(self, config: WireConfig | None = None, *, now: float = 0.0,
                  auto_complete: bool = True, **kwargs: Any) -> None:
         self.now = now
-        self.config = config or WireConfig()
+        self.config = config or PROXY_DEFAULTS
         self.stream = WireStream(self.config, now=now, request_id="req-1", **kwargs)
         self.actions: list[Action] = []
         self.writes: list[bytes] = []

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import pytest
 from tokenwire.middleware import StreamRecord, WireConfig
 from tokenwire.sidecar import Sidecar, SidecarConfig, StreamLog
+from tokenwire.sidecar.settings import SIDECAR_WIRE_DEFAULTS
 from upstreams import FakeUpstream
 
 T = TypeVar("T")
@@ -96,7 +97,7 @@ def make_config(upstream: str | list[str], **overrides: Any) -> SidecarConfig:
     own.setdefault("admin_listen", "127.0.0.1:0")
     own.setdefault("drain_s", 0.0)
     upstreams = (upstream,) if isinstance(upstream, str) else tuple(upstream)
-    return SidecarConfig(wire=WireConfig(**wire), upstream=upstreams, **own)
+    return SidecarConfig(wire=SIDECAR_WIRE_DEFAULTS.replace(**wire), upstream=upstreams, **own)
 
 
 @pytest.fixture(scope="session")

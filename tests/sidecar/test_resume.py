@@ -53,12 +53,16 @@ def resumable(start_sidecar: Callable[..., RunningSidecar]) -> Callable[..., Run
     return start
 
 
-def test_every_event_has_a_contiguous_id_and_the_first_frame_says_retry(
+def test_every_event_has_a_contiguous_id_and_the_first_event_says_retry(
         resumable: Callable[..., RunningSidecar]) -> None:
     sidecar = resumable(resume_retry_ms=700)
     response = start_stream(sidecar, tokens=6)
     assert response.status == 200 and response.clean_end
-    assert response.body.startswith(b"retry: 700\n\n")
+    # retry: rides on the first event, never a frame of its own (an empty event to
+    # openai-python and httpx-sse, which then crash decoding its data).
+    assert response.body.startswith(b"data: ")
+    assert [e.retry for e in response.events if e.comment is None][:2] == [700, None]
+    assert all(e.data for e in response.events if e.comment is None)
     stream_id = response.stream_id
     assert len(stream_id) >= 16
     # role, 6 tokens, finish, usage, [DONE]: every data event numbered 1..10 in order.
@@ -83,7 +87,7 @@ def test_get_stream_replays_every_event_after_last_event_id_exactly_once(
         assert replay.status == 200 and replay.clean_end, replay
         assert seqs(replay) == list(range(after + 1, 13))
         assert [e.data for e in replay.data_events] == [e.data for e in full.data_events][after:]
-        assert replay.body.startswith(b"retry: ")
+        assert replay.body.startswith(b"data: ") and replay.events[0].retry is not None
     # After the last event ([DONE] is 12): 204 tells an EventSource to stop reconnecting.
     done = resume(sidecar.port, stream_id, f"{stream_id}.12")
     assert done.status == 204 and done.events == []
