@@ -100,23 +100,25 @@ def openai_stream_helper(base_url: str, stall: Stall | None) -> Outcome:
 
 
 def langchain(base_url: str, stall: Stall | None) -> Outcome:
-    """LangChain's ``ChatOpenAI.stream``, the chunks added up as its docs show."""
+    """LangChain's ``ChatOpenAI.stream``, the chunks added up in one go
+    (``full = full + chunk`` re-parses the tool-call arguments each time:
+    quadratic, minutes for a long tool call; the sum is the same)."""
+    from langchain_core.messages.ai import add_ai_message_chunks
     from langchain_openai import ChatOpenAI
 
     out = Outcome()
     llm = ChatOpenAI(model=MODEL, base_url=base_url, api_key="compat",  # type: ignore[arg-type]
                      timeout=TIMEOUT_S, logprobs=True)
-    merged: Any = None
-    count = 0
+    pieces: list[Any] = []
     try:
         for piece in llm.stream("Write the file."):
-            merged = piece if merged is None else merged + piece
-            count += 1
-            if stall is not None and count == 1:
+            pieces.append(piece)
+            if stall is not None and len(pieces) == 1:
                 stall()
     except Exception as error:
         out.error = _sdk_error(error)
-    if merged is not None:
+    if pieces:
+        merged = add_ai_message_chunks(pieces[0], *pieces[1:])
         out.final = jsonable({
             "content": merged.content, "tool_calls": merged.tool_calls,
             "invalid_tool_calls": merged.invalid_tool_calls, "additional_kwargs": merged.additional_kwargs,

@@ -44,8 +44,8 @@ merge) the rest while the client stalls."""
 BROWSER_SLOW_SCALE = 5
 """A browser reads its slow answers over a slow link (``servers.SlowLink``),
 so they are five times smaller."""
-SILENCE_S = 0.7
-"""The silent prefill; the heartbeat profile beats every 0.2 s."""
+SILENCE_S = 0.5
+"""The silent prefill; the heartbeat profile beats every 0.15 s."""
 
 ERROR_MID = {"message": "CUDA error: an illegal memory access was encountered",
              "type": "InternalServerError", "param": None, "code": 500, "object": "error"}
@@ -173,6 +173,10 @@ def _reasoning() -> list[Step]:
             event(chunk(choice(finish="stop"))), usage(len(WORDS) + len(thoughts)), DONE]
 
 
+DEATH_AFTER_WORDS = 4
+"""The in-band error and the upstream's death come after the role chunk and this many words."""
+
+
 @dataclass(frozen=True)
 class Script:
     steps: tuple[Step, ...]
@@ -187,10 +191,10 @@ SCRIPTS: dict[str, Script] = {
     "heartbeat": Script((event(chunk(choice(role="assistant", content=""))), Silence(SILENCE_S),
                          *_text(WORDS)[1:])),
     "slow_reader": Script(tuple(_slow(obfuscation=False))),
-    "error_mid_stream": Script((*_text(WORDS[:5])[:5], event({"error": ERROR_MID}))),
+    "error_mid_stream": Script((*_text(WORDS)[:DEATH_AFTER_WORDS + 1], event({"error": ERROR_MID}))),
     "error_first_event": Script((event({"error": ERROR_FIRST}),)),
     "upstream_503": Script((), status=503, body=json.dumps(OVERLOADED).encode()),
-    "upstream_death": Script((*_text(WORDS[:5])[:5], Fail())),
+    "upstream_death": Script((*_text(WORDS)[:DEATH_AFTER_WORDS + 1], Fail())),
     "tool_calls": Script(tuple(_tool_calls())),
     "n2": Script(tuple(_n2())),
     "logprobs": Script(tuple(_logprobs())),

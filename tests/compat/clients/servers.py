@@ -10,7 +10,7 @@ One event loop in a background thread runs them all (real sockets on
   (``tokenwire sidecar --upstream URL --resume``) in front of ``direct``.
 
 Profiles: ``plain`` (the defaults), ``resume`` (resume on), ``heartbeat``
-(heartbeats every 0.2 s). Every stream's accounting record is kept.
+(heartbeats every 0.15 s). Every stream's accounting record is kept.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ T = TypeVar("T")
 DRIVERS = ("middleware", "sidecar")
 TARGETS = ("direct", *DRIVERS)
 PROFILES = ("plain", "resume", "heartbeat")
-HEARTBEAT_S = 0.2
+HEARTBEAT_S = 0.15
 
 MIDDLEWARE_CONFIG: dict[str, WireConfig | None] = {
     "plain": None,  # TokenWireMiddleware(app): the middleware's own defaults
