@@ -16,7 +16,8 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 FROM ${PYTHON_IMAGE} AS build
 WORKDIR /src
 RUN pip install --no-cache-dir "build==1.2.2"
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
+COPY tokenwire/ tokenwire/
 COPY middleware/ middleware/
 COPY sidecar/ sidecar/
 COPY engine/ engine/
@@ -38,7 +39,7 @@ EXPOSE 8080 9090
 ENTRYPOINT ["tokenwire", "sidecar"]
 CMD ["--config", "/etc/tokenwire/sidecar.toml"]
 
-# ---- engine: torch (CPU wheels unless TORCH_INDEX_URL says otherwise) + transformers
+# ---- engine: torch (CPU wheels unless TORCH_INDEX_URL says otherwise) + transformers; no matplotlib (the `demo` extra)
 FROM ${PYTHON_IMAGE} AS engine
 ARG TORCH_VERSION=2.13.0
 # For CUDA: --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128

@@ -87,11 +87,14 @@ class UpstreamState:
 class PacedStream:
     """One answer being generated: ``events`` chunks, one every ``interval_s``."""
 
-    __slots__ = ("done", "events", "head", "interval_s", "next_index", "parked", "protocol",
+    __slots__ = ("done", "events", "head", "interval_s", "next_index", "obfuscate", "parked", "protocol",
                  "request_id", "start")
 
     def __init__(self, protocol: UpstreamProtocol, request_id: str, events: int,
-                 interval_s: float, start: float) -> None:
+                 interval_s: float, start: float, obfuscate: bool = False) -> None:
+        """``obfuscate``: a constant fingerprint and OpenAI's random-length
+        ``obfuscation`` padding on every chunk instead of the per-chunk stamp."""
+        self.obfuscate = obfuscate
         self.protocol = protocol
         self.request_id = request_id
         self.head = _CHUNK_HEAD % request_id.encode()
@@ -119,7 +122,9 @@ class PacedStream:
         head, tail, interval_s, start = self.head, _CHUNK_TAIL, self.interval_s, self.start
         i, events = self.next_index, self.events
         while i < events and start + i * interval_s <= now:
-            data = head + b"%d" % time.monotonic_ns() + tail % i
+            stamp = (b'0","obfuscation":"' + b"x" * (i * 7 % 16 + 1) if self.obfuscate
+                     else b"%d" % time.monotonic_ns())
+            data = head + stamp + tail % i
             parts.append(b"%x\r\n%s\r\n" % (len(data), data))
             i += 1
         self.next_index = i
@@ -238,7 +243,8 @@ class UpstreamProtocol(asyncio.Protocol):
                                  b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n")
             self.stream = PacedStream(self, str(spec.get("id", "x")), int(spec.get("events", 100)),
                                       float(spec.get("interval_ms", 10)) / 1000.0,
-                                      asyncio.get_running_loop().time())
+                                      asyncio.get_running_loop().time(),
+                                      bool(spec.get("obfuscate", False)))
             self.ticker.add(self.stream)
 
 
@@ -592,14 +598,15 @@ async def scenario_hold(host: str, port: int, streams: int, hold_s: float) -> di
 
 
 async def scenario_slow(host: str, port: int, upstream_port: int, streams: int, events: int,
-                        read_bytes: int, read_pause_ms: float, rcvbuf: int) -> dict[str, Any]:
+                        read_bytes: int, read_pause_ms: float, rcvbuf: int,
+                        obfuscate: bool = False) -> dict[str, Any]:
     """Slow readers: how late does the last token arrive after it was generated?"""
     results = [StreamResult() for _ in range(streams)]
     tag = f"s{os.getpid()}-{time.monotonic_ns()}"
 
     async def one(i: int) -> None:
         conn = await open_stream(host, port, {"id": f"{tag}-{i}", "events": events,
-                                              "interval_ms": 1}, rcvbuf=rcvbuf)
+                                              "interval_ms": 1, "obfuscate": obfuscate}, rcvbuf=rcvbuf)
         try:
             await read_stream(conn, results[i], read_bytes=read_bytes,
                               read_pause_s=read_pause_ms / 1000.0)
@@ -646,6 +653,8 @@ def main(argv: list[str] | None = None) -> int:
     client.add_argument("--read-bytes", type=int, default=2048)
     client.add_argument("--read-pause-ms", type=float, default=100)
     client.add_argument("--rcvbuf", type=int, default=4096)
+    client.add_argument("--obfuscate", action="store_true",
+                        help="slow: chunks carry obfuscation padding instead of a per-chunk stamp")
     args = parser.parse_args(argv)
     if args.cmd == "upstream":
         run_upstream(args.port)
@@ -661,7 +670,7 @@ def main(argv: list[str] | None = None) -> int:
         coro = scenario_hold(host, port, args.streams, args.hold_s)
     else:
         coro = scenario_slow(host, port, args.upstream_port, args.streams, args.events,
-                             args.read_bytes, args.read_pause_ms, args.rcvbuf)
+                             args.read_bytes, args.read_pause_ms, args.rcvbuf, args.obfuscate)
     print(json.dumps({"result": _run(coro)}), flush=True)
     return 0
 

@@ -45,7 +45,6 @@ from __future__ import annotations
 import enum
 import inspect
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -199,11 +198,6 @@ class ContinuousBatchingScheduler:
     def batch_row_ids(self) -> list[str]:
         """Request ids of the rows the next decode forward will run, in row order."""
         return [row_id for lane in self._lanes for row_id in lane.row_ids]
-
-    @property
-    def lane_widths(self) -> list[int]:
-        """Cache width of each lane (see ``_choose_lane``)."""
-        return [lane.columns for lane in self._lanes]
 
     def _rows(self) -> int:
         return sum(lane.rows for lane in self._lanes)
@@ -445,8 +439,3 @@ class ContinuousBatchingScheduler:
             stop_reason=stop_reason,
             error=error,
         )
-
-
-def decode_tokens(loaded: LoadedModel, token_ids: Sequence[int]) -> str:
-    """Decode with the model's tokenizer, special tokens skipped (tests and tools)."""
-    return str(loaded.tokenizer.backend_tokenizer.decode(list(token_ids), skip_special_tokens=True))

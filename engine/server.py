@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from starlette.types import ASGIApp
-from tokenwire.engine.config import CONFIG_ENV, EngineConfig, build_engine_config, engine_keys
+from tokenwire.engine.cli import build_parser, load_engine_config
+from tokenwire.engine.config import EngineConfig
 from tokenwire.middleware import WireConfig
 from tokenwire.middleware.asgi import listening_socket
-from tokenwire.middleware.config import load_toml
+
+__all__ = ["ListenAddress", "build_asgi_app", "build_parser", "load_engine_config", "main", "wire_config"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,38 +38,6 @@ class ListenAddress:
         if not separator or not port.isdigit():
             raise ValueError(f"--listen {text!r}: expected HOST:PORT or unix:PATH")
         return cls(host=host.strip("[]") or "127.0.0.1", port=int(port))
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The ``tokenwire engine`` command line: ``--config`` and one flag per config key.
-
-    Flags default to "not given" (``SUPPRESS``) so that an absent flag leaves
-    the environment, the file or the built-in default in charge.
-    """
-    parser = argparse.ArgumentParser(
-        prog="tokenwire engine",
-        description="Serve a causal LM over an OpenAI-compatible API with continuous batching. "
-                    "Every option is also a TOKENWIRE_ENGINE_* environment variable and a key of the "
-                    "--config TOML file; precedence: flag > environment > file > default.",
-        argument_default=argparse.SUPPRESS,
-    )
-    parser.add_argument("--config", metavar="FILE",
-                        help=f"TOML file (see conf/engine.toml) [{CONFIG_ENV}]")
-    defaults = EngineConfig()
-    for key in engine_keys():
-        default = getattr(defaults, key.name)
-        shown = "derived" if default is None else default
-        parser.add_argument(key.flag, dest=key.name, metavar=key.name.upper(),
-                            help=f"{key.help} [{key.env}; default {shown}]")
-    return parser
-
-
-def load_engine_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> EngineConfig:
-    """Parse flags, read the environment and the ``--config`` file; merge them."""
-    flags = vars(build_parser().parse_args(list(argv)))
-    config_path = flags.pop("config", None) or (environ or {}).get(CONFIG_ENV)
-    file_values = load_toml(config_path) if config_path else {}
-    return build_engine_config(flags=flags, environ=environ, file_values=file_values)
 
 
 def build_asgi_app(config: EngineConfig) -> ASGIApp:
@@ -130,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         server.run()
     else:
         # Our own listening socket: it caps the send buffer of accepted
-        # connections, so the middleware sees a slow client (DESIGN.md).
+        # connections, so the middleware sees a slow client (docs/architecture.md#slow-readers).
         assert listen.host is not None and listen.port is not None
         sock = listening_socket(listen.host, listen.port, wire_config())
         server.run(sockets=[sock])

@@ -679,7 +679,7 @@ def listening_socket(host: str, port: int, config: WireConfig = DEFAULT_CONFIG,
 
     ASGI gives an app no access to its socket, so this is how a deployment caps
     the kernel buffer that would otherwise hide a slow client from the core
-    (see DESIGN.md, Coalescing): pass it to ``uvicorn.Server.serve(sockets=[...])``.
+    (docs/architecture.md#slow-readers): pass it to ``uvicorn.Server.serve(sockets=[...])``.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)

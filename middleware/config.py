@@ -48,7 +48,8 @@ class WireConfig:
     (a middleware cannot re-run its app's request) and no terminal marker (an
     in-process app ends its stream by ending its response). A proxy in front
     of an OpenAI-compatible engine changes both; the sidecar's own defaults
-    live in ``tokenwire.sidecar.settings.SIDECAR_WIRE_DEFAULTS``."""
+    live in ``tokenwire.sidecar.settings.SIDECAR_WIRE_DEFAULTS``. The rules
+    each key drives: docs/architecture.md#wire-rules."""
 
     heartbeat_s: float = 15.0
     """Downstream silence after which ``: keepalive`` is written (0 = never)."""
@@ -84,8 +85,8 @@ class WireConfig:
     retry_budget_min_per_s: float = 3.0
     """Retries always allowed per second, whatever the ratio says."""
     terminal_marker: str | None = None
-    """The ``data:`` that ends a complete stream (the sidecar: ``[DONE]``); ``None`` or
-    ``''`` = the upstream's clean end of body is complete."""
+    """The ``data:`` that ends a complete stream (the sidecar's default: ``[DONE]``);
+    empty (``''``; None in Python) = the upstream's clean end of body is complete."""
     socket_send_buffer_bytes: int = 16 * 1024
     """Drivers cap SO_SNDBUF so backpressure is seen before the kernel swallows it
     (Linux doubles the value). 16 KiB still carries a 100 tokens/s answer over a

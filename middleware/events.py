@@ -82,11 +82,10 @@ class UpstreamEnded:
 
 @dataclass(frozen=True, slots=True)
 class UpstreamFailed:
-    """The upstream failed; ``status`` is set when it answered with an error status."""
+    """The upstream failed (an error status arrives as :class:`UpstreamHeaders` instead)."""
 
     kind: FailureKind
     message: str
-    status: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -77,10 +77,6 @@ class SSEEvent:
         if self.retry is not None and self.retry < 0:
             raise ValueError("retry must be >= 0")
 
-    @property
-    def is_comment(self) -> bool:
-        return self.comment is not None
-
 
 def _check_single_line(name: str, value: str) -> None:
     if "\r" in value or "\n" in value:

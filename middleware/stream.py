@@ -228,8 +228,11 @@ class WireStream:
         marker = config.terminal_marker
         self._marker_bytes = marker.encode() if marker is not None else None
         policy = config.slow_client_policy
-        self._pending = PendingBuffer(merge=policy is not SlowClientPolicy.DROP,
-                                      drop=policy is SlowClientPolicy.DROP)
+        # Answer text merges under every policy: ``drop`` only ever replaces
+        # events of the listed (state) types, never answer content.
+        self._pending = PendingBuffer(merge=True, drop=policy is SlowClientPolicy.DROP,
+                                      droppable_types=frozenset(config.droppable_event_types),
+                                      volatile=frozenset(config.volatile_chunk_fields))
         self._actions: list[Action] = []
         # Upstream attempt.
         self._attempt = 0

@@ -5,5 +5,5 @@
 # Usage: scripts/main.sh [tokenwire demo options, e.g. --out DIR --quick]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup-venv.sh dev,engine
+scripts/setup-venv.sh dev,engine,demo  # demo: matplotlib, for the report's plots
 exec .venv/bin/tokenwire demo "$@"

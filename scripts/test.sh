@@ -11,6 +11,6 @@ scripts/system-deps.sh redis-server chromium nginx nodejs npm curl
 # openai-node and eventsource for the compatibility suite, from its lock file.
 scripts/node-deps.sh
 py=.venv/bin/python
-echo "== ruff"; $py -m ruff check middleware sidecar engine tests bench
+echo "== ruff"; $py -m ruff check tokenwire middleware sidecar engine tests bench
 echo "== mypy --strict (middleware, sidecar)"; scripts/typecheck.sh
 echo "== pytest"; $py -m pytest -q -p no:cacheprovider "$@"

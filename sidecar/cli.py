@@ -1,72 +1,155 @@
-"""The ``tokenwire`` command: ``sidecar``, ``engine``, ``up``, ``demo``, ``probe``."""
+"""The ``tokenwire`` command: ``sidecar``, ``engine``, ``up``, ``demo``, ``probe``, ``help``.
+
+One argparse parser with a subcommand each. A subcommand's flags come from the
+module that runs it (``add_arguments``), and the configuration keys of the
+sidecar and the engine come from their config dataclasses, so a new key gets
+its flag, its variable and its help text without an edit here.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
+import importlib.metadata
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import cast
 
 from tokenwire.middleware import ConfigError
 from tokenwire.middleware.config import load_toml
 
 from .settings import SIDECAR_WIRE_DEFAULTS, SidecarConfig, all_keys, build_config
 
-USAGE = """\
-usage: tokenwire <command> [options]
+DESCRIPTION = (
+    "Reverse proxy that owns the wire between an OpenAI-compatible engine and its clients. "
+    "Every option is also a TOKENWIRE_* environment variable and a key of the --config TOML "
+    "file; precedence: flag > environment > file > default."
+)
 
-commands:
-  sidecar   reverse proxy in front of an OpenAI-compatible engine (tokenwire sidecar --help)
-  engine    the embedded torch + transformers engine (needs tokenwire[engine])
-  up        engine (tiny) + sidecar together, for trying it out
-  demo      the guided tour
-  probe     load and correctness probe against a URL
-"""
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """One ``tokenwire`` subcommand, its functions named as ``module:function``.
+
+    Named rather than imported, so ``tokenwire`` imports only the command it
+    runs: ``tokenwire engine --help`` must not load torch, nor ``tokenwire
+    --help`` any of the tools.
+    """
+
+    name: str
+    summary: str
+    arguments: str
+    """``add_arguments(parser)``: fills the subcommand's parser."""
+    entry: str
+    """``main(argv) -> int``: runs the command on the words after its name."""
+
+
+COMMANDS = (
+    Command("sidecar", "reverse proxy in front of an OpenAI-compatible engine",
+            "tokenwire.sidecar.cli:add_arguments", "tokenwire.sidecar.cli:sidecar_main"),
+    Command("engine", "the embedded torch + transformers engine (needs tokenwire[engine])",
+            "tokenwire.engine.cli:add_arguments", "tokenwire.sidecar.cli:engine_main"),
+    Command("up", "engine (tiny) + sidecar together, for trying it out",
+            "tokenwire.sidecar.up:add_arguments", "tokenwire.sidecar.up:main"),
+    Command("demo", "the guided tour: live streams, a slow reader, a dropped connection, a resume",
+            "tokenwire.sidecar.demo:add_arguments", "tokenwire.sidecar.demo:main"),
+    Command("probe", "what a client sees on a stream: time to first token, gaps, truncation",
+            "tokenwire.sidecar.probe:add_arguments", "tokenwire.sidecar.probe:main"),
+)
+_BY_NAME = {command.name: command for command in COMMANDS}
+
+
+def _resolve(reference: str) -> Callable[..., object]:
+    module, _, name = reference.partition(":")
+    return cast(Callable[..., object], getattr(importlib.import_module(module), name))
+
+
+def version() -> str:
+    """The installed distribution's version."""
+    try:
+        return importlib.metadata.version("tokenwire")
+    except importlib.metadata.PackageNotFoundError:  # a checkout on sys.path, never installed
+        return "unknown"
+
+
+def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The ``tokenwire`` parser: one subcommand per :data:`COMMANDS` entry, and ``help``.
+
+    Only the subcommands named in ``commands`` (default: all) get their flags,
+    which imports their modules; the others are listed with their summary.
+    """
+    parser = argparse.ArgumentParser(
+        prog="tokenwire",
+        description="The wire between LLM engines and the people reading their answers. "
+                    "`tokenwire help COMMAND` or `tokenwire COMMAND --help` lists a command's options.")
+    parser.add_argument("--version", action="version", version=f"tokenwire {version()}",
+                        help="print the version and exit")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    for command in COMMANDS:
+        sub = subparsers.add_parser(command.name, help=command.summary, description=command.summary)
+        if commands is None or command.name in commands:
+            _resolve(command.arguments)(sub)
+    helper = subparsers.add_parser("help", help="show a command's options",
+                                   description="Show a command's options, or the list of commands.")
+    helper.add_argument("topic", nargs="?", metavar="COMMAND", choices=list(_BY_NAME),
+                        help=f"one of {', '.join(_BY_NAME)}")
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tokenwire`` console script; returns the exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help", "help"):
-        print(USAGE, end="", file=sys.stdout if args else sys.stderr)
-        return 0 if args else 2
-    command, rest = args[0], args[1:]
-    if command == "sidecar":
-        return sidecar_main(rest)
-    if command == "engine":
-        return _engine_main(rest)
-    if command == "probe":
-        return _probe_main(rest)
-    if command == "up":
-        from .up import main as up_main
+    if not args:
+        build_parser(()).print_help(sys.stderr)
+        return 2
+    first = args[0]
+    if not first.startswith("-") and first != "help" and first not in _BY_NAME:
+        print(f"tokenwire: unknown command {first!r} (one of {', '.join(_BY_NAME)}, help)",
+              file=sys.stderr)
+        return 2
+    if first == "help":
+        # ``tokenwire help engine`` is ``tokenwire engine --help``.
+        args = [*args[1:2], "--help"] if len(args) > 1 and args[1] in _BY_NAME else args
+        first = args[0]
+    parser = build_parser([first] if first in _BY_NAME else ())
+    try:
+        namespace = parser.parse_args(args)
+    except SystemExit as stop:  # --help, --version or a usage error, already printed
+        return _status(stop)
+    if namespace.command in (None, "help"):
+        parser.print_help()
+        return 0
+    # The flags are good (checked above); the command reads them again itself, so
+    # ``tokenwire engine ...`` and ``python -m tokenwire.engine.server ...`` are one path.
+    try:
+        return cast(int, _resolve(_BY_NAME[namespace.command].entry)(args[1:]))
+    except SystemExit as stop:  # a command's own usage error (argparse exits)
+        return _status(stop)
 
-        return up_main(rest)
-    if command == "demo":
-        from .demo import main as demo_main
 
-        return demo_main(rest)
-    print(f"tokenwire: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
-    return 2
+def _status(stop: SystemExit) -> int:
+    """The exit status a ``SystemExit`` carries (``sys.exit("message")`` is 1)."""
+    if stop.code is None:
+        return 0
+    return stop.code if isinstance(stop.code, int) else 1
 
 
-def _engine_main(argv: list[str]) -> int:
+def engine_main(argv: Sequence[str]) -> int:
+    """``tokenwire engine``: say how to install torch if it is missing, else serve."""
     try:
         import torch  # noqa: F401
     except ImportError:
         print("tokenwire engine needs torch: pip install tokenwire[engine]", file=sys.stderr)
         return 2
     # Imported late: the engine pulls in torch, which the sidecar never needs.
-    from tokenwire.engine.server import main as engine_main  # type: ignore[import-not-found,unused-ignore]
+    from tokenwire.engine.server import main as serve  # type: ignore[import-not-found,unused-ignore]
 
-    return int(engine_main(argv))
-
-
-def _probe_main(argv: list[str]) -> int:
-    from .probe import main as probe_main
-
-    return probe_main(argv)
+    return int(serve(list(argv)))
 
 
 def _defaults() -> dict[str, object]:
@@ -78,36 +161,59 @@ def _defaults() -> dict[str, object]:
     return values
 
 
-def sidecar_parser() -> argparse.ArgumentParser:
-    """The ``tokenwire sidecar`` parser: one flag per configuration key."""
-    parser = argparse.ArgumentParser(
-        prog="tokenwire sidecar",
-        description="Reverse proxy that owns the wire between an OpenAI-compatible engine and its "
-                    "clients. Every option is also a TOKENWIRE_* environment variable and a key of "
-                    "the --config TOML file; precedence: flag > environment > file > default.",
-        argument_default=argparse.SUPPRESS)
-    parser.add_argument("--config", metavar="FILE", help="TOML file (see conf/sidecar.toml)")
+def _shown(default: object) -> str:
+    """A default as one would type it: ``''`` for an empty or unset string."""
+    if default in (None, ""):
+        return "''"
+    if default == ():
+        return "none"
+    if isinstance(default, bool):
+        return str(default).lower()
+    return str(default.value if isinstance(default, Enum) else default)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``tokenwire sidecar`` flags: ``--config`` and one per configuration key.
+
+    Flags default to "not given" (``SUPPRESS``) so that an absent flag leaves
+    the environment, the file or the built-in default in charge.
+    """
+    parser.description = DESCRIPTION
+    suppress = argparse.SUPPRESS
+    parser.add_argument("--config", metavar="FILE", default=suppress,
+                        help="TOML file (see conf/sidecar.toml) [TOKENWIRE_CONFIG]")
     defaults = _defaults()
     for key in all_keys():
-        default = defaults[key.name]
-        shown = "none" if default in (None, "", ()) else (getattr(default, "value", default))
-        help_text = f"{key.help} [{key.env}; default {shown}]".strip()
-        metavar = key.name.upper()
+        described = key.help.replace("``", "")  # reStructuredText literals read as plain text
+        help_text = f"{described} [{key.env}; default {_shown(defaults[key.name])}]"
         if key.name == "upstream":
-            parser.add_argument(key.flag, dest=key.name, action="append", metavar="URL",
-                                help=f"{key.help} Repeat for fallbacks. [{key.env}, comma-separated]")
+            parser.add_argument(key.flag, dest=key.name, action="append", metavar="URL", default=suppress,
+                                help=f"{described} Repeat for fallbacks. [{key.env}, comma-separated]")
         elif key.name == "cors_allow_origins":
             # Given once per origin, so the singular reads right on a command line.
             parser.add_argument(key.flag, "--cors-allow-origin", dest=key.name, action="append",
-                                metavar="ORIGIN", help=f"{key.help} Repeatable. [{key.env}, comma-separated]")
+                                metavar="ORIGIN", default=suppress,
+                                help=f"{described} Repeatable. [{key.env}, comma-separated]")
         elif key.kind is bool:
             # A switch, as users expect of --resume; --no-resume undoes an env/file value.
             parser.add_argument(key.flag, dest=key.name, action="store_const", const="true",
-                                help=help_text)
+                                default=suppress, help=f"{described} --no-{key.flag[2:]} turns it off. "
+                                                       f"[{key.env}; default {_shown(defaults[key.name])}]")
             parser.add_argument("--no-" + key.flag[2:], dest=key.name, action="store_const",
-                                const="false", help=argparse.SUPPRESS)
+                                const="false", default=suppress, help=suppress)
+        elif isinstance(key.kind, type) and issubclass(key.kind, Enum):
+            choices = ",".join(str(member.value) for member in key.kind)
+            parser.add_argument(key.flag, dest=key.name, metavar=f"{{{choices}}}", default=suppress,
+                                help=help_text)
         else:
-            parser.add_argument(key.flag, dest=key.name, metavar=metavar, help=help_text)
+            parser.add_argument(key.flag, dest=key.name, metavar=key.name.upper(), default=suppress,
+                                help=help_text)
+
+
+def sidecar_parser() -> argparse.ArgumentParser:
+    """The ``tokenwire sidecar`` parser on its own."""
+    parser = argparse.ArgumentParser(prog="tokenwire sidecar")
+    add_arguments(parser)
     return parser
 
 

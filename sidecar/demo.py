@@ -65,7 +65,7 @@ SLOW_RECEIVE_BUFFER_BYTES = 4096
 SLOW_READ_BYTES = 512
 SLOW_READ_INTERVAL_S = 0.05
 # The per-policy sidecars cap their own socket and transport buffers too (see
-# DESIGN.md, "Kernel buffers hide backpressure"), tighter than the defaults
+# docs/architecture.md#slow-readers), tighter than the defaults
 # (16 KiB / 8 KiB): a demo answer is only tens of KB, and with the defaults
 # the kernel and transport buffers alone would hold most of it, so a slow
 # reader would show no difference between the policies.
@@ -925,10 +925,9 @@ def write_report(report: dict[str, Any], out_dir: Path) -> str:
     return text
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``tokenwire demo``: run the tour, print the report, write the HTML; 0 if all checks held."""
-    parser = argparse.ArgumentParser(prog="tokenwire demo",
-                                     description="The guided tour of tokenwire, live over real sockets.")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``tokenwire demo`` flags."""
+    parser.description = "The guided tour of tokenwire, live over real sockets."
     parser.add_argument("--url", help="a running sidecar (http://HOST:PORT); default: start `up`")
     parser.add_argument("--engine-socket", metavar="PATH",
                         help="the engine's Unix socket behind --url (for the slow-reader sidecars "
@@ -937,6 +936,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default="tokenwire-demo", help="report folder (default %(default)s)")
     parser.add_argument("--quick", action="store_true", help="fewer and shorter streams")
     parser.add_argument("--verbose", action="store_true", help="echo the children's logs")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``tokenwire demo``: run the tour, print the report, write the HTML; 0 if all checks held."""
+    parser = argparse.ArgumentParser(prog="tokenwire demo")
+    add_arguments(parser)
     args = parser.parse_args(list(argv) if argv is not None else None)
     if bool(args.url) != bool(args.engine_socket):
         parser.error("--url and --engine-socket go together")

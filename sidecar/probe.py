@@ -205,17 +205,31 @@ def _print_summary(label: str, summary: dict[str, Any]) -> None:
         print(f"  error: {sample}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tokenwire probe", description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``tokenwire probe`` flags."""
+    parser.description = ("What a client experiences on a stream: time to first token, gaps between "
+                          "events, events vs tokens, truncation and in-band errors.")
     parser.add_argument("url", help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8080")
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=8,
+                        help="streams open at once (default %(default)s)")
+    parser.add_argument("--requests", type=int, default=32,
+                        help="streamed chat completions in all (default %(default)s)")
     parser.add_argument("--compare", metavar="URL2", help="run the same load against URL2 too")
-    parser.add_argument("--model", default="tiny")
-    parser.add_argument("--prompt", default="Tell me about the sea.")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--timeout-s", type=float, default=60.0)
+    parser.add_argument("--model", default="tiny", help="the request's model field (default %(default)s)")
+    parser.add_argument("--prompt", default="Tell me about the sea.",
+                        help="the user message of every request (default %(default)r)")
+    parser.add_argument("--max-tokens", type=int, default=64,
+                        help="max_tokens of every request (default %(default)s)")
+    parser.add_argument("--timeout-s", type=float, default=60.0,
+                        help="connect, read and write timeout: a stream silent this long fails "
+                             "(default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``tokenwire probe``: run the load, print the summary; 0 if every stream completed."""
+    parser = argparse.ArgumentParser(prog="tokenwire probe")
+    add_arguments(parser)
     args = parser.parse_args(argv)
     if args.concurrency < 1 or args.requests < 1:
         parser.error("--concurrency and --requests must be >= 1")

@@ -210,13 +210,21 @@ Ctrl-C stops both.
 """
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tokenwire up", description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``tokenwire up`` flags."""
+    parser.description = ("The engine (tiny model) and a sidecar in front of it, joined by a Unix "
+                          "socket, with resume on; prints where to point a client. Ctrl-C stops both.")
     parser.add_argument("--listen", default="127.0.0.1:8080", help="sidecar address (default %(default)s)")
     parser.add_argument("--admin-listen", default="127.0.0.1:8081",
-                        help="admin address: metrics, streams (default %(default)s)")
+                        help="admin address: playground, metrics, streams (default %(default)s)")
     parser.add_argument("--model", default="tiny", help="tiny (built locally) or a model folder")
     parser.add_argument("--verbose", action="store_true", help="echo the children's logs")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``tokenwire up``: start both, print the banner, wait; non-zero if a child died."""
+    parser = argparse.ArgumentParser(prog="tokenwire up")
+    add_arguments(parser)
     args = parser.parse_args(list(argv) if argv is not None else None)
     # SIGTERM stops us like Ctrl-C does, also while the children start, so
     # the context manager's cleanup always stops them.

@@ -8,10 +8,13 @@ virtualenv that has no torch, and imports every module of the base install.
 
 from __future__ import annotations
 
+import email.parser
 import subprocess
 import sys
+import tomllib
 import venv
 import zipfile
+from email.message import Message
 from pathlib import Path
 
 import pytest
@@ -57,15 +60,57 @@ def test_wheel_maps_every_source_file(wheel: Path) -> None:
         for source in (ROOT / folder).rglob("*.py"):
             relative = source.relative_to(ROOT / folder).as_posix()
             assert f"tokenwire/{folder}/{relative}" in names, f"{folder}/{relative} missing from wheel"
-    assert "tokenwire/middleware/py.typed" in names
+    assert "tokenwire/__init__.py" in names and "tokenwire/__main__.py" in names  # python -m tokenwire
+    for typed in ("tokenwire", "tokenwire/middleware", "tokenwire/sidecar", "tokenwire/engine"):
+        assert f"{typed}/py.typed" in names, f"{typed} is not marked typed (PEP 561)"
     assert not any(n.startswith(("middleware/", "sidecar/", "engine/")) for n in names)
     data = [p for p in (ROOT / "engine" / "data").glob("*") if p.is_file()]
     for path in data:
         assert f"tokenwire/engine/data/{path.name}" in names
 
 
+def _metadata(wheel: Path) -> Message:
+    with zipfile.ZipFile(wheel) as archive:
+        (name,) = (n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+        return email.parser.Parser().parsestr(archive.read(name).decode())
+
+
+def test_wheel_metadata_license_classifiers_urls(wheel: Path) -> None:
+    metadata = _metadata(wheel)
+    assert metadata["License-Expression"] == "Apache-2.0"
+    assert metadata.get_all("License-File") == ["LICENSE"]
+    with zipfile.ZipFile(wheel) as archive:
+        (license_name,) = (n for n in archive.namelist() if n.endswith("/licenses/LICENSE"))
+        license_text = archive.read(license_name).decode()
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
+    assert license_text == (ROOT / "LICENSE").read_text()
+    classifiers = metadata.get_all("Classifier") or []
+    assert "Typing :: Typed" in classifiers
+    assert "Programming Language :: Python :: 3.11" in classifiers
+    assert not any(c.startswith("License ::") for c in classifiers)  # the expression says it
+    urls = dict(u.split(", ", 1) for u in metadata.get_all("Project-URL") or [])
+    assert set(urls) >= {"Homepage", "Documentation"}
+    for label, target in urls.items():
+        # No public address yet: each names a file of the repository, which must exist.
+        assert target.startswith("https://") or (ROOT / target).is_file(), (label, target)
+
+
+def test_extras_install_only_what_each_image_needs(wheel: Path) -> None:
+    requires = _metadata(wheel).get_all("Requires-Dist") or []
+
+    def extra(name: str) -> set[str]:
+        return {r.split(";")[0].split(">")[0].split("=")[0].strip() for r in requires
+                if f'extra == "{name}"' in r}
+
+    base = {r.split(";")[0].split(">")[0].strip() for r in requires if "extra ==" not in r}
+    assert base == {"h11", "httpcore", "uvloop", "prometheus-client"}
+    assert "torch" in extra("engine") and "matplotlib" not in extra("engine")  # the engine image
+    assert extra("demo") == {"matplotlib"}
+    assert "torch" not in extra("asgi") | extra("redis") | extra("demo")
+
+
 def test_base_install_imports_every_module_without_torch(wheel: Path, clean_venv: Path) -> None:
-    modules = _modules(wheel, "middleware") + _modules(wheel, "sidecar")
+    modules = ["tokenwire", *_modules(wheel, "middleware"), *_modules(wheel, "sidecar")]
     assert "tokenwire.middleware.stream" in modules and "tokenwire.sidecar" in modules
     script = (
         "import importlib, importlib.util, sys\n"
@@ -92,3 +137,23 @@ def test_console_script_without_torch(clean_venv: Path) -> None:
     engine = subprocess.run([str(tokenwire), "engine"], capture_output=True, text=True, timeout=60)
     assert engine.returncode == 2
     assert "tokenwire[engine]" in engine.stdout + engine.stderr
+    # The engine's flags come from its config alone, so its help needs no torch.
+    engine_help = subprocess.run([str(tokenwire), "help", "engine"], capture_output=True, text=True,
+                                 timeout=60)
+    assert engine_help.returncode == 0, engine_help.stderr
+    assert "--max-running" in engine_help.stdout
+    version = subprocess.run([str(clean_venv), "-m", "tokenwire", "--version"], capture_output=True,
+                             text=True, timeout=60, cwd="/")
+    assert version.returncode == 0, version.stderr
+    expected = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert version.stdout.strip() == f"tokenwire {expected}"
+
+
+def test_demo_report_without_matplotlib(clean_venv: Path, tmp_path: Path) -> None:
+    """matplotlib is the ``demo`` extra, not a dependency: without it the report has no plots."""
+    script = ("import sys; from pathlib import Path; from tokenwire.sidecar.demo import write_plots\n"
+              "assert write_plots({}, Path(sys.argv[1])) == []\n")
+    result = subprocess.run([str(clean_venv), "-c", script, str(tmp_path)], capture_output=True,
+                            text=True, timeout=60, cwd="/")
+    assert result.returncode == 0, result.stderr
+    assert "matplotlib is not installed" in result.stderr

@@ -7,7 +7,7 @@ The replay app serves ``GET /<name>`` as that engine would: status 200,
 the behaviour suite, so both drivers see the same upstream timing).
 
 The oracle is independent of the wire core: a small SSE splitter for the
-transcripts (no CR in them) and the coalescing rule of DESIGN.md written out
+transcripts (no CR in them) and the coalescing rule (docs/architecture.md#coalescing) written out
 again, so a merge the core should not have made shows up as a difference.
 """
 
@@ -72,21 +72,26 @@ def sse_data(body: bytes) -> list[str]:
     return out
 
 
-_CHUNK_KEYS = {"id", "object", "created", "model", "system_fingerprint", "service_tier", "choices", "usage"}
+_CHUNK_KEYS = {"id", "object", "created", "model", "system_fingerprint", "service_tier", "choices", "usage",
+               "obfuscation"}
 _CHOICE_KEYS = {"index", "delta", "text", "finish_reason", "logprobs", "stop_reason", "matched_stop"}
 _TEXT_FIELDS = ("content", "reasoning_content", "reasoning")
+_NEVER_COMPARED = {"choices", "created", "obfuscation"}  # obfuscation: the default volatile field
 
 
 def text_piece(data: str) -> tuple[tuple[Any, ...], str] | None:
-    """``(merge key, text)`` if ``data`` is a chunk DESIGN.md lets merge: one
+    """``(merge key, text)`` if ``data`` is a chunk the coalescing rule lets merge: one
     choice whose delta holds text in one field (other text fields empty, an
-    optional role) and nothing else of value. Anything else is a barrier."""
+    optional role), or a later argument fragment of one tool call, and nothing
+    else of value; top-level fields other than ``created`` and the volatile
+    ``obfuscation`` are part of the key. Anything else is a barrier."""
     try:
         chunk = json.loads(data)
     except ValueError:
         return None
     if not isinstance(chunk, dict) or not set(chunk) <= _CHUNK_KEYS or chunk.get("usage") is not None:
         return None
+    same = tuple(sorted((k, json.dumps(v)) for k, v in chunk.items() if k not in _NEVER_COMPARED))
     choices = chunk.get("choices")
     if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
         return None
@@ -97,11 +102,13 @@ def text_piece(data: str) -> tuple[tuple[Any, ...], str] | None:
     delta = choice.get("delta")
     if delta is None:
         text = choice.get("text")
-        return ((chunk.get("id"), choice.get("index"), "text"), text) if isinstance(text, str) else None
+        return ((same, choice.get("index"), "text"), text) if isinstance(text, str) else None
     if not isinstance(delta, dict):
         return None
     role = delta.get("role")
     values = {k: v for k, v in delta.items() if v is not None and k != "role"}
+    if "tool_calls" in values:
+        return _argument_piece(same, choice.get("index"), role, values)
     if not values or not set(values) <= set(_TEXT_FIELDS):
         return None
     if not all(isinstance(v, str) for v in values.values()):
@@ -110,7 +117,23 @@ def text_piece(data: str) -> tuple[tuple[Any, ...], str] | None:
     if len(filled) > 1 or (role is not None and not filled):
         return None
     name = filled[0] if filled else next(iter(values))
-    return (chunk.get("id"), choice.get("index"), name, role), values[name]
+    return (same, choice.get("index"), name, role), values[name]
+
+
+def _argument_piece(same: tuple[Any, ...], index: Any, role: Any,
+                    values: dict[str, Any]) -> tuple[tuple[Any, ...], str] | None:
+    if any(k != "tool_calls" and (k not in _TEXT_FIELDS or v != "") for k, v in values.items()):
+        return None
+    calls = values["tool_calls"]
+    if not isinstance(calls, list) or len(calls) != 1 or not isinstance(calls[0], dict):
+        return None
+    call = calls[0]
+    function = call.get("function")
+    if (not set(call) <= {"index", "id", "type", "function"} or call.get("id") is not None
+            or not isinstance(function, dict) or not set(function) <= {"arguments", "name"}
+            or function.get("name") is not None or not isinstance(function.get("arguments"), str)):
+        return None
+    return (same, index, f"tool_calls[{call.get('index')}]", call.get("type"), role), function["arguments"]
 
 
 def normalised(datas: list[str]) -> list[Any]:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from tokenwire.middleware import SSEEvent, encode
 from tokenwire.middleware.pending import PendingBuffer
 
-from .wire_harness import chunk, completion_chunk, parse_all, texts
+from .wire_harness import chunk, completion_chunk, parse_all, texts, tool_args
 
 
 def buffer_of(*datas: str | SSEEvent, merge: bool = True, drop: bool = False) -> PendingBuffer:
@@ -45,13 +45,13 @@ def test_merge_whenTextOnlyChunksOfSameIdAndChoice_thenOneChunkWithConcatenatedT
     assert count == 1 and len(events) == 1
     assert texts(events, field) == texts([SSEEvent(first), SSEEvent(second)], field)
     merged = json.loads(events[0].data or "")
-    original = json.loads(first)
-    # Everything but the text is the first chunk's.
+    newest = json.loads(second)
+    # Everything but the text is the newest chunk's (what may differ carries no content).
     holder = merged["choices"][0].get("delta", merged["choices"][0])
     holder.pop(field)
-    original_holder = original["choices"][0].get("delta", original["choices"][0])
-    original_holder.pop(field)
-    assert merged == original
+    newest_holder = newest["choices"][0].get("delta", newest["choices"][0])
+    newest_holder.pop(field)
+    assert merged == newest
     assert buffer.coalesced_events == 1
 
 
@@ -67,6 +67,16 @@ BARRIERS = [
     ("usage", chunk("a"), chunk("b", usage={"total_tokens": 1})),
     ("logprobs", chunk("a"), chunk("b", logprobs={"content": []})),
     ("unknown_top_level_key", chunk("a"), chunk("b", extra={"x_custom": 1})),
+    ("model_differs", chunk("a"), chunk("b", extra={"model": "other"})),
+    ("fingerprint_differs", chunk("a", extra={"system_fingerprint": "x"}),
+     chunk("b", extra={"system_fingerprint": "y"})),
+    ("tool_call_first_chunk", tool_args("{"),
+     chunk(extra_delta={"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                        "function": {"name": "f", "arguments": ""}}]})),
+    ("tool_call_other_index", tool_args("{", call=0), tool_args("}", call=1)),
+    ("tool_call_with_text", tool_args("{"), tool_args("}", extra_delta={"content": "x"})),
+    ("two_tool_calls", tool_args("{"), chunk(extra_delta={"tool_calls": [
+        {"index": 0, "function": {"arguments": "a"}}, {"index": 1, "function": {"arguments": "b"}}]})),
     ("unknown_delta_key", chunk("a"), chunk("b", extra_delta={"audio": {"id": "x"}})),
     ("two_choices", chunk("a"), json.dumps({"id": "chatcmpl-1", "choices": [
         {"index": 0, "delta": {"content": "b"}}, {"index": 1, "delta": {"content": "c"}}]})),
@@ -123,17 +133,66 @@ def test_merge_whenMergeOff_thenEverythingKept() -> None:
     assert buffer.take()[1] == 2
 
 
-def test_drop_whenSameEventType_thenNewestReplacesButNotDroppables() -> None:
-    buffer = PendingBuffer(merge=False, drop=True)
-    for e in (SSEEvent("1", event="p"), SSEEvent("x"), SSEEvent("2", event="p"), SSEEvent("y")):
+def test_drop_whenListedEventType_thenNewestReplacesAndTheReaderIsTold() -> None:
+    buffer = PendingBuffer(merge=True, drop=True, droppable_types=frozenset({"p"}))
+    for e in (SSEEvent("1", event="p"), SSEEvent("x"), SSEEvent("2", event="p"), SSEEvent("3", event="p"),
+              SSEEvent("y"), SSEEvent("s1", event="status"), SSEEvent("s2", event="status")):
         buffer.add_event(e, encode(e))
     done = SSEEvent("[DONE]")
     buffer.add_event(done, encode(done), droppable=False)
-    buffer.add_event(SSEEvent("z"), encode(SSEEvent("z")))
-    buffer.add_bytes(b": keepalive\n\n")
+    size = buffer.pending_bytes
     data, count = buffer.take()
-    assert [e.data for e in parse_all(data) if e.comment is None] == ["2", "[DONE]", "z"]
-    assert buffer.dropped_events == 3 and count == 3
+    assert size == len(data)
+    events = [(e.event, e.data) for e in parse_all(data)]
+    # Unnamed events (answer text) and unlisted types are never dropped.
+    assert events == [(None, "x"), ("tokenwire.dropped", '{"dropped":2}'), ("p", "3"), (None, "y"),
+                      ("status", "s1"), ("status", "s2"), (None, "[DONE]")]
+    assert buffer.dropped_events == 2 and count == 6
+
+
+def test_drop_whenOpenAIChunks_thenTextMergesAndNothingIsLost() -> None:
+    buffer = PendingBuffer(merge=True, drop=True, droppable_types=frozenset({"p"}))
+    for text in "abc":
+        buffer.add_event(SSEEvent(chunk(text)))
+    data, _ = buffer.take()
+    assert texts(parse_all(data)) == "abc" and buffer.dropped_events == 0
+
+
+def test_merge_whenToolCallArgumentFragments_thenOneFragmentWithTheExactArguments() -> None:
+    first = chunk(role="assistant", text=None, extra_delta={"content": None, "tool_calls": [
+        {"index": 0, "id": "call_1", "type": "function", "function": {"name": "write", "arguments": ""}}]})
+    fragments = ['{"path": "a.txt", ', '"text": "line \\"one\\"\\n', 'é数', '😀"}']
+    buffer = buffer_of(first, *(tool_args(f) for f in fragments), tool_args("{", call=1))
+    data, count = buffer.take()
+    events = parse_all(data)
+    assert count == 3 and buffer.coalesced_events == len(fragments) - 1
+    calls = [json.loads(e.data or "")["choices"][0]["delta"]["tool_calls"][0] for e in events]
+    assert calls[0]["id"] == "call_1" and calls[0]["function"]["name"] == "write"
+    assert calls[1] == {"index": 0, "function": {"arguments": "".join(fragments)}}
+    assert calls[2]["index"] == 1
+
+
+@pytest.mark.parametrize("volatile", [frozenset({"obfuscation"}), frozenset({"ts", "seq"})])
+def test_merge_whenOnlyVolatileFieldsDiffer_thenMergedWithTheNewestValues(volatile: frozenset[str]) -> None:
+    field = sorted(volatile)[0]
+    buffer = PendingBuffer(merge=True, drop=False, volatile=volatile)
+    for i, text in enumerate(["a", "bb", "ccc"]):
+        data = chunk(text, extra={field: "x" * (i * 7 + 1)})
+        buffer.add_event(SSEEvent(data), encode(SSEEvent(data)))
+    size = buffer.pending_bytes
+    data, count = buffer.take()
+    assert size == len(data) and count == 1
+    (merged,) = [json.loads(e.data or "") for e in parse_all(data)]
+    assert merged["choices"][0]["delta"]["content"] == "abbccc"
+    assert merged[field] == "x" * 15
+
+
+def test_merge_whenUnlistedFieldDiffers_thenBarrier() -> None:
+    buffer = PendingBuffer(merge=True, drop=False)
+    for i, text in enumerate(["a", "b"]):
+        data = chunk(text, extra={"ts": i})
+        buffer.add_event(SSEEvent(data), encode(SSEEvent(data)))
+    assert buffer.take()[1] == 2 and buffer.coalesced_events == 0
 
 
 def test_pendingBytes_whenAddedAndTaken_thenMatchesBytesWritten() -> None:

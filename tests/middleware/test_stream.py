@@ -43,7 +43,17 @@ from tokenwire.middleware import (
 )
 from tokenwire.middleware.stream import HEARTBEAT
 
-from .wire_harness import PROXY_DEFAULTS, SSE_HEADERS, Driver, chunk, event, parse_all, proxy_config, texts
+from .wire_harness import (
+    PROXY_DEFAULTS,
+    SSE_HEADERS,
+    Driver,
+    chunk,
+    event,
+    parse_all,
+    proxy_config,
+    texts,
+    tool_args,
+)
 
 DONE = "[DONE]"
 
@@ -493,7 +503,8 @@ def test_coalesceWindow_whenCoalesceMsSet_thenWritesBatchedForWindow() -> None:
 
 
 def test_drop_whenSocketPaused_thenNewestPerEventTypeKeptAndDoneNeverDropped() -> None:
-    d = Driver(proxy_config(slow_client_policy=SlowClientPolicy.DROP))
+    d = Driver(proxy_config(slow_client_policy=SlowClientPolicy.DROP,
+                            droppable_event_types=("progress", "status")))
     d.sse_headers()
     d.send(event("p0", event="progress"))
     d.send(SocketPaused())
@@ -502,9 +513,62 @@ def test_drop_whenSocketPaused_thenNewestPerEventTypeKeptAndDoneNeverDropped() -
         d.send(event(f"s{i}", event="status"))
     d.send(event(DONE))
     d.send(SocketResumed())
+    told = ("tokenwire.dropped", '{"dropped":4}')
     assert [(e.event, e.data) for e in parse_all(d.written)] == [
-        ("progress", "p0"), ("progress", "p5"), ("status", "s5"), (None, DONE)]
-    assert d.stream.record(d.now).dropped_events == 8
+        ("progress", "p0"), told, ("progress", "p5"), told, ("status", "s5"), (None, DONE)]
+    record = d.finished.record
+    assert record.dropped_events == 8 and record.end_reason is EndReason.COMPLETE
+
+
+def tool_calls(events: list[SSEEvent]) -> list[dict[str, Any]]:
+    """Every tool-call delta among ``events``, in order."""
+    return [call for e in events if e.data and e.data.startswith("{")
+            for choice in json.loads(e.data).get("choices", [])
+            for call in choice.get("delta", {}).get("tool_calls") or []]
+
+
+def test_drop_whenAnswerTextAndToolCalls_thenNothingLostAndTextMerged() -> None:
+    d = Driver(proxy_config(slow_client_policy=SlowClientPolicy.DROP, droppable_event_types=("progress",)))
+    d.sse_headers()
+    d.send(event(chunk("a")))
+    d.send(SocketPaused())
+    for piece in ("b", "c", "d"):
+        d.send(event(chunk(piece)))
+    for fragment in ('{"x"', ': 1}'):
+        d.send(event(tool_args(fragment)))
+    d.send(event(chunk(finish="tool_calls")))
+    d.send(event(DONE))
+    d.send(SocketResumed())
+    events = parse_all(d.written)
+    assert texts(events) == "abcd"
+    arguments = [call["function"]["arguments"] for call in tool_calls(events)]
+    assert arguments == ['{"x": 1}']
+    assert d.finished.record.dropped_events == 0 and d.finished.record.coalesced_events == 3
+
+
+def test_slowReader_whenOneToolCallOf6000Fragments_thenExactArgumentsNotCut() -> None:
+    """An agent writing a file: a large tool call merges like text instead of
+    filling the pending buffer (it used to end in backpressure_exceeded)."""
+    d = Driver()
+    d.sse_headers()
+    first = chunk(extra_delta={"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                               "function": {"name": "write_file", "arguments": ""}}]})
+    d.send(event(first))
+    d.send(SocketPaused())
+    fragments = [f'line {i} "quoted" é\n' for i in range(6000)]
+    # Unmerged, these events alone would be over the pending cap.
+    unmerged_bytes = sum(len(f"data: {tool_args(f)}\n\n".encode()) for f in fragments)
+    assert unmerged_bytes > PROXY_DEFAULTS.max_pending_bytes
+    for fragment in fragments:
+        d.send(event(tool_args(fragment)))
+    d.send(event(chunk(finish="tool_calls")))
+    d.send(event(DONE))
+    d.send(SocketResumed())
+    calls = tool_calls(parse_all(d.written))
+    assert calls[0]["function"]["name"] == "write_file"
+    assert "".join(c["function"]["arguments"] for c in calls) == "".join(fragments)
+    record = d.finished.record
+    assert record.end_reason is EndReason.COMPLETE and record.coalesced_events == 5999
 
 
 def test_drop_whenUpstreamErrorWhilePaused_thenErrorKept() -> None:

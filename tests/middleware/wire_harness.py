@@ -44,6 +44,12 @@ def chunk(text: str | None = None, *, ident: str = "chatcmpl-1", index: int = 0,
     return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
 
 
+def tool_args(arguments: str, *, call: int = 0, extra_delta: dict[str, Any] | None = None) -> str:
+    """A later argument fragment of tool call ``call``, as OpenAI and vLLM send it."""
+    return chunk(extra_delta={"tool_calls": [{"index": call, "function": {"arguments": arguments}}],
+                              **(extra_delta or {})})
+
+
 def completion_chunk(text: str, *, ident: str = "cmpl-1", index: int = 0) -> str:
     return json.dumps({"id": ident, "object": "text_completion", "created": 1, "model": "m",
                        "choices": [{"index": index, "text": text, "logprobs": None,

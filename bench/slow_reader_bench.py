@@ -1,0 +1,79 @@
+"""Slow readers behind upstreams whose chunks differ in a field with no content.
+
+Four readers taking 2 KiB per 100 ms through a 4 KiB receive buffer, each of a
+5,000-token answer generated at one token per millisecond, side by side in one
+run, through:
+
+- nginx (``proxy_buffering off``): what a client gets without tokenwire;
+- tokenwire with the per-chunk stamp (``system_fingerprint``, as a gateway
+  stamps each chunk with its own time) *not* listed: every chunk is a barrier;
+- tokenwire with it listed in ``--volatile-chunk-fields``: chunks merge;
+- tokenwire behind an upstream that sends OpenAI's ``obfuscation`` padding
+  instead (the default volatile field).
+
+It reports, per target, how late the last token arrived after the upstream
+finished generating (median and worst of the four) and whether every reader
+got the exact text. ``python bench/slow_reader_bench.py [--events N]``; the
+figures go to bench/README.md ("Slow readers and volatile chunk fields").
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from sidecar_bench import LOAD, PY, client, free_port, nginx, process
+
+
+@contextlib.contextmanager
+def tokenwire(listen_port: int, upstream_port: int, volatile: str) -> Iterator[None]:
+    cmd = [PY, "-m", "tokenwire.sidecar", "sidecar", "--listen", f"127.0.0.1:{listen_port}",
+           "--upstream", f"http://127.0.0.1:{upstream_port}", "--log-file", "",
+           "--volatile-chunk-fields", volatile]
+    with process(cmd, "sidecar"):
+        yield
+
+
+def slow(port: int, upstream_port: int, events: int, *extra: str) -> dict[str, Any]:
+    result = client("slow", port, upstream_port, "--streams", "4", "--events", str(events),
+                    "--read-bytes", "2048", "--read-pause-ms", "100", "--rcvbuf", "4096", *extra,
+                    timeout_s=900)
+    late = [row["last_token_after_generation_s"] for row in result["streams"]]
+    return {"last_token_after_generation_s": {"median": statistics.median(late), "max": max(late)},
+            "exact_text": all(row["exact_text"] and row["complete"] for row in result["streams"])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--events", type=int, default=5000)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "slow_reader.json"))
+    args = parser.parse_args(argv)
+    upstream_port = free_port()
+    results: dict[str, Any] = {}
+    with process([PY, LOAD, "upstream", "--port", str(upstream_port)], "upstream"):
+        port = free_port()
+        with nginx(port, upstream_port):
+            results["nginx_stamped"] = slow(port, upstream_port, args.events)
+        for name, volatile, extra in (
+                ("tokenwire_stamp_not_listed", "obfuscation", ()),
+                ("tokenwire_stamp_listed", "system_fingerprint,obfuscation", ()),
+                ("tokenwire_obfuscation_default", "obfuscation", ("--obfuscate",))):
+            port = free_port()
+            with tokenwire(port, upstream_port, volatile):
+                results[name] = slow(port, upstream_port, args.events, *extra)
+            print(name, json.dumps(results[name]), flush=True)
+    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

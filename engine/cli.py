@@ -1,0 +1,54 @@
+"""The ``tokenwire engine`` command line, without the engine.
+
+This module imports neither torch nor the web stack, so ``tokenwire engine
+--help`` and a bad flag or config file answer at once, and the ``tokenwire``
+command can describe the engine on an install without ``tokenwire[engine]``.
+``server.py`` loads the model once the flags have been read.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping, Sequence
+
+from tokenwire.engine.config import CONFIG_ENV, EngineConfig, build_engine_config, engine_keys
+from tokenwire.middleware.config import load_toml
+
+SUMMARY = "the embedded torch + transformers engine (needs tokenwire[engine])"
+DESCRIPTION = (
+    "Serve a causal LM over an OpenAI-compatible API with continuous batching. "
+    "Every option is also a TOKENWIRE_ENGINE_* environment variable and a key of the "
+    "--config TOML file; precedence: flag > environment > file > default."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--config`` and one flag per :class:`EngineConfig` key.
+
+    Flags default to "not given" (``SUPPRESS``) so that an absent flag leaves
+    the environment, the file or the built-in default in charge.
+    """
+    parser.description = DESCRIPTION
+    parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
+                        help=f"TOML file (see conf/engine.toml) [{CONFIG_ENV}]")
+    defaults = EngineConfig()
+    for key in engine_keys():
+        default = getattr(defaults, key.name)
+        shown = "derived" if default is None else default
+        parser.add_argument(key.flag, dest=key.name, metavar=key.name.upper(), default=argparse.SUPPRESS,
+                            help=f"{key.help.replace('``', '')} [{key.env}; default {shown}]")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``tokenwire engine`` parser on its own (``python -m tokenwire.engine.server``)."""
+    parser = argparse.ArgumentParser(prog="tokenwire engine")
+    add_arguments(parser)
+    return parser
+
+
+def load_engine_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> EngineConfig:
+    """Parse flags, read the environment and the ``--config`` file; merge them."""
+    flags = vars(build_parser().parse_args(list(argv)))
+    config_path = flags.pop("config", None) or (environ or {}).get(CONFIG_ENV)
+    file_values = load_toml(config_path) if config_path else {}
+    return build_engine_config(flags=flags, environ=environ, file_values=file_values)

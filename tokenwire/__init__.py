@@ -1,0 +1,12 @@
+"""tokenwire: the wire between LLM engines and the people reading their answers.
+
+Three packages, mapped from the repository's top-level folders:
+
+- ``tokenwire.middleware``: the sans-IO wire core and the ASGI middleware;
+- ``tokenwire.sidecar``: the reverse proxy, and the ``tokenwire`` command;
+- ``tokenwire.engine``: the torch + transformers engine (``tokenwire[engine]``).
+
+This package only holds them together (and ``python -m tokenwire``); it
+imports none of them, so importing one never drags in another.
+docs/architecture.md in the repository says what lives where.
+"""
