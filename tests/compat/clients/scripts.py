@@ -56,6 +56,8 @@ ERROR_FIRST = {"message": "This model's maximum context length is 4096 tokens. H
 """vLLM's answer to a bad prompt once streaming has started: the first and only event."""
 OVERLOADED = {"error": {"message": "The server is overloaded", "type": "server_error",
                         "param": None, "code": "overloaded"}}
+BAD_GATEWAY = {"error": {"message": "no healthy engine behind the gateway", "type": "server_error",
+                         "param": None, "code": None}}
 
 
 def chunk(*choices: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -193,6 +195,7 @@ SCRIPTS: dict[str, Script] = {
     "slow_reader": Script(tuple(_slow(obfuscation=False))),
     "error_mid_stream": Script((*_text(WORDS)[:DEATH_AFTER_WORDS + 1], event({"error": ERROR_MID}))),
     "error_first_event": Script((event({"error": ERROR_FIRST}),)),
+    "upstream_502": Script((), status=502, body=json.dumps(BAD_GATEWAY).encode()),
     "upstream_503": Script((), status=503, body=json.dumps(OVERLOADED).encode()),
     "upstream_death": Script((*_text(WORDS)[:DEATH_AFTER_WORDS + 1], Fail())),
     "tool_calls": Script(tuple(_tool_calls())),

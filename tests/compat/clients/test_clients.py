@@ -186,7 +186,7 @@ def test_client_through_tokenwire_as_directly(client: str, feature: str, driver:
     requests_through = len(servers.upstream.requests[case_id(client, feature, driver)])
     if feature == "error_first_event":
         assert requests_through == 1, f"an engine's error was retried: {requests_through} requests"
-    elif feature == "upstream_503" and driver == "sidecar":
+    elif feature in ("upstream_502", "upstream_503") and driver == "sidecar":
         # The sidecar retried; the client must not multiply that (x-should-retry: false).
         assert requests_through == 1 + servers.sidecar_retries, \
             f"{requests_through} upstream requests (direct: {requests_direct})"
