@@ -29,6 +29,8 @@ from typing import Any
 
 from behaviour.scenarios import Fail, Send, Silence, Step
 
+from ..replay import Transcript
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 
@@ -204,6 +206,14 @@ SCRIPTS: dict[str, Script] = {
     "reasoning": Script(tuple(_reasoning())),
     "obfuscation": Script(tuple(_slow(obfuscation=True))),
 }
+ENGINE_TRANSCRIPTS = ("vllm_chat_reasoning", "vllm_reasoning_field", "vllm_tool_calls", "tgi_chat",
+                      "sglang_chat_reasoning", "sglang_tool_calls", "llamacpp_chat_reasoning",
+                      "llamacpp_tool_calls", "ollama_chat_reasoning", "ollama_tool_calls")
+"""The engines' own stream shapes (``tests/compat/transcripts``, OpenAI route, no error),
+played one event per write: each is a feature ``engine_<name>`` too."""
+SCRIPTS.update({f"engine_{name}": Script(tuple(Send(raw, gap_s=GAP_S)
+                                               for raw in Transcript.load(name).raw_events()))
+                for name in ENGINE_TRANSCRIPTS})
 FEATURES = tuple(SCRIPTS)
 SMALL_SCRIPTS = {"slow_reader": Script(tuple(_slow(obfuscation=False, divide=BROWSER_SLOW_SCALE))),
                  "obfuscation": Script(tuple(_slow(obfuscation=True, divide=BROWSER_SLOW_SCALE)))}

@@ -8,8 +8,10 @@ tokenwire can show: the upstream requests it caused (no retry storm), and
 from the accounting record that a slow reader's events really were merged
 and that heartbeats really were sent during a silent prefill.
 
-Python clients run in the test; the Node clients run batched in one ``node``
-process, the browser clients in one page per server (headless Chromium).
+Cases run in batches the first time a row needs one, each case at once
+except the slow readers: a Python client's cases in threads of the test
+process, the Node clients' in one ``node`` process, the browser clients' in
+one page per server (headless Chromium).
 """
 
 from __future__ import annotations
@@ -118,14 +120,12 @@ def _browser_cases(browser: Any, servers: Servers, origin: str, target: str,
     try:
         page.goto(f"{origin}/page")
         together = [c for c in cases if c["stall"] is None]
+        slow = [c for c in cases if c["stall"] is not None]
         raws = page.evaluate("cs => Promise.all(cs.map(c => window.runCase(c)))", together)
-        for c in cases:
-            if c["stall"] is not None:
-                raws.append(page.evaluate("c => window.runCase(c)", c))
-                together.append(c)
+        raws += [page.evaluate("c => window.runCase(c)", c) for c in slow]
     finally:
         page.close()
-    return {c["id"]: Outcome.from_json(raw) for c, raw in zip(together, raws, strict=True)}
+    return {c["id"]: Outcome.from_json(raw) for c, raw in zip(together + slow, raws, strict=True)}
 
 
 def _python_cases(servers: Servers, client: str) -> dict[str, Outcome]:
