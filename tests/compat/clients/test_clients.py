@@ -8,10 +8,10 @@ tokenwire can show: the upstream requests it caused (no retry storm), and
 from the accounting record that a slow reader's events really were merged
 and that heartbeats really were sent during a silent prefill.
 
-Cases run in batches the first time a row needs one, each case at once
-except the slow readers: a Python client's cases in threads of the test
-process, the Node clients' in one ``node`` process, the browser clients' in
-one page per server (headless Chromium).
+Cases run in batches the first time a row needs one, many at once except
+the slow readers: the Python clients' cases in threads of the test process,
+the Node clients' in one ``node`` process, the browser clients' in one page
+per server (headless Chromium).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ NODE_DIR = Path(__file__).resolve().parent / "node"
 NODE_CLIENTS = ("openai-node", "eventsource")
 BROWSER_CLIENTS = ("browser-eventsource", "browser-fetch")
 CLIENTS = (*PY_CLIENTS, *NODE_CLIENTS, *BROWSER_CLIENTS)
-PYTHON_THREADS = 8
+PYTHON_THREADS = 12
 BROWSER_REPEATS = 8
 CLOSE_AT_DONE = frozenset({"eventsource", "browser-eventsource"})
 
@@ -128,30 +128,30 @@ def _browser_cases(browser: Any, servers: Servers, origin: str, target: str,
     return {c["id"]: Outcome.from_json(raw) for c, raw in zip(together + slow, raws, strict=True)}
 
 
-def _python_cases(servers: Servers, client: str) -> dict[str, Outcome]:
-    """Every case of one Python client: all at once in threads (most of a case
-    is waiting: retries' backoff, silences), the slow readers one by one after."""
-    cases = [(feature, target) for feature in FEATURES for target in TARGETS
-             if _reachable(servers, target, feature)]
+@pytest.fixture(scope="session")
+def python_outcomes(servers: Servers) -> dict[str, Outcome]:
+    """Every Python case: all at once in threads (most of a case is waiting:
+    retries' backoff, silences), the slow readers one by one after."""
+    cases = [(client, feature, target) for client in PY_CLIENTS for feature in FEATURES
+             for target in TARGETS if _reachable(servers, target, feature)]
 
-    def run(feature: str, target: str) -> Outcome:
+    def run(client: str, feature: str, target: str) -> Outcome:
         key = case_id(client, feature, target)
         stall = (lambda: servers.stall(key)) if feature in SLOW_FEATURES else None
         return PY_CLIENTS[client](base_url(servers, client, feature, target), stall)
 
     with ThreadPoolExecutor(max_workers=PYTHON_THREADS) as pool:
-        futures = {case_id(client, f, t): pool.submit(run, f, t) for f, t in cases if f not in SLOW_FEATURES}
+        futures = {case_id(*case): pool.submit(run, *case) for case in cases if case[1] not in SLOW_FEATURES}
         results = {key: future.result() for key, future in futures.items()}
-    results.update({case_id(client, f, t): run(f, t) for f, t in cases if f in SLOW_FEATURES})
+    results.update({case_id(*case): run(*case) for case in cases if case[1] in SLOW_FEATURES})
     return results
 
 
 @pytest.fixture(scope="session")
 def outcome_of(request: pytest.FixtureRequest,
                servers: Servers) -> Iterator[Callable[[str, str, str], Outcome]]:
-    """``outcome_of(client, feature, target)``: run (or look up) one case; each
-    client's cases run together the first time one of them is asked for."""
-    python: dict[str, dict[str, Outcome]] = {}
+    """``outcome_of(client, feature, target)``: look one case up in its batch
+    (which runs the first time one of its cases is asked for)."""
 
     def get(client: str, feature: str, target: str) -> Outcome:
         if client in NODE_CLIENTS:
@@ -159,9 +159,7 @@ def outcome_of(request: pytest.FixtureRequest,
         elif client in BROWSER_CLIENTS:
             batch = request.getfixturevalue("browser_outcomes")
         else:
-            if client not in python:
-                python[client] = _python_cases(servers, client)
-            batch = python[client]
+            batch = request.getfixturevalue("python_outcomes")
         servers.url(target, PROFILE.get(feature, "plain"))  # a broken target fails here, by name
         return batch[case_id(client, feature, target)]
 
