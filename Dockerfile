@@ -28,12 +28,16 @@ FROM ${PYTHON_IMAGE} AS sidecar
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     TOKENWIRE_LISTEN=0.0.0.0:8080 \
-    TOKENWIRE_ADMIN_LISTEN=0.0.0.0:9090
+    TOKENWIRE_ADMIN_LISTEN=127.0.0.1:9090
 RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin tokenwire
 COPY --from=build /dist/ /tmp/dist/
 RUN pip install --no-cache-dir /tmp/dist/tokenwire-*.whl && rm -rf /tmp/dist
 COPY conf/sidecar.toml /etc/tokenwire/sidecar.toml
 USER 10001
+# The admin port (/metrics, /streams, cancel) stays inside the container unless it is
+# opened on purpose, with a token: TOKENWIRE_ADMIN_LISTEN=0.0.0.0:9090 plus
+# TOKENWIRE_ADMIN_TOKEN_FILE (or TOKENWIRE_ADMIN_TOKEN); the sidecar refuses to
+# start on a non-loopback admin address without one.
 EXPOSE 8080 9090
 # Exec form: the sidecar is PID 1 and gets SIGTERM itself, so it drains (drain_s).
 ENTRYPOINT ["tokenwire", "sidecar"]

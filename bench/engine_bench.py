@@ -128,63 +128,182 @@ def bench_chunked_prefill(loaded: LoadedModel, long_prompt_tokens: int,
         outputs = scheduler.step()
         return (time.perf_counter() - started_s) * 1000, outputs
 
+    def p95(values: list[float]) -> float:
+        return sorted(values)[max(0, round(0.95 * len(values)) - 1)]
+
     for chunk in [*chunk_sizes, 0]:
         label = f"chunk {chunk}" if chunk else "unchunked"
+        # The control: the same 16 streams with no long prompt, stepped in
+        # lockstep with the measured scheduler (one step of each in turn), so
+        # both see the same machine: on a shared box the noise of the minute
+        # is the same for both, and their caches grow alike.
         scheduler = decoding_scheduler(chunk)
+        control = decoding_scheduler(chunk)
         step_ms: list[float] = []
+        control_ms: list[float] = []
         phase: list[str] = []
-        for _ in range(30):  # steady state
-            step_ms.append(timed_step(scheduler)[0])
-            phase.append("steady")
-        scheduler.add(GenerationRequest("long", long_prompt,
-                                        SamplingParams(max_tokens=64, ignore_eos=True)))
-        after_first_token = None
+        after_first_token: int | None = None
         while after_first_token is None or after_first_token < 20:
+            if len(step_ms) == 30:
+                scheduler.add(GenerationRequest("long", long_prompt,
+                                                SamplingParams(max_tokens=64, ignore_eos=True)))
             ms, outputs = timed_step(scheduler)
             step_ms.append(ms)
-            if after_first_token is None:
+            control_ms.append(timed_step(control)[0])
+            if len(step_ms) <= 30:
+                phase.append("steady")
+            elif after_first_token is None:
                 phase.append("prefill")
                 if any(o.request_id == "long" for o in outputs):
                     after_first_token = 0
             else:
                 phase.append("joined")
                 after_first_token += 1
-        # The control: the same 16 streams for the same number of steps with no
-        # long prompt. Their contexts grow during the run, so a decode step at
-        # the end costs more than one at the start; "their steady gap" is the
-        # control's step time over the same window, not the first 30 steps'.
-        control = decoding_scheduler(chunk)
-        control_ms = [timed_step(control)[0] for _ in range(len(step_ms))]
         del control
+        window = step_ms[30:]
+        control_window = control_ms[30:]
         steady_ms = statistics.median(ms for ms, p in zip(step_ms, phase, strict=True) if p == "steady")
-        window_steady_ms = statistics.median(control_ms[30:])
-        prefill_worst_ms = max(ms for ms, p in zip(step_ms, phase, strict=True) if p == "prefill")
+        control_median_ms = statistics.median(control_window)
+        prefill_gaps = [ms for ms, p in zip(step_ms, phase, strict=True) if p == "prefill"]
         joined = [ms for ms, p in zip(step_ms, phase, strict=True) if p == "joined"]
-        worst_ms = max(step_ms[30:])
+        worst_ms = max(window)
         results["runs"].append({
             "label": label,
             "max_prefill_tokens_per_step": chunk,
             "steady_gap_ms": round(steady_ms, 2),
-            "control_gap_ms": round(window_steady_ms, 2),
-            "control_worst_gap_ms": round(max(control_ms[30:]), 2),
-            "worst_gap_during_prefill_ms": round(prefill_worst_ms, 2),
+            "control_gap_ms": round(control_median_ms, 2),
+            "control_p95_gap_ms": round(p95(control_window), 2),
+            "control_worst_gap_ms": round(max(control_window), 2),
+            "median_gap_ms": round(statistics.median(window), 2),
+            "p95_gap_ms": round(p95(window), 2),
+            "worst_gap_during_prefill_ms": round(max(prefill_gaps), 2),
             "worst_gap_after_join_ms": round(max(joined), 2),
             "median_gap_after_join_ms": round(statistics.median(joined), 2),
             "worst_gap_ms": round(worst_ms, 2),
             "worst_over_steady": round(worst_ms / steady_ms, 2),
-            "worst_over_control": round(worst_ms / window_steady_ms, 2),
+            "worst_over_control": round(worst_ms / control_median_ms, 2),
+            "worst_over_control_worst": round(worst_ms / max(control_window), 2),
+            "p95_over_control_p95": round(p95(window) / p95(control_window), 2),
+            "p95_over_control": round(p95(window) / control_median_ms, 2),
             "prefill_steps": phase.count("prefill"),
-            "long_prompt_first_token_ms": round(sum(
-                ms for ms, p in zip(step_ms, phase, strict=True) if p == "prefill"), 1),
+            "long_prompt_first_token_ms": round(sum(prefill_gaps), 1),
             "gaps_ms": [round(ms, 2) for ms in step_ms],
             "control_gaps_ms": [round(ms, 2) for ms in control_ms],
             "phases": phase,
         })
-        print(f"prefill {label:>9}: steady {steady_ms:.1f} ms, control {window_steady_ms:.1f} ms, "
-              f"worst {worst_ms:.1f} ms (x{worst_ms / steady_ms:.1f} of the first steps, "
-              f"x{worst_ms / window_steady_ms:.1f} of the control), prefill steps "
-              f"{phase.count('prefill')}", flush=True)
+        run = results["runs"][-1]
+        print(f"prefill {label:>9}: control median {control_median_ms:.1f} ms; worst {worst_ms:.1f} ms "
+              f"= x{run['worst_over_control_worst']} the control's worst "
+              f"(x{run['worst_over_control']} its median); p95 {run['p95_gap_ms']} ms = "
+              f"x{run['p95_over_control_p95']} the control's p95 (x{run['p95_over_control']} its "
+              f"median); prefill steps {phase.count('prefill')}", flush=True)
     return results
+
+
+# -- 2b. served over HTTP beside the scheduler alone --------------------------------------
+
+
+async def _stream_once(port: int, prompt: tuple[int, ...], output_tokens: int) -> int:
+    """One streamed completion over a raw socket; returns the ``data:`` events before [DONE]."""
+    body = json.dumps({"prompt": list(prompt), "max_tokens": output_tokens, "stream": True,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\n"
+                 b"Content-Type: application/json\r\nConnection: close\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    events = 0
+    received = b""
+    while True:
+        data = await reader.read(65536)
+        if not data:
+            break
+        received = received[-16:] + data
+        events += data.count(b"data: {")
+        if b"data: [DONE]" in received:
+            break
+    writer.close()
+    return events
+
+
+def bench_served(model_path: Path, loaded: LoadedModel, stream_counts: list[int],
+                 output_tokens: int, threads: int, device: str, dtype: str) -> dict[str, Any]:
+    """``tokenwire engine`` in its own process (uvicorn, the middleware, JSON, detokenisation),
+    N streaming clients at once over raw sockets, against the scheduler alone in this
+    process on the same prompts: tokens per second, side by side, alternating."""
+    import subprocess
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    largest = max(stream_counts)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tokenwire.engine.server", "--model", str(model_path),
+         "--listen", f"127.0.0.1:{port}", "--threads", str(threads), "--device", device,
+         "--dtype", dtype, "--max-running", str(max(64, largest)),
+         "--kv-budget-tokens", str(1 << 22), "--max-prefill-tokens-per-step", "2048",
+         "--log-level", "warning", "--served-model-name", "bench"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline_s = time.monotonic() + 120
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline_s:
+                    raise RuntimeError("engine did not start: " + server.stderr.read().decode()
+                                       if server.stderr else "engine did not start") from None
+                time.sleep(0.2)
+        prompts = _prompts(loaded, largest)
+        asyncio.run(_stream_once(port, prompts[0], 4))  # warm-up
+
+        def served(streams: int) -> float:
+            async def run() -> int:
+                counts = await asyncio.gather(*(_stream_once(port, prompts[i], output_tokens)
+                                                for i in range(streams)))
+                return sum(counts)
+            started_s = time.perf_counter()
+            events = asyncio.run(run())
+            elapsed_s = time.perf_counter() - started_s
+            if events < streams * output_tokens * 0.5:
+                raise RuntimeError(f"only {events} events for {streams} streams")
+            return streams * output_tokens / elapsed_s
+
+        def scheduler_only(streams: int) -> float:
+            scheduler = ContinuousBatchingScheduler(
+                loaded, EngineConfig(max_running=max(64, streams), kv_budget_tokens=1 << 22,
+                                     max_prefill_tokens_per_step=2048))
+            params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
+            started_s = time.perf_counter()
+            for index in range(streams):
+                scheduler.add(GenerationRequest(f"t{index}", prompts[index], params))
+            generated = 0
+            while scheduler.has_work():
+                generated += sum(len(o.token_ids) for o in scheduler.step())
+            return generated / (time.perf_counter() - started_s)
+
+        results: dict[str, Any] = {"output_tokens": output_tokens, "streams": {}}
+        for streams in stream_counts:
+            # Alternate, three of each, so both see the same minute of a shared machine.
+            served_runs, alone_runs = [], []
+            for _ in range(3):
+                served_runs.append(served(streams))
+                alone_runs.append(scheduler_only(streams))
+            served_tps = statistics.median(served_runs)
+            alone_tps = statistics.median(alone_runs)
+            results["streams"][str(streams)] = {
+                "served_tokens_per_s": round(served_tps, 1),
+                "scheduler_only_tokens_per_s": round(alone_tps, 1),
+                "served_over_scheduler": round(served_tps / alone_tps, 3),
+                "served_runs": [round(x, 1) for x in served_runs],
+                "scheduler_runs": [round(x, 1) for x in alone_runs],
+            }
+            print(f"served {streams:>3} streams: {served_tps:7.0f} tok/s over HTTP, "
+                  f"{alone_tps:7.0f} tok/s scheduler alone, x{served_tps / alone_tps:.2f}", flush=True)
+        return results
+    finally:
+        server.terminate()
+        server.wait(15)
 
 
 # -- 3. abort latency over HTTP ----------------------------------------------------------
@@ -332,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (1: steady on a shared small machine)")
     parser.add_argument("--abort-trials", type=int, default=10)
+    parser.add_argument("--served-output-tokens", type=int, default=128)
+    parser.add_argument("--parts", nargs="+", default=["throughput", "prefill", "served", "abort"],
+                        choices=["throughput", "prefill", "served", "abort"])
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "engine")
     args = parser.parse_args(argv)
 
@@ -349,14 +471,21 @@ def main(argv: list[str] | None = None) -> int:
         "cpus": os.cpu_count(), "load_avg_start": load_before,
         "python": sys.version.split()[0],
     }}
-    results["throughput"] = bench_throughput(loaded, [1, 16, 64], args.output_tokens)
-    results["chunked_prefill"] = bench_chunked_prefill(loaded, args.long_prompt_tokens,
-                                                       args.chunk_tokens)
-    results["abort"] = bench_abort(loaded, args.abort_trials)
+    if "throughput" in args.parts:
+        results["throughput"] = bench_throughput(loaded, [1, 16, 64], args.output_tokens)
+    if "prefill" in args.parts:
+        results["chunked_prefill"] = bench_chunked_prefill(loaded, args.long_prompt_tokens,
+                                                           args.chunk_tokens)
+    if "served" in args.parts:
+        results["served"] = bench_served(path, loaded, [1, 16, 64], args.served_output_tokens,
+                                         args.threads, args.device, args.dtype)
+    if "abort" in args.parts:
+        results["abort"] = bench_abort(loaded, args.abort_trials)
     results["environment"]["load_avg_end"] = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(results, indent=2))
-    plot(results, args.out.with_suffix(".png"))
+    if all(part in results for part in ("throughput", "chunked_prefill", "abort")):
+        plot(results, args.out.with_suffix(".png"))
     print(f"wrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")
     return 0
 

@@ -103,7 +103,7 @@ def resumable_sidecar(upstream_port: int, store: str) -> Iterator[tuple[int, sub
     cmd = [PY, "-m", "tokenwire.sidecar", "sidecar", "--listen", f"127.0.0.1:{port}",
            "--upstream", f"http://127.0.0.1:{upstream_port}", "--admin-listen", f"127.0.0.1:{admin_port}",
            "--resume", "--resume-store", store, "--resume-max-bytes", str(MAX_STREAM_BYTES),
-           "--resume-ttl-s", "3600", "--log-file", ""]
+           "--resume-ttl-s", "3600", "--resume-owner-secret", "bench", "--log-file", ""]
     with process(cmd, f"sidecar ({store})") as proc:
         yield port, proc
 

@@ -46,9 +46,12 @@ def slow(port: int, upstream_port: int, events: int, *extra: str) -> dict[str, A
     result = client("slow", port, upstream_port, "--streams", "4", "--events", str(events),
                     "--read-bytes", "2048", "--read-pause-ms", "100", "--rcvbuf", "4096", *extra,
                     timeout_s=900)
-    late = [row["last_token_after_generation_s"] for row in result["streams"]]
-    return {"last_token_after_generation_s": {"median": statistics.median(late), "max": max(late)},
-            "exact_text": all(row["exact_text"] and row["complete"] for row in result["streams"])}
+    rows = result["streams"]
+    late = [row["last_token_after_generation_s"] for row in rows if row["complete"]]
+    return {"complete": sum(row["complete"] for row in rows), "readers": len(rows),
+            "last_token_after_generation_s": {"median": statistics.median(late), "max": max(late)}
+            if late else None,
+            "exact_text": all(row["exact_text"] for row in rows if row["complete"])}
 
 
 def main(argv: list[str] | None = None) -> int:

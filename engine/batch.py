@@ -25,23 +25,25 @@ from transformers.cache_utils import Cache, DynamicLayer
 _MIN_SPARE_COLUMNS = 64
 
 
-class AppendOnlyLayer(DynamicLayer):
+class AppendOnlyLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # (untyped base)
     """A ``DynamicLayer`` backed by a buffer with spare columns.
 
     ``keys``/``values`` stay views of the filled part, so everything in
     transformers that reads them (sequence length, mask sizes) keeps working.
     """
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, min_capacity_columns: int = 0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)  # type: ignore[no-untyped-call]
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
         self._filled_columns = 0
+        self._min_capacity_columns = min_capacity_columns
 
     def replace(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Take ``keys``/``values`` (``[rows, heads, columns, head_dim]``) as the whole cache."""
         columns = keys.shape[-2]
-        capacity = columns + max(_MIN_SPARE_COLUMNS, columns // 4)
+        capacity = max(columns + max(_MIN_SPARE_COLUMNS, columns // 4), self._min_capacity_columns)
+        self._min_capacity_columns = 0  # a first-allocation hint only
         self._key_buffer = keys.new_empty((*keys.shape[:2], capacity, keys.shape[-1]))
         self._value_buffer = values.new_empty((*values.shape[:2], capacity, values.shape[-1]))
         self._key_buffer[:, :, :columns] = keys
@@ -85,10 +87,21 @@ class AppendOnlyLayer(DynamicLayer):
 
 
 class BatchCache(Cache):
-    """A transformers ``Cache`` made of :class:`AppendOnlyLayer`, one per decoder layer."""
+    """A transformers ``Cache`` made of :class:`AppendOnlyLayer`, one per decoder layer.
 
-    def __init__(self, num_layers: int) -> None:
-        super().__init__(layers=[AppendOnlyLayer() for _ in range(num_layers)])
+    ``min_capacity_columns`` sizes the first allocation (a prompt's length, so
+    its chunks never regrow the buffer).
+    """
+
+    def __init__(self, num_layers: int, min_capacity_columns: int = 0) -> None:
+        super().__init__(layers=[AppendOnlyLayer(min_capacity_columns)
+                                 for _ in range(num_layers)])
+
+    def layer(self, index: int) -> AppendOnlyLayer:
+        """Layer ``index``, typed as what this cache holds."""
+        layer = self.layers[index]
+        assert isinstance(layer, AppendOnlyLayer)
+        return layer
 
 
 class RunningBatch:
@@ -105,7 +118,7 @@ class RunningBatch:
         self.cache = BatchCache(num_layers)
         self.row_ids: list[str] = []
         self.token_counts: list[int] = []
-        self.attention_mask = torch.zeros((0, 0), dtype=torch.long, device=device)
+        self.attention_mask = torch.zeros((0, 0), dtype=torch.bool, device=device)
 
     @property
     def rows(self) -> int:
@@ -130,7 +143,7 @@ class RunningBatch:
     def rebuild(
         self,
         keep_row_ids: set[str],
-        joining: Sequence[tuple[str, Cache]],
+        joining: Sequence[tuple[str, BatchCache]],
     ) -> None:
         """Drop rows not in ``keep_row_ids`` and append ``joining`` rows, in one copy.
 
@@ -146,13 +159,18 @@ class RunningBatch:
         if not new_row_ids:
             self._reset()
             return
+        if not keep_rows and len(joining) == 1:
+            # A lane of one new row (a long prompt opening its own lane): take
+            # its prefill cache as it is instead of copying every column.
+            self._adopt(*joining[0])
+            return
         old_width = self.columns
         index = torch.tensor(keep_rows, dtype=torch.long, device=self._device)
         for layer_index in range(self._num_layers):
             parts_k: list[torch.Tensor] = []
             parts_v: list[torch.Tensor] = []
             if keep_rows:
-                layer = self.cache.layers[layer_index]
+                layer = self.cache.layer(layer_index)
                 assert layer.keys is not None and layer.values is not None
                 # Kept rows are right-aligned at old_width; keep the last `width` columns.
                 start = old_width - width
@@ -161,32 +179,33 @@ class RunningBatch:
                 parts_k.append(_fit_columns(kept_k, start, width))
                 parts_v.append(_fit_columns(kept_v, start, width))
             for _, cache in joining:
-                joined = cache.layers[layer_index]
+                joined = cache.layer(layer_index)
                 assert joined.keys is not None and joined.values is not None
                 pad = width - joined.keys.shape[-2]
                 parts_k.append(_fit_columns(joined.keys, -pad, width))
                 parts_v.append(_fit_columns(joined.values, -pad, width))
-            new_layer = self.cache.layers[layer_index]
-            assert isinstance(new_layer, AppendOnlyLayer)
+            new_layer = self.cache.layer(layer_index)
             new_layer.replace(torch.cat(parts_k, dim=0), torch.cat(parts_v, dim=0))
         counts = kept_counts + joining_counts
         columns = torch.arange(width, device=self._device).unsqueeze(0)
         first_real = torch.tensor([width - c for c in counts], device=self._device).unsqueeze(1)
-        self.attention_mask = (columns >= first_real).long()
+        self.attention_mask = columns >= first_real
         self.row_ids = new_row_ids
         self.token_counts = counts
 
-    def decode_inputs(self, next_token_ids: Sequence[int]) -> dict[str, torch.Tensor]:
-        """Tensors for one decode forward: one new token per row."""
-        input_ids = torch.tensor(next_token_ids, dtype=torch.long, device=self._device)
-        ones = torch.ones((self.rows, 1), dtype=torch.long, device=self._device)
+    def _adopt(self, row_id: str, cache: BatchCache) -> None:
+        self.cache = cache
+        count = cache.get_seq_length()
+        self.attention_mask = torch.ones((1, count), dtype=torch.bool, device=self._device)
+        self.row_ids = [row_id]
+        self.token_counts = [count]
+
+    def step_mask(self) -> torch.Tensor:
+        """Add this step's column (every row's new token) and return the ``[rows, 1, 1, columns]``
+        bool mask the step's attention uses: True where a row may attend."""
+        ones = torch.ones((self.rows, 1), dtype=torch.bool, device=self._device)
         self.attention_mask = torch.cat([self.attention_mask, ones], dim=1)
-        positions = torch.tensor(self.token_counts, dtype=torch.long, device=self._device)
-        return {
-            "input_ids": input_ids.unsqueeze(1),
-            "attention_mask": self.attention_mask,
-            "position_ids": positions.unsqueeze(1),
-        }
+        return self.attention_mask[:, None, None, :]
 
     def advance(self) -> None:
         """Record that every row gained one token (after a successful forward)."""
@@ -196,7 +215,7 @@ class RunningBatch:
         self.cache = BatchCache(self._num_layers)
         self.row_ids = []
         self.token_counts = []
-        self.attention_mask = torch.zeros((0, 0), dtype=torch.long, device=self._device)
+        self.attention_mask = torch.zeros((0, 0), dtype=torch.bool, device=self._device)
 
 
 def _fit_columns(tensor: torch.Tensor, start: int, width: int) -> torch.Tensor:

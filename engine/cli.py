@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"TOML file (see conf/engine.toml) [{CONFIG_ENV}]")
     defaults = EngineConfig()
     for key in engine_keys():
-        default = getattr(defaults, key.name)
+        default = getattr(defaults.wire if key.wire else defaults, key.name)
         shown = "derived" if default is None else default
         parser.add_argument(key.flag, dest=key.name, metavar=key.name.upper(), default=argparse.SUPPRESS,
                             help=f"{key.help.replace('``', '')} [{key.env}; default {shown}]")

@@ -11,6 +11,13 @@ The environment prefix is ``TOKENWIRE_ENGINE_``, not the sidecar's bare
 environment (``tokenwire up``, one container running both), and
 ``TOKENWIRE_LISTEN`` must not move the engine onto the sidecar's port.
 
+The wire core's keys (:class:`~tokenwire.middleware.WireConfig`: heartbeat,
+deadlines, pending cap, ...) are keys of the engine too, spelt as for the
+sidecar under the engine's prefix (``--heartbeat-s``,
+``TOKENWIRE_ENGINE_HEARTBEAT_S``, ``heartbeat_s = 15.0``); they configure the
+middleware wrapped around the engine's app and land in ``config.wire``. Two of
+them have engine defaults of their own (:func:`engine_wire_defaults`).
+
 Unknown TOML keys and bad values are :class:`~tokenwire.middleware.ConfigError`\\ s
 naming the key. This module imports neither torch nor the web stack, so a bad
 config file fails fast, before a model is loaded.
@@ -19,12 +26,14 @@ config file fails fast, before a model is loaded.
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
-from tokenwire.middleware import ConfigError
+from tokenwire.middleware import ConfigError, WireConfig
 from tokenwire.middleware.config import field_docs, merge_layers
 
 ENV_PREFIX = "TOKENWIRE_ENGINE_"
@@ -32,10 +41,22 @@ CONFIG_ENV = ENV_PREFIX + "CONFIG"
 """The environment variable naming a TOML file, when ``--config`` is not given."""
 
 
+def engine_wire_defaults() -> WireConfig:
+    """The wire core's defaults as the engine needs them, set explicitly.
+
+    No retries: the middleware cannot re-run a request it has already handed
+    to the app. ``[DONE]`` is the terminal marker: every complete engine
+    stream ends with it, so one that lacks it is reported as broken.
+    """
+    return WireConfig(retry_attempts=0, terminal_marker="[DONE]")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything the engine decides with. Units are in the names."""
 
+    wire: WireConfig = field(default_factory=engine_wire_defaults)
+    """The middleware's settings (every :class:`WireConfig` key is an engine key)."""
     model: str = "tiny"
     """``tiny`` (built locally on first use) or a path to a Hugging Face model folder."""
     served_model_name: str | None = None
@@ -49,7 +70,8 @@ class EngineConfig:
     kv_budget_tokens: int = 262_144
     """Admission budget: sum over admitted requests of prompt + max_tokens."""
     max_prefill_tokens_per_step: int = 256
-    """Prompt tokens processed per scheduler step; 0 = whole prompts at once (no chunking)."""
+    """Prompt tokens processed per scheduler step, attention over the cached context counted
+    (late chunks of a long prompt get fewer tokens); 0 = whole prompts at once (no chunking)."""
     max_model_len: int | None = None
     """Context cap; default: the model's ``max_position_embeddings``."""
     max_waiting: int = 1024
@@ -58,6 +80,8 @@ class EngineConfig:
     """``HOST:PORT`` or ``unix:PATH`` the API listens on."""
     log_level: str = "info"
     """uvicorn and engine log level: critical, error, warning, info, debug, trace."""
+    threads: int | None = None
+    """torch intra-op threads; default: the CPUs this process may use, minus one for the event loop."""
 
     def __post_init__(self) -> None:
         for name in ("max_running", "kv_budget_tokens", "max_waiting"):
@@ -71,6 +95,9 @@ class EngineConfig:
                 isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int)
                 or self.max_model_len < 2):
             raise ConfigError("max_model_len", f"must be >= 2, got {self.max_model_len!r}")
+        if self.threads is not None and (
+                isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1):
+            raise ConfigError("threads", f"must be a whole number >= 1 (0 = derived), got {self.threads!r}")
         for name in ("model", "device", "dtype"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigError(name, "must be a non-empty string")
@@ -80,6 +107,24 @@ class EngineConfig:
 
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def default_threads() -> int:
+    """The CPUs this process may run on, minus one left to the event loop, at least one.
+
+    ``sched_getaffinity``, not ``cpu_count``: in a container pinned to two of
+    a host's 64 cores, 63 spinning torch threads would fight over two.
+    """
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        usable = os.cpu_count() or 1
+    return max(1, usable - 1)
+
+
+def torch_threads(config: EngineConfig) -> int:
+    """The intra-op thread count ``config`` asks for (``threads`` or the default)."""
+    return config.threads if config.threads is not None else default_threads()
 
 
 def check_listen(value: str) -> None:
@@ -102,8 +147,10 @@ class EngineKey:
 
     name: str
     kind: Any
-    """``str``, ``int``, ``str | None`` or ``int | None``."""
+    """``str``, ``int``, ``float``, ``bool``, an ``Enum``, ``str | None`` or ``int | None``."""
     help: str
+    wire: bool = False
+    """A key of :class:`WireConfig` (lands in ``config.wire``)."""
 
     @property
     def flag(self) -> str:
@@ -120,33 +167,74 @@ class EngineKey:
 
 
 def engine_keys() -> list[EngineKey]:
-    """Every key of :class:`EngineConfig`, in field order."""
-    hints = typing.get_type_hints(EngineConfig)
-    docs = field_docs(EngineConfig)
-    return [EngineKey(f.name, hints[f.name], docs.get(f.name, "")) for f in dataclasses.fields(EngineConfig)]
+    """Every key: the wire core's first (as for the sidecar), then the engine's own."""
+    keys: list[EngineKey] = []
+    for cls, wire in ((WireConfig, True), (EngineConfig, False)):
+        hints = typing.get_type_hints(cls)
+        docs = field_docs(cls)
+        keys.extend(EngineKey(f.name, hints[f.name], docs.get(f.name, ""), wire)
+                    for f in dataclasses.fields(cls) if f.name != "wire")
+    return keys
 
 
 def _from_text(key: EngineKey, text: str) -> object:
     """A flag or environment value (always text) as the key's type."""
+    kind = key.kind
     if key.optional and text.strip() in ("", "none"):
         return None
-    if key.kind in (int, int | None):
+    if kind is bool:
+        lowered = text.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off", ""):
+            return False
+        raise ConfigError(key.name, f"must be true or false, got {text!r}")
+    if kind is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError(key.name, f"not a number: {text!r}") from None
+    if isinstance(kind, type) and issubclass(kind, Enum):
+        try:
+            return kind(text)
+        except ValueError:
+            choices = ", ".join(str(member.value) for member in kind)
+            raise ConfigError(key.name, f"must be one of {choices}, got {text!r}") from None
+    if kind in (int, int | None):
         try:
             value = int(text)
         except ValueError:
             raise ConfigError(key.name, f"not a whole number: {text!r}") from None
         return None if key.optional and value == 0 else value
+    if kind == tuple[str, ...]:
+        return tuple(part.strip() for part in text.split(",") if part.strip())
     return text
 
 
 def _from_toml(key: EngineKey, value: object) -> object:
     """A TOML value, type-checked against the key."""
-    if key.kind in (int, int | None):
+    kind = key.kind
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(key.name, f"must be true or false, got {value!r}")
+        return value
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(key.name, f"must be a number, got {value!r}")
+        return float(value)
+    if kind in (int, int | None):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(key.name, f"must be a whole number, got {value!r}")
         return None if key.optional and value == 0 else value
+    if kind == tuple[str, ...]:
+        names = [value] if isinstance(value, str) else value
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ConfigError(key.name, f"must be a list of strings, got {value!r}")
+        return tuple(names)
     if not isinstance(value, str):
         raise ConfigError(key.name, f"must be a string, got {value!r}")
+    if isinstance(kind, type) and issubclass(kind, Enum):
+        return _from_text(key, value)
     return None if key.optional and value == "" else value
 
 
@@ -165,4 +253,7 @@ def build_engine_config(
     keys = {key.name: key for key in engine_keys()}
     values = merge_layers(keys, from_text=_from_text, from_toml=_from_toml, flags=flags,
                           environ=environ, file_values=file_values)
-    return EngineConfig(**values)  # type: ignore[arg-type]
+    wire_values = {name: value for name, value in values.items() if keys[name].wire}
+    own_values = {name: value for name, value in values.items() if not keys[name].wire}
+    wire = engine_wire_defaults().replace(**wire_values)
+    return EngineConfig(wire=wire, **own_values)  # type: ignore[arg-type]

@@ -70,7 +70,7 @@ def load_model(
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(
+    model: Any = AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch_dtype, local_files_only=True, attn_implementation="sdpa"
     )
     model.to(torch_device)

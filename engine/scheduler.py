@@ -24,18 +24,24 @@ One call to :meth:`ContinuousBatchingScheduler.step` is one scheduling round:
    (``prompt + max_tokens`` each) fit in ``kv_budget_tokens``. Reserving the
    worst case up front means an admitted request never has to be pre-empted.
    A request that could never fit was refused by :meth:`check` already.
-4. **Decode**: one forward pass per lane feeds every RUNNING row its last
-   sampled token and samples the next one.
-5. **Prefill**: PREFILLING requests get prompt chunks in arrival order until
-   ``max_prefill_tokens_per_step`` prompt tokens have been processed, each in
-   its own single-row cache. So a long prompt costs the running streams at
-   most one chunk of delay per step instead of its whole prefill. A request
-   whose prompt is complete samples its first token here and becomes READY.
+4. **One forward pass** (``ragged.py``) runs the step's tokens together:
+   every RUNNING row's last sampled token (rows of every lane) and a chunk of
+   each PREFILLING prompt, in arrival order, while the chunks fit
+   ``max_prefill_tokens_per_step``, a budget in token-equivalents that counts a
+   chunk's attention over the prompt cached so far (``_plan_chunks``). So a
+   long prompt costs the running streams one bounded slice of a step, not its
+   whole prefill, and not a second forward pass either: on a small model a
+   forward's fixed cost is most of a decode step.
+5. **Sampling**: every decoding row, and every request whose prompt completed
+   in this forward, samples its next token from the same logits batch. A
+   request that got its first token becomes READY and joins a lane at the
+   membership update that ends the step.
 
-Failures are contained: an exception in one request's prefill or in handling
-its sampled token finishes that request with reason ``error`` and the loop
-goes on. A failing batched decode forward cannot be pinned on one row, so it
-ends every row of that lane with an error; the other lanes go on.
+Failures are contained where they can be pinned: an exception while handling
+one request's sampled token finishes that request with reason ``error``, and
+a prompt with token ids outside the vocabulary is refused at admission. A
+failing forward pass (or sampling) cannot be pinned on one row, so it ends
+every row that took part in that step with an error; the loop goes on.
 
 The scheduler is single-threaded; ``engine/runner.py`` owns the thread.
 """
@@ -43,7 +49,7 @@ The scheduler is single-threaded; ``engine/runner.py`` owns the thread.
 from __future__ import annotations
 
 import enum
-import inspect
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +66,14 @@ from tokenwire.engine.batch import BatchCache, RunningBatch
 from tokenwire.engine.config import EngineConfig
 from tokenwire.engine.detok import Decode, OutputTextStream
 from tokenwire.engine.loader import LoadedModel
+from tokenwire.engine.ragged import (
+    PLAN_KEYWORD,
+    LaneSegment,
+    PrefillSegment,
+    StepPlan,
+    chunk_mask,
+    install,
+)
 from tokenwire.engine.sampling import make_generator, mask_early_stops, sample_next_tokens
 
 _MAX_LANES = 4
@@ -114,9 +128,11 @@ class ContinuousBatchingScheduler:
         self._ready: list[_Sequence] = []
         self._cancelled: list[str] = []
         self._reserved_tokens = 0
-        forward_parameters = inspect.signature(self._model.forward).parameters
-        # transformers 5 renamed past_key_values to cache; accept either.
-        self._cache_keyword = "cache" if "cache" in forward_parameters else "past_key_values"
+        self._pair_cost = attention_pair_cost(text_config)
+        install(self._model)
+        # Passed as the attention mask of the packed forward: a 4-D mask is taken
+        # as prepared, so transformers builds none (the plan carries the real ones).
+        self._prepared_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self._device)
         backend_tokenizer = self._tokenizer.backend_tokenizer
         self._decode_skipping: Decode = lambda ids: backend_tokenizer.decode(
             list(ids), skip_special_tokens=True
@@ -148,6 +164,9 @@ class ContinuousBatchingScheduler:
                 f"KV budget is {self._config.kv_budget_tokens} tokens.",
                 param="max_tokens",
             )
+        if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= self.vocab_size:
+            raise RequestRejected(f"prompt token ids must be in [0, {self.vocab_size})",
+                                  param="prompt")
         if len(self._waiting) >= self._config.max_waiting:
             raise RequestRejected(
                 f"the engine already has {len(self._waiting)} requests waiting; retry later",
@@ -199,6 +218,11 @@ class ContinuousBatchingScheduler:
         """Request ids of the rows the next decode forward will run, in row order."""
         return [row_id for lane in self._lanes for row_id in lane.row_ids]
 
+    @property
+    def lane_widths(self) -> list[int]:
+        """Cache width of each lane (see ``_choose_lane``)."""
+        return [lane.columns for lane in self._lanes]
+
     def _rows(self) -> int:
         return sum(lane.rows for lane in self._lanes)
 
@@ -207,11 +231,9 @@ class ContinuousBatchingScheduler:
         outputs: list[RequestOutput] = []
         self._apply_cancellations(outputs)
         self._update_membership()
-        self._admit()
+        self._admit(outputs)
         with torch.inference_mode():
-            for lane in list(self._lanes):
-                self._decode(lane, outputs)
-            self._prefill(outputs)
+            self._forward(outputs)
         # Rows that finished in this step leave now rather than at the start of
         # the next one: their memory is freed even if no step follows.
         self._update_membership()
@@ -261,7 +283,7 @@ class ContinuousBatchingScheduler:
         attention and memory, and its join would copy all of them. Rows join a
         lane whose width is within a factor of two (or 64 tokens) of theirs;
         otherwise they open a new lane, up to ``_MAX_LANES``, each lane costing
-        one extra forward pass per step.
+        one more attention call per layer in the step's forward pass.
         """
         best_index, best_ratio = len(self._lanes), float("inf")
         for index, lane in enumerate(self._lanes):
@@ -275,7 +297,7 @@ class ContinuousBatchingScheduler:
             return best_index
         return len(self._lanes)
 
-    def _admit(self) -> None:
+    def _admit(self, outputs: list[RequestOutput]) -> None:
         budget_tokens = self._config.kv_budget_tokens
         while self._waiting:
             admitted = self._rows() + len(self._prefilling) + len(self._ready)
@@ -287,86 +309,148 @@ class ContinuousBatchingScheduler:
             self._waiting.popleft()
             self._reserved_tokens += head.reserved_tokens
             head.state = SequenceState.PREFILLING
-            # Append-only layers: a chunk does not re-copy the prompt cached so far.
-            head.prefill_cache = BatchCache(self._num_layers)
+            prompt = head.request.prompt_token_ids
+            if not 0 <= min(prompt) <= max(prompt) < self.vocab_size:
+                # Caught here, not by the forward: that forward is every row's.
+                outputs.append(self._finish(head, "error", error=(
+                    f"prefill failed: prompt token ids must be in [0, {self.vocab_size})")))
+                continue
+            # Append-only layers sized for the whole prompt: a chunk does not
+            # re-copy the prompt cached so far.
+            head.prefill_cache = BatchCache(self._num_layers, len(prompt) + 1)
             self._prefilling.append(head)
 
-    def _decode(self, lane: RunningBatch, outputs: list[RequestOutput]) -> None:
-        rows = [self._sequences[row_id] for row_id in lane.row_ids]
-        inputs = lane.decode_inputs([s.next_token_id for s in rows])
-        try:
-            result = self._model(
-                **inputs, **{self._cache_keyword: lane.cache},
-                use_cache=True, logits_to_keep=1,
-            )
-            logits = result.logits[:, -1, :].float()
-            mask_early_stops(
-                logits,
-                [s.request.params for s in rows],
-                [len(s.output_token_ids) for s in rows],
-                self._eos_token_ids,
-            )
-            tokens = sample_next_tokens(
-                logits, [s.request.params for s in rows], [s.generator for s in rows]
-            )
-        except Exception as error:
-            message = f"decode step failed: {type(error).__name__}: {error}"
-            for sequence in rows:
-                outputs.append(self._finish(sequence, "error", error=message))
-            lane.rebuild(set(), [])
-            return
-        lane.advance()
-        for sequence, token_id in zip(rows, tokens, strict=True):
-            outputs.append(self._accept_token_safely(sequence, token_id))
+    def _plan_chunks(self) -> list[tuple[_Sequence, int]]:
+        """Prompt chunks for this step, in arrival order, within the per-step budget.
 
-    def _prefill(self, outputs: list[RequestOutput]) -> None:
+        The budget is in token-equivalents of compute, attention included: a
+        chunk's tokens also attend to everything already cached, so a chunk at
+        context 3,900 costs more than one at context 0 (for the tiny model about
+        six times as much per token; for a 1 B model a quarter more). Counting
+        it keeps the step, and so every decoding stream's inter-token gap, about
+        as long at the end of a long prompt as at its start.
+        """
         chunk_limit = self._config.max_prefill_tokens_per_step or None
-        budget_tokens = chunk_limit if chunk_limit is not None else float("inf")
-        for sequence in list(self._prefilling):
-            if budget_tokens <= 0:
+        budget = float(chunk_limit) if chunk_limit is not None else float("inf")
+        chunks: list[tuple[_Sequence, int]] = []
+        for sequence in self._prefilling:
+            if budget <= 0:
                 break
-            prompt = sequence.request.prompt_token_ids
-            chunk_tokens = int(min(len(prompt) - sequence.prefilled_tokens, budget_tokens))
-            try:
-                logits = self._prefill_chunk(sequence, chunk_tokens)
-            except Exception as error:
-                self._prefilling.remove(sequence)
-                message = f"prefill failed: {type(error).__name__}: {error}"
-                outputs.append(self._finish(sequence, "error", error=message))
-                continue
-            budget_tokens -= chunk_tokens
-            if sequence.prefilled_tokens < len(prompt):
-                continue
-            self._prefilling.remove(sequence)
-            try:
-                params = sequence.request.params
-                mask_early_stops(logits, [params], [0], self._eos_token_ids)
-                token_id = sample_next_tokens(logits, [params], [sequence.generator])[0]
-            except Exception as error:
-                message = f"sampling failed: {type(error).__name__}: {error}"
-                outputs.append(self._finish(sequence, "error", error=message))
-                continue
-            output = self._accept_token_safely(sequence, token_id)
-            outputs.append(output)
-            if not output.finished:
-                sequence.state = SequenceState.READY
-                self._ready.append(sequence)
+            done = sequence.prefilled_tokens
+            remaining = len(sequence.request.prompt_token_ids) - done
+            tokens = min(remaining, self._affordable_tokens(done, budget))
+            chunks.append((sequence, tokens))
+            budget -= self._chunk_cost(done, tokens)
+        return chunks
 
-    def _prefill_chunk(self, sequence: _Sequence, chunk_tokens: int) -> torch.Tensor:
-        start = sequence.prefilled_tokens
-        chunk = sequence.request.prompt_token_ids[start : start + chunk_tokens]
-        input_ids = torch.tensor([chunk], dtype=torch.long, device=self._device)
-        positions = torch.arange(start, start + chunk_tokens, device=self._device).unsqueeze(0)
+    def _chunk_cost(self, cached_tokens: int, tokens: int) -> float:
+        """``tokens`` prompt tokens after ``cached_tokens``, in token-equivalents of compute."""
+        return tokens * (1.0 + self._pair_cost * (cached_tokens + tokens / 2))
+
+    def _affordable_tokens(self, cached_tokens: int, budget: float) -> int:
+        """The most tokens whose :meth:`_chunk_cost` fits ``budget`` (at least one)."""
+        if budget == float("inf"):
+            return 1 << 62
+        ratio = self._pair_cost
+        if ratio == 0:
+            return max(1, int(budget))
+        # Solve (ratio/2) t^2 + (1 + ratio * cached) t = budget for t.
+        linear = 1.0 + ratio * cached_tokens
+        tokens = (-linear + math.sqrt(linear * linear + 2.0 * ratio * budget)) / ratio
+        return max(1, int(tokens + 1e-9))
+
+    def _forward(self, outputs: list[RequestOutput]) -> None:
+        """Decode every running row and prefill this step's chunks in one forward pass."""
+        lanes = list(self._lanes)
+        lane_rows = [[self._sequences[row_id] for row_id in lane.row_ids] for lane in lanes]
+        chunks = self._plan_chunks()
+        if not lanes and not chunks:
+            return
+        token_ids: list[int] = []
+        positions: list[int] = []
+        sampled_at: list[int] = []  # packed index of each token whose successor is sampled now
+        lane_segments: list[LaneSegment] = []
+        for lane, rows in zip(lanes, lane_rows, strict=True):
+            start = len(token_ids)
+            token_ids.extend(sequence.next_token_id for sequence in rows)
+            positions.extend(lane.token_counts)
+            sampled_at.extend(range(start, len(token_ids)))
+            lane_segments.append(LaneSegment(start, len(token_ids), lane.cache, lane.step_mask()))
+        prefill_segments: list[PrefillSegment] = []
+        completing: list[_Sequence] = []
+        for sequence, tokens in chunks:
+            start, done = len(token_ids), sequence.prefilled_tokens
+            prompt = sequence.request.prompt_token_ids
+            token_ids.extend(prompt[done : done + tokens])
+            positions.extend(range(done, done + tokens))
+            prefill_segments.append(PrefillSegment(start, len(token_ids), sequence.prefill_cache,
+                                                   chunk_mask(done, tokens, self._device)))
+            if done + tokens == len(prompt):
+                sampled_at.append(len(token_ids) - 1)
+                completing.append(sequence)
+        decoding = [sequence for rows in lane_rows for sequence in rows]
+        sampled = decoding + completing
+        plan = StepPlan(tuple(lane_segments), tuple(prefill_segments))
+        try:
+            logits = self._run_forward(token_ids, positions, sampled_at, plan)
+            params = [sequence.request.params for sequence in sampled]
+            mask_early_stops(logits, params, [len(s.output_token_ids) for s in sampled],
+                             self._eos_token_ids)
+            next_tokens = sample_next_tokens(logits, params, [s.generator for s in sampled])
+        except Exception as error:
+            self._fail_step(lanes, decoding, chunks, f"{type(error).__name__}: {error}", outputs)
+            return
+        for lane in lanes:
+            lane.advance()
+        for sequence, tokens in chunks:
+            sequence.prefilled_tokens += tokens
+        for sequence, token_id in zip(sampled, next_tokens, strict=True):
+            if sequence.state is SequenceState.PREFILLING:
+                self._prefilling.remove(sequence)
+                output = self._accept_token_safely(sequence, token_id)
+                if not output.finished:
+                    sequence.state = SequenceState.READY
+                    self._ready.append(sequence)
+            else:
+                output = self._accept_token_safely(sequence, token_id)
+            outputs.append(output)
+
+    def _run_forward(self, token_ids: list[int], positions: list[int], sampled_at: list[int],
+                     plan: StepPlan) -> torch.Tensor:
+        """The packed forward; logits ``[len(sampled_at), vocab]`` in float32 or wider."""
+        device = self._device
+        keep: int | torch.Tensor = (torch.tensor(sampled_at, dtype=torch.long, device=device)
+                                    if sampled_at else 1)
         result = self._model(
-            input_ids=input_ids,
-            position_ids=positions,
-            **{self._cache_keyword: sequence.prefill_cache},
-            use_cache=True,
-            logits_to_keep=1,
+            input_ids=torch.tensor([token_ids], dtype=torch.long, device=device),
+            position_ids=torch.tensor([positions], dtype=torch.long, device=device),
+            attention_mask=self._prepared_mask,
+            use_cache=False,
+            logits_to_keep=keep,
+            **{PLAN_KEYWORD: plan},
         )
-        sequence.prefilled_tokens += chunk_tokens
-        logits: torch.Tensor = result.logits[:, -1, :].float()
-        return logits
+        logits: torch.Tensor = result.logits[0]
+        if not sampled_at:
+            return logits[:0]
+        return logits if logits.dtype == torch.float64 else logits.float()
+
+    def _fail_step(self, lanes: list[RunningBatch], decoding: list[_Sequence],
+                   chunks: list[tuple[_Sequence, int]], reason: str,
+                   outputs: list[RequestOutput]) -> None:
+        """A forward or sampling error cannot be pinned on one row: end every row in the step.
+
+        Their caches may hold this step's keys for some layers and not others,
+        so they are dropped, not reused. Requests that could make a forward
+        fail on their own (token ids outside the vocabulary) are refused at
+        admission instead (``_admit``).
+        """
+        for sequence in decoding:
+            outputs.append(self._finish(sequence, "error", error=f"decode step failed: {reason}"))
+        for lane in lanes:
+            lane.rebuild(set(), [])
+        for sequence, _tokens in chunks:
+            self._prefilling.remove(sequence)
+            outputs.append(self._finish(sequence, "error", error=f"prefill failed: {reason}"))
 
     # -- one token, one finish ----------------------------------------------------
 
@@ -439,3 +523,21 @@ class ContinuousBatchingScheduler:
             stop_reason=stop_reason,
             error=error,
         )
+
+
+def attention_pair_cost(text_config: Any) -> float:
+    """Compute of one query attending to one cached key, in tokens through the layers' projections.
+
+    Per layer, a token costs its multiply-adds in the q/k/v/o projections and
+    the MLP; one query-key pair costs ``2 * heads * head_dim`` (scores and the
+    weighted sum). Only the ratio matters: it converts context into tokens.
+    """
+    hidden = int(text_config.hidden_size)
+    heads = int(text_config.num_attention_heads)
+    kv_heads = int(getattr(text_config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text_config, "head_dim", None) or hidden // heads)
+    intermediate = int(getattr(text_config, "intermediate_size", None) or 4 * hidden)
+    per_token = (2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+                 + 3 * hidden * intermediate)
+    return 2.0 * heads * head_dim / per_token
+

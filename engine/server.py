@@ -11,11 +11,11 @@ from pathlib import Path
 
 from starlette.types import ASGIApp
 from tokenwire.engine.cli import build_parser, load_engine_config
-from tokenwire.engine.config import EngineConfig
+from tokenwire.engine.config import EngineConfig, engine_wire_defaults, torch_threads
 from tokenwire.middleware import WireConfig
 from tokenwire.middleware.asgi import listening_socket
 
-__all__ = ["ListenAddress", "build_asgi_app", "build_parser", "load_engine_config", "main", "wire_config"]
+__all__ = ["ListenAddress", "build_asgi_app", "build_parser", "load_engine_config", "main"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,10 +43,14 @@ class ListenAddress:
 def build_asgi_app(config: EngineConfig) -> ASGIApp:
     """Load the model, build the API, wrap it in tokenwire's middleware."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
     from tokenwire.engine.api import build_app
     from tokenwire.engine.loader import load_model
     from tokenwire.engine.tiny import ensure_tiny_model
 
+    # Before the first torch op: the pool is sized once. One CPU is left to the
+    # event loop, which encodes and writes while the engine thread computes.
+    torch.set_num_threads(torch_threads(config))
     if config.model == "tiny":
         path: Path = ensure_tiny_model()
         name = config.served_model_name or "tiny"
@@ -55,24 +59,19 @@ def build_asgi_app(config: EngineConfig) -> ASGIApp:
         name = config.served_model_name or path.name
     loaded = load_model(path, device=config.device, dtype=config.dtype, name=name)
     app = build_app(loaded, config)
-    return _wrap_in_middleware(app)
+    return _wrap_in_middleware(app, config.wire)
 
 
-def _wrap_in_middleware(app: ASGIApp) -> ASGIApp:
+def _wrap_in_middleware(app: ASGIApp, wire: WireConfig | None = None) -> ASGIApp:
+    """``app`` behind tokenwire's middleware; ``wire`` defaults to the engine's wire defaults."""
     from tokenwire.middleware import TokenWireMiddleware
 
     engine = app.state.engine  # type: ignore[attr-defined]
-    return TokenWireMiddleware(app, config=wire_config(), on_abort=engine.service.abort)
+    return TokenWireMiddleware(app, config=wire or engine_wire_defaults(),
+                               on_abort=engine.service.abort)
 
 
-def wire_config() -> WireConfig:
-    """The middleware config for the engine.
-
-    No retries (the middleware cannot re-run a request it has handed to the
-    app), and ``[DONE]`` as the terminal marker: every complete engine stream
-    ends with it, so one that lacks it is reported as broken.
-    """
-    return WireConfig(retry_attempts=0, terminal_marker="[DONE]")
+_SWITCH_INTERVAL_S = 0.001
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -84,6 +83,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tokenwire engine: configuration error: {error}", file=sys.stderr)
         return 2
     logging.basicConfig(level=config.log_level.upper(), format="%(message)s", stream=sys.stderr)
+    # The engine thread gives up the GIL inside every torch op and must take
+    # it back after; with the default 5 ms switch interval, an event loop busy
+    # encoding chunks could hold it that long each time. 1 ms bounds what the
+    # loop can cost a step.
+    sys.setswitchinterval(_SWITCH_INTERVAL_S)
     import uvicorn
 
     try:
@@ -101,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Our own listening socket: it caps the send buffer of accepted
         # connections, so the middleware sees a slow client (docs/architecture.md#slow-readers).
         assert listen.host is not None and listen.port is not None
-        sock = listening_socket(listen.host, listen.port, wire_config())
+        sock = listening_socket(listen.host, listen.port, config.wire)
         server.run(sockets=[sock])
     return 0
 

@@ -88,6 +88,7 @@ class EngineService:
     def deliver(self, outputs: list[RequestOutput]) -> None:
         """Event loop: one step's outputs, from the engine thread's one hand-off."""
         now_s = time.monotonic()
+        generated = 0
         for output in outputs:
             handle = self._handles.get(output.request_id)
             if handle is None:
@@ -95,11 +96,13 @@ class EngineService:
             if handle.first_token_s is None and output.token_ids:
                 handle.first_token_s = now_s
                 self._metrics.time_to_first_token_seconds.observe(now_s - handle.received_s)
-            self._metrics.generated_tokens.inc(len(output.token_ids))
+            generated += len(output.token_ids)
             handle.outputs.put_nowait(output)
             if output.finished:
                 del self._handles[output.request_id]
                 self._account(handle, output, now_s)
+        # One counter update per step, not per row (each takes a lock).
+        self._metrics.generated_tokens.inc(generated)
 
     def _account(self, handle: RequestHandle, output: RequestOutput, now_s: float) -> None:
         reason = output.finish_reason or "error"

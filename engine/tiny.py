@@ -28,6 +28,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -36,7 +37,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-TINY_FORMAT_VERSION = 1
+TINY_FORMAT_VERSION = 2
 """Bump when the build recipe changes in a way the spec does not capture."""
 
 END_OF_TEXT = "<|endoftext|>"
@@ -67,7 +68,7 @@ class TinySpec:
     num_heads: int = 2
     max_position_embeddings: int = 8192
     """Long enough for the benchmark's 4,000-token prompt."""
-    train_steps: int = 260
+    train_steps: int = 600
     batch_size: int = 8
     sequence_length_tokens: int = 128
     learning_rate: float = 3e-3
@@ -91,16 +92,21 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "tokenwire"
 
 
-def load_corpus_paragraphs() -> list[str]:
-    """The bundled training text, one string per paragraph, in a stable order."""
+def load_corpus_documents() -> list[list[str]]:
+    """The bundled training text: one list of paragraphs per file, in a stable order."""
     data = resources.files("tokenwire.engine").joinpath("data")
-    paragraphs: list[str] = []
+    documents: list[list[str]] = []
     for entry in sorted(data.iterdir(), key=lambda item: item.name):
         if not entry.name.endswith(".txt"):
             continue
         text = entry.read_text(encoding="utf-8")
-        paragraphs.extend(p.strip() for p in text.split("\n\n") if p.strip())
-    return paragraphs
+        documents.append([p.strip() for p in text.split("\n\n") if p.strip()])
+    return documents
+
+
+def load_corpus_paragraphs() -> list[str]:
+    """The bundled training text, one string per paragraph, in a stable order."""
+    return [paragraph for document in load_corpus_documents() for paragraph in document]
 
 
 def ensure_tiny_model(
@@ -110,8 +116,9 @@ def ensure_tiny_model(
     spec = spec or TinySpec()
     cache_dir = cache_dir or default_cache_dir()
     cache_dir.mkdir(parents=True, exist_ok=True)
-    paragraphs = load_corpus_paragraphs()
-    corpus_digest = hashlib.sha256("\n\n".join(paragraphs).encode()).hexdigest()
+    documents = load_corpus_documents()
+    corpus_digest = hashlib.sha256(
+        "\f".join("\n\n".join(document) for document in documents).encode()).hexdigest()
     target = cache_dir / f"tiny-{spec.digest(corpus_digest)}"
     if (target / "config.json").exists():
         return target
@@ -122,7 +129,7 @@ def ensure_tiny_model(
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=cache_dir))
         try:
             started_s = time.monotonic()
-            _build(spec, paragraphs, staging)
+            _build(spec, documents, staging, progress=log)
             os.rename(staging, target)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -142,24 +149,38 @@ def _exclusive_lock(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _chat_example(paragraph: str) -> str:
-    """Turn a paragraph into one chat turn: first sentence asks, the rest answers.
+def _chat_example(document: list[str], index: int) -> str:
+    """One chat turn answered by paragraph ``index`` and the two after it.
 
-    The model thereby learns the template's shape and to close its turn, so
-    chat completions stop on their own instead of running to ``max_tokens``.
+    Every fourth paragraph: its first sentence asks and the rest answers; the
+    others: a general request (``_OPEN_REQUESTS``) and the paragraphs whole, so an
+    unseen question still gets a few hundred tokens of prose instead of a
+    confused line. The answer ends with the end-of-turn token, so chat
+    completions stop on their own instead of at ``max_tokens``.
     """
+    paragraph = document[index]
     first, _, rest = paragraph.partition(". ")
-    if not rest:
-        rest = paragraph
-    return f"<|user|>\n{first}.{END_OF_TURN}\n<|assistant|>\n{rest}{END_OF_TURN}\n"
+    if index % 4 != 0 or not rest:
+        first, rest = _OPEN_REQUESTS[(index // 2) % len(_OPEN_REQUESTS)].rstrip("."), paragraph
+    answer = "\n\n".join([rest, *document[index + 1 : index + _CHAT_ANSWER_PARAGRAPHS]])
+    return f"<|user|>\n{first}.{END_OF_TURN}\n<|assistant|>\n{answer}{END_OF_TURN}\n"
 
 
-def _build(spec: TinySpec, paragraphs: list[str], folder: Path) -> None:
+_OPEN_REQUESTS = (
+    "Tell me something interesting.", "Write a few paragraphs.", "Tell me about the world.",
+    "What do you know?", "Hello, say something.", "Tell me more.", "Describe something you like.",
+    "Can you explain something to me.",
+)
+_CHAT_ANSWER_PARAGRAPHS = 3
+
+
+def _build(spec: TinySpec, documents: list[list[str]], folder: Path, *, progress: bool) -> None:
     # Imported here: building is rare, and these imports cost seconds.
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+    paragraphs = [paragraph for document in documents for paragraph in document]
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -171,7 +192,7 @@ def _build(spec: TinySpec, paragraphs: list[str], folder: Path) -> None:
         show_progress=False,
     )
     tokenizer.train_from_iterator(paragraphs, trainer)
-    fast = PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tokenizer,
         eos_token=END_OF_TEXT,
         pad_token=END_OF_TEXT,
@@ -181,15 +202,17 @@ def _build(spec: TinySpec, paragraphs: list[str], folder: Path) -> None:
     fast.model_max_length = spec.max_position_embeddings
     end_of_text_id = tokenizer.token_to_id(END_OF_TEXT)
     end_of_turn_id = tokenizer.token_to_id(END_OF_TURN)
+    assert end_of_text_id is not None and end_of_turn_id is not None  # special tokens
 
+    # Whole files as documents (paragraphs joined, one end-of-text at the end),
+    # so a continuation runs on for paragraphs instead of stopping after one;
+    # every other paragraph also starts a chat turn (see _chat_example).
     stream: list[int] = []
-    for index, paragraph in enumerate(paragraphs):
-        stream.extend(tokenizer.encode(paragraph).ids)
+    for document in documents:
+        stream.extend(tokenizer.encode("\n\n".join(document)).ids)
         stream.append(end_of_text_id)
-        # A third of the paragraphs also appear as chat turns: enough to learn the
-        # template, not so many that plain continuations end turns mid-paragraph.
-        if index % 3 == 0:
-            stream.extend(tokenizer.encode(_chat_example(paragraph)).ids)
+        for index in range(0, len(document), 2):
+            stream.extend(tokenizer.encode(_chat_example(document, index)).ids)
             stream.append(end_of_text_id)
 
     torch.manual_seed(spec.seed)
@@ -207,7 +230,7 @@ def _build(spec: TinySpec, paragraphs: list[str], folder: Path) -> None:
         pad_token_id=end_of_text_id,
     )
     model = LlamaForCausalLM(config)
-    _train(model, stream, spec)
+    _train(model, stream, spec, _ProgressBar(spec.train_steps) if progress else None)
     model.generation_config.eos_token_id = [end_of_text_id, end_of_turn_id]
     model.generation_config.pad_token_id = end_of_text_id
     model.generation_config.bos_token_id = None
@@ -218,7 +241,39 @@ def _build(spec: TinySpec, paragraphs: list[str], folder: Path) -> None:
     )
 
 
-def _train(model: object, stream: list[int], spec: TinySpec) -> None:
+class _ProgressBar:
+    """``tokenwire: building the tiny model [#####.....] 50% ...`` on stderr, redrawn in place."""
+
+    def __init__(self, total_steps: int, width: int = 30) -> None:
+        self._total = max(1, total_steps)
+        self._width = width
+        self._started_s = time.monotonic()
+        self._drawn_s = 0.0
+        self._interactive = sys.stderr.isatty()
+        self._last_percent = -10
+
+    def update(self, step: int, loss: float) -> None:
+        done = step / self._total
+        now_s = time.monotonic()
+        percent = int(100 * done)
+        # Redraw a few times a second on a terminal; in a log, a line per 10 %.
+        if self._interactive:
+            if now_s - self._drawn_s < 0.2 and step < self._total:
+                return
+        elif percent < self._last_percent + 10 and step < self._total:
+            return
+        self._drawn_s, self._last_percent = now_s, percent
+        filled = int(self._width * done)
+        elapsed_s = now_s - self._started_s
+        left_s = elapsed_s / done - elapsed_s if done > 0 else 0.0
+        line = (f"tokenwire: building the tiny model (first run only) "
+                f"[{'#' * filled}{'.' * (self._width - filled)}] {percent:3d}% "
+                f"loss {loss:.2f}, {elapsed_s:.0f}s, ~{left_s:.0f}s left")
+        end = "\n" if step >= self._total or not self._interactive else ""
+        print(("\r" if self._interactive else "") + line, end=end, file=sys.stderr, flush=True)
+
+
+def _train(model: object, stream: list[int], spec: TinySpec, bar: _ProgressBar | None) -> None:
     import torch
 
     assert isinstance(model, torch.nn.Module)
@@ -232,14 +287,14 @@ def _train(model: object, stream: list[int], spec: TinySpec) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        _train_steps(model, tokens, spec, optimizer, rng, warmup_steps)
+        _train_steps(model, tokens, spec, optimizer, rng, warmup_steps, bar)
     finally:
         torch.set_num_threads(threads)
     model.eval()
 
 
 def _train_steps(model: Any, tokens: Any, spec: TinySpec, optimizer: Any, rng: random.Random,
-                 warmup_steps: int) -> None:
+                 warmup_steps: int, bar: _ProgressBar | None) -> None:
     import torch
 
     window = spec.sequence_length_tokens
@@ -260,3 +315,5 @@ def _train_steps(model: Any, tokens: Any, spec: TinySpec, optimizer: Any, rng: r
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        if bar is not None:
+            bar.update(step + 1, loss.item())

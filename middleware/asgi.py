@@ -69,7 +69,7 @@ from enum import Enum
 from typing import Any
 
 from .config import ConfigError, WireConfig
-from .errors import ClientError, WireError
+from .errors import WireError
 from .events import (
     AbortUpstream,
     Action,
@@ -98,8 +98,8 @@ from .events import (
     WriteCompleted,
 )
 from .headers import is_event_stream
-from .replay_store import KeyReused, MemoryReplayStore, ReplayStore, StoreUnavailable, feed_replay
-from .resume import Idempotent, ResumeFrom, classify, key_reused, new_stream_id, store_unavailable
+from .replay_store import MemoryReplayStore, ReplayStore, StoreUnavailable, admit, feed_replay
+from .resume import CallerKey, classify, new_stream_id
 from .stream import WireStream
 
 Scope = MutableMapping[str, Any]
@@ -207,8 +207,12 @@ class TokenWireMiddleware:
         self.on_finished = on_finished
         self.request_id_header = request_id_header.lower().encode("latin-1")
         self.replay_store: ReplayStore | None = None
+        self.caller_key = CallerKey.from_config(config)
         if config.resume:
             self.replay_store = replay_store or MemoryReplayStore.from_config(config)
+            if replay_store is not None and not config.resume_owner_secret:
+                logger.warning("resume_owner_secret is empty: a reconnect served by another process "
+                               "sharing this replay store will not find its stream")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -257,6 +261,7 @@ class _Responder:
         # Resume.
         self.stream_id = new_stream_id() if self.config.resume else None
         self.stream_opened = False  # the store has it (opened before its first append)
+        self.owner = ""  # the caller's hash, the stream's owner in the store
         self.replaying = False
         self.held = False  # the core holds the stream for a reconnect: the app keeps going
         self.reader_wait: asyncio.Task[None] | None = None
@@ -309,30 +314,21 @@ class _Responder:
         headers = [(bytes(k).lower(), bytes(v)) for k, v in self.scope.get("headers", ())]
         body = await self.read_body() if method == "POST" and any(
             k == b"idempotency-key" for k, _ in headers) else b""
-        route = None
+        self.owner = self.middleware.caller_key.owner(headers)
         try:
             route = classify(method, str(self.scope.get("path", "")), headers, body)
-            if isinstance(route, ResumeFrom):
-                await self.replay(store, route.stream_id, route.after_seq)
-                return True
-            if isinstance(route, Idempotent):
-                holder = await store.open(self.stream_id, (route.key, route.digest))
-                if holder is not None:
-                    await self.replay(store, holder, 0)
-                    return True
-                self.stream_opened = True
-        except ClientError as error:
+            source = await admit(store, route, stream_id=self.stream_id, owner=self.owner,
+                                 open_now=False)
+        except WireError as error:
             self.refuse(error)
             return True
-        except KeyReused:
-            self.refuse(key_reused())
-            return True
         except StoreUnavailable as error:
-            if isinstance(route, Idempotent):
-                # Running the app without the key could answer the same request twice.
-                self.refuse(store_unavailable())
-                return True
             logger.warning("request %s: not resumable: %s", self.request_id, error)
+            return False
+        if source is not None:
+            await self.replay(store, source.stream_id, source.after_seq)
+            return True
+        self.stream_opened = route is not None  # an idempotent request's stream is open
         return False
 
     async def read_body(self) -> bytes:
@@ -450,7 +446,7 @@ class _Responder:
             if store is not None and not self.stream_opened and self.stream_id is not None:
                 # Before the core's first ReplayAppend can reach the store.
                 try:
-                    await store.open(self.stream_id)
+                    await store.open(self.stream_id, owner=self.owner)
                 except StoreUnavailable as error:
                     logger.warning("request %s: not resumable: %s", self.request_id, error)
                 self.stream_opened = True
@@ -519,7 +515,7 @@ class _Responder:
                 self.start_message = {"type": "http.response.start", "status": action.status,
                                       "headers": list(action.headers)}
             elif isinstance(action, AbortUpstream):
-                self.abort_app(action.reason)
+                self.abort_app(action.reason, tell_app=action.final)
             elif isinstance(action, CloseClient):
                 self.close = action
                 if action.reset and self.writer_sending and self.writer_task is not None:
@@ -562,15 +558,15 @@ class _Responder:
             self.wake = None
             wake.set_result(None)
 
-    def abort_app(self, reason: EndReason) -> None:
+    def abort_app(self, reason: EndReason, *, tell_app: bool = True) -> None:
         self.held = False
         task = self.app_task
         if task is not None and not task.done():
             self.app_cancelled_by_us = True
             task.cancel()
         on_abort = self.middleware.on_abort
-        if on_abort is None or self.replaying:
-            return  # a replay generates nothing: there is no generation to stop
+        if on_abort is None or not tell_app:
+            return
         try:
             result = on_abort(self.request_id, reason.value)
         except Exception:

@@ -59,6 +59,19 @@ class WireConfig:
     """Pending data that makes no progress this long means the client is gone."""
     upstream_headers_timeout_s: float = 300.0
     """An upstream that has not sent its status line by then has failed."""
+    upstream_tail_grace_s: float = 5.0
+    """After a complete answer the upstream usually ends its body at once (and its
+    connection is reused); one that keeps the body open is cut after this long."""
+    close_flush_timeout_s: float = 30.0
+    """A body cut after an in-band error still gets its last bytes out; a client
+    that stopped reading is reset after this long."""
+    upstream_idle_timeout_s: float = 300.0
+    """After its headers, an upstream that sends no byte for this long has hung: the
+    stream ends with ``upstream_timeout`` and the upstream is aborted (0 = never;
+    300 s is Envoy's stream idle timeout). Not counted while the core paused it."""
+    max_stream_duration_s: float = 0.0
+    """A stream still running this long after its request is ended with
+    ``upstream_timeout`` and its upstream aborted (0 = no limit)."""
     max_pending_bytes: int = 1 << 20
     """Cap on bytes held for one slow client."""
     slow_client_policy: SlowClientPolicy = SlowClientPolicy.COALESCE
@@ -112,12 +125,20 @@ class WireConfig:
     """A disconnect keeps the upstream running this long for a reconnect (0 = abort at once)."""
     resume_retry_ms: int = 1000
     """The ``retry:`` sent in the first frame: how soon an EventSource reconnects."""
+    resume_owner_header: str = "authorization"
+    """A resume or idempotent repeat is served only to a request with the same value of
+    this header as the original (kept as a keyed hash, never as it came)."""
+    resume_owner_secret: str = dataclasses.field(default="", repr=False)
+    """Key of that hash; empty = random per process. Replicas that share a Redis
+    store must share it."""
 
     def __post_init__(self) -> None:
         _check_non_negative(self, "heartbeat_s", "commit_deadline_s", "coalesce_ms",
                             "retry_backoff_s", "retry_backoff_max_s",
-                            "retry_budget_ratio", "retry_budget_min_per_s", "resume_grace_s")
-        _check_positive(self, "write_deadline_s", "upstream_headers_timeout_s",
+                            "retry_budget_ratio", "retry_budget_min_per_s", "resume_grace_s",
+                            "upstream_idle_timeout_s", "max_stream_duration_s")
+        _check_positive(self, "write_deadline_s", "upstream_headers_timeout_s", "upstream_tail_grace_s",
+                        "close_flush_timeout_s",
                         "max_pending_bytes", "socket_send_buffer_bytes",
                         "write_high_water_bytes", "max_line_bytes", "max_event_bytes",
                         "resume_ttl_s", "resume_max_bytes", "resume_total_bytes", "resume_retry_ms")
@@ -141,6 +162,8 @@ class WireConfig:
             object.__setattr__(self, key, tuple(names))
         if self.terminal_marker == "":
             object.__setattr__(self, "terminal_marker", None)
+        if not self.resume_owner_header or not self.resume_owner_header.isascii():
+            raise ConfigError("resume_owner_header", "must be a non-empty ASCII header name")
         if self.max_line_bytes > self.max_event_bytes:
             raise ConfigError("max_line_bytes", "must not exceed max_event_bytes")
 

@@ -184,7 +184,8 @@ class AbortUpstream:
     ``final`` is True when the stream itself is ending: then the engine should
     also be told (the explicit abort call, if configured). False when only one
     attempt is dropped before a retry, which reuses the request id, so an abort
-    call would cancel the retry as well.
+    call would cancel the retry as well, and when the upstream is a replay
+    (nothing is generating).
     """
 
     reason: EndReason

@@ -215,6 +215,20 @@ def _utf8_len(text: str) -> int:
     return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
 
+# A JSON scalar: a string, a number, true, false or null.
+_JSON_SCALAR = (r'"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*"'
+                r"|-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?|true|false|null")
+
+
+def _volatile_value_re(volatile: frozenset[str]) -> re.Pattern[str] | None:
+    """Finds the scalar values of the volatile fields, so that chunks differing
+    only there share one shape in the cache (one JSON check, not one per chunk)."""
+    if not volatile:
+        return None
+    names = "|".join(re.escape(name) for name in sorted(volatile))
+    return re.compile(r'("(?:' + names + r')"[ \t\r\n]*:[ \t\r\n]*)(?:' + _JSON_SCALAR + ")")
+
+
 _ESCAPED_RE = re.compile(r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*')
 
 
@@ -277,8 +291,8 @@ class _Item:
 class PendingBuffer:
     """Bytes and events waiting for the socket; see the module docstring."""
 
-    __slots__ = ("_items", "_last_slot", "_shapes", "coalesced_events", "drop", "droppable_types",
-                 "dropped_events", "merge", "pending_bytes", "volatile")
+    __slots__ = ("_items", "_last_slot", "_shapes", "_volatile_re", "coalesced_events", "drop",
+                 "droppable_types", "dropped_events", "merge", "pending_bytes", "volatile")
 
     def __init__(self, *, merge: bool, drop: bool, droppable_types: frozenset[str] = frozenset(),
                  volatile: frozenset[str] = frozenset({"obfuscation"})) -> None:
@@ -293,6 +307,7 @@ class PendingBuffer:
         self.drop = drop
         self.droppable_types = droppable_types
         self.volatile = volatile
+        self._volatile_re = _volatile_value_re(volatile)
         self.coalesced_events = 0
         self.dropped_events = 0
 
@@ -396,7 +411,9 @@ class PendingBuffer:
                 prefix = data[:start]
                 suffix = data[end:]
                 shapes = self._shapes
-                shape = (prefix, suffix)
+                volatile_re = self._volatile_re
+                shape = (prefix, suffix) if volatile_re is None else (
+                    volatile_re.sub(r"\g<1>0", prefix), volatile_re.sub(r"\g<1>0", suffix))
                 key = shapes.get(shape, _UNPARSED)
                 if key is _UNPARSED:
                     found = _text_slot(prefix + _SENTINEL + suffix, self.volatile)

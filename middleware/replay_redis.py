@@ -8,8 +8,9 @@ one shard):
 * ``tw:{S}:e`` — a Redis Stream whose entry ids are ``0-<seq>``, so the event
   id a client sends back maps straight onto ``XREAD ... 0-<seq>``; field ``f``
   holds the frame;
-* ``tw:{S}:m`` — a hash: ``end`` (the end reason), ``overflow``, ``key``;
-  its existence is what makes the stream known;
+* ``tw:{S}:m`` — a hash: ``end`` (the end reason), ``overflow``, ``key``,
+  ``owner`` (the caller's hash, see ``resume.py``); its existence is what
+  makes the stream known;
 * ``tw:{S}:a`` — a list a reader pushes to when it attaches, which the
   replica holding a detached stream waits on with ``BLPOP``;
 * ``tw:k:<key>`` — ``<stream> <body digest>`` for an idempotency key,
@@ -72,11 +73,19 @@ class RedisReplayStore:
         self.write_errors = 0
         self._error_logged_at = -_ERROR_LOG_EVERY_S
 
-    async def open(self, stream_id: str, idempotency: tuple[str, str] | None = None) -> str | None:
+    async def open(self, stream_id: str, idempotency: tuple[str, str] | None = None, *,
+                   owner: str = "") -> str | None:
         try:
-            return await self._open(stream_id, idempotency)
+            return await self._open(stream_id, idempotency, owner)
         except self._outages as error:
             raise StoreUnavailable(f"redis: {error}") from error
+
+    async def owner(self, stream_id: str) -> str | None:
+        try:
+            value = await self._redis.hget(_keys(stream_id)[1], "owner")
+        except self._outages as error:
+            raise StoreUnavailable(f"redis: {error}") from error
+        return None if value is None else bytes(value).decode("ascii", "replace")
 
     async def read(self, stream_id: str, after_seq: int) -> AsyncIterator[tuple[bytes, ...]]:
         try:
@@ -91,7 +100,8 @@ class RedisReplayStore:
         except self._outages:
             return False  # no reader can be known: the grace ends as if none came
 
-    async def _open(self, stream_id: str, idempotency: tuple[str, str] | None) -> str | None:
+    async def _open(self, stream_id: str, idempotency: tuple[str, str] | None,
+                    owner: str) -> str | None:
         meta = _keys(stream_id)[1]
         if idempotency is not None:
             key, digest = idempotency
@@ -109,7 +119,7 @@ class RedisReplayStore:
                 await self._redis.set(claim, f"{stream_id} {digest}", ex=self._ttl)
         if idempotency is not None:
             self._claims[stream_id] = "tw:k:" + idempotency[0]
-        mapping = {"key": idempotency[0] if idempotency is not None else ""}
+        mapping = {"key": idempotency[0] if idempotency is not None else "", "owner": owner}
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.hset(meta, mapping=mapping)
             pipe.expire(meta, self._ttl)

@@ -16,7 +16,10 @@ all, dropping the oldest streams first; :mod:`.replay_redis` keeps them in
 Redis Streams so any replica can serve the reconnect.
 
 Idempotency keys live beside the streams: :meth:`open` claims a key for a new
-stream, or says which stream already holds it.
+stream, or says which stream already holds it. Each stream also keeps its
+owner's hash (see ``resume.py``); :func:`admit` is where both drivers decide,
+before any upstream is called, whether a request replays, generates, or is
+refused, so the ownership rule is applied in one place.
 """
 
 from __future__ import annotations
@@ -38,7 +41,16 @@ from .events import (
     UpstreamHeaders,
 )
 from .headers import SSE_HEADERS
-from .resume import replay_unavailable, store_unavailable, stream_not_found
+from .resume import (
+    Idempotent,
+    ResumeFrom,
+    key_reused,
+    replay_unavailable,
+    same_caller,
+    scoped_key,
+    store_unavailable,
+    stream_not_found,
+)
 
 # Per-frame bookkeeping counted against resume_total_bytes besides the frame
 # itself (a bytes object's header and its list slot, measured in bench/).
@@ -69,10 +81,16 @@ class KeyReused(ValueError):
 class ReplayStore(Protocol):
     """What a driver needs from a replay store."""
 
-    async def open(self, stream_id: str, idempotency: tuple[str, str] | None = None) -> str | None:
-        """Create ``stream_id``. With ``(key, body digest)``, claim the key first:
-        if it is already held, return the stream that holds it (nothing is
-        created) or raise :class:`KeyReused` if that stream's body differed."""
+    async def open(self, stream_id: str, idempotency: tuple[str, str] | None = None, *,
+                   owner: str = "") -> str | None:
+        """Create ``stream_id`` for ``owner`` (a caller hash). With ``(key, body
+        digest)``, claim the key first: if it is already held, return the stream
+        that holds it (nothing is created) or raise :class:`KeyReused` if that
+        stream's body differed."""
+        ...
+
+    async def owner(self, stream_id: str) -> str | None:
+        """The owner hash ``stream_id`` was opened with; None for an unknown stream."""
         ...
 
     def append(self, action: ReplayAppend) -> None:
@@ -102,6 +120,7 @@ class _Stored:
     end: EndReason | None = None
     overflow: bool = False
     key: str | None = None
+    owner: str = ""
     touched_at: float = 0.0
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     attached: asyncio.Event = field(default_factory=asyncio.Event)
@@ -133,7 +152,8 @@ class MemoryReplayStore:
     def __len__(self) -> int:
         return len(self._streams)
 
-    async def open(self, stream_id: str, idempotency: tuple[str, str] | None = None) -> str | None:
+    async def open(self, stream_id: str, idempotency: tuple[str, str] | None = None, *,
+                   owner: str = "") -> str | None:
         self._sweep()
         if idempotency is not None:
             key, digest = idempotency
@@ -143,10 +163,15 @@ class MemoryReplayStore:
                     raise KeyReused(key)
                 return held[0]
             self._keys[key] = (stream_id, digest)
-        stored = _Stored(touched_at=self._clock())
+        stored = _Stored(owner=owner, touched_at=self._clock())
         stored.key = idempotency[0] if idempotency is not None else None
         self._streams[stream_id] = stored
         return None
+
+    async def owner(self, stream_id: str) -> str | None:
+        self._sweep()
+        stored = self._streams.get(stream_id)
+        return None if stored is None else stored.owner
 
     def append(self, action: ReplayAppend) -> None:
         stored = self._streams.get(action.stream_id)
@@ -246,6 +271,42 @@ def open_replay_store(url: str, config: WireConfig) -> ReplayStore:
     from .config import ConfigError
 
     raise ConfigError("resume_store", f"expected memory or redis://HOST:PORT/DB, got {url!r}")
+
+
+async def admit(store: ReplayStore, route: ResumeFrom | Idempotent | None, *, stream_id: str,
+                owner: str, open_now: bool) -> ResumeFrom | None:
+    """Where a request's answer comes from: the stream to replay, or None to
+    generate (as ``stream_id``, opened in the store for ``owner`` when the
+    request is idempotent or ``open_now``).
+
+    ``route`` is what :func:`~tokenwire.middleware.resume.classify` said.
+    Raises the :class:`~tokenwire.middleware.errors.WireError` to answer with
+    (the same 404 for another caller's stream as for an unknown one; 422 for
+    a key reused with another body; 503 if the store is down for a request
+    that needs it), or :class:`StoreUnavailable` for an ordinary request,
+    which may still be generated, just not resumed.
+    """
+    try:
+        if isinstance(route, ResumeFrom):
+            if not same_caller(await store.owner(route.stream_id), owner):
+                raise stream_not_found(route.stream_id)
+            return route
+        if isinstance(route, Idempotent):
+            holder = await store.open(stream_id, (scoped_key(owner, route.key), route.digest),
+                                      owner=owner)
+            # The key is scoped by its owner: a holder is always this caller's stream.
+            return None if holder is None else ResumeFrom(holder, 0)
+        if open_now:
+            await store.open(stream_id, owner=owner)
+        return None
+    except KeyReused:
+        raise key_reused() from None
+    except StoreUnavailable:
+        if route is None:
+            raise
+        # A reconnect cannot be served, and generating an idempotent request
+        # without its key could answer it twice: the client retries later.
+        raise store_unavailable() from None
 
 
 async def feed_replay(store: ReplayStore, stream_id: str, after_seq: int, *,

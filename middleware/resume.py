@@ -13,6 +13,16 @@ this module tells a driver which one it is, before any upstream is called:
 * a ``POST`` carrying ``Idempotency-Key``: :class:`Idempotent` — the first such
   request generates, any later one with the same key and body replays.
 
+Streams belong to their caller. A stream is opened with its *owner*, a keyed
+hash (:class:`CallerKey`) of the request's ``Authorization`` header (or of
+``resume_owner_header``); the store keeps only that hash. A reconnect is served
+only to a request whose owner is the same (:func:`same_caller`) and otherwise
+gets the very 404 an unknown stream gets; an idempotency key counts only
+within its owner's keys (:func:`scoped_key`), so another caller's key neither
+replays nor answers 422. Requests without the header share one owner: for
+them, as before, the stream id alone is the key to an answer. The drivers
+apply this through :func:`~tokenwire.middleware.replay_store.admit`.
+
 Malformed input is a :class:`~tokenwire.middleware.errors.ClientError` with a
 stable code, raised here and put on the wire by the core (``Rejected``).
 Nothing here does I/O; the stores are in ``replay_store.py``.
@@ -21,10 +31,12 @@ Nothing here does I/O; the stores are in ``replay_store.py``.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import secrets
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from .config import WireConfig
 from .errors import ClientError, ErrorCode, LocalError
 from .headers import header_value
 
@@ -69,6 +81,42 @@ def stream_not_found(stream_id: str) -> ClientError:
 def key_reused() -> ClientError:
     return ClientError("Idempotency-Key was already used with a different request body",
                        ErrorCode.IDEMPOTENCY_KEY_REUSED, http_status=422)
+
+
+@dataclass(frozen=True, slots=True)
+class CallerKey:
+    """Tells callers apart for stream ownership: an HMAC-SHA-256 of one header.
+
+    The secret is ``resume_owner_secret``, or random per process when that is
+    empty (enough for one process; replicas sharing a Redis store must be
+    given the same secret, or a reconnect on another replica finds no stream).
+    """
+
+    header: bytes
+    """Lower-case request header that identifies the caller (``authorization``)."""
+    secret: bytes = field(repr=False)
+
+    @classmethod
+    def from_config(cls, config: WireConfig) -> CallerKey:
+        secret = config.resume_owner_secret.encode() or secrets.token_bytes(32)
+        return cls(config.resume_owner_header.lower().encode("latin-1"), secret)
+
+    def owner(self, headers: Iterable[Header]) -> str:
+        """The owner hash of a request (one value for every request without the header)."""
+        value = header_value(headers, self.header)
+        message = b"-" if value is None else b"+" + value.strip()
+        return hmac.new(self.secret, message, hashlib.sha256).hexdigest()
+
+
+def same_caller(stored_owner: str | None, owner: str) -> bool:
+    """True if a stream opened by ``stored_owner`` may be served to ``owner``
+    (None: no such stream). Constant time, so timing tells nothing either."""
+    return stored_owner is not None and hmac.compare_digest(stored_owner.encode(), owner.encode())
+
+
+def scoped_key(owner: str, key: str) -> str:
+    """An idempotency key as the store holds it: within its owner's keys only."""
+    return hashlib.sha256(f"{owner}\n{key}".encode()).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,10 @@
-"""The retry budget: retries cannot multiply load during an outage.
+"""When a request may go upstream again: the retry budget, and which requests.
+
+Two questions decide a retry, both here. *May this request be sent twice?*
+(:func:`may_repeat`: its method is idempotent or it carries an
+``Idempotency-Key``; otherwise only a failure proving nothing was processed
+allows it, which ``WireStream`` judges from what the driver reports.) And
+*can the proxy afford it?* (the budget below).
 
 A per-stream attempt limit is not enough: when every request fails, each one
 retrying twice triples the load on an engine that is already down. Envoy's
@@ -13,6 +19,8 @@ Sans-IO like the rest of the core: the caller passes ``now``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 
 class RetryBudget:
@@ -56,3 +64,22 @@ class RetryBudget:
     @property
     def tokens(self) -> float:
         return self._tokens
+
+
+# RFC 9110 section 9.2.2: methods whose repetition has the effect of one request.
+IDEMPOTENT_METHODS = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"})
+IDEMPOTENCY_KEY_HEADER = b"idempotency-key"
+
+
+def may_repeat(method: bytes, headers: Iterable[tuple[bytes, bytes]]) -> bool:
+    """Whether a request may be sent to an upstream again after the upstream
+    may have read it: its method is idempotent, or the client said so with an
+    ``Idempotency-Key`` (header names lower-case).
+
+    A request that may not be repeated is still retried when the failure
+    proves the upstream never processed it (see ``WireStream``): nginx's
+    ``proxy_next_upstream`` rule for non-idempotent requests, plus a 503.
+    """
+    if method.upper() in IDEMPOTENT_METHODS:
+        return True
+    return any(name == IDEMPOTENCY_KEY_HEADER and value.strip() for name, value in headers)

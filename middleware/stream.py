@@ -205,11 +205,15 @@ class WireStream:
         retry_budget: RetryBudget | None = None,
         expect_stream: bool = True,
         stream_id: str | None = None,
+        may_repeat: bool = True,
     ) -> None:
         """``expect_stream``: the request asked for a stream, so the commit
         deadline runs from now; otherwise it starts only if the upstream
         answers with an event stream (a plain JSON answer is passed through).
-        ``stream_id``: the resume id of this stream, required with ``config.resume``."""
+        ``stream_id``: the resume id of this stream, required with ``config.resume``.
+        ``may_repeat``: the request may reach an upstream twice
+        (:func:`~tokenwire.middleware.retry.may_repeat`); if not, it is retried
+        only after a failure that proves no upstream processed it."""
         if not upstreams:
             raise ValueError("upstreams must name at least one upstream")
         if config.resume and not stream_id:
@@ -220,6 +224,7 @@ class WireStream:
         self._upstreams = tuple(upstreams)
         self._upstream_index = 0
         self._budget = retry_budget
+        self._may_repeat = may_repeat
         if retry_budget is not None:
             retry_budget.on_request(now)
         self._state = StreamState.WAITING
@@ -242,6 +247,7 @@ class WireStream:
         self._held_headers: tuple[tuple[bytes, bytes], ...] = ()
         self._upstream_open = True
         self._upstream_paused = False
+        self._upstream_seen_at = now  # the upstream's last byte, for upstream_idle_timeout_s
         self._attempt_events = 0
         self._passthrough = False
         self._commit_at: float | None = now + config.commit_deadline_s if expect_stream else None
@@ -390,6 +396,10 @@ class WireStream:
             deadlines.append(self._first_pending_at + config.coalesce_ms / 1000.0)
         if self._hold_until is not None:
             deadlines.append(self._hold_until)
+        if self._idle_watched():
+            deadlines.append(self._upstream_seen_at + config.upstream_idle_timeout_s)
+        if config.max_stream_duration_s and self._state not in _ENDED:
+            deadlines.append(self.started_at + config.max_stream_duration_s)
         return min(deadlines) if deadlines else None
 
     def record(self, now: float) -> StreamRecord:
@@ -439,6 +449,7 @@ class WireStream:
             raise LocalProtocolError("UpstreamHeaders twice for one upstream attempt")
         self._upstream_status = event.status
         self._headers_deadline_at = None
+        self._upstream_seen_at = now
         sse = is_event_stream(event.headers)
         if self._state is not StreamState.WAITING:
             # Committed by the deadline before the upstream answered: its
@@ -450,7 +461,9 @@ class WireStream:
                 self._fail(SSEProtocolError("upstream did not answer with an uncompressed "
                                             "event stream"), EndReason.UPSTREAM_ERROR, now)
             return
-        if event.status in RETRYABLE_STATUSES and self._schedule_retry(now, EndReason.UPSTREAM_ERROR):
+        # 503 is the upstream saying it did not take the request on (RFC 9110 15.6.4).
+        if event.status in RETRYABLE_STATUSES and self._schedule_retry(
+                now, EndReason.UPSTREAM_ERROR, unprocessed=event.status == 503):
             return
         if sse and 200 <= event.status < 300:
             if is_compressed(event.headers):
@@ -475,6 +488,7 @@ class WireStream:
             return
         if self._upstream_status is None:
             raise LocalProtocolError("UpstreamData before UpstreamHeaders")
+        self._upstream_seen_at = now
         if self._passthrough:
             self._pending.add_bytes(event.data)
             self._after_queue(now)
@@ -508,6 +522,7 @@ class WireStream:
             return
         if self._upstream_status is None or self._passthrough:
             raise LocalProtocolError("UpstreamEvent needs an event-stream UpstreamHeaders first")
+        self._upstream_seen_at = now
         self._on_sse_event(event.event, now)
 
     def _on_sse_event(self, event: SSEEvent, now: float) -> None:
@@ -593,7 +608,8 @@ class WireStream:
             error = SSEProtocolError(event.message)
         else:
             error = UpstreamError(f"upstream failed: {event.message}", ErrorCode.UPSTREAM_FAILED)
-        self._upstream_failure(error, reason, now)
+        # No connection: nothing of the request reached an upstream.
+        self._upstream_failure(error, reason, now, unprocessed=kind is FailureKind.CONNECT)
 
     # ------------------------------------------------------------ downstream inputs
 
@@ -612,6 +628,7 @@ class WireStream:
         self._last_progress_at = now
         if self._upstream_paused and not self._pending and self._state not in _ENDED:
             self._upstream_paused = False
+            self._upstream_seen_at = now  # its silence while paused was ours
             self._actions.append(ResumeUpstream())
 
     def _on_client_gone(self, event: ClientGone, now: float) -> None:
@@ -682,10 +699,30 @@ class WireStream:
                 and self._state in (StreamState.COMMITTED, StreamState.STREAMING)
                 and not self._pending and not self._write_in_flight and not self._paused)
 
+    def _idle_watched(self) -> bool:
+        """The upstream answered and owes us bytes: its silence is timed.
+        Not while the core paused it (block policy), and not for a replay,
+        whose source is the store, not an upstream."""
+        return (self.config.upstream_idle_timeout_s > 0 and self._upstream_status is not None
+                and self._upstream_open and not self._upstream_paused and self._retry_at is None
+                and not self._replaying and self._state not in _ENDED)
+
     def _fire_timers(self, now: float) -> None:
         if self._finished:
             return
         config = self.config
+        if (config.max_stream_duration_s and now >= self.started_at + config.max_stream_duration_s
+                and self._state not in _ENDED):
+            self._retry_at = None
+            self._fail(UpstreamError(f"the stream ran for its limit of {config.max_stream_duration_s:g} s",
+                                     ErrorCode.UPSTREAM_TIMEOUT, http_status=504),
+                       EndReason.UPSTREAM_TIMEOUT, now)
+        if self._idle_watched() and now >= self._upstream_seen_at + config.upstream_idle_timeout_s:
+            # A hung engine: heartbeats would otherwise hide it from the client forever.
+            self._upstream_failure(
+                UpstreamError(f"no data from upstream for {config.upstream_idle_timeout_s:g} s",
+                              ErrorCode.UPSTREAM_TIMEOUT, http_status=504),
+                EndReason.UPSTREAM_TIMEOUT, now)
         if self._retry_at is not None and now >= self._retry_at:
             self._retry_at = None
             self._upstream_index = self._attempt % len(self._upstreams)
@@ -735,13 +772,19 @@ class WireStream:
         # On the first numbered event, so an EventSource knows how soon to come back.
         self._retry_field_due = self.config.resume
 
-    def _schedule_retry(self, now: float, reason: EndReason) -> bool:
+    def _schedule_retry(self, now: float, reason: EndReason, *, unprocessed: bool = False) -> bool:
         """Arrange a retry of the upstream if allowed; True if one is coming.
+
+        ``unprocessed``: the failure proves the upstream did not process the
+        request (no connection was made; it answered 503). Otherwise the
+        upstream may have read it, and a request that may not be repeated
+        (a POST without ``Idempotency-Key``: one more generation) is not sent
+        again; nginx's rule for non-idempotent requests.
 
         The failed attempt's connection is aborted here if it is still open (a
         502 body, an error event): it must never be read again or reused."""
         if (self._state is not StreamState.WAITING or self._attempt >= self.config.retry_attempts
-                or self._replaying):
+                or self._replaying or not (self._may_repeat or unprocessed)):
             return False
         if self._budget is not None and not self._budget.try_acquire(now):
             self.refused_retries += 1
@@ -761,9 +804,10 @@ class WireStream:
         self._attempt_events = 0
         return True
 
-    def _upstream_failure(self, error: WireError, reason: EndReason, now: float) -> None:
+    def _upstream_failure(self, error: WireError, reason: EndReason, now: float, *,
+                          unprocessed: bool = False) -> None:
         """The upstream failed: retry while WAITING if allowed, else fail."""
-        if self._schedule_retry(now, reason):
+        if self._schedule_retry(now, reason, unprocessed=unprocessed):
             return
         self._fail(error, reason, now)
 
@@ -807,7 +851,9 @@ class WireStream:
         self._hold_until = None  # whatever ended a held stream, its grace is over
         if self._upstream_open and reason is not EndReason.COMPLETE:
             self._upstream_open = False
-            self._actions.append(AbortUpstream(reason))
+            # A reader's upstream is the replay store: it generates nothing, so
+            # there is no generation to tell the engine to stop.
+            self._actions.append(AbortUpstream(reason, final=not self._replaying))
 
     def _slow_client(self, code: ErrorCode, now: float) -> None:
         self._pending.clear()

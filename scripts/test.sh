@@ -12,5 +12,5 @@ scripts/system-deps.sh redis-server chromium nginx nodejs npm curl
 scripts/node-deps.sh
 py=.venv/bin/python
 echo "== ruff"; $py -m ruff check tokenwire middleware sidecar engine tests bench
-echo "== mypy --strict (middleware, sidecar)"; scripts/typecheck.sh
+echo "== mypy --strict (middleware, sidecar, engine)"; scripts/typecheck.sh
 echo "== pytest"; $py -m pytest -q -p no:cacheprovider "$@"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# mypy --strict on the middleware and the sidecar, under their import names.
+# mypy --strict on the middleware, the sidecar and the engine, under their import names.
 # mypy cannot follow setuptools' package-dir mapping, so it is shown a tree of
-# links that lays the folders out as tokenwire.middleware / tokenwire.sidecar.
+# links that lays the folders out as tokenwire.middleware / .sidecar / .engine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="$PWD"
@@ -9,6 +9,7 @@ tree="$root/.venv/mypy-tree"
 mkdir -p "$tree/tokenwire"
 ln -sfn "$root/middleware" "$tree/tokenwire/middleware"
 ln -sfn "$root/sidecar" "$tree/tokenwire/sidecar"
+ln -sfn "$root/engine" "$tree/tokenwire/engine"
 cd "$tree"
 MYPYPATH="$tree" exec "$root/.venv/bin/python" -m mypy --strict --config-file "$root/pyproject.toml" \
-    --cache-dir "$root/.mypy_cache" -p tokenwire.middleware -p tokenwire.sidecar
+    --cache-dir "$root/.mypy_cache" -p tokenwire.middleware -p tokenwire.sidecar -p tokenwire.engine

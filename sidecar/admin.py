@@ -4,10 +4,18 @@ Routes::
 
     GET    /                       the playground page (streams through the proxy port, CORS)
     GET    /metrics                Prometheus text format (the sidecar's own registry)
-    GET    /streams                open streams as a JSON list
+    GET    /streams                open streams as a JSON list (no stream ids: see below)
     DELETE /streams/{request_id}   cancel: upstream aborted, client gets an in-band ``cancelled``
     GET    /healthz                200 while the process runs
     GET    /readyz                 200 while taking requests, 503 once draining
+
+Access: with an admin token (``admin_token``/``admin_token_file``, required
+when the admin listens beyond loopback) every route asks for
+``Authorization: Bearer <token>`` except the probes (``/healthz``,
+``/readyz``), the playground page (a static page; what it does goes through
+the proxy port under the proxy's own rules) and, with ``metrics_public``,
+``/metrics``. ``/streams`` shows the request ids (the client's and the one the
+upstream knows), never a resume stream id.
 
 One request per connection (``Connection: close``): this is for operators and
 scrapers, not for traffic, so it stays small.
@@ -16,6 +24,7 @@ scrapers, not for traffic, so it stays small.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import html
 import importlib.resources
 import json
@@ -39,6 +48,31 @@ Response = tuple[int, bytes, bytes]
 
 def _json(status: int, payload: object) -> Response:
     return status, b"application/json", json.dumps(payload, separators=(",", ":")).encode()
+
+
+# Answered to anyone: probes carry no credentials, and the page is static.
+_OPEN_PATHS = frozenset({"/healthz", "/readyz", "/"})
+
+
+@dataclass(frozen=True, slots=True)
+class AdminAccess:
+    """Who may use which admin route (see the module docstring)."""
+
+    token: str = ""
+    """The bearer token asked for; empty = none (only allowed on loopback)."""
+    metrics_public: bool = False
+
+    def allows(self, path: str, authorization: bytes | None) -> bool:
+        if not self.token or path in _OPEN_PATHS or (self.metrics_public and path == "/metrics"):
+            return True
+        if authorization is None:
+            return False
+        scheme, _, presented = authorization.strip().partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(presented.strip(),
+                                                                    self.token.encode())
+
+
+UNAUTHORIZED_HEADERS = ((b"www-authenticate", b'Bearer realm="tokenwire admin"'),)
 
 
 _PROXY_URL_PLACEHOLDER = "{{PROXY_URL}}"
@@ -86,9 +120,13 @@ class Playground:
 
 
 def route(context: SidecarContext, method: bytes, target: bytes, *,
-          playground: Playground | None = None, host_header: bytes | None = None) -> Response:
+          playground: Playground | None = None, host_header: bytes | None = None,
+          access: AdminAccess | None = None, authorization: bytes | None = None) -> Response:
     """The admin API's answer to one request (no I/O; easy to test)."""
     path = urllib.parse.unquote(target.split(b"?", 1)[0].decode("ascii", "replace"))
+    if access is not None and not access.allows(path, authorization):
+        return _json(401, {"error": {"message": "the admin API needs Authorization: Bearer <admin token>",
+                                     "type": "invalid_request_error", "code": "unauthorized"}})
     if method in (b"GET", b"HEAD"):
         if path == "/" and playground is not None:
             return 200, b"text/html; charset=utf-8", playground.render(host_header)
@@ -135,11 +173,13 @@ async def _read_request(reader: asyncio.StreamReader, conn: h11.Connection) -> h
 AdminHandler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
-def handler(context: SidecarContext, *, proxy_address: tuple[str, int] | None = None) -> AdminHandler:
+def handler(context: SidecarContext, *, proxy_address: tuple[str, int] | None = None,
+            access: AdminAccess | None = None) -> AdminHandler:
     """The ``asyncio.start_server`` callback serving the admin API.
 
     ``proxy_address`` is the proxy listener's bound (host, port), which the
     playground page calls; the configured ``listen`` may say port 0.
+    ``access``: the token rule (None = open, as on loopback without a token).
     """
     playground = Playground.load(context, proxy_address)
 
@@ -151,9 +191,14 @@ def handler(context: SidecarContext, *, proxy_address: tuple[str, int] | None = 
                 return
             status, content_type, body = route(context, request.method, request.target,
                                                playground=playground,
-                                               host_header=header_value(request.headers, b"host"))
+                                               host_header=header_value(request.headers, b"host"),
+                                               access=access,
+                                               authorization=header_value(request.headers,
+                                                                          b"authorization"))
             headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()),
                        (b"connection", b"close")]
+            if status == 401:
+                headers.extend(UNAUTHORIZED_HEADERS)
             writer.write(conn.send(h11.Response(status_code=status, headers=headers)))
             if request.method != b"HEAD":
                 writer.write(conn.send(h11.Data(data=body)))

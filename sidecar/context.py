@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from tokenwire.middleware import RetryBudget
 from tokenwire.middleware.replay_store import ReplayStore
+from tokenwire.middleware.resume import CallerKey
 
 from .logs import StreamLog
 from .metrics import SidecarMetrics
@@ -29,7 +30,13 @@ class SidecarContext:
     log: StreamLog
     replay_store: ReplayStore | None = None
     """Where resumable streams are kept (``resume = true``), else None."""
+    caller_key: CallerKey | None = None
+    """Whose stream is whose (see ``tokenwire.middleware.resume``); set with the replay store."""
+    admin_origins: tuple[str, ...] = ()
+    """The admin port's own origins (its playground page), allowed by the proxy's CORS."""
     registry: StreamRegistry = field(default_factory=StreamRegistry)
     connections: set[ClientConnection] = field(default_factory=set)
+    buffered_body_bytes: int = 0
+    """Request body bytes held by all connections now (``max_buffered_body_bytes``)."""
     draining: bool = False
     """Set on shutdown: no new requests; connections close after their current response."""

@@ -11,6 +11,14 @@ proxy says so. ``cors_allow_origins`` lists the origins that may; for them:
   ``Access-Control-Expose-Headers`` (the request id and the resume stream id,
   which a page needs to read).
 
+The admin port's own origins (the playground's, :func:`admin_origins`) are
+allowed by default, so the page works on a plain ``tokenwire sidecar
+--admin-listen ...``: that lets the page read what its user's own requests
+return, nothing more, as the proxy's rules (stream ownership included) apply
+to its requests as to any client's. With no list configured, only requests
+from those origins are handled here (:func:`origins_for`); the rest are left
+to the engine as before.
+
 A preflight from any other origin gets ``403``; a plain request from one is
 still proxied (CORS protects the reader, not the server) but without the
 headers, so the browser withholds the answer from that page. With the list
@@ -22,6 +30,7 @@ Header names are lower-case bytes, as h11 gives them.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterable, Sequence
 
 from tokenwire.middleware import ClientError, ErrorCode
@@ -38,6 +47,36 @@ ALLOWED_HEADERS = (b"content-type", b"authorization", b"last-event-id", b"idempo
                    b"x-request-id")
 # Browsers cache a preflight this long (Chromium caps it at two hours).
 MAX_AGE_S = 600
+
+
+def admin_origins(host: str, port: int) -> list[str]:
+    """The origins a browser may load the admin port's playground from.
+
+    A loopback admin port is reached as ``127.0.0.1``, ``localhost`` or
+    ``[::1]`` alike, and the browser's ``Origin`` is whichever was typed; on
+    every interface, the page's origin cannot be known, so the loopback names
+    and this host's name are covered (others: ``cors_allow_origins``).
+    """
+    hosts = [f"[{host}]" if ":" in host else host]
+    if host in ("127.0.0.1", "localhost", "::1"):
+        hosts = ["127.0.0.1", "localhost", "[::1]"]
+    elif host in ("0.0.0.0", "::", ""):
+        hosts = ["127.0.0.1", "localhost", "[::1]", socket.gethostname().lower()]
+    return [f"http://{name}:{port}" for name in hosts]
+
+
+def origins_for(configured: tuple[str, ...], own: tuple[str, ...],
+                origin: bytes | None) -> tuple[str, ...]:
+    """The allowed origins that apply to a request from ``origin``; empty = no
+    CORS here (preflights forwarded, no headers added).
+
+    ``configured`` is ``cors_allow_origins``, ``own`` the admin port's origins.
+    """
+    if configured:
+        return (*configured, *(o for o in own if o not in configured))
+    if own and origin_allowed(own, origin):
+        return own
+    return ()
 
 
 def normalize_origin(origin: str) -> str:

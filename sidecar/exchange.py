@@ -33,7 +33,6 @@ from tokenwire.middleware import (
     AbortUpstream,
     Action,
     AwaitReader,
-    ClientError,
     CloseClient,
     CommitHeaders,
     Finished,
@@ -46,18 +45,13 @@ from tokenwire.middleware import (
     ResumeUpstream,
     RetryUpstream,
     Tick,
+    WireError,
     WireStream,
     WriteCompleted,
 )
-from tokenwire.middleware.replay_store import KeyReused, StoreUnavailable, feed_replay
-from tokenwire.middleware.resume import (
-    Idempotent,
-    ResumeFrom,
-    classify,
-    key_reused,
-    new_stream_id,
-    store_unavailable,
-)
+from tokenwire.middleware.replay_store import StoreUnavailable, admit, feed_replay
+from tokenwire.middleware.resume import ResumeFrom, classify, new_stream_id
+from tokenwire.middleware.retry import may_repeat
 
 from .context import SidecarContext
 from .forwarding import client_response_headers
@@ -67,12 +61,6 @@ from .upstream_io import UpstreamStream
 logger = logging.getLogger("tokenwire.sidecar")
 
 Header = tuple[bytes, bytes]
-
-# After a complete answer the upstream usually ends its body at once, and its
-# connection goes back to the pool. One that keeps the body open after its
-# terminal event is cut off after this long rather than holding a task forever.
-_UPSTREAM_TAIL_GRACE_S = 5.0
-
 
 class Downstream(Protocol):
     """What an exchange needs from the client connection."""
@@ -95,6 +83,7 @@ class Exchange:
         downstream: Downstream,
         *,
         request_id: str,
+        upstream_request_id: str | None = None,
         method: bytes,
         target: bytes,
         upstream_headers: Sequence[Header],
@@ -105,6 +94,9 @@ class Exchange:
         self._downstream = downstream
         self._loop = asyncio.get_running_loop()
         self.request_id = request_id
+        """The client's id (or one made up for it): logs, the response, the admin list."""
+        self.upstream_request_id = upstream_request_id or request_id
+        """The upstream's id for this request, and the key of its abort call; never the client's."""
         self._method = method
         self._target = target
         self._upstream_headers = list(upstream_headers)
@@ -117,7 +109,8 @@ class Exchange:
         self.stream = WireStream(
             context.config.wire, now=self._loop.time(), request_id=request_id,
             upstreams=context.pools.names, retry_budget=context.retry_budget,
-            expect_stream=expect_stream, stream_id=self.stream_id)
+            expect_stream=expect_stream, stream_id=self.stream_id,
+            may_repeat=may_repeat(method, self._upstream_headers))
         self._inbox: deque[tuple[Input, float | None]] = deque()
         self._busy = False
         self._done = False
@@ -166,13 +159,15 @@ class Exchange:
         stream = self.stream
         return {
             "request_id": self.request_id,
+            "upstream_request_id": self.upstream_request_id,
             "upstream": stream.upstream,
             "age_s": round(now - stream.started_at, 3),
             "state": stream.state.value,
             "pending_bytes": stream.pending_bytes,
             "events_in": stream.events_in,
             "events_out": stream.events_out,
-            "stream_id": self.stream_id,
+            # Never the stream id: with the caller's credential it is the key to the answer.
+            "resumable": self.stream_id is not None,
             "replay": self.replaying,
         }
 
@@ -216,8 +211,8 @@ class Exchange:
                     store.append(action)
             elif isinstance(action, AwaitReader):
                 self._reader_wait = self._loop.create_task(self._await_reader(action))
-        if tell_engine and not self.replaying:
-            self._context.pools.send_abort(self.request_id)
+        if tell_engine:
+            self._context.pools.send_abort(self.upstream_request_id)
 
     def _finish(self, action: Finished) -> None:
         self._done = True
@@ -225,7 +220,10 @@ class Exchange:
         context.registry.remove(self)
         context.metrics.active_streams.dec()
         context.metrics.observe_record(action.record)
-        context.log.write(action.record)
+        if self.upstream_request_id != self.request_id:
+            context.log.write(action.record, upstream_request_id=self.upstream_request_id)
+        else:
+            context.log.write(action.record)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -233,7 +231,7 @@ class Exchange:
             self._reader_wait.cancel()
         attempt = self._attempt
         if attempt is not None and not attempt.done():
-            cutoff = self._loop.call_later(_UPSTREAM_TAIL_GRACE_S, attempt.cancel)
+            cutoff = self._loop.call_later(context.config.wire.upstream_tail_grace_s, attempt.cancel)
             attempt.add_done_callback(lambda _: cutoff.cancel())
         self._downstream.exchange_finished(self)
 
@@ -282,35 +280,27 @@ class Exchange:
         store = self._context.replay_store
         assert store is not None and self.stream_id is not None
         path = self._target.partition(b"?")[0].decode("latin-1")
-        route = None
+        caller_key = self._context.caller_key
+        assert caller_key is not None
+        owner = caller_key.owner(self._upstream_headers)
         try:
             route = classify(self._method.decode("latin-1"), path, self._upstream_headers, self._body)
-            if isinstance(route, ResumeFrom):
-                self._context.metrics.replays.labels("reconnect").inc()
-                await self._replay(route.stream_id, route.after_seq)
-                return
             # Opened whatever the request looks like: an answer that turns out not
             # to be an event stream is discarded by the core at its end.
-            idempotency = (route.key, route.digest) if isinstance(route, Idempotent) else None
-            holder = await store.open(self.stream_id, idempotency)
-            if holder is not None:
-                # The same request again: the answer already being made, from the start.
-                self._context.metrics.replays.labels("idempotent").inc()
-                await self._replay(holder, 0)
-                return
-        except ClientError as error:
+            source = await admit(store, route, stream_id=self.stream_id, owner=owner, open_now=True)
+        except WireError as error:
             self.feed(Rejected(error))
             return
-        except KeyReused:
-            self.feed(Rejected(key_reused()))
-            return
         except StoreUnavailable as error:
-            if isinstance(route, Idempotent):
-                # Generating without the key could answer the same request twice.
-                self.feed(Rejected(store_unavailable()))
-                return
             # An ordinary request still gets its answer; only its resume is lost.
             logger.warning("stream %s: not resumable: %s", self.request_id, error)
+            source = None
+        if source is not None:
+            # A reconnect, or the same request again (the answer being made, from the start).
+            kind = "reconnect" if isinstance(route, ResumeFrom) else "idempotent"
+            self._context.metrics.replays.labels(kind).inc()
+            await self._replay(source.stream_id, source.after_seq)
+            return
         if self._attempt is asyncio.current_task():
             self._start_attempt(0)
 

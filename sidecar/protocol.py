@@ -51,7 +51,8 @@ from tokenwire.middleware.headers import header_value
 from . import cors
 from .context import SidecarContext
 from .exchange import Exchange
-from .forwarding import request_id_from, upstream_request_headers, wants_stream
+from .forwarding import request_id_from, upstream_request_headers, upstream_request_id, wants_stream
+from .framing import ChunkedScanner, head_length, request_line_problem
 
 logger = logging.getLogger("tokenwire.sidecar")
 
@@ -91,6 +92,36 @@ def _framing_problem(received: bytes | bytearray) -> str | None:
     return None
 
 
+# What h11's messages say, in words for the client (they may quote the bytes
+# as a Python repr, which names nothing a client can act on).
+_H11_FAULTS = (
+    ("illegal header name", "an invalid character in a header name"),
+    ("illegal header value", "an invalid character in a header value"),
+    ("illegal header line", "a malformed header line"),
+    ("continuation line", "obsolete line folding in the request head"),
+    ("request line", "a malformed request line"),
+    ("illegal method", "an invalid character in the method"),
+    ("illegal target", "an invalid character in the request target"),
+    ("transfer-encoding", "an unsupported Transfer-Encoding (only chunked is accepted)"),
+    ("chunk", "a malformed chunked body"),
+    ("content-length", "a malformed or conflicting Content-Length"),
+    ("missing mandatory host", "no Host header"),
+    ("multiple host", "more than one Host header"),
+    ("receive buffer too long", "a request head over the size limit"),
+    ("peer closed", "the connection closed before the request was complete"),
+    ("unexpectedly closed", "the connection closed before the request was complete"),
+)
+
+
+def _h11_fault(error: h11.RemoteProtocolError) -> str:
+    """The fault h11 found, in words (never h11's text, which may hold a repr)."""
+    text = str(error).lower()
+    for needle, words in _H11_FAULTS:
+        if needle in text:
+            return words
+    return "a malformed request"
+
+
 class Phase(enum.Enum):
     IDLE = "idle"
     HEAD = "head"
@@ -111,6 +142,7 @@ class ClientConnection(asyncio.Protocol):
         self._phase = Phase.IDLE
         self._timer: asyncio.TimerHandle | None = None
         self._peer_host: str | None = None
+        self._server_port: int | None = None
         self._scheme = "http"
         self._over_limit = False
         self._write_paused = False
@@ -124,6 +156,10 @@ class ClientConnection(asyncio.Protocol):
         # One buffer, not a list of reads: a client sending a byte per packet
         # would otherwise cost an object per byte.
         self._head_received = bytearray()
+        # Follows a chunked body beside h11 (framing.py); None otherwise.
+        self._chunks: ChunkedScanner | None = None
+        # Bytes of this request's body counted in context.buffered_body_bytes.
+        self._body_reserved = 0
 
     # ------------------------------------------------------------ asyncio.Protocol
 
@@ -147,6 +183,9 @@ class ClientConnection(asyncio.Protocol):
             self._peer_host = str(peer[0])
         if transport.get_extra_info("sslcontext") is not None:
             self._scheme = "https"
+        local = transport.get_extra_info("sockname")
+        if isinstance(local, tuple) and len(local) >= 2:
+            self._server_port = int(local[1])
         self._arm_timer(self._config.header_read_timeout_s)
 
     def data_received(self, data: bytes) -> None:
@@ -158,6 +197,13 @@ class ClientConnection(asyncio.Protocol):
         if self._phase is Phase.HEAD:
             # Bounded: h11 refuses a head still incomplete past max_head_bytes.
             self._head_received += data
+            if self._request_line_refused():
+                return
+        elif self._phase is Phase.BODY and self._chunks is not None:
+            problem = self._chunks.feed(data)
+            if problem is not None:
+                self._refuse(*problem)
+                return
         try:
             self._conn.receive_data(data)
         except h11.RemoteProtocolError as error:
@@ -182,6 +228,8 @@ class ClientConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
         self._cancel_timer()
+        if self._exchange is None:
+            self._release_body()
         context = self._context
         if self in context.connections:
             context.connections.discard(self)
@@ -263,13 +311,25 @@ class ClientConnection(asyncio.Protocol):
         if not request.target.startswith(b"/"):
             self._refuse(400, "only origin-form request targets are served")
             return
-        if request.method == b"CONNECT":
-            self._refuse(405, "CONNECT is not supported")
+        if request.method in (b"CONNECT", b"TRACE"):
+            # TRACE would echo the request, credentials and all (nginx: 405).
+            self._refuse(405, f"{request.method.decode()} is not supported")
+            return
+        if request.http_version not in (b"1.0", b"1.1"):
+            self._refuse(505, "only HTTP/1.0 and HTTP/1.1 are supported")
             return
         length = header_value(headers, b"content-length")
         if length is not None and int(length) > config.max_body_bytes:
             self._refuse(413, f"request body over {config.max_body_bytes} bytes")
             return
+        if length is not None and not self._reserve_body(int(length)):
+            return
+        if b"transfer-encoding" in names:
+            self._chunks = ChunkedScanner(config.max_body_bytes)
+            fault = self._chunks.feed(memoryview(received)[head_length(received):])
+            if fault is not None:
+                self._refuse(*fault)
+                return
         self._request = request
         self._body = bytearray()
         if self._conn.they_are_waiting_for_100_continue:
@@ -279,13 +339,34 @@ class ClientConnection(asyncio.Protocol):
         self._body += data
         if len(self._body) > self._config.max_body_bytes:
             self._refuse(413, f"request body over {self._config.max_body_bytes} bytes")
+        elif self._chunks is not None:
+            # A chunked body announces no length: it is counted as it comes.
+            self._reserve_body(len(data))
+
+    def _reserve_body(self, body_bytes: int) -> bool:
+        """Count ``body_bytes`` more against ``max_buffered_body_bytes``; refuse
+        with 503 (and False) if all connections together would hold more."""
+        context = self._context
+        if body_bytes and context.buffered_body_bytes + body_bytes > self._config.max_buffered_body_bytes:
+            # Many large uploads at once would hold the loop and memory hostage;
+            # each one is fine again shortly, so this is "busy", not "too large".
+            self._refuse(503, "too many request bodies are being received; try again shortly",
+                         retry_after_s=1)
+            return False
+        context.buffered_body_bytes += body_bytes
+        self._body_reserved += body_bytes
+        return True
+
+    def _release_body(self) -> None:
+        self._context.buffered_body_bytes -= self._body_reserved
+        self._body_reserved = 0
 
     def _start_exchange(self) -> None:
         request = self._request
         assert request is not None
         self._phase = Phase.RESPONSE
         self._cancel_timer()
-        if self._config.cors_allow_origins and cors.is_preflight(request.method, request.headers):
+        if self._cors_origins(request) and cors.is_preflight(request.method, request.headers):
             self._answer_preflight(request)
             return
         config = self._config
@@ -294,11 +375,15 @@ class ClientConnection(asyncio.Protocol):
         body = bytes(self._body)
         self._body = bytearray()
         request_id = request_id_from(headers, id_header)
+        upstream_id = upstream_request_id(headers, id_header, request_id)
         upstream_headers = upstream_request_headers(
             headers, body_bytes=len(body), peer_host=self._peer_host, scheme=self._scheme,
-            request_id=request_id, request_id_header=id_header)
+            request_id=upstream_id, request_id_header=id_header, client_request_id=request_id,
+            server_port=self._server_port, client_cert_der=self._client_cert_der(),
+            drop_underscores=config.drop_underscore_headers)
         exchange = Exchange(
-            self._context, self, request_id=request_id, method=request.method,
+            self._context, self, request_id=request_id, upstream_request_id=upstream_id,
+            method=request.method,
             target=request.target, upstream_headers=upstream_headers, body=body,
             expect_stream=wants_stream(headers, body))
         self._exchange = exchange
@@ -311,8 +396,8 @@ class ClientConnection(asyncio.Protocol):
     def send_headers(self, status: int, headers: Sequence[Header]) -> None:
         """Send the response head (called by the exchange on ``CommitHeaders``)."""
         headers = list(headers)
-        if self._config.cors_allow_origins and self._request is not None:
-            headers = cors.with_cors_headers(headers, self._config.cors_allow_origins,
+        if self._request is not None and (origins := self._cors_origins(self._request)):
+            headers = cors.with_cors_headers(headers, origins,
                                              header_value(self._request.headers, b"origin"),
                                              request_id_header=self._config.request_id_header.encode())
         if self._context.draining:
@@ -353,7 +438,7 @@ class ClientConnection(asyncio.Protocol):
             self._phase = Phase.CLOSING
             transport.close()
             # A client that stopped reading would hold the flush forever.
-            self._loop.call_later(self._config.wire.write_deadline_s, transport.abort)
+            self._loop.call_later(self._config.wire.close_flush_timeout_s, transport.abort)
         else:
             self._write(self._conn.send(h11.EndOfMessage()))
 
@@ -361,6 +446,7 @@ class ClientConnection(asyncio.Protocol):
         """The exchange is over: serve the next request on this connection, or close it."""
         if self._exchange is exchange:
             self._exchange = None
+        self._release_body()  # the exchange held the body for retries until now
         if self._lost or self._phase is Phase.CLOSING or self._transport is None:
             return
         conn = self._conn
@@ -370,6 +456,7 @@ class ClientConnection(asyncio.Protocol):
             return
         conn.start_next_cycle()
         self._request = None
+        self._chunks = None
         self._head_received = bytearray()
         self._chunked_body = False
         self._phase = Phase.IDLE
@@ -382,12 +469,17 @@ class ClientConnection(asyncio.Protocol):
             self._phase = Phase.HEAD
             self._head_received = bytearray(buffered)
             self._arm_timer(self._config.header_read_timeout_s)
-            self._process()
+            if not self._request_line_refused():
+                self._process()
+
+    def _cors_origins(self, request: h11.Request) -> tuple[str, ...]:
+        return cors.origins_for(self._config.cors_allow_origins, self._context.admin_origins,
+                                header_value(request.headers, b"origin"))
 
     def _answer_preflight(self, request: h11.Request) -> None:
         """Answer a CORS preflight here: the engine knows nothing of the sidecar's origins."""
         status, headers, body = cors.preflight_response(
-            self._config.cors_allow_origins, request.headers,
+            self._cors_origins(request), request.headers,
             request_id_header=self._config.request_id_header.encode())
         # Straight to h11, not send_headers: that would treat these as a proxied response's.
         self._write(self._conn.send(h11.Response(status_code=status, headers=headers)))
@@ -430,12 +522,29 @@ class ClientConnection(asyncio.Protocol):
         # the client's fault, which must not count as a server error (5xx is
         # what load balancers eject backends for and what clients retry).
         status = error.error_status_hint
-        self._refuse(400 if status == 501 else status, str(error))
+        self._refuse(400 if status == 501 else status, _h11_fault(error))
+
+    def _request_line_refused(self) -> bool:
+        """Refuse a request line h11 would wait on or accept wrongly, as soon as
+        it is complete (see framing.py); True if refused."""
+        problem = request_line_problem(self._head_received)
+        if problem is None:
+            return False
+        self._refuse(*problem)
+        return True
+
+    def _client_cert_der(self) -> bytes | None:
+        """The client's verified certificate (mTLS), DER-encoded."""
+        if self._transport is None or self._scheme != "https" or not self._config.tls_client_ca:
+            return None
+        ssl_object = self._transport.get_extra_info("ssl_object")
+        return None if ssl_object is None else ssl_object.getpeercert(binary_form=True)
 
     def _refuse(self, status: int, message: str, *, retry_after_s: int | None = None) -> None:
         """Answer with an error status, nothing forwarded, then close lingeringly."""
         if self._phase is Phase.CLOSING or self._transport is None or self._lost:
             return
+        self._release_body()
         self._context.metrics.rejected_requests.labels(str(status)).inc()
         error = ClientError(message, ErrorCode.BAD_REQUEST, http_status=status, retry_after_s=retry_after_s)
         body = error.body()

@@ -34,8 +34,9 @@ class StreamRegistry:
         return [exchange.describe(now) for exchange in self]
 
     def stop(self, request_id: str, reason: EndReason) -> int:
-        """Feed ``StopRequested(reason)`` to every open stream with ``request_id``; how many."""
-        matched = [e for e in self if e.request_id == request_id]
+        """Feed ``StopRequested(reason)`` to every open stream with ``request_id``
+        (the client's id, or the upstream's, which is unique); how many."""
+        matched = [e for e in self if request_id in (e.request_id, e.upstream_request_id)]
         for exchange in matched:
             exchange.feed(StopRequested(reason))
         return len(matched)

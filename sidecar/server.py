@@ -24,14 +24,17 @@ from typing import TextIO
 
 from tokenwire.middleware import ConfigError, EndReason, RetryBudget
 from tokenwire.middleware.replay_store import open_replay_store
+from tokenwire.middleware.resume import CallerKey
 
+from .admin import AdminAccess, AdminHandler
 from .admin import handler as admin_handler
 from .context import SidecarContext
+from .cors import admin_origins
 from .logs import StreamLog
 from .metrics import SidecarMetrics
 from .protocol import ClientConnection
-from .settings import SidecarConfig, parse_host_port
-from .tls import load_certificates, server_context
+from .settings import SidecarConfig, parse_host_port, read_admin_token
+from .tls import alerting_protocol_factory, load_certificates, server_context
 from .upstream import UpstreamPools
 
 logger = logging.getLogger("tokenwire.sidecar")
@@ -53,6 +56,7 @@ class Sidecar:
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.context: SidecarContext | None = None
+        self._admin_handler: AdminHandler | None = None
 
     async def start(self) -> None:
         """Bind the listeners; after this the sidecar serves requests."""
@@ -61,6 +65,19 @@ class Sidecar:
         self._loop = loop
         self._stop = asyncio.Event()
         wire = config.wire
+        access: AdminAccess | None = None
+        own_origins: tuple[str, ...] = ()
+        if config.admin_listen:
+            access = AdminAccess(read_admin_token(config), config.metrics_public)
+            admin_host, admin_port = parse_host_port(config.admin_listen, "admin_listen")
+            # Bound first (serving once all is ready): its port is part of the proxy's
+            # CORS list, so the playground it serves can read the proxy's answers.
+            self._admin = await asyncio.start_server(
+                lambda reader, writer: self._serve_admin(reader, writer),
+                admin_host, admin_port, reuse_address=True, start_serving=False)
+            bound = self.admin_address
+            assert bound is not None
+            own_origins = tuple(admin_origins(*bound))
         context = SidecarContext(
             config=config,
             pools=UpstreamPools(config),
@@ -69,6 +86,8 @@ class Sidecar:
             metrics=SidecarMetrics(),
             log=self._log if self._log is not None else StreamLog.open(config.log_file),
             replay_store=open_replay_store(config.resume_store, wire) if wire.resume else None,
+            caller_key=CallerKey.from_config(wire) if wire.resume else None,
+            admin_origins=own_origins,
         )
         self.context = context
         if config.tls:
@@ -79,13 +98,25 @@ class Sidecar:
         # loop's default would hold the socket for 60 s, before ClientConnection
         # (and its timers and connection count) even exists.
         handshake_timeout_s = (config.header_read_timeout_s or None) if self._ssl is not None else None
-        self._server = await loop.create_server(
-            lambda: ClientConnection(context), host, port, ssl=self._ssl, backlog=4096,
-            reuse_address=True, ssl_handshake_timeout=handshake_timeout_s)
-        if config.admin_listen:
-            admin_host, admin_port = parse_host_port(config.admin_listen, "admin_listen")
-            self._admin = await asyncio.start_server(admin_handler(context, proxy_address=self.address),
-                                                     admin_host, admin_port, reuse_address=True)
+        factory: Callable[[], asyncio.BaseProtocol] = lambda: ClientConnection(context)  # noqa: E731
+        alerting = (alerting_protocol_factory(factory, self._ssl, handshake_timeout_s)
+                    if self._ssl is not None and config.tls_client_ca else None)
+        if alerting is not None:
+            # mTLS: TLS is terminated by asyncio's protocol (with the handshake
+            # alert fix, see tls.py) rather than uvloop's, which has no such fix.
+            self._server = await loop.create_server(alerting, host, port, backlog=4096,
+                                                    reuse_address=True)
+        else:
+            self._server = await loop.create_server(
+                factory, host, port, ssl=self._ssl, backlog=4096,
+                reuse_address=True, ssl_handshake_timeout=handshake_timeout_s)
+        if self._admin is not None:
+            self._admin_handler = admin_handler(context, proxy_address=self.address, access=access)
+            await self._admin.start_serving()
+
+    async def _serve_admin(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        assert self._admin_handler is not None
+        await self._admin_handler(reader, writer)
 
     @property
     def address(self) -> tuple[str, int]:

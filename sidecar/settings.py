@@ -15,10 +15,11 @@ prefix for its own keys and both may share one environment.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import types
 import typing
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -45,7 +46,15 @@ class SidecarConfig:
     upstream: tuple[str, ...] = ()
     """Engine base URLs (``http://host:port`` or ``unix:/path``), tried in order on retry."""
     admin_listen: str = ""
-    """HOST:PORT of the admin server (/metrics, /streams, /healthz); empty = off."""
+    """HOST:PORT of the admin server (/metrics, /streams, /healthz); empty = off. Beyond
+    loopback it needs admin_token (or admin_token_file)."""
+    admin_token: str = field(default="", repr=False)
+    """Bearer token the admin server asks for (all but /healthz, /readyz and the
+    playground page); required when admin_listen is not a loopback address."""
+    admin_token_file: str = ""
+    """File holding admin_token (read at start; surrounding whitespace ignored)."""
+    metrics_public: bool = False
+    """Serve /metrics without the admin token (for a scraper on the pod network)."""
     abort_url: str = ""
     """Optional explicit abort call, e.g. ``http://engine/v1/abort/{request_id}``."""
     request_id_header: str = "x-request-id"
@@ -66,6 +75,14 @@ class SidecarConfig:
     """Requests with more header lines than this get 400."""
     max_body_bytes: int = 16 * 1024 * 1024
     """Request bodies larger than this get 413 (the sidecar reads them whole)."""
+    max_buffered_body_bytes: int = 64 * 1024 * 1024
+    """Request bytes held in memory across all connections (bodies are read whole, and
+    kept until their answer ends, for retries); a body that would go beyond it gets 503
+    with Retry-After."""
+    drop_underscore_headers: bool = True
+    """Request headers with ``_`` in their name are not forwarded (nginx's
+    ``underscores_in_headers off``): ``X_Real_IP`` and ``X-Real-IP`` may be one header
+    to the engine's framework and two to the sidecar."""
     header_read_timeout_s: float = 10.0
     """A request head not complete this long after its first byte gets 408."""
     body_read_timeout_s: float = 60.0
@@ -92,19 +109,33 @@ class SidecarConfig:
             if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
                 raise ConfigError(key, f"must be a number >= 0, got {value!r}")
         for key in ("max_connections", "max_head_bytes", "max_header_count", "max_body_bytes",
-                    "upstream_max_connections"):
+                    "max_buffered_body_bytes", "upstream_max_connections"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(key, f"must be a whole number > 0, got {value!r}")
         parse_host_port(self.listen, "listen")
+        if self.admin_token and self.admin_token_file:
+            raise ConfigError("admin_token", "give admin_token or admin_token_file, not both")
         if self.admin_listen:
-            parse_host_port(self.admin_listen, "admin_listen")
+            admin_host, _ = parse_host_port(self.admin_listen, "admin_listen")
+            if not is_loopback(admin_host) and not (self.admin_token or self.admin_token_file):
+                raise ConfigError(
+                    "admin_token", f"the admin server would listen on {self.admin_listen}, beyond "
+                    "loopback, where it lists and cancels streams: give it a token (--admin-token-file "
+                    "FILE, TOKENWIRE_ADMIN_TOKEN or --admin-token) or listen on 127.0.0.1")
         if not self.upstream:
             raise ConfigError("upstream", "at least one upstream is required")
+        if not isinstance(self.drop_underscore_headers, bool):
+            raise ConfigError("drop_underscore_headers", "must be true or false")
         if self.resume_store not in ("", "memory") and not self.resume_store.startswith(
                 ("redis://", "rediss://", "unix://")):
             raise ConfigError("resume_store", f"expected memory or redis://HOST:PORT/DB, "
                                               f"got {self.resume_store!r}")
+        if self.wire.resume and self.resume_store not in ("", "memory") and not self.wire.resume_owner_secret:
+            # A random per-process key would make every replica's owner hashes differ:
+            # a reconnect landing on another replica would find no stream of its caller.
+            raise ConfigError("resume_owner_secret", "a shared resume_store needs the same "
+                              "resume_owner_secret on every replica (TOKENWIRE_RESUME_OWNER_SECRET)")
         for url in self.upstream:
             if not (url.startswith(("http://", "unix:"))):
                 raise ConfigError("upstream", f"must be http://HOST:PORT or unix:/PATH, got {url!r}")
@@ -127,6 +158,31 @@ class SidecarConfig:
     @property
     def tls(self) -> bool:
         return bool(self.tls_cert)
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine can reach (a name other than
+    ``localhost`` counts as reachable from elsewhere)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def read_admin_token(config: SidecarConfig) -> str:
+    """The admin token from ``admin_token`` or ``admin_token_file``; empty if neither is set."""
+    if not config.admin_token_file:
+        return config.admin_token
+    try:
+        with open(config.admin_token_file, encoding="utf-8") as file:
+            token = file.read().strip()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError("admin_token_file", f"cannot read {config.admin_token_file}: {error}") from None
+    if not token:
+        raise ConfigError("admin_token_file", f"{config.admin_token_file} is empty")
+    return token
 
 
 def parse_host_port(value: str, key: str) -> tuple[str, int]:

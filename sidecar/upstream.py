@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -157,7 +158,10 @@ class UpstreamPools:
                 "read": None, "write": None}
 
     def send_abort(self, request_id: str) -> None:
-        """Fire the explicit abort call (``--abort-url``) in the background; best effort."""
+        """Fire the explicit abort call (``--abort-url``) in the background; best effort.
+
+        ``request_id`` is the upstream's id for the request, the one it was
+        sent (the sidecar's own, never a client's)."""
         if not self._abort_url:
             return
         task = asyncio.get_running_loop().create_task(self._abort(request_id))
@@ -167,7 +171,8 @@ class UpstreamPools:
     async def _abort(self, request_id: str) -> None:
         if self._abort_pool is None:
             self._abort_pool = httpcore.AsyncConnectionPool(max_connections=64, retries=0)
-        url = self._abort_url.replace("{request_id}", request_id)
+        # Percent-encoded whatever it holds: a value must never add a path, query or fragment.
+        url = self._abort_url.replace("{request_id}", urllib.parse.quote(request_id, safe=""))
         try:
             response = await self._abort_pool.request(
                 "POST", url, headers=[(b"content-length", b"0")],

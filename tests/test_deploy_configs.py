@@ -326,6 +326,14 @@ def test_k8sPod_configsLoadThroughTheRealLoaders_andPathsAndPortsAgree(tmp_path:
     assert pod["spec"]["terminationGracePeriodSeconds"] > sleep_s["engine"]
     # Scraped on the admin port.
     assert int(pod["metadata"]["annotations"]["prometheus.io/port"]) == ports["admin"]
+    # The admin port is on the pod network for the probes and the scrape only: its token
+    # comes from a Secret, /metrics is open, the rest asks for the token.
+    assert sidecar.metrics_public and not sidecar.admin_token
+    token_mount = next(m for m in containers["sidecar"]["volumeMounts"]
+                       if m["mountPath"] == str(Path(sidecar.admin_token_file).parent))
+    assert "secret" in volumes[token_mount["name"]]
+    # The image alone keeps the admin port on loopback.
+    assert stages["sidecar"].env["TOKENWIRE_ADMIN_LISTEN"].startswith("127.0.0.1:")
 
 
 def test_ingress_buffersNothing_andOutlastsTheHeartbeat() -> None:

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from tokenwire.engine.config import EngineConfig, build_engine_config, engine_keys
+from tokenwire.engine.config import EngineConfig, build_engine_config, engine_keys, torch_threads
 from tokenwire.engine.server import load_engine_config
 from tokenwire.middleware import ConfigError
-from tokenwire.middleware.config import load_toml
+from tokenwire.middleware.config import SlowClientPolicy, load_toml
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "engine.toml"
 
@@ -34,6 +35,42 @@ def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path) -> None
     assert config.kv_budget_tokens == 1000              # file
     assert config.listen == "unix:/tmp/from-file.sock"  # file, not the sidecar's TOKENWIRE_LISTEN
     assert config.max_prefill_tokens_per_step == 256    # default
+
+
+def test_wire_keys_take_the_engine_prefix_and_the_same_precedence(tmp_path: Path) -> None:
+    config_file = tmp_path / "engine.toml"
+    config_file.write_text('heartbeat_s = 3\nwrite_deadline_s = 9.5\nmax_pending_bytes = 4096\n'
+                           'slow_client_policy = "drop"\nresume = true\n')
+    environ = {"TOKENWIRE_ENGINE_HEARTBEAT_S": "2", "TOKENWIRE_ENGINE_COMMIT_DEADLINE_S": "0.5",
+               "TOKENWIRE_ENGINE_RESUME": "false",
+               # The sidecar's spelling of the same key is not the engine's.
+               "TOKENWIRE_WRITE_DEADLINE_S": "99"}
+    config = load_engine_config(["--config", str(config_file), "--heartbeat-s", "1.5",
+                                 "--terminal-marker", ""], environ)
+    wire = config.wire
+    assert wire.heartbeat_s == 1.5                       # flag
+    assert wire.commit_deadline_s == 0.5                 # env
+    assert wire.resume is False                          # env over file
+    assert wire.write_deadline_s == 9.5                  # file, not TOKENWIRE_WRITE_DEADLINE_S
+    assert wire.max_pending_bytes == 4096                # file
+    assert wire.slow_client_policy is SlowClientPolicy.DROP
+    assert wire.terminal_marker is None                  # empty flag = no marker
+    assert wire.retry_attempts == 0                      # the engine's own default
+
+
+def test_the_engine_sets_its_wire_defaults_explicitly() -> None:
+    """The middleware's defaults may change; the engine's stream ends with [DONE] and
+    cannot be retried once handed over, whatever they are."""
+    wire = EngineConfig().wire
+    assert (wire.retry_attempts, wire.terminal_marker) == (0, "[DONE]")
+    assert build_engine_config(flags={"retry_attempts": "1"}).wire.retry_attempts == 1
+
+
+def test_threads_default_to_the_usable_cpus_minus_one_for_the_loop() -> None:
+    usable = len(os.sched_getaffinity(0))
+    assert torch_threads(EngineConfig()) == max(1, usable - 1)
+    assert torch_threads(build_engine_config(flags={"threads": "3"})) == 3
+    assert build_engine_config(file_values={"threads": 0}).threads is None
 
 
 def test_config_file_from_the_environment(tmp_path: Path) -> None:
@@ -62,6 +99,12 @@ def test_optional_keys_unset_by_empty_or_zero() -> None:
     ({"listen": "nowhere"}, {}, {}, "listen"),
     ({}, {}, {"log_level": "loud"}, "log_level"),
     ({}, {}, {"model": 7}, "model"),
+    ({"heartbeat_s": "soon"}, {}, {}, "heartbeat_s"),
+    ({"threads": "-2"}, {}, {}, "threads"),
+    ({}, {"TOKENWIRE_ENGINE_RESUME": "maybe"}, {}, "resume"),
+    ({}, {}, {"slow_client_policy": "shout"}, "slow_client_policy"),
+    ({}, {}, {"write_deadline_s": 0}, "write_deadline_s"),
+    ({}, {}, {"heartbeat_s": "15"}, "heartbeat_s"),
 ])
 def test_bad_values_and_unknown_keys_name_the_key(flags: dict[str, str], environ: dict[str, str],
                                                   file_values: dict[str, object], key: str) -> None:

@@ -8,7 +8,11 @@ from tokenwire.engine.backend import GenerationRequest, RequestOutput, RequestRe
 from tokenwire.engine.config import EngineConfig
 from tokenwire.engine.loader import LoadedModel
 from tokenwire.engine.sampling import SamplingParams
-from tokenwire.engine.scheduler import ContinuousBatchingScheduler, SequenceState
+from tokenwire.engine.scheduler import (
+    ContinuousBatchingScheduler,
+    SequenceState,
+    attention_pair_cost,
+)
 
 PROMPTS = (
     "The kitchen is",
@@ -174,15 +178,26 @@ def test_chunked_prefill_caps_prompt_tokens_per_step_while_others_decode(
         scheduler.step()
     long_prompt = (7,) * 100
     scheduler.add(GenerationRequest("long", long_prompt, SamplingParams(max_tokens=5)))
-    steps_until_first_token = 0
+    chunks: list[int] = []
+    pair_cost = attention_pair_cost(tiny_f32.model.config)
     while True:
+        cached = scheduler.stats().kv_tokens_in_use
         outputs = scheduler.step()
-        steps_until_first_token += 1
+        chunks.append(scheduler.stats().kv_tokens_in_use - cached - 1)  # minus the decoded token
         # The decoding stream gets a token in every step of the long prefill.
         assert [o.request_id for o in outputs if o.request_id == "decoding"] == ["decoding"]
         if any(o.request_id == "long" for o in outputs):
             break
-    assert steps_until_first_token == -(-len(long_prompt) // chunk_tokens)
+    assert sum(chunks) == len(long_prompt)
+    # Each chunk fits the budget once its attention over the cached prompt is counted:
+    # the first is (nearly) the full 16 tokens, later ones shrink as the context grows.
+    assert chunk_tokens - 1 <= chunks[0] <= chunk_tokens
+    done = 0
+    for tokens in chunks[:-1]:
+        assert tokens * (1 + pair_cost * (done + tokens / 2)) <= chunk_tokens
+        assert (tokens + 1) * (1 + pair_cost * (done + (tokens + 1) / 2)) > chunk_tokens
+        done += tokens
+    assert chunks == sorted(chunks, reverse=True)
 
 
 def test_stop_string_cuts_the_text_and_reports_it(tiny_f32: LoadedModel) -> None:
@@ -249,3 +264,78 @@ def test_min_tokens_and_stop_token_ids(tiny_f32: LoadedModel) -> None:
     scheduler.add(GenerationRequest("held", _ids(tiny_f32, PROMPTS[2]), held))
     _run_to_end(scheduler, collected)
     assert collected["held"][-1].completion_tokens >= first_stop_at + 2
+
+
+def _generate(loaded: LoadedModel, prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
+    input_ids = torch.tensor([prompt])
+    output = loaded.model.generate(input_ids, max_new_tokens=max_new_tokens,
+                                   min_new_tokens=max_new_tokens, do_sample=False)
+    return [int(t) for t in output[0, input_ids.shape[1]:]]
+
+
+def _mixed_run(loaded: LoadedModel, max_new_tokens: int) -> tuple[dict[str, list[int]], int, int]:
+    """Three rows decoding when two prompts arrive together, one of them long enough
+    to open its own lane: steps mix decode rows of two lanes with two prompts' chunks.
+    Returns (tokens by request, steps with work, forward passes)."""
+    forwards = [0]
+    hook = loaded.model.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    try:
+        scheduler = ContinuousBatchingScheduler(loaded, EngineConfig(max_prefill_tokens_per_step=12))
+        params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+        prompts = {f"r{i}": _ids(loaded, PROMPTS[i]) for i in range(3)}
+        prompts["long"] = _ids(loaded, " ".join(PROMPTS) * 2)
+        prompts["late"] = _ids(loaded, PROMPTS[4])
+        collected: dict[str, list[RequestOutput]] = {}
+        steps = 0
+        for request_id in ("r0", "r1", "r2"):
+            scheduler.add(GenerationRequest(request_id, prompts[request_id], params))
+        while len(scheduler.batch_row_ids) < 3:
+            for output in scheduler.step():
+                collected.setdefault(output.request_id, []).append(output)
+            steps += 1
+        scheduler.add(GenerationRequest("long", prompts["long"], params))
+        scheduler.add(GenerationRequest("late", prompts["late"], params))
+        most_lanes = 0
+        for _ in range(10_000):
+            if not scheduler.has_work():
+                break
+            for output in scheduler.step():
+                collected.setdefault(output.request_id, []).append(output)
+            steps += 1
+            most_lanes = max(most_lanes, len(scheduler.lane_widths))
+        assert not scheduler.lane_widths
+        assert most_lanes == 2  # the long prompt decoded in a lane of its own
+    finally:
+        hook.remove()
+    return ({rid: _tokens(outs) for rid, outs in collected.items()}
+            | {f"prompt:{rid}": list(p) for rid, p in prompts.items()}, steps, forwards[0])
+
+
+def test_mixed_steps_run_one_forward_and_equal_model_generate(tiny_f64: LoadedModel) -> None:
+    tokens, steps, forwards = _mixed_run(tiny_f64, 20)
+    assert forwards == steps  # one forward per step: decode rows and chunks together
+    for request_id in ("r0", "r1", "r2", "long", "late"):
+        prompt = tuple(tokens[f"prompt:{request_id}"])
+        assert tokens[request_id] == _generate(tiny_f64, prompt, 20), request_id
+
+
+def test_grouped_query_attention_model_equals_model_generate(tiny_f64: LoadedModel) -> None:
+    """Fewer key/value heads than query heads (Llama 3, Qwen): the ragged attention's GQA path."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=tiny_f64.model.config.vocab_size, hidden_size=64,
+                         intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=1, max_position_embeddings=1024,
+                         attn_implementation="sdpa")
+    model = LlamaForCausalLM(config).to(torch.float64).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    loaded = LoadedModel(model=model, tokenizer=tiny_f64.tokenizer, name="gqa", path=tiny_f64.path,
+                         device=torch.device("cpu"), dtype=torch.float64, max_model_len=1024,
+                         eos_token_ids=frozenset())
+    tokens, steps, forwards = _mixed_run(loaded, 12)
+    assert forwards == steps
+    for request_id in ("r0", "r1", "r2", "long", "late"):
+        prompt = tuple(tokens[f"prompt:{request_id}"])
+        assert tokens[request_id] == _generate(loaded, prompt, 12), request_id

@@ -6,6 +6,7 @@ import json
 import threading
 from pathlib import Path
 
+import pytest
 from tokenwire.engine.tiny import TinySpec, ensure_tiny_model
 
 MINIMAL = TinySpec(vocab_size=600, hidden_size=32, intermediate_size=64, num_layers=1,
@@ -40,3 +41,14 @@ def test_concurrent_builders_build_once_and_never_expose_a_partial_folder(
     mtime = (results[0] / "model.safetensors").stat().st_mtime_ns
     assert ensure_tiny_model(MINIMAL, tmp_path, log=False) == results[0]
     assert (results[0] / "model.safetensors").stat().st_mtime_ns == mtime  # reused, not rebuilt
+
+
+def test_a_first_build_shows_a_progress_bar_that_ends_at_100_percent(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    ensure_tiny_model(MINIMAL, tmp_path, log=True)
+    err = capsys.readouterr().err
+    assert "building the tiny model" in err
+    assert "100%" in err.splitlines()[-1]
+    ensure_tiny_model(MINIMAL, tmp_path, log=True)
+    assert "building" not in capsys.readouterr().err  # cached: no bar, no build

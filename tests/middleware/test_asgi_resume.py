@@ -146,6 +146,35 @@ def test_idempotency_key_one_generation_for_two_requests(served: Any) -> None:
     assert other.status == 422 and len(app.started) == 1
 
 
+@pytest.mark.parametrize("other", [{"Authorization": "Bearer sk-mallory"}, {}],
+                         ids=["another-credential", "no-credential"])
+def test_streams_belong_to_their_caller(served: Any, other: dict[str, str]) -> None:
+    port, app, _ = served()
+    alice = {"Authorization": "Bearer sk-alice"}
+    first = post(port, tokens=5, delay_s=0.01, headers={**alice, "x-request-id": "alice-1"})
+    path = f"/v1/streams/{first.stream_id}"
+    unknown = open_stream(port, "GET", "/v1/streams/NoSuchStreamHere", headers=other)
+    for headers in (other, {**other, "Last-Event-ID": first.ids[0]}):
+        stolen = open_stream(port, "GET", path, headers=headers)
+        assert stolen.status == 404 == unknown.status and b"t0" not in stolen.body
+        assert json.loads(stolen.body)["error"]["code"] == "stream_not_found"
+    resent = post(port, tokens=5, headers={**other, "Last-Event-ID": first.ids[0]})
+    assert resent.status == 404 and app.started == ["alice-1"]
+    mine = open_stream(port, "GET", path, headers=alice)
+    assert mine.clean_end and text_of(mine.events) == expected(5)
+    # An idempotency key is the caller's own: another caller neither replays nor gets a 422.
+    key = {"Idempotency-Key": "pay-8"}
+    post(port, tokens=5, headers={**alice, **key, "x-request-id": "alice-2"})
+    theirs = post(port, tokens=5, headers={**other, **key, "x-request-id": "other-1"})
+    different = post(port, tokens=5, body=b'{"stream": true, "n": 2}',
+                     headers={**other, "Idempotency-Key": "pay-8-b", "x-request-id": "other-2"})
+    assert theirs.status == 200 == different.status
+    again = post(port, tokens=5, headers={**alice, **key, "x-request-id": "alice-3"})
+    assert again.status == 200 and app.started == ["alice-1", "alice-2", "other-1", "other-2"]
+    reused = post(port, tokens=5, body=b'{"stream": true, "n": 2}', headers={**alice, **key})
+    assert reused.status == 422
+
+
 def test_grace_keeps_the_app_generating_for_a_reconnect(served: Any) -> None:
     # The grace (0.5 s) is shorter than the answer (~1.2 s): only the reconnect keeps it.
     port, app, hooks = served(resume_grace_s=0.5)

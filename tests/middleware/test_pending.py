@@ -187,6 +187,18 @@ def test_merge_whenOnlyVolatileFieldsDiffer_thenMergedWithTheNewestValues(volati
     assert merged[field] == "x" * 15
 
 
+def test_merge_whenVolatileValuesVaryAndAnotherFieldDiffers_thenStillABarrier() -> None:
+    buffer = PendingBuffer(merge=True, drop=False, volatile=frozenset({"ts"}))
+    datas = [chunk("a", extra={"ts": 1.5}), chunk("b", extra={"ts": '2 "q"'}),
+             chunk("c", extra={"ts": 3, "model": "other"}), chunk("d", extra={"ts": None, "model": "other"})]
+    for data in datas:
+        buffer.add_event(SSEEvent(data), encode(SSEEvent(data)))
+    data, count = buffer.take()
+    merged = [json.loads(e.data or "") for e in parse_all(data)]
+    assert count == 2 and [m["choices"][0]["delta"]["content"] for m in merged] == ["ab", "cd"]
+    assert [(m["ts"], m["model"]) for m in merged] == [('2 "q"', "m"), (None, "other")]
+
+
 def test_merge_whenUnlistedFieldDiffers_thenBarrier() -> None:
     buffer = PendingBuffer(merge=True, drop=False)
     for i, text in enumerate(["a", "b"]):

@@ -41,6 +41,7 @@ from tokenwire.middleware import (
     WriteCompleted,
     encode,
 )
+from tokenwire.middleware.retry import may_repeat
 from tokenwire.middleware.stream import HEARTBEAT
 
 from .wire_harness import (
@@ -325,6 +326,147 @@ def test_retryBudget_whenQuiet_thenFloorRefills() -> None:
     assert [len(d.of(RetryUpstream)) for d in (first, second, third)] == [1, 0, 1]
 
 
+# ------------------------------------------------------------------ requests that may not be repeated
+
+# Which failures still retry a request that may not reach an upstream twice
+# (a POST without Idempotency-Key): only those proving nothing was processed.
+UNREPEATABLE_RETRIED = {
+    "connect": True,  # no connection: nothing was sent
+    "status_503": True,  # the upstream refused to take it on
+    "status_502": False,
+    "status_504": False,
+    "error_event_first": False,  # the engine ran it and failed
+    "eof_before_event": False,  # the engine may be generating still
+    "protocol_before_event": False,
+}
+
+
+@pytest.mark.parametrize("name", list(UNREPEATABLE_RETRIED))
+def test_retry_whenRequestMayNotBeRepeated_thenOnlyUnprocessedFailuresRetried(name: str) -> None:
+    config = proxy_config(retry_attempts=3, retry_backoff_s=0.1, commit_deadline_s=100)
+    d = Driver(config, may_repeat=False)
+    FAILURES[name][0](d)
+    d.send(Tick(), at=1.0)
+    retried = UNREPEATABLE_RETRIED[name]
+    assert len(d.of(RetryUpstream)) == (1 if retried else 0)
+    if not retried:
+        # Sent once: the client gets the failure, nothing goes upstream again.
+        if name.startswith("status_"):
+            d.send(UpstreamEnded())
+        assert d.commit.status in (502, 503, 504)
+        assert d.finished.record.retries == 0
+
+
+def test_retry_whenUpstreamTimesOutOnUnrepeatableRequest_thenNotSentAgain() -> None:
+    d = Driver(proxy_config(retry_attempts=3, upstream_headers_timeout_s=5.0, commit_deadline_s=100),
+               may_repeat=False)
+    d.send(Tick(), at=5.0)
+    assert d.of(RetryUpstream) == []
+    assert d.commit.status == 504
+
+
+@pytest.mark.parametrize(("method", "headers", "expected"), [
+    (b"GET", (), True), (b"HEAD", (), True), (b"PUT", (), True), (b"DELETE", (), True),
+    (b"OPTIONS", (), True), (b"get", (), True),
+    (b"POST", (), False), (b"PATCH", (), False),
+    (b"POST", ((b"idempotency-key", b"k1"),), True),
+    (b"POST", ((b"idempotency-key", b"  "),), False),
+])
+def test_mayRepeat_whenMethodOrIdempotencyKey_thenRfc9110Idempotence(
+        method: bytes, headers: tuple[tuple[bytes, bytes], ...], expected: bool) -> None:
+    assert may_repeat(method, headers) is expected
+
+
+# ------------------------------------------------------------------ a hung upstream
+
+
+def test_upstreamIdle_whenUpstreamStopsAfterFirstEvent_thenInBandTimeoutAndAbort() -> None:
+    d = committed(proxy_config(upstream_idle_timeout_s=30.0, heartbeat_s=10.0), at=1.0)
+    assert d.stream.next_deadline() == pytest.approx(11.0)  # the heartbeat comes first
+    for at in (11.0, 21.0):
+        d.send(Tick(), at=at)
+    assert d.writes.count(HEARTBEAT) == 2 and d.of(AbortUpstream) == []
+    assert d.stream.next_deadline() == pytest.approx(31.0)
+    d.send(Tick(), at=30.999)
+    assert d.of(AbortUpstream) == []
+    d.send(Tick(), at=31.0)
+    assert d.of(AbortUpstream) == [AbortUpstream(EndReason.UPSTREAM_TIMEOUT)]
+    assert error_of(parse_all(d.written)[-1].data)["code"] == "upstream_timeout"
+    assert d.of(CloseClient) == [CloseClient(abrupt=True)]
+    record = d.finished.record
+    assert record.end_reason is EndReason.UPSTREAM_TIMEOUT and record.error_code == "upstream_timeout"
+
+
+def test_upstreamIdle_whenEachByteComesInTime_thenNeverTimedOut() -> None:
+    d = committed(proxy_config(upstream_idle_timeout_s=5.0, heartbeat_s=0), at=0.0)
+    for i in range(1, 20):
+        d.send(UpstreamData(f"data: {chunk(str(i))}\n\n".encode()), at=4.0 * i)
+        d.send(Tick(), at=4.0 * i + 3.9)
+    assert d.of(AbortUpstream) == [] and not d.stream.finished
+
+
+def test_upstreamIdle_whenCorePausedTheUpstream_thenSilenceNotCounted() -> None:
+    config = proxy_config(upstream_idle_timeout_s=5.0, heartbeat_s=0,
+                        slow_client_policy=SlowClientPolicy.BLOCK, max_pending_bytes=4096,
+                        write_deadline_s=1000.0)
+    d = Driver(config, auto_complete=False)
+    d.sse_headers(at=0.0)
+    for _ in range(40):
+        d.send(event(chunk("x" * 100)), at=1.0)
+    assert d.of(PauseUpstream)
+    d.send(Tick(), at=100.0)  # the client took its time; the upstream waited for us
+    assert d.of(AbortUpstream) == []
+    while d.in_flight:
+        d.complete()
+    assert d.of(ResumeUpstream)
+    d.send(Tick(), at=104.9)
+    assert d.of(AbortUpstream) == []
+    d.send(Tick(), at=105.0)
+    assert d.of(AbortUpstream) == [AbortUpstream(EndReason.UPSTREAM_TIMEOUT)]
+
+
+def test_upstreamIdle_whenPassthroughBodyHangs_thenAbruptCloseAndAbort() -> None:
+    d = Driver(proxy_config(upstream_idle_timeout_s=5.0), expect_stream=False)
+    d.send(UpstreamHeaders(200, ((b"content-type", b"application/json"),)), at=0.0)
+    d.send(UpstreamData(b'{"a":'), at=1.0)
+    d.send(Tick(), at=6.0)
+    assert d.of(AbortUpstream) == [AbortUpstream(EndReason.UPSTREAM_TIMEOUT)]
+    assert d.of(CloseClient) == [CloseClient(abrupt=True)]
+    assert d.written == b'{"a":'
+
+
+def test_upstreamIdle_whenUpstreamNeverAnswers_thenHeadersTimeoutNotIdle() -> None:
+    d = Driver(proxy_config(upstream_idle_timeout_s=1.0, upstream_headers_timeout_s=50.0,
+                          commit_deadline_s=100.0, retry_attempts=0))
+    assert d.stream.next_deadline() == 50.0
+    d.send(Tick(), at=50.0)
+    assert d.commit.status == 504
+
+
+@pytest.mark.parametrize("committed_first", [True, False], ids=["streaming", "waiting"])
+def test_maxStreamDuration_whenReached_thenEndedWithTimeoutWhateverTheUpstreamDoes(
+        committed_first: bool) -> None:
+    config = proxy_config(max_stream_duration_s=60.0, heartbeat_s=0, commit_deadline_s=100.0,
+                        upstream_headers_timeout_s=1000.0)
+    d = committed(config) if committed_first else Driver(config)
+    for at in range(1, 60) if committed_first else ():
+        d.send(event(chunk("t")), at=float(at))  # a lively upstream, just a long one
+    assert d.stream.next_deadline() == pytest.approx(60.0)
+    d.send(Tick(), at=60.0)
+    assert d.of(AbortUpstream) == [AbortUpstream(EndReason.UPSTREAM_TIMEOUT)]
+    if committed_first:
+        assert error_of(parse_all(d.written)[-1].data)["code"] == "upstream_timeout"
+    else:
+        assert d.commit.status == 504
+    assert d.finished.record.end_reason is EndReason.UPSTREAM_TIMEOUT
+
+
+def test_maxStreamDuration_whenOff_thenNoDeadlineFromIt() -> None:
+    d = committed(proxy_config(heartbeat_s=0, upstream_idle_timeout_s=0))
+    assert PROXY_DEFAULTS.max_stream_duration_s == 0
+    assert d.stream.next_deadline() is None
+
+
 # ------------------------------------------------------------------ passthrough
 
 
@@ -435,7 +577,7 @@ def test_heartbeat_whenDataPending_thenNone(stall: str) -> None:
 
 
 def test_heartbeat_whenDisabled_thenNever() -> None:
-    d = committed(proxy_config(heartbeat_s=0.0))
+    d = committed(proxy_config(heartbeat_s=0.0, upstream_idle_timeout_s=0))
     assert d.stream.next_deadline() is None
     d.send(Tick(), at=1000.0)
     assert HEARTBEAT not in d.writes

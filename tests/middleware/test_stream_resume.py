@@ -230,6 +230,14 @@ def test_a_reader_never_merges_a_backlog_and_pauses_the_store_instead() -> None:
     assert ids == [f"{SID}.{n}" for n in range(1, 41)]
 
 
+def test_a_reader_that_leaves_stops_its_replay_but_tells_no_engine() -> None:
+    d = reader(2)
+    d.send(UpstreamData(frames_of([chunk("c")])), at=0.1)
+    d.send(ClientGone(), at=0.2)
+    # The replay is read from the store: dropped, but nothing generates to be stopped.
+    assert d.of(AbortUpstream) == [AbortUpstream(EndReason.CLIENT_GONE, final=False)]
+
+
 def test_a_reader_after_the_end_gets_204() -> None:
     d = reader(9)
     d.send(UpstreamEnded(), at=0.1)

@@ -2,16 +2,22 @@
 
 The page streams from the proxy port, another origin, so these tests also
 prove the CORS path a real browser takes: preflight, exposed headers, a
-``ReadableStream`` read while the sidecar writes.
+``ReadableStream`` read while the sidecar writes. Every sidecar here is a plain
+one (no ``cors_allow_origins``): the admin port's own origin is allowed by default.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import http.server
+import importlib.resources
+import json
 import os
 import re
 import shutil
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,10 +79,8 @@ def _free_port() -> int:
 
 
 def _playground(start_sidecar: Any, page_upstream: PageUpstream, **overrides: Any) -> RunningSidecar:
-    # The page's origin must be known before the sidecar starts, for its CORS list.
-    admin_port = _free_port()
-    return start_sidecar(page_upstream.url, admin_listen=f"127.0.0.1:{admin_port}",
-                         cors_allow_origins=(f"http://127.0.0.1:{admin_port}",), **overrides)
+    # A plain sidecar: nothing but the admin address (port 0) about CORS.
+    return start_sidecar(page_upstream.url, admin_listen="127.0.0.1:0", **overrides)
 
 
 def _open(page: Any, sidecar: RunningSidecar) -> None:
@@ -228,3 +232,123 @@ def test_resumeButton_afterAKill_appendsTheRestFromTheReplay_exactlyOnce(
     # One generation: the resume read the replay, it did not ask the engine again.
     assert len(page_upstream.requests_with(request_id)) == 1
     assert page_upstream.requests_with(request_id)[0].finished_at is not None
+
+
+# ---------------------------------------------------------------- narrow screens, min tokens, errors
+
+
+NARROW_PX = 400
+NARROW_SCREENSHOT = SCREENSHOT.with_name("playground-400px.png")
+
+
+def test_narrowPage_at400px_fitsWithoutSideScrolling_andStillStreams(
+        start_sidecar, page_upstream: PageUpstream, browser: Any, tmp_path: Path) -> None:
+    page_upstream.tokens, page_upstream.delay_s = 30, 0.005
+    sidecar = _playground(start_sidecar, page_upstream)
+    context = browser.new_context(viewport={"width": NARROW_PX, "height": 900})
+    try:
+        page = context.new_page()
+        _open(page, sidecar)
+        _send(page, "Tell me about the sea.")
+        page.wait_for_selector("#status[data-state=done]", timeout=15_000)
+        assert _text(page, "#output") == expected_text(30)
+        assert page.evaluate("document.documentElement.scrollWidth") <= NARROW_PX
+        # Every control is on the screen, none cut off at the right edge.
+        for selector in ("#prompt", "#model", "#max-tokens", "#min-tokens", "#send", "#kill", "#resume",
+                         "#status", "#throttle", "#output", "#timeline", "#ttft", "#request-id"):
+            box = page.locator(selector).bounding_box()
+            assert box is not None and box["width"] > 0, selector
+            assert box["x"] >= 0 and box["x"] + box["width"] <= NARROW_PX, (selector, box)
+        # One column: the timing panel sits below the answer, not beside it.
+        output, timing = page.locator("#output").bounding_box(), page.locator("#ttft").bounding_box()
+        assert output is not None and timing is not None and timing["y"] > output["y"]
+        shot = tmp_path / "playground-400px.png"
+        page.screenshot(path=str(shot), full_page=True)
+        assert shot.read_bytes().startswith(PNG_SIGNATURE)
+        if os.environ.get("TOKENWIRE_UPDATE_SCREENSHOT"):
+            shutil.copyfile(shot, NARROW_SCREENSHOT)
+    finally:
+        context.close()
+
+
+def test_minTokens_isSentAsTheEnginesMinTokens_andRaisesMaxTokensToMatch(
+        start_sidecar, page_upstream: PageUpstream, page: Any) -> None:
+    page_upstream.tokens, page_upstream.delay_s = 5, 0.0
+    sidecar = _playground(start_sidecar, page_upstream)
+    _open(page, sidecar)
+    page.fill("#max-tokens", "50")
+    page.fill("#min-tokens", "120")
+    _send(page, "long, please")
+    page.wait_for_selector("#status[data-state=done]", timeout=15_000)
+    sent = json.loads(page_upstream.requests_with(_text(page, "#request-id"))[-1].body)
+    assert sent["min_tokens"] == 120 and sent["max_tokens"] == 120
+    page.fill("#min-tokens", "0")
+    _send(page, "short")
+    page.wait_for_selector("#status[data-state=done]", timeout=15_000)
+    sent = json.loads(page_upstream.requests_with(_text(page, "#request-id"))[-1].body)
+    assert "min_tokens" not in sent and sent["max_tokens"] == 50
+
+
+@contextlib.contextmanager
+def _served_elsewhere(html: str) -> Iterator[str]:
+    """``html`` served from another loopback origin than the admin port's; its URL."""
+    body = html.encode()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_aPageFromAnotherOrigin_isToldWhichFlagLetsItIn(
+        start_sidecar, page_upstream: PageUpstream, page: Any) -> None:
+    sidecar = _playground(start_sidecar, page_upstream)
+    with _served_elsewhere(httpx.get(sidecar.admin_url + "/").text) as origin:
+        page.goto(origin + "/")
+        page.wait_for_selector("#model[data-loaded=true]", state="attached")
+        # Already on load, the model list says why it failed.
+        assert f"--cors-allow-origin {origin}" in _text(page, "#note")
+        _send(page, "hello")
+        page.wait_for_selector("#status[data-state=error]")
+        page.wait_for_function("document.getElementById('note').textContent.includes('--cors-allow-origin')")
+    assert _text(page, "#note") == (f"the sidecar at {sidecar.url} answered, but does not let pages from "
+                                    f"{origin} read its answers: start it with --cors-allow-origin {origin}")
+
+
+def test_nothingListening_saysSoInWords(page: Any) -> None:
+    dead = f"http://127.0.0.1:{_free_port()}"
+    template = importlib.resources.files("tokenwire.sidecar").joinpath("static/playground.html")
+    with _served_elsewhere(template.read_text("utf-8").replace("{{PROXY_URL}}", dead)) as origin:
+        page.goto(origin + "/")
+        page.wait_for_selector("#model[data-loaded=true]", state="attached")
+        _send(page, "hello")
+        page.wait_for_selector("#status[data-state=error]")
+        page.wait_for_function("document.getElementById('note').textContent.startsWith('nothing answers')")
+    assert _text(page, "#note").startswith(f"nothing answers at {dead}: is the sidecar running")
+
+
+def test_anErrorStatus_isShownWithTheSidecarsMessage(start_sidecar, page: Any) -> None:
+    # An upstream that refuses connections: the sidecar answers 502 with its reason.
+    sidecar = start_sidecar(f"http://127.0.0.1:{_free_port()}", admin_listen="127.0.0.1:0", retry_attempts=0)
+    _open(page, sidecar)
+    assert _text(page, "#note").startswith("could not list the models: the sidecar answered HTTP 502: ")
+    _send(page, "hello")
+    page.wait_for_selector("#status[data-state=error]")
+    prefix = "the sidecar answered HTTP 502: "
+    note = _text(page, "#note")
+    assert note.startswith(prefix) and len(note) > len(prefix)

@@ -46,8 +46,10 @@ def test_abort_url_is_called_when_a_client_leaves(start_sidecar, upstream: FakeU
     sock.sendall(request_bytes("POST", "/silent/v1/chat/completions", body=chat_body(),
                                headers={"x-fake-silence-s": "30", "X-Request-Id": "abort-me"}))
     assert read_response(sock, head_only=True).status == 200
+    # The call names the id the engine was sent, the sidecar's own (never the client's).
+    upstream_id = upstream.requests_with("abort-me")[-1].headers["x-request-id"]
     reset(sock)
-    wait_for(lambda: any(r.path == "/abort/abort-me" for r in upstream.requests))
+    wait_for(lambda: any(r.path == f"/abort/{upstream_id}" for r in upstream.requests))
     assert upstream.connection_of("abort-me").closed.wait(2)
 
 

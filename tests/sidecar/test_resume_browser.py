@@ -128,7 +128,7 @@ def _open_reader(sidecar: RunningSidecar, stream_id: str, timeout_s: float = 5.0
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         readers = [entry["request_id"] for entry in _admin(sidecar, "GET", "/streams")
-                   if entry["replay"] and entry["stream_id"] is not None]
+                   if entry["replay"] and entry["resumable"]]
         if len(readers) == 1:
             return str(readers[0])
         time.sleep(0.02)
@@ -143,7 +143,8 @@ def test_eventSource_droppedByTheServer_reconnectsWithLastEventId_andShowsTheWho
     # A short retry so the reconnect is prompt; a grace that outlives the whole test,
     # so the answer goes on being generated while nobody is connected.
     sidecar = start_sidecar(resume=True, resume_grace_s=30.0, resume_retry_ms=200,
-                            resume_store=resume_store, cors_allow_origins=(page_origin,))
+                            resume_store=resume_store, cors_allow_origins=(page_origin,),
+                            resume_owner_secret="browser-test")
 
     context = browser.new_context(viewport={"width": 900, "height": 700})
     try:

@@ -23,7 +23,9 @@ def replicas(redis_url: str, upstream: FakeUpstream) -> Iterator[Callable[..., S
     started: list[SidecarProcess] = []
 
     def start(*extra: str) -> SidecarProcess:
-        process = spawn(["--upstream", upstream.url, "--resume", "--resume-store", redis_url, *extra])
+        # Replicas sharing a store share the owner secret (a reconnect is checked against it).
+        process = spawn(["--upstream", upstream.url, "--resume", "--resume-store", redis_url,
+                         "--resume-owner-secret", "replicas-share-this", *extra])
         started.append(process)
         return process
 
@@ -48,6 +50,27 @@ def test_a_stream_started_on_one_replica_resumes_through_the_other(
     assert upstream.requests_with("replica-1")[0].finished_at is not None
 
 
+def test_a_stream_resumes_on_the_other_replica_only_for_its_caller(
+        replicas: Callable[..., SidecarProcess]) -> None:
+    first, second = replicas(), replicas()
+    owner = {"Authorization": "Bearer sk-alice", "x-fake-tokens": "6"}
+    done = open_stream(first.port, "POST", PATH, body=b'{"stream": true}', headers=owner)
+    path = f"/v1/streams/{done.stream_id}"
+    assert open_stream(second.port, "GET", path, headers=owner).clean_end
+    stolen = open_stream(second.port, "GET", path, headers={"Authorization": "Bearer sk-mallory"})
+    assert stolen.status == 404 and json.loads(stolen.body)["error"]["code"] == "stream_not_found"
+    assert open_stream(second.port, "GET", path).status == 404
+
+
+def test_a_redis_store_without_an_owner_secret_is_refused(redis_url: str, upstream: FakeUpstream) -> None:
+    from tokenwire.middleware import ConfigError
+    from tokenwire.sidecar.cli import load_sidecar_config
+
+    with pytest.raises(ConfigError) as refused:
+        load_sidecar_config(["--upstream", upstream.url, "--resume", "--resume-store", redis_url], {})
+    assert refused.value.key == "resume_owner_secret"
+
+
 def test_an_idempotency_key_repeated_on_the_other_replica_replays(
         replicas: Callable[..., SidecarProcess], upstream: FakeUpstream) -> None:
     first, second = replicas(), replicas()
@@ -68,7 +91,8 @@ def test_random_disconnects_through_redis_give_the_uninterrupted_text(
         start_sidecar: Callable[..., RunningSidecar], redis_url: str) -> None:
     import random
 
-    sidecar = start_sidecar(resume=True, resume_store=redis_url, resume_grace_s=5.0)
+    sidecar = start_sidecar(resume=True, resume_store=redis_url, resume_grace_s=5.0,
+                            resume_owner_secret="s")
     rng = random.Random(99)
     for run in range(10):
         response = start_stream(sidecar, tokens=20, delay_s=0.002, stop_after=rng.randint(1, 23),
@@ -128,7 +152,7 @@ def test_a_redis_outage_loses_resume_but_never_an_answer_or_a_second_generation(
     with socket.socket() as probe:  # a port nobody listens on: every Redis call fails
         probe.bind(("127.0.0.1", 0))
         dead = f"redis://127.0.0.1:{probe.getsockname()[1]}/0"
-    sidecar = start_sidecar(resume=True, resume_store=dead)
+    sidecar = start_sidecar(resume=True, resume_store=dead, resume_owner_secret="s")
     plain = start_stream(sidecar, tokens=5, headers={"x-request-id": "outage-plain"})
     assert plain.status == 200 and plain.clean_end and text_of(plain.events) == expected_text(5)
     again = resume(sidecar.port, plain.stream_id, plain.ids[-2])

@@ -59,6 +59,11 @@ def expected_text(tokens: int) -> str:
     return "".join(token(i) for i in range(tokens))
 
 
+def client_request_id(headers: dict[str, str]) -> str:
+    """The id the client gave a request the fake sees (or the sidecar's, if it gave none)."""
+    return headers.get("x-client-request-id") or headers.get("x-request-id", "")
+
+
 @dataclass
 class Connection:
     """One upstream connection as the fake saw it."""
@@ -114,7 +119,9 @@ class FakeUpstream(_Listener):
         self._failures: dict[str, int] = {}
 
     def requests_with(self, request_id: str) -> list[Request]:
-        return [r for r in self.requests if r.headers.get("x-request-id") == request_id]
+        """The requests of the client request ``request_id``: the sidecar sends a
+        client's own id as ``x-client-request-id`` (its own goes in ``x-request-id``)."""
+        return [r for r in self.requests if client_request_id(r.headers) == request_id]
 
     def connection_of(self, request_id: str) -> Connection:
         matches = self.requests_with(request_id)
@@ -136,7 +143,7 @@ class FakeUpstream(_Listener):
                 request = self._parse(head, record)
                 request.body = await reader.readexactly(int(request.headers.get("content-length", "0")))
                 self.requests.append(request)
-                record.request_ids.append(request.headers.get("x-request-id", ""))
+                record.request_ids.append(client_request_id(request.headers))
                 # Watch the socket while answering: an EOF or reset is the sidecar aborting.
                 watcher = asyncio.ensure_future(reader.read(1))
                 responder = asyncio.ensure_future(self._respond(request, writer))
@@ -174,7 +181,7 @@ class FakeUpstream(_Listener):
         delay_s = float(headers.get("x-fake-delay-s", "0"))
         streaming = b'"stream": true' in request.body or b'"stream":true' in request.body
         if mode == "status503":
-            request_id = headers.get("x-request-id", "")
+            request_id = client_request_id(headers)
             failures = self._failures.get(request_id, 0)
             if failures < int(headers.get("x-fake-fail-first", "1")):
                 self._failures[request_id] = failures + 1
