@@ -54,9 +54,11 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     process.wait(10)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    """Headless Debian chromium driven by Playwright (never a downloaded browser)."""
+    """Headless Debian chromium driven by Playwright (never a downloaded browser).
+    Module scope: while it lives, Playwright's loop runs in the main thread and
+    every ``asyncio.run()`` there fails, so it must not outlive the module."""
     # Fail, never skip: a missing browser would otherwise hide a broken page.
     try:
         from playwright.sync_api import Error, sync_playwright

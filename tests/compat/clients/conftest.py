@@ -9,7 +9,7 @@ import pytest
 from .servers import Servers, running_servers
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def servers() -> Iterator[Servers]:
     with running_servers() as running:
         yield running
