@@ -172,8 +172,9 @@ def compare(feature: str, client: str, direct: Outcome, through: Outcome) -> Non
     if feature == "error_mid_stream":
         # Documented: the upstream's error object, with tokenwire's fields beside it.
         assert _keeps(direct, ERROR_MID), f"direct: {direct}"
-        assert _keeps(through, ERROR_MID), \
-            f"the upstream's error object was not kept as it came: {_error_object(through)}"
+        assert _keeps(through, ERROR_MID), (
+            f"the client did not get the upstream's error object as it came: it got "
+            f"{_error_object(through)!r}, text {_text(through)!r}, ending {through.error}")
         _strip_error_objects(want, got)
         if direct.error is None and through.error is not None and through.error["kind"] in CUT_BODY_ERRORS:
             # Documented: after an in-band error tokenwire ends the body without its
