@@ -20,7 +20,12 @@ Method (see bench/README.md for the figures):
   5,000 tokens at 1 ms each: when did the upstream finish, when did the last
   token arrive, is the text exact, and how much did the proxy's RSS grow.
 
-Usage: ``python bench/sidecar_bench.py [--quick | --cpu ROUNDS]``; writes
+* ``--sweep ROUNDS``: offered 5k/10k/20k events/s against tokenwire with
+  ``--workers`` 1 and 2 and nginx with 1 and 2 workers; CPU per event of each
+  proxy's whole process tree, added latency p50/p99, delivered/direct, and
+  50 clients resetting at once (``sidecar_sweep.json``/``.png``).
+
+Usage: ``python bench/sidecar_bench.py [--quick | --cpu ROUNDS | --sweep ROUNDS]``; writes
 ``bench/results/sidecar.json`` and ``bench/results/sidecar.png``.
 """
 
@@ -88,9 +93,10 @@ def wait_port(port: int, timeout_s: float = 30) -> None:
 
 
 @contextlib.contextmanager
-def process(cmd: list[str], what: str, *, ready_line: bool = True) -> Iterator[subprocess.Popen[str]]:
+def process(cmd: list[str], what: str, *, ready_line: bool = True,
+            env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[str]]:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
     try:
         if ready_line:
             wait_ready(proc, what)
@@ -112,13 +118,24 @@ def nginx_binary() -> str:
     return found
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU time of a process and all its descendants (a supervisor and its
+    workers, nginx's master and workers)."""
+    total = cpu_seconds(pid)
+    with contextlib.suppress(OSError):
+        for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+            with contextlib.suppress(OSError):
+                total += tree_cpu_seconds(int(child))
+    return total
+
+
 @contextlib.contextmanager
-def nginx(listen_port: int, upstream_port: int) -> Iterator[subprocess.Popen[str]]:
+def nginx(listen_port: int, upstream_port: int, workers: int = 1) -> Iterator[subprocess.Popen[str]]:
     prefix = Path(tempfile.mkdtemp(prefix="tokenwire-nginx-"))
     (prefix / "logs").mkdir()
     conf = prefix / "nginx.conf"
     conf.write_text(f"""
-worker_processes 1;
+worker_processes {workers};
 daemon off;
 pid {prefix}/nginx.pid;
 error_log {prefix}/logs/error.log warn;
@@ -130,7 +147,7 @@ http {{
     proxy_temp_path {prefix}/proxy;
     upstream engine {{ server 127.0.0.1:{upstream_port}; keepalive 256; }}
     server {{
-        listen 127.0.0.1:{listen_port} backlog=8192;
+        listen 127.0.0.1:{listen_port} backlog=8192{" reuseport" if workers > 1 else ""};
         location / {{
             proxy_pass http://engine;
             proxy_http_version 1.1;
@@ -155,13 +172,16 @@ def nginx_worker_pid(master: subprocess.Popen[str]) -> int:
 
 
 @contextlib.contextmanager
-def sidecar(listen_port: int, upstream_port: int) -> Iterator[subprocess.Popen[str]]:
+def sidecar(listen_port: int, upstream_port: int, workers: int = 1,
+            code: str | None = None) -> Iterator[subprocess.Popen[str]]:
+    """``code``: a directory holding another ``tokenwire`` package (an older
+    checkout, for a before/after comparison in one run), put first on the path."""
     admin_port = free_port()
     cmd = [PY, "-m", "tokenwire.sidecar", "sidecar",
            "--listen", f"127.0.0.1:{listen_port}", "--upstream", f"http://127.0.0.1:{upstream_port}",
            "--admin-listen", f"127.0.0.1:{admin_port}", "--max-connections", "20000",
-           "--log-file", ""]
-    with process(cmd, "sidecar") as proc:
+           "--log-file", "", *(["--workers", str(workers)] if workers > 1 else [])]
+    with process(cmd, "sidecar", env=None if code is None else {**os.environ, "PYTHONPATH": code}) as proc:
         yield proc
 
 
@@ -271,6 +291,131 @@ def cpu_per_event(rounds: int, streams: int, events: int, interval_ms: float) ->
             "median_us_per_event": medians}
 
 
+SWEEP_RATES = (5_000, 10_000, 20_000)
+SWEEP_STREAMS = 200
+SWEEP_SECONDS = 4.0
+
+
+SWEEP_TARGETS = ("direct", "tokenwire-1", "tokenwire-2", "nginx-1", "nginx-2")
+
+
+def sweep(rounds: int, rates: tuple[int, ...] = SWEEP_RATES,
+          names: tuple[str, ...] = SWEEP_TARGETS, base_code: str | None = None) -> dict[str, Any]:
+    """Offered load against every target, side by side in one run.
+
+    Targets: direct, tokenwire with ``--workers`` 1 and 2, nginx with 1 and 2
+    workers (``reuseport``). For each offered rate (200 streams, each at
+    rate/200 events/s for ``SWEEP_SECONDS``), the targets take turns,
+    ``rounds`` times; per cell: delivered events/s and its ratio to direct's
+    in the same round, latency p50/p99 and the added latency over direct's
+    (medians over rounds), and the CPU of the proxy's whole process tree per
+    delivered event. Then 50 clients that reset at once, per target: time
+    until the upstream sees each connection close. ``base_code``: also run
+    ``base-1``, the sidecar from that directory (one worker), for a
+    before/after comparison side by side.
+    """
+    if base_code is not None:
+        names = (*names, "base-1")
+    upstream_port = free_port()
+    ports = {name: free_port() for name in names if name != "direct"}
+    cells: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(process([PY, LOAD, "upstream", "--port", str(upstream_port)], "upstream"))
+        pids: dict[str, int | None] = {"direct": None}
+        for name, port in ports.items():
+            kind, _, workers = name.partition("-")
+            if kind == "nginx":
+                started = stack.enter_context(nginx(port, upstream_port, int(workers)))
+            else:
+                started = stack.enter_context(sidecar(port, upstream_port, int(workers),
+                                                      base_code if kind == "base" else None))
+            pids[name] = started.pid
+        targets = {"direct": upstream_port, **ports}  # direct first: the others' reference
+        # Warm-up: every target once at the lowest rate.
+        for port in targets.values():
+            client("throughput", port, upstream_port, "--streams", "50", "--events", "50",
+                   "--interval-ms", "20")
+        for rate in rates:
+            interval_ms = SWEEP_STREAMS / rate * 1000
+            events = int(SWEEP_SECONDS * 1000 / interval_ms)
+            for round_index in range(rounds):
+                direct_rate = None
+                for name, port in targets.items():
+                    pid = pids[name]
+                    before = tree_cpu_seconds(pid) if pid else 0.0
+                    result = client("throughput", port, upstream_port, "--streams", str(SWEEP_STREAMS),
+                                    "--events", str(events), "--interval-ms", f"{interval_ms:g}")
+                    used_s = tree_cpu_seconds(pid) - before if pid else 0.0
+                    tokens = max(result["delivered_tokens"], 1)
+                    row = {"delivered_events_per_s": result["delivered_events_per_s"],
+                           "complete": result["complete"], "exact_text": result["exact_text"],
+                           "latency": result["latency"],
+                           "cpu_us_per_event": round(used_s / tokens * 1e6, 2) if pid else None}
+                    if name == "direct":
+                        direct_rate = result["delivered_events_per_s"]
+                    row["vs_direct"] = round(result["delivered_events_per_s"] / (direct_rate or 1), 4)
+                    cells.setdefault(str(rate), {}).setdefault(name, []).append(row)
+                    print(f"[{rate}/s round {round_index}] {name}: {json.dumps(row)}", flush=True)
+        resets: dict[str, Any] = {}
+        for name, port in targets.items():
+            resets[name] = client("reset", port, upstream_port, "--streams", "50",
+                                  "--concurrency", "50")
+            print(f"[reset x50] {name}: {json.dumps(resets[name])}", flush=True)
+
+    def median(values: list[float]) -> float:
+        ordered = sorted(values)
+        return ordered[len(ordered) // 2]
+
+    summary: dict[str, Any] = {}
+    for rate, by_target in cells.items():
+        direct_p50 = median([r["latency"]["p50_ms"] for r in by_target["direct"]])
+        direct_p99 = median([r["latency"]["p99_ms"] for r in by_target["direct"]])
+        for name, rows in by_target.items():
+            p50 = median([r["latency"]["p50_ms"] for r in rows])
+            p99 = median([r["latency"]["p99_ms"] for r in rows])
+            cpu = [r["cpu_us_per_event"] for r in rows if r["cpu_us_per_event"] is not None]
+            summary.setdefault(rate, {})[name] = {
+                "delivered_events_per_s": median([r["delivered_events_per_s"] for r in rows]),
+                "vs_direct": median([r["vs_direct"] for r in rows]),
+                "latency_p50_ms": p50, "latency_p99_ms": p99,
+                "added_p50_ms": round(p50 - direct_p50, 3), "added_p99_ms": round(p99 - direct_p99, 3),
+                "cpu_us_per_event": median(cpu) if cpu else None,
+                "complete": min(r["complete"] for r in rows),
+                "exact_text": min(r["exact_text"] for r in rows),
+            }
+    load = os.getloadavg()
+    return {"rounds": rounds, "streams": SWEEP_STREAMS, "seconds": SWEEP_SECONDS,
+            "load_average_after": [round(x, 2) for x in load], "cells": cells, "summary": summary,
+            "reset_50_at_once": {n: r["reset_to_upstream_close"] for n, r in resets.items()}}
+
+
+def plot_sweep(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = results["summary"]
+    rates = sorted(summary, key=int)
+    names = [n for n in summary[rates[0]] if n != "direct"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for name in names:
+        xs = [int(r) for r in rates]
+        axes[0].plot(xs, [max(summary[r][name]["added_p50_ms"], 0.01) for r in rates], marker="o", label=name)
+        axes[1].plot(xs, [max(summary[r][name]["added_p99_ms"], 0.01) for r in rates], marker="o", label=name)
+        axes[2].plot(xs, [summary[r][name]["cpu_us_per_event"] for r in rates], marker="o", label=name)
+    axes[0].set_title("added latency p50 vs direct (ms)")
+    axes[1].set_title("added latency p99 vs direct (ms)")
+    axes[2].set_title("proxy CPU per event (us)")
+    for axis in axes[:2]:
+        axis.set_yscale("log")
+    for axis in axes:
+        axis.set_xlabel("offered events/s (200 streams)")
+        axis.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -304,7 +449,25 @@ def main() -> int:
     parser.add_argument("--cpu", type=int, metavar="ROUNDS", default=0,
                         help="only measure proxy CPU per event (40 streams x 500 events at 5 ms), "
                              "ROUNDS alternating rounds after a warm-up; prints, writes nothing")
+    parser.add_argument("--sweep", type=int, metavar="ROUNDS", default=0,
+                        help="offered load 5k/10k/20k events/s against direct, tokenwire --workers 1/2 "
+                             "and nginx 1/2 workers, ROUNDS rounds each, plus 50 resets at once; "
+                             "writes sidecar_sweep.json and sidecar_sweep.png")
+    parser.add_argument("--targets", default=",".join(SWEEP_TARGETS),
+                        help="--sweep: which targets (direct must come first)")
+    parser.add_argument("--out", default="sidecar_sweep", help="--sweep: results file name")
+    parser.add_argument("--base", metavar="DIR", default=None,
+                        help="--sweep: also run the tokenwire package in DIR/tokenwire (e.g. "
+                             "`git archive OLD middleware sidecar` unpacked there) as base-1")
     args = parser.parse_args()
+    if args.sweep:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        sweep_results = sweep(args.sweep, names=tuple(args.targets.split(",")), base_code=args.base)
+        (RESULTS / f"{args.out}.json").write_text(json.dumps(sweep_results, indent=2) + "\n")
+        plot_sweep(sweep_results, RESULTS / f"{args.out}.png")
+        print(json.dumps(sweep_results["summary"], indent=2))
+        print(json.dumps(sweep_results["reset_50_at_once"], indent=2))
+        return 0
     if args.cpu:
         print(json.dumps(cpu_per_event(args.cpu, 40, 500, 5), indent=2))
         return 0

@@ -199,7 +199,8 @@ class _Handlers:
         self, request_id: str, prompt_ids: tuple[int, ...], sampling: SamplingFields,
         endpoint: str, user: str | None, received_s: float,
     ) -> RequestHandle:
-        params = _sampling_params(sampling, len(prompt_ids), self._engine.max_model_len)
+        params = _sampling_params(sampling, len(prompt_ids), self._engine.max_model_len,
+                                  self._engine.loaded.default_temperature)
         return self._engine.service.submit(
             GenerationRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=params),
             endpoint=endpoint, model=self._engine.model_name, user=user, received_s=received_s,
@@ -329,7 +330,8 @@ class _ResponseStream:
                 "usage": _usage(prompt_tokens, completion_tokens)}
 
 
-def _sampling_params(sampling: SamplingFields, prompt_tokens: int, max_model_len: int) -> SamplingParams:
+def _sampling_params(sampling: SamplingFields, prompt_tokens: int, max_model_len: int,
+                     default_temperature: float) -> SamplingParams:
     max_tokens = sampling.max_tokens
     if max_tokens is None:
         # Chat's default: whatever the context leaves (at least one, so an
@@ -337,7 +339,8 @@ def _sampling_params(sampling: SamplingFields, prompt_tokens: int, max_model_len
         max_tokens = max(1, max_model_len - prompt_tokens)
     try:
         return SamplingParams(
-            max_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+            max_tokens=max_tokens, top_p=sampling.top_p,
+            temperature=default_temperature if sampling.temperature is None else sampling.temperature,
             top_k=sampling.top_k, seed=sampling.seed, stop=sampling.stop,
             stop_token_ids=sampling.stop_token_ids, ignore_eos=sampling.ignore_eos,
             min_tokens=min(sampling.min_tokens, max_tokens),

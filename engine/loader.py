@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,9 @@ class LoadedModel:
     dtype: torch.dtype
     max_model_len: int
     eos_token_ids: frozenset[int]
+    default_temperature: float = 1.0
+    """For requests that give none: the folder's ``generation_config.json`` (its
+    ``temperature``, or 0 = greedy where it says ``do_sample: false``), else 1.0."""
 
 
 def resolve_device(device: str) -> torch.device:
@@ -86,7 +90,26 @@ def load_model(
         dtype=torch_dtype,
         max_model_len=max_model_len,
         eos_token_ids=_eos_token_ids(model, tokenizer),
+        default_temperature=_default_temperature(folder),
     )
+
+
+def _default_temperature(folder: Path) -> float:
+    """What the model's authors chose, read from the file as written (transformers'
+    loaded config cannot tell a value they set from its own default)."""
+    try:
+        written = json.loads((folder / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return 1.0
+    if not isinstance(written, dict):
+        return 1.0
+    if written.get("do_sample") is False:
+        return 0.0
+    temperature = written.get("temperature")
+    if isinstance(temperature, int | float) and not isinstance(temperature, bool) \
+            and 0.0 <= temperature <= 2.0:
+        return float(temperature)
+    return 1.0
 
 
 def _eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:

@@ -38,7 +38,8 @@ class SamplingFields:
 
     max_tokens: int | None
     """``None``: up to the context length (chat's default)."""
-    temperature: float
+    temperature: float | None
+    """``None``: not given; the model's default applies (see ``LoadedModel.default_temperature``)."""
     top_p: float
     top_k: int
     seed: int | None
@@ -268,7 +269,7 @@ def _parse_sampling(fields: dict[str, Any], *, default_max_tokens: int | None) -
         raise ProtocolError("min_tokens must not exceed max_tokens", param="min_tokens")
     return SamplingFields(
         max_tokens=resolved_max,
-        temperature=1.0 if temperature is None else temperature,
+        temperature=temperature,
         top_p=1.0 if top_p is None else top_p,
         top_k=0 if top_k in (None, -1) else int(top_k),
         seed=seed,

@@ -76,16 +76,22 @@ def mask_early_stops(
     which is what benchmark clients mean by it (a fixed output length).
     """
     vocab_size = logits.shape[-1]
+    eos_rows: list[int] = []
     for row, (row_params, count) in enumerate(zip(params, generated_counts, strict=True)):
-        banned: set[int] = set()
-        if row_params.ignore_eos:
-            banned.update(eos_token_ids)
-        if count < row_params.min_tokens:
-            banned.update(eos_token_ids)
-            banned.update(row_params.stop_token_ids)
-        banned_in_vocab = [token for token in banned if 0 <= token < vocab_size]
-        if banned_in_vocab:
-            logits[row, banned_in_vocab] = float("-inf")
+        early = count < row_params.min_tokens
+        if row_params.ignore_eos or early:
+            eos_rows.append(row)
+        if early and row_params.stop_token_ids:
+            stops = [token for token in row_params.stop_token_ids if 0 <= token < vocab_size]
+            if stops:
+                logits[row, stops] = float("-inf")
+    eos_in_vocab = [token for token in eos_token_ids if 0 <= token < vocab_size]
+    if eos_rows and eos_in_vocab:
+        # One indexing op for all rows, not one per row: at 64 ``ignore_eos``
+        # streams that was a millisecond of Python per step.
+        rows = torch.tensor(eos_rows, dtype=torch.long, device=logits.device)
+        columns = torch.tensor(eos_in_vocab, dtype=torch.long, device=logits.device)
+        logits[rows.unsqueeze(1), columns.unsqueeze(0)] = float("-inf")
 
 
 def sample_next_tokens(

@@ -310,10 +310,11 @@ class ContinuousBatchingScheduler:
             self._reserved_tokens += head.reserved_tokens
             head.state = SequenceState.PREFILLING
             prompt = head.request.prompt_token_ids
-            if not 0 <= min(prompt) <= max(prompt) < self.vocab_size:
+            if not prompt or not 0 <= min(prompt) <= max(prompt) < self.vocab_size:
                 # Caught here, not by the forward: that forward is every row's.
                 outputs.append(self._finish(head, "error", error=(
-                    f"prefill failed: prompt token ids must be in [0, {self.vocab_size})")))
+                    "prefill failed: the prompt is empty or has token ids outside "
+                    f"[0, {self.vocab_size})")))
                 continue
             # Append-only layers sized for the whole prompt: a chunk does not
             # re-copy the prompt cached so far.

@@ -37,7 +37,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-TINY_FORMAT_VERSION = 2
+TINY_FORMAT_VERSION = 3
 """Bump when the build recipe changes in a way the spec does not capture."""
 
 END_OF_TEXT = "<|endoftext|>"
@@ -150,20 +150,18 @@ def _exclusive_lock(path: Path) -> Iterator[None]:
 
 
 def _chat_example(document: list[str], index: int) -> str:
-    """One chat turn answered by paragraph ``index`` and the two after it.
+    """One chat turn: a general request (``_OPEN_REQUESTS``) answered by paragraph
+    ``index`` and the two after it.
 
-    Every fourth paragraph: its first sentence asks and the rest answers; the
-    others: a general request (``_OPEN_REQUESTS``) and the paragraphs whole, so an
-    unseen question still gets a few hundred tokens of prose instead of a
-    confused line. The answer ends with the end-of-turn token, so chat
-    completions stop on their own instead of at ``max_tokens``.
+    So any question, seen or not, gets a few hundred tokens of prose. (Asking
+    with a paragraph's first sentence instead taught the model that a turn
+    can be one sentence long: unseen questions got one-line answers.) The
+    answer ends with the end-of-turn token, so chat completions stop on their
+    own instead of at ``max_tokens``.
     """
-    paragraph = document[index]
-    first, _, rest = paragraph.partition(". ")
-    if index % 4 != 0 or not rest:
-        first, rest = _OPEN_REQUESTS[(index // 2) % len(_OPEN_REQUESTS)].rstrip("."), paragraph
-    answer = "\n\n".join([rest, *document[index + 1 : index + _CHAT_ANSWER_PARAGRAPHS]])
-    return f"<|user|>\n{first}.{END_OF_TURN}\n<|assistant|>\n{answer}{END_OF_TURN}\n"
+    request = _OPEN_REQUESTS[(index // 2) % len(_OPEN_REQUESTS)]
+    answer = "\n\n".join(document[index : index + _CHAT_ANSWER_PARAGRAPHS])
+    return f"<|user|>\n{request}{END_OF_TURN}\n<|assistant|>\n{answer}{END_OF_TURN}\n"
 
 
 _OPEN_REQUESTS = (
@@ -235,6 +233,13 @@ def _build(spec: TinySpec, documents: list[list[str]], folder: Path, *, progress
     model.generation_config.pad_token_id = end_of_text_id
     model.generation_config.bos_token_id = None
     model.save_pretrained(folder, safe_serialization=True)
+    # Greedy unless a request asks otherwise: the engine reads do_sample from
+    # this file (``loader.py``), and this model's sampled text reads far worse
+    # than its greedy text. transformers leaves defaults out of the file.
+    generation_file = folder / "generation_config.json"
+    generation = json.loads(generation_file.read_text())
+    generation["do_sample"] = False
+    generation_file.write_text(json.dumps(generation, indent=2) + "\n")
     fast.save_pretrained(folder)
     (folder / "tokenwire_tiny.json").write_text(
         json.dumps({"spec": dataclasses.asdict(spec), "format": TINY_FORMAT_VERSION}, indent=2)

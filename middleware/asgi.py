@@ -62,9 +62,10 @@ import inspect
 import json
 import logging
 import socket
+import types
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Generator, MutableMapping
 from enum import Enum
 from typing import Any
 
@@ -88,6 +89,8 @@ from .events import (
     ReplaySource,
     ResumeUpstream,
     RetryUpstream,
+    SocketPaused,
+    SocketResumed,
     StopRequested,
     StreamRecord,
     Tick,
@@ -253,6 +256,8 @@ class _Responder:
         self.close: CloseClient | None = None
         self.wake: asyncio.Future[None] | None = None  # set while the writer waits
         self.writer_sending = False
+        self.pending_send: Awaitable[None] | None = None  # an inline send that suspended
+        self.pending_paused = False  # ... after forward_read: the core was told SocketPaused
         self.upstream_resumed: asyncio.Event | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at = 0.0
@@ -463,8 +468,10 @@ class _Responder:
             raise RuntimeError("ASGI message after the response body ended")
         now = self.loop.time()
         body = message.get("body", b"")
-        if body:
-            self.apply(stream.handle(UpstreamData(bytes(body)), now))
+        if body and not self.forward_inline(stream, bytes(body), now):
+            self.apply(stream.handle(UpstreamData(bytes(body)), now), wake=False)
+            if not self.write_inline(stream):
+                self.wake_writer()
         if not message.get("more_body", False):
             self.app_ended = True
             self.apply(stream.handle(UpstreamEnded(), now))
@@ -508,8 +515,9 @@ class _Responder:
         self.writer_task = self.loop.create_task(self.write_loop(stream))
         return stream
 
-    def apply(self, actions: list[Action]) -> None:
-        """Execute the core's actions in order, then wake the writer and timer."""
+    def apply(self, actions: list[Action], *, wake: bool = True) -> None:
+        """Execute the core's actions in order, then wake the writer (unless
+        ``wake`` is False: the caller does) and arm the timer."""
         for action in actions:  # usually none
             if isinstance(action, CommitHeaders):
                 self.start_message = {"type": "http.response.start", "status": action.status,
@@ -553,10 +561,83 @@ class _Responder:
                 self.writer_task.cancel()
         else:
             self.arm_timer(stream)
+        if wake:
+            self.wake_writer()
+
+    def wake_writer(self) -> None:
         wake = self.wake
         if wake is not None:
             self.wake = None
             wake.set_result(None)
+
+    def writer_idle(self) -> bool:
+        """The writer waits with nothing of its own to do: this send may write."""
+        return (self.wake is not None and not self.writer_sending and self.start_message is None
+                and self.close is None and self.pending_send is None)
+
+    def forward_inline(self, stream: WireStream, body: bytes, now: float) -> bool:
+        """The keeps-up path: the core's one call (``forward_read``) gives the
+        bytes to write and the server's ``send`` takes them at once. A send
+        that suspends instead means the socket is full: the core is told it
+        is paused until the writer has finished that send. False (and
+        nothing done) when the core says this body needs its usual way."""
+        if not self.writer_idle():
+            return False
+        out = stream.forward_read(body, now)
+        if out is None:
+            return False
+        self.start_send(stream, out, paused=True)
+        return True
+
+    def start_send(self, stream: WireStream, data: bytes, *, paused: bool) -> None:
+        """Run the server's ``send`` of ``data`` here until it completes or
+        suspends; a suspended one is handed to the writer (``pending_send``),
+        which finishes it. ``paused``: the core counted the write as done, so
+        a suspension is reported as ``SocketPaused`` (resumed when it ends);
+        otherwise the write is in flight and ends with ``WriteCompleted``."""
+        sending = self.send({"type": "http.response.body", "body": data, "more_body": True})
+        if inspect.iscoroutine(sending):
+            try:
+                yielded = sending.send(None)
+            except StopIteration:
+                if not paused:
+                    self.apply(stream.handle(WriteCompleted(), self.loop.time()), wake=False)
+                    if (self.start_message is not None or self.close is not None or stream.finished
+                            or stream.pending_bytes):
+                        self.wake_writer()
+                return
+            except Exception as error:
+                # As the writer does when the server's send fails.
+                if not isinstance(error, OSError):
+                    self.writer_error = error
+                self.client_gone = True
+                self.apply(stream.handle(ClientGone(), self.loop.time()))
+                return
+            self.pending_send = _finish(sending, yielded)
+        else:
+            self.pending_send = sending  # some other awaitable: the writer awaits it
+        # Outstanding: the writer owns it now.
+        self.pending_paused = paused
+        self.writer_sending = True
+        if paused:
+            self.apply(stream.handle(SocketPaused(), self.loop.time()), wake=False)
+        self.wake_writer()
+
+    def write_inline(self, stream: WireStream) -> bool:
+        """Write from the app's ``send`` itself when the writer is idle: the
+        server's ``send`` usually completes without suspending (the bytes go
+        to the transport), and then neither a writer wake-up nor an extra
+        loop iteration is paid per event. If it does suspend (the socket is
+        full), the rest of that ``send`` is handed to the writer, which
+        finishes it as if it had started it. False if there was nothing to
+        write this way (the writer must look)."""
+        if not self.writer_idle():
+            return False
+        data = stream.data_to_send(self.loop.time())
+        if not data:
+            return False
+        self.start_send(stream, data, paused=False)
+        return True
 
     def abort_app(self, reason: EndReason, *, tell_app: bool = True) -> None:
         self.held = False
@@ -618,6 +699,17 @@ class _Responder:
         loop = self.loop
         try:
             while True:
+                pending_send = self.pending_send
+                if pending_send is not None:
+                    # A send write_inline started and the socket suspended.
+                    try:
+                        await pending_send
+                    finally:
+                        self.pending_send = None
+                        self.writer_sending = False
+                    ended = SocketResumed() if self.pending_paused else WriteCompleted()
+                    self.apply(stream.handle(ended, loop.time()))
+                    continue
                 start = self.start_message
                 if start is not None:
                     self.start_message = None
@@ -659,6 +751,26 @@ class _Responder:
             await self.send(message)
         finally:
             self.writer_sending = False
+
+
+@types.coroutine
+def _finish(coroutine: Any, yielded: Any) -> Generator[Any, Any, None]:
+    """The rest of a coroutine that was started by hand and suspended on
+    ``yielded``: awaited by a task, it runs on exactly as if the task had
+    started it (what the task sends or throws in goes to the coroutine)."""
+    while True:
+        try:
+            value = yield yielded
+        except BaseException as error:
+            try:
+                yielded = coroutine.throw(error)
+            except StopIteration:
+                return
+            continue
+        try:
+            yielded = coroutine.send(value)
+        except StopIteration:
+            return
 
 
 def _request_id(scope: Scope, header: bytes) -> str:

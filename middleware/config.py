@@ -65,10 +65,12 @@ class WireConfig:
     close_flush_timeout_s: float = 30.0
     """A body cut after an in-band error still gets its last bytes out; a client
     that stopped reading is reset after this long."""
-    upstream_idle_timeout_s: float = 300.0
+    upstream_idle_timeout_s: float = 0.0
     """After its headers, an upstream that sends no byte for this long has hung: the
-    stream ends with ``upstream_timeout`` and the upstream is aborted (0 = never;
-    300 s is Envoy's stream idle timeout). Not counted while the core paused it."""
+    stream ends with ``upstream_timeout`` and the upstream is aborted (0 = never, the
+    middleware's default: an app's stream may rightly be quiet for long; the
+    sidecar's is 300 s, Envoy's stream idle timeout). Not counted while the core
+    paused it."""
     max_stream_duration_s: float = 0.0
     """A stream still running this long after its request is ended with
     ``upstream_timeout`` and its upstream aborted (0 = no limit)."""

@@ -31,6 +31,9 @@ class EndReason(StrEnum):
     DETACHED = "detached"
     """The client left, a resuming reader attached within ``resume_grace_s``, and
     the answer was completed into the replay store for it."""
+    WORKER_LOST = "worker_lost"
+    """The sidecar worker process serving the stream died (``--workers``); written
+    by the supervisor, never by the core."""
 
 
 class FailureKind(StrEnum):

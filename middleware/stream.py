@@ -248,7 +248,6 @@ class WireStream:
         self._upstream_open = True
         self._upstream_paused = False
         self._upstream_seen_at = now  # the upstream's last byte, for upstream_idle_timeout_s
-        self._attempt_events = 0
         self._passthrough = False
         self._commit_at: float | None = now + config.commit_deadline_s if expect_stream else None
         # Downstream.
@@ -373,6 +372,44 @@ class WireStream:
         self.bytes_out += len(data)
         if events:
             self._count_content_write(events, now)
+        return data
+
+    def forward_read(self, data: bytes, now: float) -> bytes | None:
+        """The keeps-up path, in one call, for a driver whose socket writes
+        complete at once (the sidecar: ``transport.write`` takes the bytes or
+        calls ``pause_writing`` before it returns).
+
+        ``data`` is one upstream read. When the client keeps up (nothing
+        pending, no write outstanding, not paused), no timer is due and the
+        read is nothing but plain ``data:`` events (the check of the fast
+        branch of ``UpstreamData``), returns the bytes to write now, already
+        counted as written: exactly what ``handle(UpstreamData(data))``,
+        ``data_to_send`` and ``handle(WriteCompleted())`` would have done,
+        which would have returned no actions. Otherwise returns None and
+        changes nothing: the driver then takes the usual way with
+        ``UpstreamData``. Anything ``_on_upstream_data`` records per read
+        (for a timer, say) must be recorded here too.
+        """
+        if (self._state is not StreamState.STREAMING or self._pending or self._paused
+                or self._write_in_flight or self._client_gone or self._upstream_paused
+                or self._retry_at is not None or self._passthrough or self._finished
+                or self.config.resume or self.config.coalesce_ms
+                or not self._parser.at_boundary or len(data) > self.config.max_pending_bytes):
+            return None
+        deadline = self.next_deadline()
+        if deadline is not None and now >= deadline:
+            return None
+        count = _plain_event_count(data, self._plain_limit_bytes, self._marker_bytes)
+        if not count:
+            return None
+        self.events_in += count
+        self._upstream_seen_at = now
+        if len(data) > self.pending_high_water_bytes:
+            self.pending_high_water_bytes = len(data)
+        self._last_write_at = now
+        self._last_progress_at = now
+        self.bytes_out += len(data)
+        self._count_content_write(count, now)
         return data
 
     def next_deadline(self) -> float | None:
@@ -503,7 +540,6 @@ class WireStream:
                 self._pending.add_bytes(self._number_plain(event.data) if self.config.resume
                                         else event.data, count)
                 self.events_in += count
-                self._attempt_events += count
                 self._after_queue(now)
                 return
         try:
@@ -531,7 +567,6 @@ class WireStream:
             self.upstream_comments += 1
             return
         self.events_in += 1
-        self._attempt_events += 1
         data = event.data
         error = _error_object(data) if data is not None and '"error"' in data else None
         if error is not None and self._state is StreamState.WAITING:
@@ -801,7 +836,6 @@ class WireStream:
         self._upstream_status = None
         self._held_headers = ()
         self._headers_deadline_at = None
-        self._attempt_events = 0
         return True
 
     def _upstream_failure(self, error: WireError, reason: EndReason, now: float, *,

@@ -233,11 +233,17 @@ def sidecar_main(argv: Sequence[str]) -> int:
         print(f"tokenwire sidecar: configuration error: {error}", file=sys.stderr)
         return 2
     from .server import run
+    from .workers import WORKER_ENV, die_with_parent, supervise
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    worker = WORKER_ENV in os.environ
+    if worker:
+        die_with_parent()
     try:
-        return run(config)
+        if config.worker_count > 1 and not worker:
+            return supervise(config, argv)
+        return run(config, reuse_port=worker)
     except ConfigError as error:
         print(f"tokenwire sidecar: configuration error: {error}", file=sys.stderr)
         return 2

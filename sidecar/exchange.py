@@ -45,6 +45,7 @@ from tokenwire.middleware import (
     ResumeUpstream,
     RetryUpstream,
     Tick,
+    UpstreamData,
     WireError,
     WireStream,
     WriteCompleted,
@@ -154,6 +155,42 @@ class Exchange:
             self._busy = False
         self._reschedule()
 
+    def feed_chunks(self, chunks: list[bytes]) -> None:
+        """The upstream body chunks of one socket read, in order. Each is one
+        input of the core; while the client keeps up, the core's one-call path
+        (``forward_read``) answers each with the bytes to write, and those of
+        one read go to the socket in one write (flushed early past the write
+        high-water mark, so the socket still pauses where it would have)."""
+        batch: list[bytes] = []
+        batched = 0
+        high_water = self._context.config.wire.write_high_water_bytes
+        for data in chunks:
+            if not self._busy and not self._done and not self._inbox and not self._response_ended:
+                try:
+                    out = self.stream.forward_read(data, self._loop.time())
+                except Exception:
+                    logger.exception("stream %s: driver failure; resetting the client", self.request_id)
+                    self._crash()
+                    return
+                if out is not None:
+                    batch.append(out)
+                    batched += len(out)
+                    if batched >= high_water:
+                        self._write_batch(batch)
+                        batch, batched = [], 0
+                    continue
+            if batch:
+                self._write_batch(batch)
+                batch, batched = [], 0
+            self.feed(UpstreamData(data))
+        if batch:
+            self._write_batch(batch)
+
+    def _write_batch(self, batch: list[bytes]) -> None:
+        # A write that fills the socket calls pause_writing → SocketPaused,
+        # which the core takes now, before the next chunk, as it would have.
+        self._downstream.send_body(batch[0] if len(batch) == 1 else b"".join(batch))
+
     def describe(self, now: float) -> dict[str, Any]:
         """The ``GET /streams`` entry for this stream."""
         stream = self.stream
@@ -198,8 +235,12 @@ class Exchange:
                 self._start_attempt(action.upstream_index)
             elif isinstance(action, PauseUpstream):
                 self._upstream_readable.clear()
+                if isinstance(self._attempt_connection, UpstreamStream):
+                    self._attempt_connection.pause_delivery()
             elif isinstance(action, ResumeUpstream):
                 self._upstream_readable.set()
+                if isinstance(self._attempt_connection, UpstreamStream):
+                    self._attempt_connection.resume_delivery()
             elif isinstance(action, CloseClient):
                 self._response_ended = True
                 self._downstream.end_response(abrupt=action.abrupt, reset=action.reset)
@@ -341,11 +382,16 @@ class Exchange:
             if attempt is not None and attempt is self._attempt:
                 self._attempt_connection = stream
 
+        def body_from_attempt(chunks: list[bytes]) -> None:
+            if attempt is not None and attempt is self._attempt:
+                self.feed_chunks(chunks)
+
         self._attempt_connection = None
         attempt = self._loop.create_task(run_attempt(
             pools.upstreams[upstream_index], method=self._method, target=self._target,
             headers=self._upstream_headers, body=self._body, timeouts=pools.timeouts,
-            readable=self._upstream_readable, feed=feed_from_attempt, on_connection=connected))
+            readable=self._upstream_readable, feed=feed_from_attempt, on_connection=connected,
+            feed_body=body_from_attempt))
         self._attempt = attempt
 
     def _abort_attempt(self) -> None:

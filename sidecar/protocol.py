@@ -152,6 +152,7 @@ class ClientConnection(asyncio.Protocol):
         self._body = bytearray()
         self._exchange: Exchange | None = None
         self._chunked_body = False
+        self._held_head = b""  # the response head, until the first body bytes (see send_headers)
         # What arrived since the current request head began, for _framing_problem.
         # One buffer, not a list of reads: a client sending a byte per packet
         # would otherwise cost an object per byte.
@@ -414,19 +415,31 @@ class ClientConnection(asyncio.Protocol):
         request = self._request
         self._chunked_body = (_CHUNKED_HEADER_LINE in head.lower() and status not in (204, 304)
                               and (request is None or request.method != b"HEAD"))
+        # Held for a moment: the first body bytes usually follow at once, and
+        # head and body then leave in one send(). This loop turn sends it at the latest.
+        self._held_head = head
+        self._loop.call_soon(self._send_held_head)
+
+    def _send_held_head(self) -> None:
+        head, self._held_head = self._held_head, b""
         self._write(head)
 
     def send_body(self, data: bytes) -> None:
+        head, self._held_head = self._held_head, b""
         if not self._chunked_body:
-            self._write(self._conn.send(h11.Data(data=data)))
+            self._write(head + self._conn.send(h11.Data(data=data)))
         elif data and self._transport is not None and not self._lost:
-            self._transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+            self._transport.write(b"%b%x\r\n%b\r\n" % (head, len(data), data))
+        else:
+            self._write(head)
 
     def end_response(self, *, abrupt: bool, reset: bool) -> None:
         """End the response: cleanly, by closing without the terminator, or by a reset."""
         transport = self._transport
         if transport is None or self._lost:
             return
+        if not reset:
+            self._send_held_head()
         if reset:
             sock = transport.get_extra_info("socket")
             if sock is not None:

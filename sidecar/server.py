@@ -47,9 +47,12 @@ _POLL_S = 0.05
 class Sidecar:
     """One sidecar: the proxy listener, the admin listener and what they share."""
 
-    def __init__(self, config: SidecarConfig, *, log: StreamLog | None = None) -> None:
+    def __init__(self, config: SidecarConfig, *, log: StreamLog | None = None,
+                 reuse_port: bool = False) -> None:
+        """``reuse_port``: bind the proxy port with SO_REUSEPORT (a ``--workers`` worker)."""
         self.config = config
         self._log = log
+        self._reuse_port = reuse_port
         self._server: asyncio.Server | None = None
         self._admin: asyncio.Server | None = None
         self._ssl: ssl.SSLContext | None = None
@@ -105,11 +108,12 @@ class Sidecar:
             # mTLS: TLS is terminated by asyncio's protocol (with the handshake
             # alert fix, see tls.py) rather than uvloop's, which has no such fix.
             self._server = await loop.create_server(alerting, host, port, backlog=4096,
-                                                    reuse_address=True)
+                                                    reuse_address=True, reuse_port=self._reuse_port or None)
         else:
             self._server = await loop.create_server(
                 factory, host, port, ssl=self._ssl, backlog=4096,
-                reuse_address=True, ssl_handshake_timeout=handshake_timeout_s)
+                reuse_address=True, reuse_port=self._reuse_port or None,
+                ssl_handshake_timeout=handshake_timeout_s)
         if self._admin is not None:
             self._admin_handler = admin_handler(context, proxy_address=self.address, access=access)
             await self._admin.start_serving()
@@ -207,8 +211,9 @@ def raise_fd_limit(max_connections: int) -> int:
     return soft
 
 
-def run(config: SidecarConfig, *, out: TextIO = sys.stdout) -> int:
-    """Run until SIGTERM/SIGINT (the ``tokenwire sidecar`` command); the exit status."""
+def run(config: SidecarConfig, *, out: TextIO = sys.stdout, reuse_port: bool = False) -> int:
+    """Run until SIGTERM/SIGINT (the ``tokenwire sidecar`` command); the exit status.
+    ``reuse_port``: this process is one of ``--workers`` (see ``workers.py``)."""
     raise_fd_limit(config.max_connections)
     factory: Callable[[], asyncio.AbstractEventLoop] | None = None
     with contextlib.suppress(ImportError):
@@ -216,11 +221,11 @@ def run(config: SidecarConfig, *, out: TextIO = sys.stdout) -> int:
 
         factory = uvloop.new_event_loop
     with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(_serve(config, out))
+        return runner.run(_serve(config, out, reuse_port))
 
 
-async def _serve(config: SidecarConfig, out: TextIO) -> int:
-    sidecar = Sidecar(config)
+async def _serve(config: SidecarConfig, out: TextIO, reuse_port: bool) -> int:
+    sidecar = Sidecar(config, reuse_port=reuse_port)
     await sidecar.start()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, sidecar.request_stop)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import os
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -30,10 +31,12 @@ from .cors import normalize_origin
 
 ENV_PREFIX = "TOKENWIRE_"
 
-SIDECAR_WIRE_DEFAULTS = WireConfig(retry_attempts=2, terminal_marker="[DONE]")
+SIDECAR_WIRE_DEFAULTS = WireConfig(retry_attempts=2, terminal_marker="[DONE]", upstream_idle_timeout_s=300.0)
 """The wire defaults of a proxy in front of an OpenAI-compatible engine: unlike
 the middleware, the sidecar can re-send a request that failed before its first
-byte, and an OpenAI stream that lacks its ``[DONE]`` was cut short."""
+byte, an OpenAI stream that lacks its ``[DONE]`` was cut short, and an engine
+that sends nothing for 5 minutes after its headers has hung (Envoy's stream
+idle timeout)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +104,9 @@ class SidecarConfig:
     """Where the JSON stream records go: ``-`` = stderr, empty = nowhere."""
     cors_allow_origins: tuple[str, ...] = ()
     """Browser origins (``http://host:port``, or ``*``) that may call the proxy; empty = no CORS."""
+    workers: str = "1"
+    """Worker processes sharing the proxy port (SO_REUSEPORT), like nginx's worker_processes;
+    ``auto`` = the CPUs this process may use. One admin port sees them all."""
 
     def __post_init__(self) -> None:
         for key in ("drain_s", "header_read_timeout_s", "body_read_timeout_s", "keepalive_timeout_s",
@@ -154,10 +160,27 @@ class SidecarConfig:
             if origin != "*" and (not sep or scheme not in ("http", "https") or not rest or "/" in rest):
                 raise ConfigError("cors_allow_origins", f"must be scheme://host[:port] or *, got {origin!r}")
         object.__setattr__(self, "cors_allow_origins", origins)
+        count = self.worker_count
+        if count > 1 and self.wire.resume and self.resume_store in ("", "memory"):
+            raise ConfigError("workers", f"{count} workers with resume on need a shared replay store: "
+                                         "the memory store lives in one worker, and a reconnect may "
+                                         "land on another; set --resume-store redis://HOST:PORT/DB "
+                                         "or run one worker")
 
     @property
     def tls(self) -> bool:
         return bool(self.tls_cert)
+
+    @property
+    def worker_count(self) -> int:
+        """``workers`` as a number (``auto`` resolved)."""
+        text = str(self.workers).strip().lower()
+        if text == "auto":
+            return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                       else os.cpu_count() or 1)
+        if not text.isdigit() or int(text) < 1:
+            raise ConfigError("workers", f"must be a whole number >= 1 or auto, got {self.workers!r}")
+        return int(text)
 
 
 def is_loopback(host: str) -> bool:

@@ -8,9 +8,14 @@ request, run as a task by :func:`run_attempt`; it reports what happened as
 wire-core inputs through a callback and never decides anything itself.
 
 A completed response is read to its end, so httpcore returns its connection
-to the pool (keep-alive). An aborted attempt is cancelled: httpcore closes a
-connection whose response was not read to the end instead of pooling it, so an
-aborted stream's connection is never reused. httpcore's own retries are off;
+to the pool (keep-alive), but only if it ended exactly where its framing says
+(nothing after a HEAD/204/304 head, the ``Content-Length`` and no more, the
+chunked terminator and no more); anything extra closes it. A chunked body is
+read by :class:`~tokenwire.sidecar.upstream_body.ChunkedBodyReader`, all the
+chunks of a socket read at once, not through httpcore's layers. An aborted
+attempt is cancelled: httpcore closes a connection whose response was not
+read to the end instead of pooling it, so an aborted stream's connection is
+never reused. httpcore's own retries are off;
 retrying is the wire core's decision (``RetryUpstream``).
 
 Each upstream's connections are split over ``_POOL_SHARDS`` pools taken in
@@ -52,12 +57,15 @@ from tokenwire.middleware import (
 )
 
 from .settings import SidecarConfig
-from .upstream_io import UpstreamBackend
+from .upstream_body import ChunkedBodyReader
+from .upstream_io import UpstreamBackend, UpstreamStream
 
 logger = logging.getLogger("tokenwire.sidecar")
 
 Header = tuple[bytes, bytes]
 
+# The most a body read takes at once (all that is buffered, up to this).
+_BODY_READ_BYTES = 256 * 1024
 # Pools per upstream, at most (one per 64 allowed connections); see the module docstring.
 _POOL_SHARDS = 16
 
@@ -206,6 +214,7 @@ async def run_attempt(
     readable: asyncio.Event,
     feed: Callable[[Input], None],
     on_connection: Callable[[object], None] | None = None,
+    feed_body: Callable[[list[bytes]], None] | None = None,
 ) -> None:
     """One upstream request; every outcome is reported through ``feed``.
 
@@ -213,21 +222,47 @@ async def run_attempt(
     (``PauseUpstream``); TCP then pushes back on the engine. Cancel the task
     to abort: the connection is closed, not pooled. ``on_connection`` gets
     the response's network stream, so an abort can close it without waiting
-    for the cancellation to unwind.
+    for the cancellation to unwind. ``feed_body``, if given, takes the chunks
+    of a chunked body, those of one read at once, straight from the socket's callback
+    (pause it with the stream's ``pause_delivery``/``resume_delivery``);
+    otherwise they come through ``feed`` as ``UpstreamData``.
     """
     pool = upstream.next_pool()
+    reusable = True
     try:
         async with pool.stream(method, upstream.url(target), headers=list(headers),
                                content=body, extensions={"timeout": timeouts}) as response:
+            network = response.extensions.get("network_stream")
             if on_connection is not None:
-                on_connection(response.extensions.get("network_stream"))
-            feed(UpstreamHeaders(response.status,
-                                 tuple((k.lower(), v) for k, v in response.headers)))
+                on_connection(network)
+            status = response.status
+            response_headers = tuple((k.lower(), v) for k, v in response.headers)
+            feed(UpstreamHeaders(status, response_headers))
+            framing = _body_framing(method, status, response_headers)
+            if isinstance(network, UpstreamStream) and framing == "chunked":
+                if feed_body is not None:
+                    if not readable.is_set():
+                        network.pause_delivery()
+                    await network.deliver_chunked(feed_body)
+                else:
+                    await _read_chunked(network, readable, feed)
+                network.end_body()  # h11 ends the message: see upstream_io
+            elif isinstance(network, UpstreamStream) and isinstance(framing, int):
+                network.limit_reads(framing)
             async for chunk in response.aiter_stream():
                 if not readable.is_set():
                     await readable.wait()
                 if chunk:
                     feed(UpstreamData(chunk))
+            if isinstance(network, UpstreamStream):
+                network.limit_reads(None)
+                if network.buffered:
+                    # Bytes past the response's framing (a body after a HEAD
+                    # answer, more than Content-Length said, anything after the
+                    # last chunk): the next request on this connection would
+                    # read them as its answer. Closed, never pooled.
+                    reusable = False
+                    network.abort()
     except asyncio.CancelledError:
         raise
     except Exception as error:
@@ -235,5 +270,39 @@ async def run_attempt(
         feed(UpstreamFailed(kind, f"{type(error).__name__}: {error}" if str(error)
                             else type(error).__name__))
         return
-    upstream.released(pool)
+    if reusable:
+        upstream.released(pool)
     feed(UpstreamEnded())
+
+
+def _body_framing(method: bytes, status: int, headers: Sequence[Header]) -> str | int | None:
+    """How the response body is delimited (RFC 9112 section 6.3): ``"none"``,
+    ``"chunked"``, a ``Content-Length`` or None (until the upstream closes)."""
+    if method == b"HEAD" or status < 200 or status in (204, 304):
+        return "none"
+    lengths: list[bytes] = []
+    for name, value in headers:
+        if name == b"transfer-encoding":
+            # h11 accepted the head, so the only coding it allows is chunked.
+            return "chunked"
+        if name == b"content-length":
+            lengths.append(value)
+    if lengths:
+        return int(lengths[0])
+    return None
+
+
+async def _read_chunked(network: UpstreamStream, readable: asyncio.Event,
+                        feed: Callable[[Input], None]) -> None:
+    """Read a chunked body to its last chunk: one ``UpstreamData`` per chunk."""
+    reader = ChunkedBodyReader()
+    while not reader.done:
+        if not readable.is_set():
+            await readable.wait()
+        data = await network.read(_BODY_READ_BYTES)
+        if not data:
+            raise httpcore.RemoteProtocolError("the upstream closed before the end of its chunked body")
+        for chunk in reader.feed(data):
+            feed(UpstreamData(chunk))
+    if reader.leftover:
+        network.unread(reader.leftover)

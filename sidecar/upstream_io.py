@@ -21,6 +21,19 @@ policy) is pushed back on exactly as before. ``is_readable`` (httpcore's "did
 the server close this idle connection?") is answered from the protocol's own
 state, without a system call.
 
+Response framing: after each request is written, ``read()`` hands httpcore
+the response head and nothing past it (a 1xx head and the next head are
+handed one at a time), so h11 never buffers body bytes. The body is then read
+by the sidecar itself (:mod:`~tokenwire.sidecar.upstream_body`, through
+:meth:`UpstreamStream.read`), or, for a ``Content-Length`` body, by h11 with
+reads capped at the bytes still due (:meth:`UpstreamStream.limit_reads`).
+Either way a byte the upstream sends past its response's framing stays here,
+where :attr:`UpstreamStream.buffered` sees it and the connection is closed
+instead of pooled: otherwise the next request on it would read those bytes as
+the start of its answer. When the sidecar read a chunked body itself, h11 is
+handed a bare last chunk (:meth:`UpstreamStream.end_body`) so that it, and so
+httpcore's pool, knows the response ended.
+
 Timeouts and exceptions follow httpcore's contract: ``ConnectError``/
 ``ConnectTimeout`` when connecting, ``ReadError``/``ReadTimeout`` and
 ``WriteError``/``WriteTimeout`` after; ``b""`` from ``read()`` is EOF.
@@ -30,15 +43,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import socket
 import ssl
 import typing
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import httpcore
 
+from .upstream_body import ChunkedBodyReader
+
 # Bytes buffered from the upstream before its transport stops reading.
 _READ_HIGH_WATER_BYTES = 256 * 1024
+
+# Writes smaller than this are held until the next read or loop turn (see write).
+_HOLD_WRITE_BYTES = 64 * 1024
+# Where a response head ends (h11's own rule: a line feed, optional CR, line feed).
+_HEAD_END = re.compile(rb"\n\r?\n")
+# What h11 is handed, in place of the chunked body the sidecar read itself.
+_LAST_CHUNK = b"0\r\n\r\n"
 
 SocketOption = tuple[int, int, int] | tuple[int, int, bytes | bytearray] | tuple[int, int, None, int]
 
@@ -56,11 +79,18 @@ class _UpstreamProtocol(asyncio.Protocol):
         self.waiter: asyncio.Future[None] | None = None
         self.write_paused = False
         self.drain_waiter: asyncio.Future[None] | None = None
+        # While a body is delivered (UpstreamStream.deliver_chunked): where reads go.
+        self.sink: _BodySink | None = None
+        self.sink_paused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = typing.cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
+        sink = self.sink
+        if sink is not None and not self.sink_paused and not self.chunks:
+            sink.data(data)
+            return
         self.chunks.append(data)
         self.buffered_bytes += len(data)
         if self.buffered_bytes > _READ_HIGH_WATER_BYTES and not self.reading_paused:
@@ -72,6 +102,8 @@ class _UpstreamProtocol(asyncio.Protocol):
     def eof_received(self) -> bool | None:
         self.eof = True
         self._wake()
+        if self.sink is not None:
+            self.sink.closed(None)
         return None  # close the transport: we never half-close towards the upstream
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -80,6 +112,8 @@ class _UpstreamProtocol(asyncio.Protocol):
             self.error = exc
         self._wake()
         self._wake_writer()
+        if self.sink is not None:
+            self.sink.closed(exc)
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -103,6 +137,37 @@ class _UpstreamProtocol(asyncio.Protocol):
                 waiter.set_result(None)
 
 
+class _BodySink:
+    """A chunked body delivered from ``data_received`` itself: no task wakes
+    per read, the reader and the driver's callback run right there."""
+
+    def __init__(self, deliver: Callable[[list[bytes]], None]) -> None:
+        self.reader = ChunkedBodyReader()
+        self.deliver = deliver
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def data(self, data: bytes) -> None:
+        if self.done.done():
+            return
+        try:
+            chunks = self.reader.feed(data)
+        except httpcore.RemoteProtocolError as error:
+            self.done.set_exception(error)
+            return
+        if chunks:
+            self.deliver(chunks)
+        if self.reader.done and not self.done.done():
+            self.done.set_result(None)
+
+    def closed(self, error: Exception | None) -> None:
+        if not self.done.done():
+            if error is not None:
+                self.done.set_exception(httpcore.ReadError(str(error) or type(error).__name__))
+            else:
+                self.done.set_exception(httpcore.RemoteProtocolError(
+                    "the upstream closed before the end of its chunked body"))
+
+
 class UpstreamStream(httpcore.AsyncNetworkStream):
     """One upstream connection as httpcore sees it."""
 
@@ -110,8 +175,129 @@ class UpstreamStream(httpcore.AsyncNetworkStream):
         self._transport = transport
         self._protocol = protocol
         self._loop = asyncio.get_running_loop()
+        # A request was written and its final response head is not read whole yet.
+        self._head_pending = False
+        self._head_tail = b""  # the last bytes of the head so far (an end may straddle reads)
+        self._head_start = b""  # its first bytes: is it a 1xx head?
+        self._read_limit: int | None = None
+        self._replay = b""
+        self._held: list[bytes] = []  # small writes not sent yet (see write)
+
+    @property
+    def buffered(self) -> bool:
+        """Bytes have arrived that no read has taken (or the upstream closed)."""
+        return bool(self._protocol.chunks) or self._protocol.eof
+
+    def limit_reads(self, remaining_bytes: int | None) -> None:
+        """Hand out at most ``remaining_bytes`` more (the rest of a
+        ``Content-Length`` body); None lifts the cap."""
+        self._read_limit = remaining_bytes
+
+    def unread(self, data: bytes) -> None:
+        """Put bytes back in front of the buffer (read past a body's end)."""
+        protocol = self._protocol
+        protocol.chunks.insert(0, data)
+        protocol.buffered_bytes += len(data)
+
+    async def deliver_chunked(self, deliver: Callable[[list[bytes]], None]) -> None:
+        """Read a chunked body to its last chunk, handing each read's chunks
+        to ``deliver`` as they arrive (see :class:`_BodySink`); returns
+        once the body ended, with anything after it left buffered."""
+        protocol = self._protocol
+        sink = _BodySink(deliver)
+        protocol.sink = sink
+        try:
+            self._drain_into_sink()
+            if protocol.eof and not sink.done.done():
+                sink.closed(protocol.error)
+            await sink.done
+        finally:
+            protocol.sink = None
+            protocol.sink_paused = False
+            if not sink.done.done():
+                sink.done.cancel()
+        if sink.reader.leftover:
+            self.unread(sink.reader.leftover)
+
+    def pause_delivery(self) -> None:
+        """Stop handing body reads over (the wire core paused the upstream):
+        they buffer, and past the high-water mark TCP pushes back."""
+        self._protocol.sink_paused = True
+
+    def resume_delivery(self) -> None:
+        protocol = self._protocol
+        if protocol.sink_paused:
+            protocol.sink_paused = False
+            if protocol.chunks:
+                # Not from inside the driver's own action loop.
+                self._loop.call_soon(self._drain_into_sink)
+
+    def _drain_into_sink(self) -> None:
+        protocol = self._protocol
+        sink = protocol.sink
+        if sink is None or protocol.sink_paused or not protocol.chunks:
+            return
+        chunks = protocol.chunks
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        protocol.chunks = []
+        protocol.buffered_bytes = 0
+        if protocol.reading_paused:
+            protocol.reading_paused = False
+            self._transport.resume_reading()
+        sink.data(data)
+
+    def end_body(self) -> None:
+        """The sidecar read a chunked body to its end itself: the next read
+        gives httpcore's h11 a bare last chunk, so it sees the response end."""
+        self._replay = _LAST_CHUNK
+
+    def _send_held(self) -> None:
+        held = self._held
+        if held:
+            data = held[0] if len(held) == 1 else b"".join(held)
+            held.clear()
+            if not self._transport.is_closing():
+                self._transport.write(data)
 
     async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        if self._held:
+            self._send_held()
+        if self._replay:
+            data, self._replay = self._replay, b""
+            return data
+        if self._read_limit is not None:
+            if self._read_limit <= 0:
+                return b""
+            max_bytes = min(max_bytes, self._read_limit)
+        data = await self._read(max_bytes, timeout)
+        if self._head_pending and data:
+            data = self._cut_at_head_end(data)
+        if self._read_limit is not None:
+            self._read_limit -= len(data)
+        return data
+
+    def _cut_at_head_end(self, data: bytes) -> bytes:
+        """``data`` up to the end of the response head; the rest is put back."""
+        if len(self._head_start) < 12:
+            self._head_start += data[:12 - len(self._head_start)]
+        tail = self._head_tail
+        match = _HEAD_END.search(tail + data)
+        if match is None:
+            self._head_tail = (tail + data)[-2:]
+            return data
+        cut = match.end() - len(tail)
+        # h11 reads 1xx heads (other than 101) and then the real one: keep cutting.
+        status = self._head_start[9:12]
+        informational = status[:1] == b"1" and status != b"101"
+        self._head_pending = informational
+        self._head_tail = b""
+        self._head_start = b""
+        if cut < len(data):
+            self.unread(data[cut:])
+            data = data[:cut]
+        return data
+
+    async def _read(self, max_bytes: int, timeout: float | None) -> bytes:
         protocol = self._protocol
         if not protocol.chunks:
             if protocol.error is not None:
@@ -152,8 +338,26 @@ class UpstreamStream(httpcore.AsyncNetworkStream):
         if not buffer:
             return
         protocol = self._protocol
+        # A new request (or the rest of one): its response starts with a head.
+        self._head_pending = True
+        self._head_tail = b""
+        self._head_start = b""
+        self._read_limit = None
+        self._replay = b""
         if protocol.error is not None or self._transport.is_closing():
             raise httpcore.WriteError("the upstream connection is closed")
+        held = self._held
+        if not held and len(buffer) < _HOLD_WRITE_BYTES:
+            # httpcore writes a request's head and then its body: held for a
+            # moment, they leave in one send() (one packet, one system call).
+            # The next read sends them at the latest, else the loop's next turn.
+            held.append(buffer)
+            self._loop.call_soon(self._send_held)
+            return
+        if held:
+            held.append(buffer)
+            buffer = b"".join(held)
+            held.clear()
         self._transport.write(buffer)
         if not protocol.write_paused:
             return

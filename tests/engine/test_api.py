@@ -196,3 +196,19 @@ def test_models_health_and_metrics(engine_server: RunningServer) -> None:
                  "tokenwire_engine_time_to_first_token_seconds_bucket",
                  "tokenwire_engine_generated_tokens_total"):
         assert name in metrics.text
+
+
+def test_a_request_without_temperature_gets_the_model_default(engine_server: RunningServer) -> None:
+    """The tiny model's generation_config.json says do_sample false: greedy unless asked."""
+    client = _client(engine_server)
+    messages = [{"role": "user", "content": "Tell me about the sea."}]
+
+    def answer(**sampling: float) -> str:
+        reply = client.chat.completions.create(model="tiny", messages=messages,  # type: ignore[arg-type]
+                                               max_tokens=24, **sampling)
+        return reply.choices[0].message.content or ""
+
+    greedy = answer(temperature=0)
+    assert answer() == greedy and answer() == greedy
+    hot = {answer(temperature=2.0, seed=seed) for seed in range(4)}
+    assert hot != {greedy}  # and a temperature that is asked for is honoured

@@ -110,4 +110,4 @@ def test_parsed_values() -> None:
     assert parse_chat_request(CHAT).sampling.max_tokens is None  # up to the context
     completion = parse_completion_request(COMPLETION)
     assert completion.sampling.max_tokens == 16  # OpenAI's completions default
-    assert completion.sampling.temperature == 1.0
+    assert completion.sampling.temperature is None  # the model's default applies

@@ -7,6 +7,7 @@ import torch
 from tokenwire.engine.backend import GenerationRequest, RequestOutput, RequestRejected
 from tokenwire.engine.config import EngineConfig
 from tokenwire.engine.loader import LoadedModel
+from tokenwire.engine.ragged import chunk_mask
 from tokenwire.engine.sampling import SamplingParams
 from tokenwire.engine.scheduler import (
     ContinuousBatchingScheduler,
@@ -339,3 +340,19 @@ def test_grouped_query_attention_model_equals_model_generate(tiny_f64: LoadedMod
     for request_id in ("r0", "r1", "r2", "long", "late"):
         prompt = tuple(tokens[f"prompt:{request_id}"])
         assert tokens[request_id] == _generate(loaded, prompt, 12), request_id
+
+
+def test_a_prompt_outside_the_vocabulary_is_refused_with_400(tiny_f32: LoadedModel) -> None:
+    scheduler = ContinuousBatchingScheduler(tiny_f32, EngineConfig())
+    for prompt in ((1, 2, scheduler.vocab_size), (-1, 5)):
+        with pytest.raises(RequestRejected) as raised:
+            scheduler.check(GenerationRequest("bad", prompt, SamplingParams(max_tokens=4)))
+        assert raised.value.http_status == 400 and raised.value.param == "prompt"
+
+
+def test_chunk_mask_lets_each_chunk_token_see_the_cache_and_its_predecessors() -> None:
+    mask = chunk_mask(3, 2, torch.device("cpu"))
+    assert mask is not None and mask.shape == (1, 1, 2, 5)
+    assert mask[0, 0].tolist() == [[True, True, True, True, False],
+                                   [True, True, True, True, True]]
+    assert chunk_mask(0, 4, torch.device("cpu")) is None  # plain causal: SDPA's is_causal

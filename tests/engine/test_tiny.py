@@ -52,3 +52,13 @@ def test_a_first_build_shows_a_progress_bar_that_ends_at_100_percent(
     assert "100%" in err.splitlines()[-1]
     ensure_tiny_model(MINIMAL, tmp_path, log=True)
     assert "building" not in capsys.readouterr().err  # cached: no bar, no build
+
+
+def test_default_temperature_is_what_the_folder_says(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from tokenwire.engine.loader import _default_temperature
+
+    assert _default_temperature(tiny_model_dir) == 0.0  # tiny: do_sample false
+    assert _default_temperature(tmp_path) == 1.0         # no generation_config.json
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": True,
+                                                                 "temperature": 0.6}))
+    assert _default_temperature(tmp_path) == 0.6

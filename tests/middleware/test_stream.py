@@ -335,7 +335,6 @@ UNREPEATABLE_RETRIED = {
     "status_503": True,  # the upstream refused to take it on
     "status_502": False,
     "status_504": False,
-    "error_event_first": False,  # the engine ran it and failed
     "eof_before_event": False,  # the engine may be generating still
     "protocol_before_event": False,
 }
@@ -403,6 +402,18 @@ def test_upstreamIdle_whenEachByteComesInTime_thenNeverTimedOut() -> None:
         d.send(UpstreamData(f"data: {chunk(str(i))}\n\n".encode()), at=4.0 * i)
         d.send(Tick(), at=4.0 * i + 3.9)
     assert d.of(AbortUpstream) == [] and not d.stream.finished
+
+
+def test_upstreamIdle_whenBytesTakeTheKeepsUpPath_thenTheyCountToo() -> None:
+    d = committed(proxy_config(upstream_idle_timeout_s=5.0, heartbeat_s=0), at=0.0)
+    d.send(UpstreamData(f"data: {chunk('a')}\n\n".encode()), at=1.0)  # now STREAMING
+    for i in range(1, 20):
+        out = d.stream.forward_read(f"data: {chunk(str(i))}\n\n".encode(), 1.0 + 4.0 * i)
+        assert out is not None  # the one-call path took it
+        d.send(Tick(), at=1.0 + 4.0 * i + 3.9)
+    assert d.of(AbortUpstream) == [] and not d.stream.finished
+    d.send(Tick(), at=1.0 + 4.0 * 19 + 5.0)
+    assert d.finished.record.end_reason is EndReason.UPSTREAM_TIMEOUT
 
 
 def test_upstreamIdle_whenCorePausedTheUpstream_thenSilenceNotCounted() -> None:

@@ -1,0 +1,131 @@
+"""The upstream's chunked response body, read without an object per chunk.
+
+Theory of operation
+-------------------
+httpcore (with h11) reads the upstream's response head; the body of a chunked
+response is then read here. h11 turns every chunk into a ``Data`` event that
+httpcore yields through three async-generator layers, so a streaming upstream
+that sends one chunk per token cost a state-machine pass and four Python
+objects per token, and the sidecar fed the wire core, and wrote to the client,
+through async-generator layers even when one socket read held many chunks.
+:class:`ChunkedBodyReader` takes a whole read at once and returns the body
+bytes of each chunk it holds (a list: the wire core still sees one input per
+chunk, as the upstream framed it, so what it writes does not depend on how
+the reads were cut; the sidecar then writes what they give in one go).
+
+It is sans-IO: ``feed(data)`` returns the body pieces, ``done`` says whether the
+last chunk and the trailer section were read. Bytes after the end are not
+consumed; ``leftover`` holds them, and a response followed by anything is a
+reason to close its connection rather than pool it (the next response on it
+would start with those bytes).
+
+The grammar is RFC 9112 section 7.1, as strict as h11: the size is hex digits,
+chunk extensions are skipped, the data must be followed by CRLF, trailer fields
+are read and dropped (they are not forwarded). Lines are bounded so a hostile
+upstream cannot make the buffer grow without limit.
+"""
+
+from __future__ import annotations
+
+import re
+
+import httpcore
+
+# Longest chunk-size line (size, extensions, CRLF) and trailer section accepted.
+_MAX_SIZE_LINE_BYTES = 4096
+_MAX_TRAILER_BYTES = 64 * 1024
+# A chunk-size line: hex digits, then optional extensions (";" onwards, no CR/LF/NUL).
+_HEX_DIGITS = b"0123456789abcdefABCDEF"
+_SIZE_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[^\r\n\x00]*)?\Z")
+
+
+class ChunkedBodyReader:
+    """Decodes one ``Transfer-Encoding: chunked`` body, a read at a time."""
+
+    __slots__ = ("_buffer", "_remaining", "_state", "_trailer_bytes", "leftover")
+
+    _SIZE, _DATA, _DATA_END, _TRAILER, _DONE = range(5)
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._remaining = 0
+        self._state = self._SIZE
+        self._trailer_bytes = 0
+        self.leftover = b""
+        """Bytes that came after the body's end (never part of the body)."""
+
+    @property
+    def done(self) -> bool:
+        """The last chunk and the trailer section have been read."""
+        return self._state == self._DONE
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """The body bytes in ``data``, one piece per chunk (or part of one);
+        raises :class:`httpcore.RemoteProtocolError` on a malformed body."""
+        if self._state == self._DONE:
+            self.leftover += data
+            return []
+        buffer = self._buffer + data if self._buffer else data
+        self._buffer = b""
+        out: list[bytes] = []
+        pos = 0
+        end = len(buffer)
+        state = self._state
+        while pos < end:
+            if state == self._DATA:
+                take = min(self._remaining, end - pos)
+                out.append(buffer[pos:pos + take])
+                pos += take
+                self._remaining -= take
+                if self._remaining:
+                    break
+                state = self._DATA_END
+            elif state == self._SIZE:
+                line_end = buffer.find(b"\r\n", pos, pos + _MAX_SIZE_LINE_BYTES)
+                if line_end == -1:
+                    if end - pos >= _MAX_SIZE_LINE_BYTES or b"\n" in buffer[pos:]:
+                        raise httpcore.RemoteProtocolError("malformed chunk-size line from the upstream")
+                    break
+                digits = buffer[pos:line_end]
+                if not 0 < len(digits) <= 16 or digits.strip(_HEX_DIGITS):
+                    # Not bare hex digits: extensions, or malformed.
+                    match = _SIZE_LINE.match(buffer, pos, line_end)
+                    if match is None:
+                        raise httpcore.RemoteProtocolError("malformed chunk-size line from the upstream")
+                    digits = match.group(1)
+                size = int(digits, 16)
+                pos = line_end + 2
+                if size:
+                    self._remaining = size
+                    state = self._DATA
+                else:
+                    state = self._TRAILER
+            elif state == self._DATA_END:
+                if end - pos < 2:
+                    break
+                if buffer[pos:pos + 2] != b"\r\n":
+                    raise httpcore.RemoteProtocolError("chunk data not followed by CRLF")
+                pos += 2
+                state = self._SIZE
+            elif state == self._TRAILER:
+                line_end = buffer.find(b"\r\n", pos)
+                if line_end == -1:
+                    if self._trailer_bytes + end - pos > _MAX_TRAILER_BYTES:
+                        raise httpcore.RemoteProtocolError("trailer section too large")
+                    break
+                self._trailer_bytes += line_end + 2 - pos
+                if self._trailer_bytes > _MAX_TRAILER_BYTES:
+                    raise httpcore.RemoteProtocolError("trailer section too large")
+                if line_end == pos:
+                    pos += 2
+                    state = self._DONE
+                    self.leftover = buffer[pos:]
+                    pos = end
+                    break
+                if b"\n" in buffer[pos:line_end] or b":" not in buffer[pos:line_end]:
+                    raise httpcore.RemoteProtocolError("malformed trailer field from the upstream")
+                pos = line_end + 2
+        self._state = state
+        if pos < end:
+            self._buffer = buffer[pos:]
+        return out

@@ -1,0 +1,422 @@
+"""``--workers N``: a supervisor and N sidecar processes sharing the proxy port.
+
+Theory of operation
+-------------------
+Like nginx's ``worker_processes``: each worker is an ordinary sidecar process
+(``tokenwire sidecar … --workers 1``) that binds the proxy port with
+``SO_REUSEPORT``, so the kernel spreads new connections over the workers and
+each runs its own event loop on its own core. The supervisor serves no
+traffic; it
+
+* holds the port (bound, not listening) so ``listen = "…:0"`` resolves once
+  and every worker binds the same port;
+* starts the workers, each with a private admin listener on 127.0.0.1, and
+  waits for their ready lines before printing its own;
+* serves the one public admin port (``admin_listen``): ``/metrics`` is the sum
+  of every worker's samples, ``GET /streams`` the union (each entry says its
+  ``worker``), ``DELETE /streams/{id}`` asks each worker until one had it,
+  anything else is answered by a live worker;
+* forwards SIGTERM/SIGINT (every worker drains, then the supervisor exits) and
+  SIGHUP (every worker reloads its TLS certificates);
+* restarts a worker that dies. The streams it held end with it; the
+  supervisor writes a ``worker_lost`` record for each stream the worker listed
+  at its last poll (every ``_POLL_S``: a stream opened after that poll and lost
+  with the worker goes unrecorded).
+
+Each worker's ``/metrics`` counts only its own streams; a restarted worker's
+counters start again from zero, so the sums can go down across a restart
+(Prometheus ``rate()`` treats that as a counter reset only per series).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+import urllib.parse
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import h11
+from tokenwire.middleware import EndReason, StreamRecord
+
+from .admin import UNAUTHORIZED_HEADERS, AdminAccess
+from .logs import StreamLog
+from .settings import SidecarConfig, parse_host_port, read_admin_token
+
+logger = logging.getLogger("tokenwire.sidecar")
+
+WORKER_ENV = "TOKENWIRE_WORKER_INDEX"
+"""Set in a worker's environment (its index): bind the proxy port with SO_REUSEPORT."""
+
+# How often the supervisor reads each worker's open streams (for worker_lost records).
+_POLL_S = 0.25
+# A worker that dies sooner than this after starting is restarted only after this long.
+_RESTART_BACKOFF_S = 1.0
+_READY_TIMEOUT_S = 60.0
+_ADMIN_TIMEOUT_S = 5.0
+_MAX_ADMIN_HEAD_BYTES = 16 * 1024
+
+
+@dataclass
+class Worker:
+    """One worker process as the supervisor knows it."""
+
+    index: int
+    process: asyncio.subprocess.Process
+    admin: tuple[str, int]
+    started_at: float
+    streams: list[dict[str, Any]] = field(default_factory=list)
+    restarts: int = 0
+
+
+async def _fetch(address: tuple[str, int], method: str, path: str, token: str = "",
+                 timeout_s: float = _ADMIN_TIMEOUT_S) -> tuple[int, bytes, bytes]:
+    """One request to a worker's admin port: (status, content type, body).
+    ``token``: the admin token, which a worker given one asks for too."""
+    authorization = f"Authorization: Bearer {token}\r\n" if token else ""
+    async with asyncio.timeout(timeout_s):
+        reader, writer = await asyncio.open_connection(*address)
+        try:
+            writer.write(f"{method} {path} HTTP/1.1\r\nHost: worker\r\n{authorization}"
+                         "Connection: close\r\n\r\n".encode())
+            await writer.drain()
+            raw = await reader.read()
+        finally:
+            writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    status = int(lines[0].split(b" ", 2)[1])
+    content_type = b"application/octet-stream"
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-type":
+            content_type = value.strip()
+    return status, content_type, body
+
+
+def sum_metrics(texts: Sequence[bytes]) -> bytes:
+    """Prometheus text exposition of several processes, summed sample by sample
+    (counters, gauges, histogram buckets, sums and counts all add up)."""
+    order: list[bytes] = []
+    comments: dict[bytes, bytes] = {}
+    values: dict[bytes, float] = {}
+    for text in texts:
+        for line in text.splitlines():
+            if not line:
+                continue
+            if line.startswith(b"#"):
+                if line not in comments:
+                    comments[line] = line
+                    order.append(line)
+                continue
+            key, _, value = line.rpartition(b" ")
+            try:
+                number = float(value)
+            except ValueError:
+                continue
+            if key not in values:
+                values[key] = 0.0
+                order.append(key)
+            values[key] += number
+    out: list[bytes] = []
+    for key in order:
+        if key in comments:
+            out.append(key)
+        else:
+            out.append(key + b" " + repr(values[key]).encode())
+    return b"\n".join(out) + b"\n"
+
+
+class Supervisor:
+    """Starts, watches and fronts the workers; see the module docstring."""
+
+    def __init__(self, config: SidecarConfig, argv: Sequence[str], *, out: TextIO = sys.stdout) -> None:
+        self.config = config
+        self._argv = list(argv)
+        self._out = out
+        self.workers: dict[int, Worker] = {}
+        self._stopping = False
+        self._holder: socket.socket | None = None
+        self._listen = ("", 0)
+        self._admin: asyncio.Server | None = None
+        self._log = StreamLog.open(config.log_file)
+        self._tasks: set[asyncio.Task[None]] = set()
+        # The public admin port asks what a single sidecar's would (issue: the
+        # admin surface), and the workers' own admin ports get the token along.
+        self._access = AdminAccess(read_admin_token(config), config.metrics_public)
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def run(self) -> int:
+        host, port = parse_host_port(self.config.listen, "listen")
+        self._holder = self._hold_port(host, port)
+        self._listen = (host, int(self._holder.getsockname()[1]))
+        try:
+            started = await asyncio.gather(*(self._start_worker(i) for i in range(self.config.worker_count)),
+                                           return_exceptions=True)
+            failed = [error for error in started if isinstance(error, BaseException)]
+            if failed:
+                for worker in self.workers.values():
+                    with contextlib.suppress(ProcessLookupError):
+                        worker.process.kill()
+                print(f"tokenwire sidecar: a worker did not start: {failed[0]}", file=sys.stderr)
+                return 1
+            loop = asyncio.get_running_loop()
+            stopped = asyncio.Event()
+
+            def stop() -> None:
+                self._stopping = True
+                for worker in self.workers.values():
+                    with contextlib.suppress(ProcessLookupError):
+                        worker.process.send_signal(signal.SIGTERM)
+                stopped.set()
+
+            def reload() -> None:
+                for worker in self.workers.values():
+                    with contextlib.suppress(ProcessLookupError):
+                        worker.process.send_signal(signal.SIGHUP)
+
+            loop.add_signal_handler(signal.SIGTERM, stop)
+            loop.add_signal_handler(signal.SIGINT, stop)
+            loop.add_signal_handler(signal.SIGHUP, reload)
+            if self.config.admin_listen:
+                admin_host, admin_port = parse_host_port(self.config.admin_listen, "admin_listen")
+                self._admin = await asyncio.start_server(self._serve_admin, admin_host, admin_port,
+                                                         reuse_address=True)
+            self._spawn(self._poll_streams())
+            scheme = "https" if self.config.tls else "http"
+            ready = (f"ready listen={self._listen[0]}:{self._listen[1]} scheme={scheme} "
+                     f"workers={len(self.workers)}")
+            if self._admin is not None:
+                admin_address = self._admin.sockets[0].getsockname()
+                ready += f" admin={admin_address[0]}:{admin_address[1]}"
+            print(ready, file=self._out, flush=True)
+            await stopped.wait()
+            await asyncio.gather(*(w.process.wait() for w in list(self.workers.values())))
+            return 0
+        finally:
+            self._stopping = True
+            for task in list(self._tasks):
+                task.cancel()
+            for worker in self.workers.values():
+                if worker.process.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        worker.process.send_signal(signal.SIGTERM)
+            if self._admin is not None:
+                self._admin.close()
+            if self._holder is not None:
+                self._holder.close()
+            self._log.close()
+
+    @staticmethod
+    def _hold_port(host: str, port: int) -> socket.socket:
+        """Bind (not listen) the proxy address with SO_REUSEPORT: port 0 resolves
+        once, and the workers' listening sockets join the same port."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        return sock
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _start_worker(self, index: int, restarts: int = 0) -> Worker:
+        host, port = self._listen
+        listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        command = [sys.executable, "-m", "tokenwire.sidecar", "sidecar", *self._argv,
+                   "--workers", "1", "--listen", listen, "--admin-listen", "127.0.0.1:0"]
+        env = {**os.environ, WORKER_ENV: str(index)}
+        process = await asyncio.create_subprocess_exec(*command, env=env, stdout=asyncio.subprocess.PIPE)
+        assert process.stdout is not None
+        admin: tuple[str, int] | None = None
+        try:
+            async with asyncio.timeout(_READY_TIMEOUT_S):
+                while admin is None:
+                    line = await process.stdout.readline()
+                    if not line:
+                        raise RuntimeError(f"worker {index} exited (status {await process.wait()})")
+                    text = line.decode(errors="replace")
+                    if text.startswith("ready "):
+                        fields = dict(part.split("=", 1) for part in text.split()[1:] if "=" in part)
+                        admin_host, _, admin_port = fields["admin"].rpartition(":")
+                        admin = (admin_host, int(admin_port))
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            raise
+        worker = Worker(index, process, admin, time.monotonic(), restarts=restarts)
+        self.workers[index] = worker
+        self._spawn(self._drain_stdout(process))
+        self._spawn(self._watch(worker))
+        logger.info("worker %d started (pid %d)", index, process.pid)
+        return worker
+
+    @staticmethod
+    async def _drain_stdout(process: asyncio.subprocess.Process) -> None:
+        assert process.stdout is not None
+        while await process.stdout.read(65536):
+            pass
+
+    async def _watch(self, worker: Worker) -> None:
+        status = await worker.process.wait()
+        if self._stopping:
+            return
+        logger.error("worker %d (pid %d) exited with status %d; %d open streams lost; restarting",
+                     worker.index, worker.process.pid, status, len(worker.streams))
+        self._record_lost(worker)
+        if time.monotonic() - worker.started_at < _RESTART_BACKOFF_S:
+            await asyncio.sleep(_RESTART_BACKOFF_S)
+        while not self._stopping:
+            try:
+                await self._start_worker(worker.index, worker.restarts + 1)
+                return
+            except (RuntimeError, OSError, TimeoutError) as error:
+                logger.error("worker %d did not restart: %s", worker.index, error)
+                await asyncio.sleep(_RESTART_BACKOFF_S)
+
+    def _record_lost(self, worker: Worker) -> None:
+        """A ``worker_lost`` record for each stream the dead worker last listed."""
+        now = time.time()
+        for entry in worker.streams:
+            age_s = float(entry.get("age_s") or 0.0)
+            record = StreamRecord(
+                request_id=str(entry.get("request_id", "")), upstream=str(entry.get("upstream", "")),
+                status=0, end_reason=EndReason.WORKER_LOST, error_code=None,
+                started_at=now - age_s, duration_s=age_s, ttfb_s=None, max_event_gap_s=0.0,
+                event_gap_buckets=(), events_in=int(entry.get("events_in") or 0),
+                events_out=int(entry.get("events_out") or 0), bytes_out=0, heartbeats=0,
+                coalesced_events=0, dropped_events=0, retries=0, refused_retries=0,
+                pending_high_water_bytes=0)
+            self._log.write(record, worker=worker.index)
+        worker.streams = []
+
+    async def _poll_streams(self) -> None:
+        while True:
+            for worker in list(self.workers.values()):
+                if worker.process.returncode is not None:
+                    continue
+                with contextlib.suppress(OSError, TimeoutError, ValueError, IndexError):
+                    status, _, body = await _fetch(worker.admin, "GET", "/streams", timeout_s=1.0)
+                    if status == 200 and worker.process.returncode is None:
+                        worker.streams = json.loads(body)
+            await asyncio.sleep(_POLL_S)
+
+    # ------------------------------------------------------------ the admin port
+
+    def _live(self) -> list[Worker]:
+        return [w for _, w in sorted(self.workers.items()) if w.process.returncode is None]
+
+    async def _gather(self, method: str, path: str) -> list[tuple[Worker, tuple[int, bytes, bytes] | None]]:
+        workers = self._live()
+
+        async def one(worker: Worker) -> tuple[int, bytes, bytes] | None:
+            try:
+                return await _fetch(worker.admin, method, path, self._access.token)
+            except (OSError, TimeoutError, ValueError, IndexError):
+                return None
+
+        answers = await asyncio.gather(*(one(w) for w in workers))
+        return list(zip(workers, answers, strict=True))
+
+    async def route(self, method: bytes, target: bytes) -> tuple[int, bytes, bytes]:
+        """The supervisor's admin answer: (status, content type, body)."""
+        path = urllib.parse.unquote(target.split(b"?", 1)[0].decode("ascii", "replace"))
+        quoted = target.split(b"?", 1)[0].decode("ascii", "replace")
+        json_type = b"application/json"
+        if method in (b"GET", b"HEAD") and path == "/metrics":
+            answers = await self._gather("GET", "/metrics")
+            texts = [a[2] for _, a in answers if a is not None and a[0] == 200]
+            content_type = next((a[1] for _, a in answers if a is not None), b"text/plain")
+            return 200, content_type, sum_metrics(texts)
+        if method in (b"GET", b"HEAD") and path == "/streams":
+            streams: list[Any] = []
+            for worker, answer in await self._gather("GET", "/streams"):
+                if answer is not None and answer[0] == 200:
+                    streams += [{**entry, "worker": worker.index} for entry in json.loads(answer[2])]
+            return 200, json_type, json.dumps(streams, separators=(",", ":")).encode()
+        if method in (b"GET", b"HEAD") and path == "/workers":
+            listing = [{"index": w.index, "pid": w.process.pid, "restarts": w.restarts,
+                        "alive": w.process.returncode is None, "streams": len(w.streams)}
+                       for _, w in sorted(self.workers.items())]
+            return 200, json_type, json.dumps(listing, separators=(",", ":")).encode()
+        if method in (b"GET", b"HEAD") and path == "/readyz" and self._stopping:
+            return 503, json_type, b'{"status":"draining"}'
+        if method == b"DELETE" and path.startswith("/streams/"):
+            last: tuple[int, bytes, bytes] | None = None
+            for _, answer in await self._gather("DELETE", quoted):
+                if answer is not None and answer[0] == 200:
+                    return answer
+                last = answer if answer is not None else last
+            if last is not None:
+                return last
+        live = self._live()
+        if not live:
+            return 503, json_type, b'{"status":"no worker running"}'
+        try:
+            return await _fetch(live[0].admin, method.decode("ascii", "replace"),
+                                target.decode("ascii", "replace"), self._access.token)
+        except (OSError, TimeoutError, ValueError, IndexError):
+            return 502, json_type, b'{"status":"worker did not answer"}'
+
+    async def _serve_admin(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_ADMIN_HEAD_BYTES)
+        try:
+            request: h11.Request | None = None
+            async with asyncio.timeout(_ADMIN_TIMEOUT_S * 2):
+                while True:
+                    event = conn.next_event()
+                    if event is h11.NEED_DATA:
+                        conn.receive_data(await reader.read(65536))
+                        continue
+                    if isinstance(event, h11.Request):
+                        request = event
+                    elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+                        break
+            if request is None:
+                return
+            path = urllib.parse.unquote(request.target.split(b"?", 1)[0].decode("ascii", "replace"))
+            authorization = next((v for k, v in request.headers if k == b"authorization"), None)
+            extra: tuple[tuple[bytes, bytes], ...] = ()
+            if self._access.allows(path, authorization):
+                status, content_type, body = await self.route(request.method, request.target)
+            else:
+                status, content_type, body = 401, b"application/json", b'{"status":"admin token required"}'
+                extra = UNAUTHORIZED_HEADERS
+            headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()),
+                       (b"connection", b"close"), *extra]
+            writer.write(conn.send(h11.Response(status_code=status, headers=headers)))
+            if request.method != b"HEAD":
+                writer.write(conn.send(h11.Data(data=body)))
+            writer.write(conn.send(h11.EndOfMessage()))
+            await writer.drain()
+        except (h11.ProtocolError, TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+def supervise(config: SidecarConfig, argv: Sequence[str], *, out: TextIO = sys.stdout) -> int:
+    """Run the supervisor until SIGTERM (the ``tokenwire sidecar --workers N`` command)."""
+    return asyncio.run(Supervisor(config, argv, out=out).run())
+
+
+def die_with_parent() -> None:
+    """In a worker: get SIGTERM if the supervisor dies (Linux), so no worker is orphaned."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
