@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the system packages the tests and benchmarks use, only when missing.
-# Usage: scripts/system-deps.sh PACKAGE...   (Debian names: redis-server nginx chromium)
+# Usage: scripts/system-deps.sh PACKAGE...   (Debian names: redis-server nginx chromium nodejs npm curl)
 set -euo pipefail
 missing=()
 for pkg in "$@"; do
@@ -8,6 +8,7 @@ for pkg in "$@"; do
         redis-server) bin=redis-server ;;
         nginx) bin=nginx ;;
         chromium) bin=chromium ;;
+        nodejs) bin=node ;;
         *) bin="$pkg" ;;
     esac
     command -v "$bin" >/dev/null 2>&1 || [ -x "/usr/sbin/$bin" ] || missing+=("$pkg")

@@ -4,9 +4,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup-venv.sh dev,engine
-# Real Redis (resume store), headless Chromium (EventSource, playground), and
-# nginx (the ingress example is checked with nginx -t).
-scripts/system-deps.sh redis-server chromium nginx
+# Real Redis (resume store), headless Chromium (EventSource, playground),
+# nginx (the ingress example is checked with nginx -t), and Node, npm and curl
+# (clients of the compatibility suite, tests/compat/clients).
+scripts/system-deps.sh redis-server chromium nginx nodejs npm curl
+# openai-node and eventsource for the compatibility suite, from its lock file.
+scripts/node-deps.sh
 py=.venv/bin/python
 echo "== ruff"; $py -m ruff check tokenwire middleware sidecar engine tests bench
 echo "== mypy --strict (middleware, sidecar, engine)"; scripts/typecheck.sh

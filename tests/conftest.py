@@ -1,4 +1,4 @@
-"""Fixtures every test folder may use: a real Redis server."""
+"""Fixtures every test folder may use: a real Redis server, headless Chromium."""
 
 from __future__ import annotations
 
@@ -8,8 +8,13 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+# Debian's chromium, as root, with nothing reaching for the network (which is closed here).
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 
 
 def _free_port() -> int:
@@ -47,3 +52,28 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     yield f"redis://127.0.0.1:{port}/0"
     process.terminate()
     process.wait(10)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """Headless Debian chromium driven by Playwright (never a downloaded browser).
+    Module scope: while it lives, Playwright's loop runs in the main thread and
+    every ``asyncio.run()`` there fails, so it must not outlive the module."""
+    # Fail, never skip: a missing browser would otherwise hide a broken page.
+    try:
+        from playwright.sync_api import Error, sync_playwright
+    except ImportError:
+        pytest.fail("playwright is not installed in this venv (scripts/setup-venv.sh dev installs it)",
+                    pytrace=False)
+    chromium = shutil.which("chromium") or "/usr/bin/chromium"
+    if not Path(chromium).exists():
+        pytest.fail("no chromium: install Debian's package (scripts/system-deps.sh chromium); "
+                    "a downloaded browser is not used", pytrace=False)
+    with sync_playwright() as playwright:
+        try:
+            launched = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        except Error as error:
+            pytest.fail(f"chromium at {chromium} did not start: {error}", pytrace=False)
+        yield launched
+        launched.close()
+

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import shutil
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -22,9 +20,6 @@ from upstreams import FakeUpstream
 T = TypeVar("T")
 
 _WIRE_KEYS = frozenset(f.name for f in dataclasses.fields(WireConfig))
-# Debian's chromium, as root, with nothing reaching for the network (which is closed here).
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 
 
 class LoopThread:
@@ -140,26 +135,3 @@ def start_sidecar(loop_thread: LoopThread, upstream: FakeUpstream) -> Iterator[C
     yield start
     for running in started:
         loop_thread.run(running.sidecar.shutdown())
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    """Headless Debian chromium driven by Playwright (never a downloaded browser)."""
-    # Fail, never skip: a missing browser would otherwise hide a broken page.
-    try:
-        from playwright.sync_api import Error, sync_playwright
-    except ImportError:
-        pytest.fail("playwright is not installed in this venv (scripts/setup-venv.sh dev installs it)",
-                    pytrace=False)
-    chromium = shutil.which("chromium") or "/usr/bin/chromium"
-    if not Path(chromium).exists():
-        pytest.fail("no chromium: install Debian's package (scripts/system-deps.sh chromium); "
-                    "a downloaded browser is not used", pytrace=False)
-    with sync_playwright() as playwright:
-        try:
-            launched = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
-        except Error as error:
-            pytest.fail(f"chromium at {chromium} did not start: {error}", pytrace=False)
-        yield launched
-        launched.close()
-

@@ -1,0 +1,199 @@
+"""The Python clients, each used as its documentation shows, each returning an
+*outcome*: what the application using it ends up with (see ``outcome.py``).
+
+A slow reader (``stall`` given) takes the first event, calls ``stall()`` (which
+returns once the upstream has written its whole answer, or after a while when
+nothing in between can take it), then reads on: the answer piles up in
+tokenwire meanwhile, which must merge it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from .outcome import Outcome, jsonable, sse_outcome
+
+TIMEOUT_S = 30.0
+MODEL = "compat-model"
+MESSAGES = [{"role": "user", "content": "Write the file."}]
+BODY = {"model": MODEL, "messages": MESSAGES, "stream": True}
+
+Stall = Callable[[], None]
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm: no fetch at import
+
+
+def _sdk_error(error: BaseException) -> dict[str, Any]:
+    return {"kind": type(error).__name__, "status": getattr(error, "status_code", None),
+            "body": jsonable(getattr(error, "body", None)), "message": str(error)}
+
+
+def openai_sync(base_url: str, stall: Stall | None) -> Outcome:
+    import openai
+
+    out = Outcome()
+    client = openai.OpenAI(base_url=base_url, api_key="compat", timeout=TIMEOUT_S)
+    try:
+        stream = client.chat.completions.create(model=MODEL, messages=MESSAGES,  # type: ignore[arg-type]
+                                                stream=True)
+        out.status = stream.response.status_code
+        for chunk in stream:
+            out.chunks.append(chunk.to_dict())
+            if stall is not None and len(out.chunks) == 1:
+                stall()
+    except Exception as error:
+        out.error = _sdk_error(error)
+    finally:
+        client.close()
+    return out
+
+
+def openai_async(base_url: str, stall: Stall | None) -> Outcome:
+    import openai
+
+    async def main() -> Outcome:
+        out = Outcome()
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="compat", timeout=TIMEOUT_S) as client:
+            try:
+                stream = await client.chat.completions.create(
+                    model=MODEL, messages=MESSAGES, stream=True)  # type: ignore[arg-type]
+                out.status = stream.response.status_code
+                async for chunk in stream:
+                    out.chunks.append(chunk.to_dict())
+                    if stall is not None and len(out.chunks) == 1:
+                        stall()
+            except Exception as error:
+                out.error = _sdk_error(error)
+        return out
+
+    return asyncio.run(main())
+
+
+def openai_stream_helper(base_url: str, stall: Stall | None) -> Outcome:
+    """``client.chat.completions.stream()``: the SDK accumulates the message
+    (text and tool calls) itself; ``final`` is its ``get_final_completion()``."""
+    import openai
+
+    out = Outcome()
+    client = openai.OpenAI(base_url=base_url, api_key="compat", timeout=TIMEOUT_S)
+    try:
+        with client.chat.completions.stream(model=MODEL, messages=MESSAGES) as stream:  # type: ignore[arg-type]
+            for event in stream:
+                if event.type == "chunk":
+                    out.chunks.append(event.chunk.to_dict())
+                    if stall is not None and len(out.chunks) == 1:
+                        stall()
+            final = stream.get_final_completion()
+        out.final = final.to_dict()
+    except Exception as error:
+        out.error = _sdk_error(error)
+    finally:
+        client.close()
+    return out
+
+
+def langchain(base_url: str, stall: Stall | None) -> Outcome:
+    """LangChain's ``ChatOpenAI.stream``, the chunks added up in one go
+    (``full = full + chunk`` re-parses the tool-call arguments each time:
+    quadratic, minutes for a long tool call; the sum is the same)."""
+    from langchain_core.messages.ai import add_ai_message_chunks
+    from langchain_openai import ChatOpenAI
+
+    out = Outcome()
+    llm = ChatOpenAI(model=MODEL, base_url=base_url, api_key="compat",  # type: ignore[arg-type]
+                     timeout=TIMEOUT_S, logprobs=True)
+    pieces: list[Any] = []
+    try:
+        for piece in llm.stream("Write the file."):
+            pieces.append(piece)
+            if stall is not None and len(pieces) == 1:
+                stall()
+    except Exception as error:
+        out.error = _sdk_error(error)
+    if pieces:
+        merged = add_ai_message_chunks(pieces[0], *pieces[1:])
+        out.final = jsonable({
+            "content": merged.content, "tool_calls": merged.tool_calls,
+            "invalid_tool_calls": merged.invalid_tool_calls, "additional_kwargs": merged.additional_kwargs,
+            "response_metadata": merged.response_metadata, "usage_metadata": merged.usage_metadata})
+    return out
+
+
+def litellm_client(base_url: str, stall: Stall | None) -> Outcome:
+    """litellm as a client: ``completion(..., stream=True, api_base=...)``."""
+    import litellm
+
+    litellm.telemetry = False
+    out = Outcome()
+    try:
+        response = litellm.completion(model=f"openai/{MODEL}", messages=MESSAGES, stream=True,
+                                      api_base=base_url, api_key="compat", timeout=TIMEOUT_S)
+        for chunk in response:
+            out.chunks.append(jsonable(chunk.model_dump()))
+            if stall is not None and len(out.chunks) == 1:
+                stall()
+    except Exception as error:
+        out.error = _sdk_error(error)
+    return out
+
+
+def httpx_sse_client(base_url: str, stall: Stall | None) -> Outcome:
+    from httpx_sse import connect_sse
+
+    datas: list[str] = []
+    ids: list[str] = []
+    events: list[str] = []
+    out = Outcome()
+    with httpx.Client(timeout=TIMEOUT_S) as http:
+        try:
+            with connect_sse(http, "POST", f"{base_url}/chat/completions", json=BODY) as source:
+                out.status = source.response.status_code
+                if out.status != 200:
+                    out.body = source.response.read().decode()
+                else:
+                    for sse in source.iter_sse():
+                        datas.append(sse.data)
+                        events.append(sse.event)
+                        if sse.id:
+                            ids.append(sse.id)
+                        if stall is not None and len(datas) == 1:
+                            stall()
+        except Exception as error:
+            out.error = {"kind": type(error).__name__, "status": None, "body": None, "message": str(error)}
+    return sse_outcome(out, datas, ids, events)
+
+
+def curl(base_url: str, stall: Stall | None) -> Outcome:
+    """curl -N; a slow reader is curl writing into a pipe nobody reads for a while."""
+    out = Outcome()
+    process = subprocess.Popen(
+        ["curl", "-sS", "-N", "-X", "POST", "-H", "content-type: application/json",
+         "--data", json.dumps(BODY), "-w", "%{stderr}status=%{http_code}\n",
+         "--max-time", str(int(TIMEOUT_S)), f"{base_url}/chat/completions"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if stall is not None:
+        stall()
+    stdout, stderr = process.communicate(timeout=TIMEOUT_S + 5)
+    text = stderr.decode()
+    out.status = int(text.rsplit("status=", 1)[1].strip()) if "status=" in text else None
+    if process.returncode != 0:
+        out.error = {"kind": f"curl exit {process.returncode}", "status": None, "body": None, "message": ""}
+    return out.with_body(stdout)
+
+
+PY_CLIENTS: dict[str, Callable[[str, Stall | None], Outcome]] = {
+    "openai-sync": openai_sync,
+    "openai-async": openai_async,
+    "openai-stream-helper": openai_stream_helper,
+    "langchain": langchain,
+    "litellm": litellm_client,
+    "httpx-sse": httpx_sse_client,
+    "curl": curl,
+}

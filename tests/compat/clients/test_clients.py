@@ -1,0 +1,208 @@
+"""Every client x every wire feature x both drivers, each compared with the
+same client reading the same upstream script directly.
+
+A row fails on any difference between what the client accumulated through
+tokenwire and directly, unless README.md documents it as intended
+(``outcome.compare``). Beside the comparison, each row checks what only
+tokenwire can show: the upstream requests it caused (no retry storm), and
+from the accounting record that a slow reader's events really were merged
+and that heartbeats really were sent during a silent prefill.
+
+Cases run in batches the first time a row needs one, many at once except
+the slow readers: the Python clients' cases in threads of the test process,
+the Node clients' in one ``node`` process, the browser clients' in one page
+per server (headless Chromium).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .outcome import Outcome, compare
+from .py_clients import PY_CLIENTS
+from .scripts import FEATURES, PROFILE, SLOW_FEATURES
+from .servers import DRIVERS, TARGETS, Servers, stall_max_s
+
+NODE_DIR = Path(__file__).resolve().parent / "node"
+NODE_CLIENTS = ("openai-node", "eventsource")
+BROWSER_CLIENTS = ("browser-eventsource", "browser-fetch")
+CLIENTS = (*PY_CLIENTS, *NODE_CLIENTS, *BROWSER_CLIENTS)
+PYTHON_THREADS = 12
+BROWSER_REPEATS = 8
+GET_CLIENTS = frozenset({"browser-eventsource"})
+"""A browser ``EventSource`` can only GET; every other client POSTs."""
+CLOSE_AT_DONE = frozenset({"eventsource", "browser-eventsource"})
+
+
+def case_id(client: str, feature: str, target: str) -> str:
+    return f"{client}.{feature}.{target}"
+
+
+def base_url(servers: Servers, client: str, feature: str, target: str) -> str:
+    """The OpenAI ``base_url`` of one case (its path names the case and the script)."""
+    root = servers.url(target, PROFILE.get(feature, "plain"))
+    return f"{root}/{case_id(client, feature, target)}/{feature}/v1"
+
+
+def stall_spec(servers: Servers, client: str, feature: str, target: str) -> dict[str, Any] | None:
+    """How a Node or browser slow reader stalls: polls ``url`` until ``yes``, at most ``max_ms``."""
+    if feature not in SLOW_FEATURES:
+        return None
+    key = case_id(client, feature, target)
+    return {"url": f"{servers.url('direct', 'plain')}/finished/{key}", "max_ms": int(stall_max_s(key) * 1000)}
+
+
+def _reachable(servers: Servers, target: str, feature: str) -> bool:
+    return (target, PROFILE.get(feature, "plain")) not in servers.broken
+
+
+@pytest.fixture(scope="module")
+def node_outcomes(servers: Servers) -> dict[str, Outcome]:
+    """Every Node case, run by one ``node`` process (the npm packages come from
+    ``scripts/node-deps.sh``)."""
+    node = shutil.which("node")
+    if node is None:
+        pytest.fail("no node: run scripts/system-deps.sh nodejs npm", pytrace=False)
+    if not (NODE_DIR / "node_modules").is_dir():
+        pytest.fail("the npm packages are missing: run scripts/node-deps.sh", pytrace=False)
+    cases = [{"id": case_id(client, feature, target), "client": client,
+              "base_url": base_url(servers, client, feature, target),
+              "stall": stall_spec(servers, client, feature, target)}
+             for client in NODE_CLIENTS for feature in FEATURES for target in TARGETS
+             if _reachable(servers, target, feature)]
+    done = subprocess.run([node, str(NODE_DIR / "run_cases.mjs")], input=json.dumps(cases), text=True,
+                          capture_output=True, timeout=300, cwd=NODE_DIR)
+    assert done.returncode == 0, f"node failed: {done.stderr[-3000:]}"
+    return {key: Outcome.from_json(value) for key, value in json.loads(done.stdout).items()}
+
+
+@pytest.fixture(scope="module")
+def browser_outcomes(servers: Servers, browser: Any) -> dict[str, Outcome]:
+    """Every browser case: one page per server, loaded from that server itself
+    (``/page``), so the streams it reads are same-origin."""
+    results: dict[str, Outcome] = {}
+    for target in TARGETS:
+        for profile in sorted({PROFILE.get(f, "plain") for f in FEATURES}):
+            if (target, profile) in servers.broken or (target == "direct" and profile != "plain"):
+                continue
+            for slow in (False, True):
+                if slow and profile != "plain":
+                    continue
+                features = [f for f in FEATURES if (f in SLOW_FEATURES) == slow
+                            and (target == "direct" or PROFILE.get(f, "plain") == profile)]
+                # The slow cases' page and streams come over a slow link (servers.SlowLink).
+                origin = servers.url(f"slow-link-{target}" if slow else target, profile)
+                results.update(_browser_cases(browser, servers, origin, target, features))
+    return results
+
+
+def _repeated(key: str, feature: str) -> list[str]:
+    """A browser reads a body cut after its last event short now and then: such
+    cases run ``BROWSER_REPEATS`` times (``key``, ``key~1``...), each compared."""
+    count = BROWSER_REPEATS if feature in ("error_mid_stream", "upstream_death") else 1
+    return [key, *(f"{key}~{i}" for i in range(1, count))]
+
+
+def _browser_cases(browser: Any, servers: Servers, origin: str, target: str,
+                   features: list[str]) -> dict[str, Outcome]:
+    """One page from ``origin`` runs the cases; all at once, but slow readers one by one."""
+    cases = [{"id": key, "client": client, "url": f"/{key}/{feature}/v1/chat/completions",
+              "stall": stall_spec(servers, client, feature, target)}
+             for feature in features for client in BROWSER_CLIENTS
+             for key in _repeated(case_id(client, feature, target), feature)]
+    page = browser.new_page()
+    try:
+        page.goto(f"{origin}/page")
+        together = [c for c in cases if c["stall"] is None]
+        slow = [c for c in cases if c["stall"] is not None]
+        raws = page.evaluate("cs => Promise.all(cs.map(c => window.runCase(c)))", together)
+        raws += [page.evaluate("c => window.runCase(c)", c) for c in slow]
+    finally:
+        page.close()
+    return {c["id"]: Outcome.from_json(raw) for c, raw in zip(together + slow, raws, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def python_outcomes(servers: Servers) -> dict[str, Outcome]:
+    """Every Python case: all at once in threads (most of a case is waiting:
+    retries' backoff, silences), the slow readers one by one after."""
+    cases = [(client, feature, target) for client in PY_CLIENTS for feature in FEATURES
+             for target in TARGETS if _reachable(servers, target, feature)]
+
+    def run(client: str, feature: str, target: str) -> Outcome:
+        key = case_id(client, feature, target)
+        stall = (lambda: servers.stall(key)) if feature in SLOW_FEATURES else None
+        return PY_CLIENTS[client](base_url(servers, client, feature, target), stall)
+
+    with ThreadPoolExecutor(max_workers=PYTHON_THREADS) as pool:
+        futures = {case_id(*case): pool.submit(run, *case) for case in cases if case[1] not in SLOW_FEATURES}
+        results = {key: future.result() for key, future in futures.items()}
+    results.update({case_id(*case): run(*case) for case in cases if case[1] in SLOW_FEATURES})
+    return results
+
+
+@pytest.fixture(scope="module")
+def outcome_of(request: pytest.FixtureRequest,
+               servers: Servers) -> Iterator[Callable[[str, str, str], Outcome]]:
+    """``outcome_of(client, feature, target)``: look one case up in its batch
+    (which runs the first time one of its cases is asked for)."""
+
+    def get(client: str, feature: str, target: str) -> Outcome:
+        if client in NODE_CLIENTS:
+            batch = request.getfixturevalue("node_outcomes")
+        elif client in BROWSER_CLIENTS:
+            batch = request.getfixturevalue("browser_outcomes")
+        else:
+            batch = request.getfixturevalue("python_outcomes")
+        servers.url(target, PROFILE.get(feature, "plain"))  # a broken target fails here, by name
+        return batch[case_id(client, feature, target)]
+
+    yield get
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("client", CLIENTS)
+def test_client_through_tokenwire_as_directly(client: str, feature: str, driver: str, servers: Servers,
+                                              outcome_of: Callable[[str, str, str], Outcome],
+                                              request: pytest.FixtureRequest) -> None:
+    direct = outcome_of(client, feature, "direct")
+    through = outcome_of(client, feature, driver)
+    compare(feature, client, direct, through)
+    if client in BROWSER_CLIENTS:
+        batch = request.getfixturevalue("browser_outcomes")
+        for key in _repeated(case_id(client, feature, driver), feature)[1:]:
+            compare(feature, client, direct, batch[key])
+
+    requests_direct = len(servers.upstream.requests[case_id(client, feature, "direct")])
+    requests_through = len(servers.upstream.requests[case_id(client, feature, driver)])
+    if feature == "error_first_event":
+        assert requests_through == 1, f"an engine's error was retried: {requests_through} requests"
+    elif driver == "sidecar" and (feature == "upstream_503"
+                                  or (feature == "upstream_502" and client in GET_CLIENTS)):
+        # A 503 says the upstream did not take the request on, and a GET may be
+        # repeated: the sidecar retries them (a POST's 502 it does not), and the
+        # client must not multiply that (x-should-retry: false).
+        assert requests_through == 1 + servers.sidecar_retries, \
+            f"{requests_through} upstream requests (direct: {requests_direct})"
+    else:
+        assert requests_through == requests_direct, \
+            f"{requests_through} upstream requests through tokenwire, {requests_direct} directly"
+
+    if feature in SLOW_FEATURES:
+        record = servers.record_of(case_id(client, feature, driver))
+        # An EventSource is closed at [DONE], maybe before the upstream's own end.
+        ends = ("complete", "client_gone") if client in CLOSE_AT_DONE else ("complete",)
+        assert record.end_reason in ends, record
+        assert record.coalesced_events > 0, f"the slow reader got no merged event: {record}"
+    if feature == "heartbeat":
+        record = servers.record_of(case_id(client, feature, driver))
+        assert record.heartbeats > 0, f"no heartbeat during the silent prefill: {record}"
