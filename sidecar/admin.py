@@ -171,6 +171,33 @@ async def _read_request(reader: asyncio.StreamReader, conn: h11.Connection) -> h
 
 
 AdminHandler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+AdminAnswer = Callable[[h11.Request], Awaitable[tuple[int, bytes, bytes]]]
+"""An admin route: the request in, (status, content type, body) out."""
+
+
+async def serve_one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, answer: AdminAnswer) -> None:
+    """One admin request on its own connection: read it (bounded in size and
+    time), ``answer`` it, write the answer (a 401 names the auth scheme), close.
+    The one admin responder of a sidecar and of the ``--workers`` supervisor."""
+    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_ADMIN_HEAD_BYTES)
+    try:
+        request = await asyncio.wait_for(_read_request(reader, conn), _ADMIN_READ_TIMEOUT_S)
+        if request is None:
+            return
+        status, content_type, body = await answer(request)
+        headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        if status == 401:
+            headers.extend(UNAUTHORIZED_HEADERS)
+        writer.write(conn.send(h11.Response(status_code=status, headers=headers)))
+        if request.method != b"HEAD":
+            writer.write(conn.send(h11.Data(data=body)))
+        writer.write(conn.send(h11.EndOfMessage()))
+        await writer.drain()
+    except (h11.ProtocolError, TimeoutError, ConnectionError):
+        pass
+    finally:
+        writer.close()
 
 
 def handler(context: SidecarContext, *, proxy_address: tuple[str, int] | None = None,
@@ -183,30 +210,12 @@ def handler(context: SidecarContext, *, proxy_address: tuple[str, int] | None = 
     """
     playground = Playground.load(context, proxy_address)
 
+    async def answer(request: h11.Request) -> tuple[int, bytes, bytes]:
+        return route(context, request.method, request.target, playground=playground,
+                     host_header=header_value(request.headers, b"host"), access=access,
+                     authorization=header_value(request.headers, b"authorization"))
+
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_ADMIN_HEAD_BYTES)
-        try:
-            request = await asyncio.wait_for(_read_request(reader, conn), _ADMIN_READ_TIMEOUT_S)
-            if request is None:
-                return
-            status, content_type, body = route(context, request.method, request.target,
-                                               playground=playground,
-                                               host_header=header_value(request.headers, b"host"),
-                                               access=access,
-                                               authorization=header_value(request.headers,
-                                                                          b"authorization"))
-            headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()),
-                       (b"connection", b"close")]
-            if status == 401:
-                headers.extend(UNAUTHORIZED_HEADERS)
-            writer.write(conn.send(h11.Response(status_code=status, headers=headers)))
-            if request.method != b"HEAD":
-                writer.write(conn.send(h11.Data(data=body)))
-            writer.write(conn.send(h11.EndOfMessage()))
-            await writer.drain()
-        except (h11.ProtocolError, TimeoutError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+        await serve_one(reader, writer, answer)
 
     return serve

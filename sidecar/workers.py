@@ -46,8 +46,9 @@ from typing import Any, TextIO
 
 import h11
 from tokenwire.middleware import EndReason, StreamRecord
+from tokenwire.middleware.headers import header_value
 
-from .admin import UNAUTHORIZED_HEADERS, AdminAccess
+from .admin import AdminAccess, serve_one
 from .logs import StreamLog
 from .settings import SidecarConfig, parse_host_port, read_admin_token
 
@@ -62,7 +63,6 @@ _POLL_S = 0.25
 _RESTART_BACKOFF_S = 1.0
 _READY_TIMEOUT_S = 60.0
 _ADMIN_TIMEOUT_S = 5.0
-_MAX_ADMIN_HEAD_BYTES = 16 * 1024
 
 
 @dataclass
@@ -371,40 +371,14 @@ class Supervisor:
             return 502, json_type, b'{"status":"worker did not answer"}'
 
     async def _serve_admin(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_ADMIN_HEAD_BYTES)
-        try:
-            request: h11.Request | None = None
-            async with asyncio.timeout(_ADMIN_TIMEOUT_S * 2):
-                while True:
-                    event = conn.next_event()
-                    if event is h11.NEED_DATA:
-                        conn.receive_data(await reader.read(65536))
-                        continue
-                    if isinstance(event, h11.Request):
-                        request = event
-                    elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
-                        break
-            if request is None:
-                return
-            path = urllib.parse.unquote(request.target.split(b"?", 1)[0].decode("ascii", "replace"))
-            authorization = next((v for k, v in request.headers if k == b"authorization"), None)
-            extra: tuple[tuple[bytes, bytes], ...] = ()
-            if self._access.allows(path, authorization):
-                status, content_type, body = await self.route(request.method, request.target)
-            else:
-                status, content_type, body = 401, b"application/json", b'{"status":"admin token required"}'
-                extra = UNAUTHORIZED_HEADERS
-            headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()),
-                       (b"connection", b"close"), *extra]
-            writer.write(conn.send(h11.Response(status_code=status, headers=headers)))
-            if request.method != b"HEAD":
-                writer.write(conn.send(h11.Data(data=body)))
-            writer.write(conn.send(h11.EndOfMessage()))
-            await writer.drain()
-        except (h11.ProtocolError, TimeoutError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+        await serve_one(reader, writer, self._answer)
+
+    async def _answer(self, request: h11.Request) -> tuple[int, bytes, bytes]:
+        """The token rule of a single sidecar's admin port, then the route."""
+        path = urllib.parse.unquote(request.target.split(b"?", 1)[0].decode("ascii", "replace"))
+        if not self._access.allows(path, header_value(request.headers, b"authorization")):
+            return 401, b"application/json", b'{"status":"admin token required"}'
+        return await self.route(request.method, request.target)
 
 
 def supervise(config: SidecarConfig, argv: Sequence[str], *, out: TextIO = sys.stdout) -> int:
