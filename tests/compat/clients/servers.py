@@ -10,7 +10,10 @@ One event loop in a background thread runs them all (real sockets on
   (``tokenwire sidecar --upstream URL --resume``) in front of ``direct``.
 
 Profiles: ``plain`` (the defaults), ``resume`` (resume on), ``heartbeat``
-(heartbeats every 0.15 s). Every stream's accounting record is kept.
+(heartbeats every 0.15 s), and those of the two rows beside the grid:
+``reconnect`` (resume on with a grace, read through a :class:`SlowLink` that
+cuts the first connection: ``cut-link-<driver>``) and ``drop`` (the drop
+policy). Every stream's accounting record is kept.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from behaviour.drivers import serve
-from tokenwire.middleware import StreamRecord, TokenWireMiddleware, WireConfig
+from tokenwire.middleware import SlowClientPolicy, StreamRecord, TokenWireMiddleware, WireConfig
 from tokenwire.sidecar import Sidecar, StreamLog
 from tokenwire.sidecar.cli import load_sidecar_config
 
@@ -34,18 +37,27 @@ from .scripts import ScriptedUpstream
 T = TypeVar("T")
 DRIVERS = ("middleware", "sidecar")
 TARGETS = ("direct", *DRIVERS)
-PROFILES = ("plain", "resume", "heartbeat")
+PROFILES = ("plain", "resume", "heartbeat", "reconnect", "drop")
 HEARTBEAT_S = 0.15
+RESUME_GRACE_S = 5.0
+DROPPABLE = "progress"
+CUT_AFTER_BYTES = 1500
+"""The ``reconnect`` row's first connection is cut after this many bytes of the
+answer (head included): a few events in, mid-event, well before its end."""
 
 MIDDLEWARE_CONFIG: dict[str, WireConfig | None] = {
     "plain": None,  # TokenWireMiddleware(app): the middleware's own defaults
     "resume": WireConfig(resume=True),
     "heartbeat": WireConfig(heartbeat_s=HEARTBEAT_S),
+    "reconnect": WireConfig(resume=True, resume_grace_s=RESUME_GRACE_S),
+    "drop": WireConfig(slow_client_policy=SlowClientPolicy.DROP, droppable_event_types=(DROPPABLE,)),
 }
 SIDECAR_FLAGS: dict[str, list[str]] = {
     "plain": [],
     "resume": ["--resume"],
     "heartbeat": ["--heartbeat-s", str(HEARTBEAT_S)],
+    "reconnect": ["--resume", "--resume-grace-s", str(RESUME_GRACE_S)],
+    "drop": ["--slow-client-policy", "drop", "--droppable-event-types", DROPPABLE],
 }
 
 
@@ -115,13 +127,19 @@ class SlowLink:
     (a slow mobile link), reading the server through a 4 KiB receive buffer so
     the server feels it. A browser is never a slow reader by itself: Chromium
     takes megabytes off a socket while the page reads nothing (measured: 24 MB
-    in 2.5 s behind a stalled fetch reader), so its slow cases go through this."""
+    in 2.5 s behind a stalled fetch reader), so its slow cases go through this.
+
+    With ``cut_first_after_bytes`` the first connection it relays is closed
+    (both ways) once that many bytes of the answer went to the client: a
+    dropped connection mid-answer, which a reconnecting client survives."""
 
     CHUNK_BYTES = 2048
 
-    def __init__(self, port: int, bytes_per_s: int) -> None:
+    def __init__(self, port: int, bytes_per_s: int, cut_first_after_bytes: int | None = None) -> None:
         self.port = port
         self.bytes_per_s = bytes_per_s
+        self.cut_first_after_bytes = cut_first_after_bytes
+        self.connections = 0
         self.server: asyncio.Server | None = None
 
     async def start(self) -> int:
@@ -143,10 +161,19 @@ class SlowLink:
             sock.close()
             client_writer.close()
             return
+        self.connections += 1
+        cut_after = self.cut_first_after_bytes if self.connections == 1 else None
 
         async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, pace: bool) -> None:
+            sent = 0
             try:
                 while data := await reader.read(self.CHUNK_BYTES):
+                    if pace and cut_after is not None and sent + len(data) >= cut_after:
+                        writer.write(data[:cut_after - sent])
+                        await writer.drain()
+                        server_writer.close()
+                        break
+                    sent += len(data)
                     writer.write(data)
                     await writer.drain()
                     if pace:
@@ -189,6 +216,11 @@ async def _start(servers: Servers, stack: contextlib.AsyncExitStack) -> None:
         port = int(servers.urls[(target, "plain")].rsplit(":", 1)[1])
         link = SlowLink(port, SLOW_LINK_BYTES_S)
         servers.urls[(f"slow-link-{target}", "plain")] = f"http://127.0.0.1:{await link.start()}"
+        stack.push_async_callback(link.stop)
+    for driver in DRIVERS:
+        port = int(servers.urls[(driver, "reconnect")].rsplit(":", 1)[1])
+        link = SlowLink(port, 10**9, cut_first_after_bytes=CUT_AFTER_BYTES)
+        servers.urls[(f"cut-link-{driver}", "reconnect")] = f"http://127.0.0.1:{await link.start()}"
         stack.push_async_callback(link.stop)
 
 

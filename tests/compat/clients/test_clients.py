@@ -21,6 +21,7 @@ import shutil
 import subprocess
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -64,24 +65,30 @@ def _reachable(servers: Servers, target: str, feature: str) -> bool:
     return (target, PROFILE.get(feature, "plain")) not in servers.broken
 
 
-@pytest.fixture(scope="module")
-def node_outcomes(servers: Servers) -> dict[str, Outcome]:
-    """Every Node case, run by one ``node`` process (the npm packages come from
-    ``scripts/node-deps.sh``)."""
+def run_node(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """Node cases, run by one ``node`` process (the npm packages come from
+    ``scripts/node-deps.sh``): each case's outcome as JSON."""
     node = shutil.which("node")
     if node is None:
         pytest.fail("no node: run scripts/system-deps.sh nodejs npm", pytrace=False)
     if not (NODE_DIR / "node_modules").is_dir():
         pytest.fail("the npm packages are missing: run scripts/node-deps.sh", pytrace=False)
+    done = subprocess.run([node, str(NODE_DIR / "run_cases.mjs")], input=json.dumps(cases), text=True,
+                          capture_output=True, timeout=300, cwd=NODE_DIR)
+    assert done.returncode == 0, f"node failed: {done.stderr[-3000:]}"
+    results: dict[str, Any] = json.loads(done.stdout)
+    return results
+
+
+@pytest.fixture(scope="module")
+def node_outcomes(servers: Servers) -> dict[str, Outcome]:
+    """Every Node case of the grid, in one ``node`` process."""
     cases = [{"id": case_id(client, feature, target), "client": client,
               "base_url": base_url(servers, client, feature, target),
               "stall": stall_spec(servers, client, feature, target)}
              for client in NODE_CLIENTS for feature in FEATURES for target in TARGETS
              if _reachable(servers, target, feature)]
-    done = subprocess.run([node, str(NODE_DIR / "run_cases.mjs")], input=json.dumps(cases), text=True,
-                          capture_output=True, timeout=300, cwd=NODE_DIR)
-    assert done.returncode == 0, f"node failed: {done.stderr[-3000:]}"
-    return {key: Outcome.from_json(value) for key, value in json.loads(done.stdout).items()}
+    return {key: Outcome.from_json(value) for key, value in run_node(cases).items()}
 
 
 @pytest.fixture(scope="module")
@@ -206,3 +213,78 @@ def test_client_through_tokenwire_as_directly(client: str, feature: str, driver:
     if feature == "heartbeat":
         record = servers.record_of(case_id(client, feature, driver))
         assert record.heartbeats > 0, f"no heartbeat during the silent prefill: {record}"
+
+
+# Two rows beside the grid: one client, one feature each.
+
+Reconnects = dict[str, tuple[Outcome, list[str | None]]]
+"""Case → (outcome, the ``Last-Event-ID`` of each request the client made)."""
+
+
+def row_url(servers: Servers, link: str, profile: str, case: str, script: str) -> str:
+    """The OpenAI ``base_url`` of a row's case: ``case`` reads upstream ``script``."""
+    return f"{servers.url(link, profile)}/{case}/{script}/v1"
+
+
+@pytest.fixture(scope="module")
+def reconnect_outcomes(servers: Servers) -> Reconnects:
+    """The ``eventsource`` package with resume on and a resume grace, its first
+    connection cut mid-answer (``servers.SlowLink``, ``cut-link-<driver>``): it
+    reconnects by itself, re-sending its POST with ``Last-Event-ID``. Directly
+    the same client reads the same script whole. Each outcome comes with the
+    ``Last-Event-ID`` of every request the client made."""
+    cases = [{"id": case_id("eventsource", "reconnect", "direct"), "client": "eventsource",
+              "base_url": row_url(servers, "direct", "plain", case_id("eventsource", "reconnect", "direct"),
+                                  "resume"), "stall": None, "reconnect": True}]
+    cases += [{"id": case_id("eventsource", "reconnect", driver), "client": "eventsource",
+               "base_url": row_url(servers, f"cut-link-{driver}", "reconnect",
+                                   case_id("eventsource", "reconnect", driver), "resume"),
+               "stall": None, "reconnect": True} for driver in DRIVERS]
+    results = {}
+    for key, value in run_node(cases).items():
+        sent = value.pop("last_event_ids")
+        results[key] = (Outcome.from_json(value), sent)
+    return results
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_eventsource_reconnects_by_itself_and_gets_the_answer_once(
+        driver: str, servers: Servers, reconnect_outcomes: Reconnects) -> None:
+    direct, sent_direct = reconnect_outcomes[case_id("eventsource", "reconnect", "direct")]
+    key = case_id("eventsource", "reconnect", driver)
+    through, sent = reconnect_outcomes[key]
+    assert sent_direct == [None], f"the direct read was not one request: {sent_direct}"
+    # The first connection was cut mid-answer, and the package re-sent its POST
+    # naming the last event it had: an id tokenwire gave it, not its last one.
+    assert len(sent) == 2 and sent[0] is None, f"requests' Last-Event-ID: {sent} ({through})"
+    assert sent[1] in through.ids[:-1], f"re-sent Last-Event-ID {sent[1]!r}, ids seen {through.ids}"
+    assert len(set(through.ids)) == len(through.ids), f"an event came twice: {through.ids}"
+    # No duplicate, no gap: what it accumulated is the direct read's, exactly.
+    compare("resume", "eventsource", direct, through)
+    assert through.done and through.error is None, through
+    requests = servers.upstream.requests[key]
+    assert len(requests) == 1, f"the reconnect reached the upstream: {requests}"
+
+
+@pytest.fixture(scope="module")
+def drop_outcomes(servers: Servers) -> dict[str, Outcome]:
+    """openai-python (sync) as a slow reader of the ``slow_reader`` script,
+    directly and through tokenwire under the drop policy (profile ``drop``)."""
+    client = PY_CLIENTS["openai-sync"]
+    results = {}
+    for target in TARGETS:
+        key = case_id("openai-sync", "drop_policy", target)
+        url = row_url(servers, target, "plain" if target == "direct" else "drop", key, "slow_reader")
+        results[target] = client(url, partial(servers.stall, key))
+    return results
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_drop_policy_never_drops_an_openai_answer(driver: str, servers: Servers,
+                                                   drop_outcomes: dict[str, Outcome]) -> None:
+    compare("slow_reader", "openai-sync", drop_outcomes["direct"], drop_outcomes[driver])
+    record = servers.record_of(case_id("openai-sync", "drop_policy", driver))
+    assert record.end_reason.value == "complete", record
+    assert record.coalesced_events > 0, f"the slow reader got no merged event: {record}"
+    assert record.dropped_events == 0, f"events of an OpenAI answer were dropped: {record}"
+    assert len(servers.upstream.requests[case_id("openai-sync", "drop_policy", driver)]) == 1

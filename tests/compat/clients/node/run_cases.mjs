@@ -1,8 +1,12 @@
 // The Node clients of the client suite, batched: one process runs every case.
-// stdin: [{id, client: "openai-node" | "eventsource", base_url, stall}]
+// stdin: [{id, client: "openai-node" | "eventsource", base_url, stall, reconnect}]
 // stall (a slow reader, else null): {url, max_ms}: after the first event the
 // client stops reading until url answers "yes" (the upstream wrote it all) or
 // max_ms passed.
+// reconnect (eventsource only, optional): when its connection drops, the
+// package reconnects by itself (re-sending the POST through its fetch option,
+// with Last-Event-ID); the case records each request's Last-Event-ID
+// ("last_event_ids", null for none) and keeps reading, at most 3 times.
 // stdout: {id: outcome} (the shape of outcome.py's Outcome; "datas" are the
 // dispatched SSE data, turned into chunks by the Python side).
 import OpenAI from "openai";
@@ -47,9 +51,11 @@ async function openaiNode(c) {
 function eventSource(c) {
   return new Promise((resolve) => {
     const out = { status: null, datas: [], ids: [], events: [], error: null };
+    if (c.reconnect) out.last_event_ids = [];
     const source = new EventSource(`${c.base_url}/chat/completions`, {
       // The package's documented way to POST: its own fetch.
       fetch: async (input, init) => {
+        if (c.reconnect) out.last_event_ids.push(init.headers["Last-Event-ID"] ?? null);
         const response = await fetch(input, { ...init, method: "POST", body: BODY,
           headers: { ...init.headers, "content-type": "application/json" } });
         out.status = response.status;
@@ -64,6 +70,8 @@ function eventSource(c) {
       if (c.stall && out.datas.length === 1) stallBlocking(c.stall);
     };
     source.onerror = (event) => {
+      // A dropped connection: the package reconnects by itself (readyState CONNECTING).
+      if (c.reconnect && source.readyState === source.CONNECTING && out.last_event_ids.length <= 3) return;
       out.error = { kind: "error", status: event.code ?? null, body: null, message: event.message ?? "" };
       finish();
     };
