@@ -387,8 +387,8 @@ def _error_response(error: ProtocolError | RequestRejected, request_id: str) -> 
 def _request_id(request: Request) -> str:
     """The client's ``X-Request-Id``, else the middleware's id, else a fresh one.
 
-    Using the middleware's id when it made one up keeps its ``on_abort`` and
-    our abort endpoint talking about the same request.
+    Using the middleware's id when it made one up keeps its logs and our abort
+    endpoint talking about the same request.
     """
     given = request.headers.get(REQUEST_ID_HEADER)
     if given and len(given) <= _MAX_REQUEST_ID_CHARS and given.isprintable() and "/" not in given:

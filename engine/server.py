@@ -66,9 +66,11 @@ def _wrap_in_middleware(app: ASGIApp, wire: WireConfig | None = None) -> ASGIApp
     """``app`` behind tokenwire's middleware; ``wire`` defaults to the engine's wire defaults."""
     from tokenwire.middleware import TokenWireMiddleware
 
-    engine = app.state.engine  # type: ignore[attr-defined]
-    return TokenWireMiddleware(app, config=wire or engine_wire_defaults(),
-                               on_abort=engine.service.abort)
+    # No on_abort hook: it is given only the request id, and two requests may
+    # send the same X-Request-Id (the second is refused, but if its client left
+    # first the hook would abort the first one's row). Each response frees its
+    # own row when the middleware cancels it (api.py's _ResponseStream).
+    return TokenWireMiddleware(app, config=wire or engine_wire_defaults())
 
 
 _SWITCH_INTERVAL_S = 0.001

@@ -74,7 +74,6 @@ class EngineService:
     def abort(self, request_id: str, reason: str) -> bool:
         """Abort an in-flight request; its row leaves the batch at the next step.
 
-        Matches the middleware's ``on_abort(request_id, reason)`` signature.
         Returns whether the id was in flight.
         """
         handle = self._handles.get(request_id)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -69,6 +70,32 @@ def test_a_reused_request_id_aborts_only_its_own_row(engine_server: RunningServe
         # The attacker hung up: its row goes (disconnect, then the abort call), the victim's stays
         # and runs to its end: an abort of it at any point would end it with an in-band error.
         _wait_until(lambda: backend.batch_row_ids == [victim_row])
+        rest = list(victim_lines)
+    assert rest[-1] == "data: [DONE]"
+    finish = json.loads(rest[-2][len("data:"):])
+    assert "error" not in finish and finish["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_reused_request_id_sent_straight_to_the_engine_aborts_nothing_of_the_victim(
+        engine_server: RunningServer) -> None:
+    """Without a sidecar: a second request with the victim's ``X-Request-Id`` that
+    leaves before it is answered must not take the victim's row with it (the
+    engine used to pass the middleware's ``on_abort`` the id, and abort by it)."""
+    backend = engine_server.app.state.engine.backend
+    body = {"model": "tiny", "prompt": "Keep going", "max_tokens": 300, "stream": True, "ignore_eos": True}
+    host, port = engine_server.base_url.removeprefix("http://").split(":")
+    with httpx.Client(timeout=30) as client, client.stream(
+            "POST", f"{engine_server.base_url}/v1/completions", json=body,
+            headers={"X-Request-Id": "victim-id"}) as victim:
+        victim_lines = (line for line in victim.iter_lines() if line.startswith("data:"))
+        assert next(victim_lines)
+        _wait_until(lambda: backend.batch_row_ids == ["victim-id"])
+        # The attacker's head promises a body it never sends, then it hangs up: the
+        # middleware sees its client leave while the app still waits for the body.
+        with socket.create_connection((host, int(port))) as attacker:
+            attacker.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: victim-id\r\n"
+                             b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+            time.sleep(0.3)  # the app is now reading the body (no event to wait on from outside)
         rest = list(victim_lines)
     assert rest[-1] == "data: [DONE]"
     finish = json.loads(rest[-2][len("data:"):])
