@@ -113,6 +113,9 @@ from .pending import PendingBuffer
 from .retry import RetryBudget
 from .sse import SSEEvent, SSEParser, encode
 
+# How much of an error answer that arrives after the commit is read for its message.
+_LATE_ERROR_BODY_BYTES = 16 * 1024
+
 HEARTBEAT = b": keepalive\n"
 """A comment line alone: no blank line, so no decoder can dispatch it as an event
 (see the module docstring)."""
@@ -280,6 +283,9 @@ class WireStream:
         self._stream_id = stream_id or ""
         self._seq = 0  # the last numbered event
         self._retry_field_due = False  # the next numbered event carries ``retry:``
+        # An error status that came after the commit: its body, read to tell the client.
+        self._late_error_body: bytearray | None = None
+        self._late_error_status = 0
         self._replaying = False
         self._recording = config.resume
         self._recorded_bytes = 0
@@ -492,8 +498,10 @@ class WireStream:
             # Committed by the deadline before the upstream answered: its
             # status can no longer reach the client except in-band.
             if not 200 <= event.status < 300:
-                self._fail(UpstreamError(f"upstream answered {event.status}",
-                                         ErrorCode.UPSTREAM_FAILED), EndReason.UPSTREAM_ERROR, now)
+                # Its body is the engine's own word on what went wrong (often an
+                # OpenAI error object): read it, then end in-band with it.
+                self._late_error_body = bytearray()
+                self._late_error_status = event.status
             elif not sse or is_compressed(event.headers):
                 self._fail(SSEProtocolError("upstream did not answer with an uncompressed "
                                             "event stream"), EndReason.UPSTREAM_ERROR, now)
@@ -526,6 +534,10 @@ class WireStream:
         if self._upstream_status is None:
             raise LocalProtocolError("UpstreamData before UpstreamHeaders")
         self._upstream_seen_at = now
+        late = self._late_error_body
+        if late is not None:
+            late += event.data[:max(_LATE_ERROR_BODY_BYTES - len(late), 0)]
+            return
         if self._passthrough:
             self._pending.add_bytes(event.data)
             self._after_queue(now)
@@ -559,6 +571,8 @@ class WireStream:
         if self._upstream_status is None or self._passthrough:
             raise LocalProtocolError("UpstreamEvent needs an event-stream UpstreamHeaders first")
         self._upstream_seen_at = now
+        if self._late_error_body is not None:
+            return  # the events of an error answer are not the answer
         self._on_sse_event(event.event, now)
 
     def _on_sse_event(self, event: SSEEvent, now: float) -> None:
@@ -603,6 +617,9 @@ class WireStream:
             return
         if self._upstream_status is None:
             raise LocalProtocolError("UpstreamEnded before UpstreamHeaders")
+        if self._late_error_body is not None:
+            self._fail_late_error(now)
+            return
         if self._passthrough:
             self._end(EndReason.COMPLETE, None, abrupt=False, trigger=_Trigger.FINISH)
             return
@@ -628,6 +645,9 @@ class WireStream:
     def _on_upstream_failed(self, event: UpstreamFailed, now: float) -> None:
         self._upstream_open = False
         if self._state in _ENDED or self._retry_at is not None:
+            return
+        if self._late_error_body is not None:
+            self._fail_late_error(now)  # with as much of its body as came
             return
         kind = event.kind
         error: WireError
@@ -808,6 +828,23 @@ class WireStream:
         self._sse_committed = True
         # On the first numbered event, so an EventSource knows how soon to come back.
         self._retry_field_due = self.config.resume
+
+    def _fail_late_error(self, now: float) -> None:
+        """End in-band with an error status that arrived after the commit: the
+        engine's error object forwarded as it came if the body is one, else
+        the status and the start of the body in words."""
+        body = bytes(self._late_error_body or b"")
+        self._late_error_body = None
+        error: WireError | None = None
+        if body[:1] == b"{":
+            payload = _error_object(body.decode("utf-8", "replace"))
+            if payload is not None:
+                error = UpstreamErrorEvent(payload)
+        if error is None:
+            text = " ".join(body.decode("utf-8", "replace").split())[:200]
+            message = f"upstream answered {self._late_error_status}" + (f": {text}" if text else "")
+            error = UpstreamError(message, ErrorCode.UPSTREAM_FAILED)
+        self._fail(error, EndReason.UPSTREAM_ERROR, now)
 
     def _schedule_retry(self, now: float, reason: EndReason, *, unprocessed: bool = False) -> bool:
         """Arrange a retry of the upstream if allowed; True if one is coming.

@@ -277,11 +277,37 @@ def test_retry_whenCommittedByDeadline_thenNeverRetriedButInBandError(name: str)
     d.send(Tick(), at=1.0)
     assert d.commit.streaming
     FAILURES[name][0](d)
+    if name.startswith("status_"):
+        d.send(UpstreamEnded())  # the error answer's (empty) body is read for its message
     d.send(Tick(), at=10.0)
     assert d.of(RetryUpstream) == []
     events = parse_all(d.written)
     assert error_of(events[-1].data)["code"] in ("upstream_unavailable", "upstream_failed")
     assert d.of(CloseClient) == [CloseClient(abrupt=True)]
+    assert d.finished.record.end_reason is EndReason.UPSTREAM_ERROR
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    (b'{"error":{"message":"The server is overloaded","type":"server_error","code":"overloaded"}}',
+     {"message": "The server is overloaded", "type": "server_error", "code": "overloaded",
+      "tokenwire": {"code": "upstream_failed"}}),
+    (b"<html>\n  Service Unavailable\n</html>",
+     {"message": "upstream answered 503: <html> Service Unavailable </html>", "type": "upstream_error",
+      "code": "upstream_failed", "tokenwire": {"code": "upstream_failed"}}),
+], ids=["error_object", "text"])
+def test_errorStatusAfterTheCommit_thenItsBodyIsTheInBandError(body: bytes, expected: dict[str, Any]) -> None:
+    """Retries that outlast commit_deadline_s: the upstream's last answer, an
+    error status, can only travel in-band, and its body says what went wrong."""
+    d = Driver(proxy_config(commit_deadline_s=1.0, retry_attempts=0))
+    d.send(Tick(), at=1.0)
+    d.send(UpstreamHeaders(503, ((b"content-type", b"application/json"),)), at=1.5)
+    d.send(UpstreamData(body[:10]), at=1.6)
+    assert not d.stream.finished  # waits for the rest of the body
+    d.send(UpstreamData(body[10:]), at=1.7)
+    d.send(UpstreamEnded(), at=1.8)
+    events = parse_all(d.written)
+    assert json.loads(events[-1].data or "") == {"error": expected}
+    assert d.of(CloseClient) == [CloseClient(abrupt=True)] and d.of(AbortUpstream) == []
     assert d.finished.record.end_reason is EndReason.UPSTREAM_ERROR
 
 
