@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
-from tokenwire.middleware import ConfigError, SlowClientPolicy, WireConfig
+from tokenwire.middleware import ConfigError, SlowClientPolicy, TokenWireMiddleware, WireConfig
 
 
 def test_defaults_followDesign() -> None:
@@ -50,3 +51,33 @@ def test_replace_validatesAgain() -> None:
 def test_config_isFrozen() -> None:
     with pytest.raises(AttributeError):
         WireConfig().heartbeat_s = 1.0  # type: ignore[misc]
+
+
+def _another_valid_value(value: Any) -> Any:
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, SlowClientPolicy):
+        return next(p for p in SlowClientPolicy if p is not value)
+    if isinstance(value, int | float):
+        return value + 1
+    if isinstance(value, tuple):
+        return (*value, "x")
+    if value is None:
+        return "[DONE]"
+    return value + "x" if value else "x"
+
+
+SINGLE_KEYS = [f.name for f in dataclasses.fields(WireConfig) if f.name != "retry_attempts"]
+
+
+@pytest.mark.parametrize("key", SINGLE_KEYS)
+def test_middleware_whenAnySingleKeyChanged_thenValid(key: str) -> None:
+    """The README's first-contact promise: ``WireConfig(one_key=...)`` always
+    builds a middleware (retry_attempts is the one key it refuses, by name)."""
+    changed = WireConfig(**{key: _another_valid_value(getattr(WireConfig(), key))})
+    assert getattr(changed, key) != getattr(WireConfig(), key)
+    TokenWireMiddleware(_app, changed)
+
+
+async def _app(scope: Any, receive: Any, send: Any) -> None:  # never called
+    raise AssertionError
