@@ -1318,7 +1318,11 @@ class FakeDriver:
                 self.upstream = "sse_headers_pending"
                 self.handle(UpstreamHeaders(status, ((b"content-type", b"application/json"),)))
                 if self.upstream == "sse_headers_pending":
-                    self.upstream = "closed"
+                    # Committed already: the core reads the error answer's body
+                    # for its message (the upstream sends it, then ends); else
+                    # the attempt was dropped for a retry or the end.
+                    late = self.stream._late_error_body is not None and not self.finished
+                    self.upstream = "passthrough" if late else "closed"
         elif name == "events" and self.upstream == "sse" and not self.upstream_paused:
             self.upstream_events(op[1], op[2])
         elif name == "events" and self.upstream == "passthrough" and not self.upstream_paused:
