@@ -34,7 +34,7 @@ from enum import Enum
 from typing import Any
 
 from tokenwire.middleware import ConfigError, WireConfig
-from tokenwire.middleware.config import field_docs, merge_layers
+from tokenwire.middleware.config import field_docs, merge_layers, parse_bool
 
 ENV_PREFIX = "TOKENWIRE_ENGINE_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
@@ -183,12 +183,7 @@ def _from_text(key: EngineKey, text: str) -> object:
     if key.optional and text.strip() in ("", "none"):
         return None
     if kind is bool:
-        lowered = text.strip().lower()
-        if lowered in ("1", "true", "yes", "on"):
-            return True
-        if lowered in ("0", "false", "no", "off", ""):
-            return False
-        raise ConfigError(key.name, f"must be true or false, got {text!r}")
+        return parse_bool(key.name, text)
     if kind is float:
         try:
             return float(text)

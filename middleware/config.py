@@ -209,6 +209,17 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+def parse_bool(key: str, text: str) -> bool:
+    """A boolean flag or variable as people write them (1/true/yes/on, 0/false/no/off
+    or empty); anything else is a ConfigError naming ``key``."""
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(key, f"must be true or false, got {text!r}")
+
+
 def load_toml(path: str | Path) -> dict[str, Any]:
     """A TOML file's table; an unreadable or malformed file is a ConfigError naming ``config``."""
     try:

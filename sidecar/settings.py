@@ -25,7 +25,7 @@ from enum import Enum
 from typing import Any
 
 from tokenwire.middleware import ConfigError, WireConfig
-from tokenwire.middleware.config import field_docs, merge_layers
+from tokenwire.middleware.config import field_docs, merge_layers, parse_bool
 
 from .cors import normalize_origin
 
@@ -256,7 +256,7 @@ def _convert_text(key: Key, text: str) -> object:
     kind = key.kind
     try:
         if kind is bool:
-            return _parse_bool(key, text)
+            return parse_bool(key.name, text)
         if kind is float:
             return float(text)
         if kind is int:
@@ -299,15 +299,6 @@ def _convert_toml(key: Key, value: object) -> object:
     if not ok:
         raise ConfigError(key.name, f"must be a {_kind_name(kind)}, got {value!r}")
     return value
-
-
-def _parse_bool(key: Key, text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off", ""):
-        return False
-    raise ConfigError(key.name, f"must be true or false, got {text!r}")
 
 
 def _kind_name(kind: Any) -> str:
