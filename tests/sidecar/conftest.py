@@ -15,7 +15,7 @@ import pytest
 from tokenwire.middleware import StreamRecord, WireConfig
 from tokenwire.sidecar import Sidecar, SidecarConfig, StreamLog
 from tokenwire.sidecar.settings import SIDECAR_WIRE_DEFAULTS
-from upstreams import FakeUpstream
+from upstreams import FakeUpstream, ScriptedUpstream
 
 T = TypeVar("T")
 
@@ -113,6 +113,15 @@ def upstream(loop_thread: LoopThread) -> Iterator[FakeUpstream]:
     loop_thread.run(fake.start())
     yield fake
     loop_thread.run(fake.stop())
+
+
+@pytest.fixture
+def recorder(loop_thread: LoopThread) -> Iterator[ScriptedUpstream]:
+    """An upstream that answers as each test scripts it and records what reached it."""
+    upstream = ScriptedUpstream()
+    loop_thread.run(upstream.start())
+    yield upstream
+    loop_thread.run(upstream.stop())
 
 
 @pytest.fixture

@@ -42,14 +42,6 @@ async def _read_then_garbage(reader: asyncio.StreamReader, writer: asyncio.Strea
     writer.close()
 
 
-@pytest.fixture
-def scripted(loop_thread: LoopThread) -> Iterator[ScriptedUpstream]:
-    upstream = ScriptedUpstream()
-    loop_thread.run(upstream.start())
-    yield upstream
-    loop_thread.run(upstream.stop())
-
-
 # ------------------------------------------------------------------ retries
 
 
@@ -60,14 +52,14 @@ def scripted(loop_thread: LoopThread) -> Iterator[ScriptedUpstream]:
     ("GET", {}, 3),  # idempotent by method
 ], ids=["post", "post-with-idempotency-key", "get"])
 def test_retries_whenUpstreamReadTheRequestThenFailed_thenRepeatedOnlyIfSafe(
-        start_sidecar: StartSidecar, scripted: ScriptedUpstream, answer: object, method: str,
+        start_sidecar: StartSidecar, recorder: ScriptedUpstream, answer: object, method: str,
         headers: dict[str, str], sent: int) -> None:
-    scripted.respond = answer  # type: ignore[assignment]
-    sidecar = start_sidecar(scripted.url, retry_attempts=2, retry_backoff_s=0.0)
+    recorder.respond = answer  # type: ignore[assignment]
+    sidecar = start_sidecar(recorder.url, retry_attempts=2, retry_backoff_s=0.0)
     response = exchange(sidecar.port, method, "/v1/chat/completions", headers=headers,
                         body=chat_body() if method == "POST" else b"")
     assert response.status == 502
-    assert bytes(scripted.received).count(f"{method} /v1/chat/completions HTTP/1.1".encode()) == sent
+    assert bytes(recorder.received).count(f"{method} /v1/chat/completions HTTP/1.1".encode()) == sent
 
 
 def test_retries_whenUpstreamAnswers503_thenPostIsRetried(

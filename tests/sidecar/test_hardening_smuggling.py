@@ -11,21 +11,13 @@ arrived, anything forwarded before it would have arrived too.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from clients import connect, exchange, read_response
-from conftest import LoopThread, RunningSidecar
+from conftest import RunningSidecar
 from upstreams import ScriptedUpstream
-
-
-@pytest.fixture
-def recorder(loop_thread: LoopThread) -> Iterator[ScriptedUpstream]:
-    upstream = ScriptedUpstream()
-    loop_thread.run(upstream.start())
-    yield upstream
-    loop_thread.run(upstream.stop())
 
 
 def _head(*lines: str) -> bytes:

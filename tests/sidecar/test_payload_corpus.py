@@ -27,12 +27,11 @@ import os
 import re
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import LoopThread, RunningSidecar
+from conftest import RunningSidecar
 from upstreams import ScriptedUpstream
 
 PAYLOADS = Path(__file__).resolve().parent / "payloads"
@@ -44,14 +43,6 @@ _VOLATILE = frozenset({"x-request-id", "host", "x-forwarded-port"})
 
 def _cases() -> list[dict[str, Any]]:
     return [json.loads(line) for line in CORPUS.read_text().splitlines() if line.strip()]
-
-
-@pytest.fixture
-def recorder(loop_thread: LoopThread) -> Iterator[ScriptedUpstream]:
-    upstream = ScriptedUpstream()
-    loop_thread.run(upstream.start())
-    yield upstream
-    loop_thread.run(upstream.stop())
 
 
 def _read_until_closed(sock: socket.socket, timeout_s: float) -> bytes:
