@@ -26,6 +26,7 @@ from typing import Any
 
 from tokenwire.middleware import ConfigError, WireConfig
 from tokenwire.middleware.config import field_docs, merge_layers, parse_bool
+from tokenwire.middleware.keepalive import PingLimits
 
 from .cors import normalize_origin
 
@@ -107,15 +108,25 @@ class SidecarConfig:
     workers: str = "1"
     """Worker processes sharing the proxy port (SO_REUSEPORT), like nginx's worker_processes;
     ``auto`` = the CPUs this process may use. One admin port sees them all."""
+    grpc_max_message_bytes: int = 4 * 1024 * 1024
+    """gRPC request messages larger than this end the call RESOURCE_EXHAUSTED, nothing
+    forwarded (gRPC's own default, 4 MiB)."""
+    grpc_keepalive_min_ping_interval_s: float = 300.0
+    """HTTP/2 PINGs from a client closer together than this are strikes (gRPC servers' default)."""
+    grpc_keepalive_max_ping_strikes: int = 2
+    """PING strikes allowed before the connection gets GOAWAY too_many_pings."""
+    grpc_keepalive_permit_without_calls: bool = False
+    """Accept keepalive PINGs on an HTTP/2 connection with no open stream."""
 
     def __post_init__(self) -> None:
         for key in ("drain_s", "header_read_timeout_s", "body_read_timeout_s", "keepalive_timeout_s",
-                    "upstream_connect_timeout_s", "upstream_keepalive_s"):
+                    "upstream_connect_timeout_s", "upstream_keepalive_s",
+                    "grpc_keepalive_min_ping_interval_s"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
                 raise ConfigError(key, f"must be a number >= 0, got {value!r}")
         for key in ("max_connections", "max_head_bytes", "max_header_count", "max_body_bytes",
-                    "max_buffered_body_bytes", "upstream_max_connections"):
+                    "max_buffered_body_bytes", "upstream_max_connections", "grpc_max_message_bytes"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(key, f"must be a whole number > 0, got {value!r}")
@@ -133,6 +144,12 @@ class SidecarConfig:
             raise ConfigError("upstream", "at least one upstream is required")
         if not isinstance(self.drop_underscore_headers, bool):
             raise ConfigError("drop_underscore_headers", "must be true or false")
+        if not isinstance(self.grpc_keepalive_permit_without_calls, bool):
+            raise ConfigError("grpc_keepalive_permit_without_calls", "must be true or false")
+        strikes = self.grpc_keepalive_max_ping_strikes
+        if isinstance(strikes, bool) or not isinstance(strikes, int) or strikes < 0:
+            raise ConfigError("grpc_keepalive_max_ping_strikes",
+                              f"must be a whole number >= 0, got {strikes!r}")
         if self.resume_store not in ("", "memory") and not self.resume_store.startswith(
                 ("redis://", "rediss://", "unix://")):
             raise ConfigError("resume_store", f"expected memory or redis://HOST:PORT/DB, "
@@ -166,6 +183,12 @@ class SidecarConfig:
                                          "the memory store lives in one worker, and a reconnect may "
                                          "land on another; set --resume-store redis://HOST:PORT/DB "
                                          "or run one worker")
+
+    @property
+    def ping_limits(self) -> PingLimits:
+        """The gRPC keepalive enforcement of each HTTP/2 connection."""
+        return PingLimits(self.grpc_keepalive_min_ping_interval_s, self.grpc_keepalive_max_ping_strikes,
+                          self.grpc_keepalive_permit_without_calls)
 
     @property
     def tls(self) -> bool:
