@@ -116,6 +116,11 @@ class Http2Stream:
         self._told_paused = False
         self._timer: asyncio.TimerHandle | None = None
 
+    @property
+    def connection(self) -> Http2Connection:
+        """The connection this stream is on."""
+        return self._connection
+
     # ------------------------------------------------------------ Downstream
 
     def send_headers(self, status: int, headers: Sequence[Header]) -> None:

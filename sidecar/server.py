@@ -105,7 +105,7 @@ class Sidecar:
         # loop's default would hold the socket for 60 s, before the connection
         # (and its timers and connection count) even exists.
         handshake_timeout_s = (config.header_read_timeout_s or None) if self._ssl is not None else None
-        route = self._http2_route
+        route = self._http2_route if self._http2_route is not None else _grpc_route(context)
         factory: Callable[[], asyncio.BaseProtocol] = lambda: ProtocolSelector(context, route)  # noqa: E731
         alerting = (alerting_protocol_factory(factory, self._ssl, handshake_timeout_s)
                     if self._ssl is not None and config.tls_client_ca else None)
@@ -169,6 +169,8 @@ class Sidecar:
         if context is None:
             return
         context.draining = True
+        for listener in list(context.on_drain):
+            listener()
         if self._server is not None:
             self._server.close()
         for connection in list(context.connections):
@@ -193,6 +195,16 @@ class Sidecar:
         if context.replay_store is not None:
             await context.replay_store.aclose()
         context.log.close()
+
+
+def _grpc_route(context: SidecarContext) -> StreamRoute | None:
+    """gRPC on the HTTP/2 listener (``grpc_gateway``), where the ``grpc`` extra is installed."""
+    try:
+        # Imported here: it needs protobuf, which the sidecar alone does not.
+        from .grpc_gateway.driver import GrpcRouter
+    except ImportError:
+        return None
+    return GrpcRouter(context)
 
 
 def raise_fd_limit(max_connections: int) -> int:
