@@ -85,7 +85,8 @@ class RawGrpcConnection(asyncio.Protocol):
         self.transport.write(self.h2.data_to_send())  # type: ignore[union-attr]
         self.ready.set_result(None)
 
-    def call(self, payload: bytes, on_message: Any, *, sse: bool = False) -> tuple[int, asyncio.Future[bytes]]:
+    def call(self, payload: bytes, on_message: Any, *,
+             sse: bool = False) -> tuple[int, asyncio.Future[bytes]]:
         """A gRPC call (``payload``: the request message), or with ``sse`` the same
         answer as SSE over HTTP/2 (``payload``: the JSON body): the HTTP/2 listener
         without the transcoder."""
@@ -348,8 +349,8 @@ def run(rounds: int, streams: int, events: int, interval_ms: float) -> dict[str,
         for _ in range(rounds):
             runs["direct"].append(sb.client("throughput", upstream_port, upstream_port, *load))
             runs["sse"].append(measured(lambda: sb.client("throughput", sidecar_port, upstream_port, *load)))
-            runs["h2_sse"].append(measured(lambda: grpc_client("h2-sse-throughput", sidecar_port, upstream_port,
-                                                               [*load, "--connections", "10"])))
+            runs["h2_sse"].append(measured(lambda: grpc_client(
+                "h2-sse-throughput", sidecar_port, upstream_port, [*load, "--connections", "10"])))
             runs["grpc"].append(measured(lambda: grpc_client("throughput", sidecar_port, upstream_port,
                                                              [*load, "--connections", "10"])))
             runs["grpcio"].append(measured(lambda: grpc_client(
@@ -369,7 +370,8 @@ def run(rounds: int, streams: int, events: int, interval_ms: float) -> dict[str,
         summary[path] = {
             "delivered_events_per_s": median(path, "delivered_events_per_s"),
             "latency_p50_ms": median(path, "p50_ms"), "latency_p99_ms": median(path, "p99_ms"),
-            "complete": [r["complete"] for r in runs[path]], "exact_text": [r["exact_text"] for r in runs[path]],
+            "complete": [r["complete"] for r in runs[path]],
+            "exact_text": [r["exact_text"] for r in runs[path]],
         }
         if path != "direct":
             summary[path]["sidecar_cpu_us_per_event"] = median(path, "sidecar_cpu_us_per_event")
