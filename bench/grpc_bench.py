@@ -16,8 +16,9 @@ Method (figures in bench/README.md, "gRPC"):
   latency = a path's p50 - direct's p50. Delivered events/s and exact text per
   stream; the ratio gRPC/SSE of delivered events/s.
 * ``cancel``: a client reads 3 messages and cancels the call (gRPC:
-  RST_STREAM CANCEL; SSE: a TCP reset), 200 times, 50 at a time; the time from
-  the cancel to the upstream seeing its connection closed (p50/p99).
+  RST_STREAM CANCEL; SSE: a TCP reset), 100 times one at a time (the
+  propagation alone) and 200 times 50 at a time (under 5,000 messages/s); the
+  time from the cancel to the upstream seeing its connection closed (p50/p99).
 
 Usage: ``python bench/grpc_bench.py [--rounds 3 --events 300]``; writes
 ``bench/results/grpc.json``. ``python bench/grpc_bench.py client ...`` is the
@@ -355,11 +356,15 @@ def run(rounds: int, streams: int, events: int, interval_ms: float) -> dict[str,
                                                              [*load, "--connections", "10"])))
             runs["grpcio"].append(measured(lambda: grpc_client(
                 "grpcio-throughput", sidecar_port, upstream_port, [*load, "--connections", "10"])))
-        cancel = {
-            "sse": sb.client("reset", sidecar_port, upstream_port, "--streams", "200", "--concurrency", "50"),
-            "grpc": grpc_client("cancel", sidecar_port, upstream_port, ["--streams", "200"]),
-            "grpcio": grpc_client("grpcio-cancel", sidecar_port, upstream_port, ["--streams", "200"]),
-        }
+        cancel: dict[str, Any] = {}
+        for concurrency in (1, 50):
+            # 1: one stream at a time (the propagation alone); 50: 50 streams of 100 msgs/s open.
+            count = ["--streams", "100" if concurrency == 1 else "200", "--concurrency", str(concurrency)]
+            cancel[f"concurrency_{concurrency}"] = {
+                "sse": sb.client("reset", sidecar_port, upstream_port, *count),
+                "grpc": grpc_client("cancel", sidecar_port, upstream_port, count),
+                "grpcio": grpc_client("grpcio-cancel", sidecar_port, upstream_port, count),
+            }
 
     def median(path: str, key: str) -> float:
         return statistics.median(float(r["latency"][key]) if key.endswith("_ms") else float(r[key])
@@ -400,6 +405,7 @@ def main() -> int:
     client.add_argument("--events", type=int, default=300)
     client.add_argument("--interval-ms", type=float, default=10)
     client.add_argument("--connections", type=int, default=10)
+    client.add_argument("--concurrency", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--streams", type=int, default=200)
     parser.add_argument("--events", type=int, default=300)
@@ -416,9 +422,9 @@ def main() -> int:
         elif args.scenario == "grpcio-throughput":
             coro = grpc_throughput(args.target, args.streams, args.events, args.interval_ms, args.connections)
         elif args.scenario == "cancel":
-            coro = raw_cancel(args.target, args.upstream_port, args.streams, 50)
+            coro = raw_cancel(args.target, args.upstream_port, args.streams, args.concurrency)
         else:
-            coro = grpc_cancel(args.target, args.upstream_port, args.streams, 50)
+            coro = grpc_cancel(args.target, args.upstream_port, args.streams, args.concurrency)
         # grpc.aio runs on the standard asyncio loop (not uvloop).
         print(json.dumps({"result": asyncio.run(coro)}), flush=True)
         return 0

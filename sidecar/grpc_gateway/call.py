@@ -114,6 +114,7 @@ class ResponseTranscoder:
         self._method = method
         self._keep = frozenset({STREAM_ID_HEADER, *metadata_headers})
         self._parser = SSEParser()
+        self._carry = False  # the parser holds part of an event: it takes all from now on
         self._started = False
         self._error_status: int | None = None
         self._error_body = bytearray()
@@ -149,17 +150,48 @@ class ResponseTranscoder:
             return b""
         out: list[bytes] = []
         to_message = self._method.to_message
-        for event in self._parser.feed(data):
-            payload = event.data
-            if payload is None or event.comment is not None or payload == _DONE:
+        for payload, event_id in self._events(data):
+            if payload == _DONE:
                 continue
-            if payload.startswith('{"error"') or (payload.startswith("{") and '"error"' in payload
-                                                  and '"choices"' not in payload):
+            if payload.startswith('{"error"') or ('"error"' in payload and '"choices"' not in payload
+                                                  and payload.startswith("{")):
                 self._in_band = status_of_error_json(payload, None)
                 continue
-            out.append(encode_message(to_message(payload, event.id).SerializeToString()))
+            out.append(encode_message(to_message(payload, event_id).SerializeToString()))
         self.messages_out += len(out)
         return b"".join(out)
+
+    def _events(self, data: bytes) -> list[tuple[str, str | None]]:
+        """The data events (payload, id) in the core's output. The core writes
+        canonical SSE (LF line ends, ``data:``/``id:``/``retry:`` lines, comment
+        lines for heartbeats), whole events per write, so a split on blank
+        lines does; anything else (a CR) takes the full parser."""
+        if b"\r" in data or self._carry:
+            return [(e.data, e.id) for e in self._parser.feed(data)
+                    if e.data is not None and e.comment is None]
+        blocks = data.split(b"\n\n")
+        rest = blocks[-1]
+        if rest and rest.endswith(b"\n") and all(line[:1] == b":" for line in rest[:-1].split(b"\n")):
+            rest = b""  # heartbeat comment lines (no blank line after them): nothing to send
+        if rest:
+            # An event cut between two writes: the parser takes it from here on.
+            self._carry = True
+            self._parser.feed(rest)
+        events: list[tuple[str, str | None]] = []
+        for block in blocks[:-1]:
+            if block.startswith(b"data: ") and b"\n" not in block:
+                events.append((block[6:].decode("utf-8", "replace"), None))
+                continue
+            lines: list[bytes] = []
+            event_id: str | None = None
+            for line in block.split(b"\n"):
+                if line.startswith(b"data:"):
+                    lines.append(line[6:] if line.startswith(b"data: ") else line[5:])
+                elif line.startswith(b"id:"):
+                    event_id = line[3:].strip().decode("utf-8", "replace")
+            if lines:
+                events.append((b"\n".join(lines).decode("utf-8", "replace"), event_id))
+        return events
 
     def deadline_passed(self) -> None:
         """The client's deadline passed; the driver stops the stream through the core."""

@@ -478,3 +478,20 @@ def test_reflection_lists_and_describes_the_services() -> None:
     response.ParseFromString(reflection.answer(rpb.ServerReflectionRequest(
         file_containing_symbol="no.Such").SerializeToString()))
     assert response.error_response.error_code == GrpcStatus.NOT_FOUND
+
+
+@pytest.mark.parametrize("writes", [
+    [b": keepalive\n", b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'],
+    [b': keepalive\ndata: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'],
+    [b'data: {"choices":[{"index":0,', b'"delta":{"content":"a"}}]}\n\n'],  # an event cut in two
+    [b'data: {"choices":[{"index":0,"delta":\r\ndata: {"content":"a"}}]}\r\n\r\n'],  # CRLF, two data lines
+    [b'retry: 3000\ndata: {"choices":[{"index":0,"delta":{"content":"a"}}]}\nid: s.1\n\n'],
+])
+def test_transcoder_reads_any_split_of_the_cores_output(writes: list[bytes]) -> None:
+    transcoder = ResponseTranscoder(CHAT)
+    transcoder.on_headers(200, SSE_HEADERS)
+    wire = b"".join(transcoder.on_body(data) for data in writes)
+    (raw,) = MessageReader().feed(wire)
+    message = pb.ChatCompletionChunk()
+    message.ParseFromString(raw)
+    assert message.choices[0].content == "a"
