@@ -97,8 +97,8 @@ class Playground:
             # Without the bound address the configured one is the best guess (wrong for port 0).
             host, _, port = config.listen.rpartition(":")
             proxy_address = (host.strip("[]"), int(port))
-        package = __package__ or "tokenwire.sidecar"
-        template = importlib.resources.files(package).joinpath("static/playground.html").read_text("utf-8")
+        template = (importlib.resources.files("tokenwire.sidecar.tools")
+                    .joinpath("static/playground.html").read_text("utf-8"))
         return cls(template, "https" if config.tls else "http", *proxy_address)
 
     def proxy_url(self, admin_host_header: bytes | None) -> str:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from tokenwire.sidecar.probe import main
+from tokenwire.sidecar.tools.probe import main
 from upstreams import FakeUpstream
 
 

@@ -23,7 +23,7 @@ from typing import cast
 from tokenwire.middleware import ConfigError
 from tokenwire.middleware.config import load_toml
 
-from .settings import SIDECAR_WIRE_DEFAULTS, SidecarConfig, all_keys, build_config
+from ..settings import SIDECAR_WIRE_DEFAULTS, SidecarConfig, all_keys, build_config
 
 DESCRIPTION = (
     "Reverse proxy that owns the wire between an OpenAI-compatible engine and its clients. "
@@ -51,15 +51,15 @@ class Command:
 
 COMMANDS = (
     Command("sidecar", "reverse proxy in front of an OpenAI-compatible engine",
-            "tokenwire.sidecar.cli:add_arguments", "tokenwire.sidecar.cli:sidecar_main"),
+            "tokenwire.sidecar.tools.cli:add_arguments", "tokenwire.sidecar.tools.cli:sidecar_main"),
     Command("engine", "the embedded torch + transformers engine (needs tokenwire[engine])",
-            "tokenwire.engine.cli:add_arguments", "tokenwire.sidecar.cli:engine_main"),
+            "tokenwire.engine.cli:add_arguments", "tokenwire.sidecar.tools.cli:engine_main"),
     Command("up", "engine (tiny) + sidecar together, for trying it out",
-            "tokenwire.sidecar.up:add_arguments", "tokenwire.sidecar.up:main"),
+            "tokenwire.sidecar.tools.up:add_arguments", "tokenwire.sidecar.tools.up:main"),
     Command("demo", "the guided tour: live streams, a slow reader, a dropped connection, a resume",
-            "tokenwire.sidecar.demo:add_arguments", "tokenwire.sidecar.demo:main"),
+            "tokenwire.sidecar.tools.demo:add_arguments", "tokenwire.sidecar.tools.demo:main"),
     Command("probe", "what a client sees on a stream: time to first token, gaps, truncation",
-            "tokenwire.sidecar.probe:add_arguments", "tokenwire.sidecar.probe:main"),
+            "tokenwire.sidecar.tools.probe:add_arguments", "tokenwire.sidecar.tools.probe:main"),
 )
 _BY_NAME = {command.name: command for command in COMMANDS}
 
@@ -232,8 +232,8 @@ def sidecar_main(argv: Sequence[str]) -> int:
     except ConfigError as error:
         print(f"tokenwire sidecar: configuration error: {error}", file=sys.stderr)
         return 2
-    from .server import run
-    from .workers import WORKER_ENV, die_with_parent, supervise
+    from ..server import run
+    from ..workers import WORKER_ENV, die_with_parent, supervise
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
