@@ -137,7 +137,7 @@ class Exchange(ResponseWriter):
         self.hook_tasks: list[asyncio.Future[Any]] = []
         # Resume.
         self.stream_id = new_stream_id() if self.config.resume else None
-        self.stream_opened = False  # the store has it (opened before its first append)
+        self.resume_opened = False  # the store has it (opened before its first append)
         self.owner = ""  # the caller's hash, the stream's owner in the store
         self.held = False  # the core holds the stream for a reconnect: the app keeps going
         self.reader_wait: asyncio.Task[None] | None = None
@@ -212,7 +212,7 @@ class Exchange(ResponseWriter):
             await replay(store, entry.replay, readable=readable, feed=feed)
             self.app_ended = True
             return True
-        self.stream_opened = entry.opened  # an idempotent request's stream is open
+        self.resume_opened = entry.opened  # an idempotent request's stream is open
         return False
 
     async def await_reader(self, action: AwaitReader) -> None:
@@ -262,13 +262,13 @@ class Exchange(ResponseWriter):
                 await self.send_through(message)
                 return
             store = self.middleware.replay_store
-            if store is not None and not self.stream_opened and self.stream_id is not None:
+            if store is not None and not self.resume_opened and self.stream_id is not None:
                 # Before the core's first ReplayAppend can reach the store.
                 try:
                     await store.open(self.stream_id, owner=self.owner)
                 except StoreUnavailable as error:
                     logger.warning("request %s: not resumable: %s", self.request_id, error)
-                self.stream_opened = True
+                self.resume_opened = True
             stream = self.start_core()
             self.apply(stream.handle(UpstreamHeaders(int(message["status"]), headers),
                                      self.loop.time()))

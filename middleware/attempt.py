@@ -44,6 +44,7 @@ from .errors import (
     UpstreamError,
     UpstreamErrorEvent,
     WireError,
+    upstream_timeout,
 )
 from .events import EndReason, FailureKind, Headers, RetryUpstream, UpstreamFailed
 from .sse import SSEParser
@@ -191,9 +192,7 @@ def failure_error(event: UpstreamFailed) -> tuple[WireError, EndReason, bool]:
                               ErrorCode.UPSTREAM_UNAVAILABLE, retry_after_s=1),
                 EndReason.UPSTREAM_ERROR, True)
     if kind is FailureKind.TIMEOUT:
-        return (UpstreamError(f"upstream timed out: {event.message}",
-                              ErrorCode.UPSTREAM_TIMEOUT, http_status=504),
-                EndReason.UPSTREAM_TIMEOUT, False)
+        return upstream_timeout(f"upstream timed out: {event.message}"), EndReason.UPSTREAM_TIMEOUT, False
     if kind is FailureKind.INVALID_STREAM:
         return SSEProtocolError(event.message), EndReason.UPSTREAM_ERROR, False
     return (UpstreamError(f"upstream failed: {event.message}", ErrorCode.UPSTREAM_FAILED),

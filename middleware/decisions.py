@@ -33,7 +33,7 @@ from .accounting import Accounting
 from .attempt import UpstreamAttempt
 from .client_socket import ClientSocket
 from .config import SlowClientPolicy, WireConfig
-from .errors import NO_CLIENT_RETRY, ErrorCode, UpstreamError, WireError
+from .errors import NO_CLIENT_RETRY, ErrorCode, WireError, upstream_timeout
 from .events import (
     AbortUpstream,
     Action,
@@ -224,16 +224,14 @@ class StreamDecisions:
         if (config.max_stream_duration_s and now >= self._acct.started_at + config.max_stream_duration_s
                 and self._state not in ENDED):
             attempt.retry_at = None
-            self._fail(UpstreamError(f"the stream ran for its limit of {config.max_stream_duration_s:g} s",
-                                     ErrorCode.UPSTREAM_TIMEOUT, http_status=504),
+            limit_s = config.max_stream_duration_s
+            self._fail(upstream_timeout(f"the stream ran for its limit of {limit_s:g} s"),
                        EndReason.UPSTREAM_TIMEOUT, now)
         idle_s = config.upstream_idle_timeout_s
         if idle_s and now >= attempt.seen_at + idle_s and self._idle_watched():
             # A hung engine: heartbeats would otherwise hide it from the client forever.
-            self._upstream_failure(
-                UpstreamError(f"no data from upstream for {config.upstream_idle_timeout_s:g} s",
-                              ErrorCode.UPSTREAM_TIMEOUT, http_status=504),
-                EndReason.UPSTREAM_TIMEOUT, now)
+            self._upstream_failure(upstream_timeout(f"no data from upstream for {idle_s:g} s"),
+                                   EndReason.UPSTREAM_TIMEOUT, now)
         if attempt.retry_at is not None and now >= attempt.retry_at:
             self._actions.append(attempt.start_retry(now))
         if (attempt.headers_deadline_at is not None and now >= attempt.headers_deadline_at
@@ -241,10 +239,8 @@ class StreamDecisions:
             attempt.headers_deadline_at = None
             # The attempt is still open (the engine may be working on it): the
             # retry or the end below aborts it, saying which.
-            self._upstream_failure(
-                UpstreamError(f"no response from upstream within "
-                              f"{config.upstream_headers_timeout_s:g} s",
-                              ErrorCode.UPSTREAM_TIMEOUT, http_status=504),
+            self._upstream_failure(upstream_timeout(
+                f"no response from upstream within {config.upstream_headers_timeout_s:g} s"),
                 EndReason.UPSTREAM_TIMEOUT, now)
         if (self._commit_at is not None and now >= self._commit_at and attempt.retry_at is None
                 and self._state is StreamState.WAITING):

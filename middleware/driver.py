@@ -38,10 +38,9 @@ from dataclasses import dataclass
 
 from .errors import WireError
 from .events import AwaitReader, Input, ReplaySource
+from .headers import Header
 from .replay_store import ReplayStore, StoreUnavailable, admit, feed_replay
 from .resume import CallerKey, ResumeFrom, classify
-
-Header = tuple[bytes, bytes]
 
 
 class DeadlineTimer:

@@ -129,6 +129,11 @@ class LocalError(WireError):
     default_status = 500
 
 
+def upstream_timeout(message: str) -> UpstreamError:
+    """The upstream took too long (headers, silence, the whole stream, a read): 504."""
+    return UpstreamError(message, ErrorCode.UPSTREAM_TIMEOUT, http_status=504)
+
+
 class SSEProtocolError(UpstreamError):
     """The upstream's event stream is malformed or exceeds the size limits."""
 
