@@ -11,7 +11,7 @@ are measured where the bytes are handed to the socket, not where they arrive.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar, overload
 
 from .chunks import usage_of
 from .errors import ErrorCode
@@ -91,3 +91,35 @@ class Accounting:
             pending_high_water_bytes=self.pending_high_water_bytes,
             usage=self.usage,
         )
+
+
+_T = TypeVar("_T")
+
+
+class _Accounted(Protocol):
+    _acct: Accounting
+
+
+class Counted(Generic[_T]):
+    """A read-only attribute that reads the same-named field of its owner's
+    ``_acct`` (an :class:`Accounting`): how ``WireStream`` shows its counters."""
+
+    __slots__ = ("_name",)
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, obj: None, objtype: type | None = None) -> Counted[_T]: ...
+
+    @overload
+    def __get__(self, obj: _Accounted, objtype: type | None = None) -> _T: ...
+
+    def __get__(self, obj: _Accounted | None, objtype: type | None = None) -> _T | Counted[_T]:
+        if obj is None:
+            return self
+        value: _T = getattr(obj._acct, self._name)
+        return value
+
+    def __set__(self, obj: _Accounted, value: _T) -> None:
+        raise AttributeError(f"{self._name} is read-only: the Accounting part counts it")

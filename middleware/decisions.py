@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from .accounting import Accounting
+from .accounting import Accounting, Counted
 from .attempt import UpstreamAttempt
 from .client_socket import ClientSocket
 from .config import SlowClientPolicy, WireConfig
@@ -131,41 +131,16 @@ class StreamDecisions:
             coalesced_events=self._pending.coalesced_events,
             dropped_events=self._pending.dropped_events)
 
-    @property
-    def started_at(self) -> float:
-        return self._acct.started_at
-
-    @property
-    def events_in(self) -> int:
-        return self._acct.events_in
-
-    @property
-    def events_out(self) -> int:
-        return self._acct.events_out
-
-    @property
-    def bytes_out(self) -> int:
-        return self._acct.bytes_out
-
-    @property
-    def heartbeats(self) -> int:
-        return self._acct.heartbeats
-
-    @property
-    def retries(self) -> int:
-        return self._acct.retries
-
-    @property
-    def refused_retries(self) -> int:
-        return self._acct.refused_retries
-
-    @property
-    def upstream_comments(self) -> int:
-        return self._acct.upstream_comments
-
-    @property
-    def pending_high_water_bytes(self) -> int:
-        return self._acct.pending_high_water_bytes
+    # The accounting counters, read-only (they are the Accounting part's).
+    started_at = Counted[float]()
+    events_in = Counted[int]()
+    events_out = Counted[int]()
+    bytes_out = Counted[int]()
+    heartbeats = Counted[int]()
+    retries = Counted[int]()
+    refused_retries = Counted[int]()
+    upstream_comments = Counted[int]()
+    pending_high_water_bytes = Counted[int]()
 
     def _transition(self, trigger: Trigger) -> None:
         self._state = next_state(self._state, trigger)
