@@ -49,12 +49,13 @@ from pathlib import Path
 from typing import Any
 
 import h11
+from tokenwire.middleware.chunks import read_chunk
 from tokenwire.middleware.errors import SSEProtocolError
 from tokenwire.middleware.headers import STREAM_ID_HEADER
 from tokenwire.middleware.sse import SSEParser
 
 from . import up
-from .probe import read_chunk, run_load, summarize
+from .probe import run_load, summarize
 
 POLICIES = ("coalesce", "block", "drop")
 PROMPT = "Tell me about the sea."

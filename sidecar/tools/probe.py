@@ -26,6 +26,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpcore
+from tokenwire.middleware.chunks import read_chunk
 from tokenwire.middleware.sse import SSEParser
 
 
@@ -92,40 +93,6 @@ async def probe_one(pool: httpcore.AsyncConnectionPool, url: str, body: bytes,
     except (httpcore.TimeoutException, httpcore.NetworkError, httpcore.ProtocolError) as exc:
         outcome.error = outcome.error or f"{type(exc).__name__}: {exc}"
     return outcome
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkFacts:
-    """What one OpenAI stream chunk says, as a client reads it."""
-
-    text: str = ""
-    finish_reason: str | None = None
-    completion_tokens: int | None = None
-    error: str | None = None
-
-
-def read_chunk(data: str) -> ChunkFacts:
-    """Read one SSE ``data`` payload of an OpenAI stream (not ``[DONE]``):
-    its text (content, reasoning or completion text), finish reason, usage
-    block, or in-band error."""
-    try:
-        chunk: Any = json.loads(data)
-    except ValueError:
-        return ChunkFacts(error=f"non-JSON event: {data[:120]}")
-    if not isinstance(chunk, dict):
-        return ChunkFacts()
-    if chunk.get("error") is not None:
-        return ChunkFacts(error=f"in-band error: {json.dumps(chunk['error'])[:300]}")
-    usage = chunk.get("usage")
-    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    text: list[str] = []
-    finish_reason = None
-    for choice in chunk.get("choices") or []:
-        delta = choice.get("delta") or {}
-        text.append(delta.get("content") or delta.get("reasoning_content") or choice.get("text") or "")
-        if choice.get("finish_reason") is not None:
-            finish_reason = choice["finish_reason"]
-    return ChunkFacts("".join(text), finish_reason, tokens if isinstance(tokens, int) else None)
 
 
 def _read_chunk(data: str, outcome: StreamOutcome, elapsed_s: float) -> None:
