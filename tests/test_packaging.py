@@ -151,7 +151,8 @@ def test_console_script_without_torch(clean_venv: Path) -> None:
 
 def test_demo_report_without_matplotlib(clean_venv: Path, tmp_path: Path) -> None:
     """matplotlib is the ``demo`` extra, not a dependency: without it the report has no plots."""
-    script = ("import sys; from pathlib import Path; from tokenwire.sidecar.tools.demo import write_plots\n"
+    script = ("import sys; from pathlib import Path\n"
+              "from tokenwire.sidecar.tools.demo_report import write_plots\n"
               "assert write_plots({}, Path(sys.argv[1])) == []\n")
     result = subprocess.run([str(clean_venv), "-c", script, str(tmp_path)], capture_output=True,
                             text=True, timeout=60, cwd="/")
