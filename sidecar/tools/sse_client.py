@@ -215,6 +215,16 @@ class ResponseParser:
         self.current()
 
 
+def parse_response(raw: bytes) -> SSEResponse:
+    """A whole response already read off a connection (its end included)."""
+    parser = ResponseParser()
+    parser.receive_data(raw)
+    parser.receive_data(b"")
+    while parser.next_event() is not END:
+        pass
+    return parser.current()
+
+
 StopReading = Callable[[SSEResponse, SSEEvent], bool]
 """Called after each event; True stops reading (the caller then owns the socket)."""
 

@@ -20,7 +20,7 @@ import re
 from typing import Any
 
 import pytest
-from tokenwire.sidecar.tools.sse_client import END, ResponseParser
+from tokenwire.sidecar.tools.sse_client import parse_response
 
 from .drivers import DRIVERS
 from .scenarios import SCENARIOS, WireResult, reference
@@ -34,12 +34,7 @@ _MESSAGE = re.compile(rb'"message":"(?:[^"\\]|\\.)*"')
 
 def parse(raw: bytes) -> WireResult:
     """A client's view of a raw HTTP/1.1 response."""
-    parser = ResponseParser()
-    parser.receive_data(raw)
-    parser.receive_data(b"")
-    while parser.next_event() is not END:
-        pass
-    response = parser.current()
+    response = parse_response(raw)
     headers = {name.encode("latin-1"): value.encode("latin-1") for name, value in response.headers.items()}
     return WireResult(response.status, headers, response.body, complete=response.clean_end)
 
