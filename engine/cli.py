@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 
 from tokenwire.engine.config import CONFIG_ENV, EngineConfig, build_engine_config, engine_keys
 from tokenwire.middleware.config import load_toml
+from tokenwire.middleware.config_layers import add_key_flags, config_defaults
 
 SUMMARY = "the embedded torch + transformers engine (needs tokenwire[engine])"
 DESCRIPTION = (
@@ -26,17 +27,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``--config`` and one flag per :class:`EngineConfig` key.
 
     Flags default to "not given" (``SUPPRESS``) so that an absent flag leaves
-    the environment, the file or the built-in default in charge.
+    the environment, the file or the built-in default in charge; they are
+    spelt as the sidecar's (``add_key_flags``).
     """
     parser.description = DESCRIPTION
     parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
                         help=f"TOML file (see conf/engine.toml) [{CONFIG_ENV}]")
-    defaults = EngineConfig()
-    for key in engine_keys():
-        default = getattr(defaults.wire if key.wire else defaults, key.name)
-        shown = "derived" if default is None else default
-        parser.add_argument(key.flag, dest=key.name, metavar=key.name.upper(), default=argparse.SUPPRESS,
-                            help=f"{key.help.replace('``', '')} [{key.env}; default {shown}]")
+    add_key_flags(parser, engine_keys(), config_defaults(EngineConfig))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,7 +26,7 @@ config file fails fast, before a model is loaded.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,14 +148,14 @@ def engine_keys() -> list[ConfigKey]:
 
 
 def build_engine_config(
-    flags: Mapping[str, str] | None = None,
+    flags: Mapping[str, str | Sequence[str]] | None = None,
     environ: Mapping[str, str] | None = None,
     file_values: Mapping[str, Any] | None = None,
 ) -> EngineConfig:
     """Merge the layers (flag > env > file > default) into a validated config.
 
-    ``flags`` maps key names to the text given on the command line; only the
-    flags actually given belong in it. Unknown ``TOKENWIRE_ENGINE_*``
+    ``flags`` maps key names to the text given on the command line (a list of
+    texts for a repeated flag); only the flags actually given belong in it. Unknown ``TOKENWIRE_ENGINE_*``
     variables are ignored (a newer deployment may set keys this version lacks);
     unknown file keys and flags are errors.
     """

@@ -17,12 +17,14 @@ string (or 0 for a number), and so it is in a flag or a variable.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 from .config import ConfigError, WireConfig, field_docs, merge_layers, parse_bool
@@ -134,6 +136,74 @@ def value_from_toml(key: ConfigKey, value: object) -> object:
     return value
 
 
+def shown_default(key: ConfigKey, default: object) -> str:
+    """A default as one would type it: ``''`` for an empty or unset string."""
+    if default is None and key.kind == int | None:
+        return "derived"
+    if default in (None, ""):
+        return "''"
+    if default == ():
+        return "none"
+    if isinstance(default, bool):
+        return str(default).lower()
+    return str(default.value if isinstance(default, Enum) else default)
+
+
+def add_key_flags(parser: argparse.ArgumentParser, keys: list[ConfigKey], defaults: Mapping[str, object],
+                  *, metavars: Mapping[str, str] = MappingProxyType({}),
+                  aliases: Mapping[str, str] = MappingProxyType({}),
+                  notes: Mapping[str, str] = MappingProxyType({})) -> None:
+    """One flag per key, its help the field's docstring with its variable and default.
+
+    Flags default to "not given" (``SUPPRESS``), so an absent flag leaves the
+    environment, the file or the built-in default in charge. A ``bool`` key is
+    a switch with a hidden ``--no-`` form (it undoes an environment or file
+    value); a ``tuple[str, ...]`` key may be repeated (or given a comma list).
+    ``metavars``, ``aliases`` (a second spelling) and ``notes`` (help text to
+    add) are by key name.
+    """
+    suppress = argparse.SUPPRESS
+    for key in keys:
+        described = key.help.replace("``", "")  # reStructuredText literals read as plain text
+        if key.name in notes:
+            described = f"{described} {notes[key.name]}"
+        where = f"[{key.env}; default {shown_default(key, defaults[key.name])}]"
+        spellings = [key.flag, *([aliases[key.name]] if key.name in aliases else [])]
+        metavar = metavars.get(key.name, key.name.upper())
+        if key.kind is bool:
+            switch_help = f"{described} --no-{key.flag[2:]} turns it off. {where}"
+            parser.add_argument(*spellings, dest=key.name, action="store_const", const="true",
+                                default=suppress, help=switch_help)
+            parser.add_argument("--no-" + key.flag[2:], dest=key.name, action="store_const",
+                                const="false", default=suppress, help=suppress)
+        elif key.kind == tuple[str, ...]:
+            list_help = f"{described} Repeatable. [{key.env}, comma-separated]"
+            parser.add_argument(*spellings, dest=key.name, action="append", metavar=metavar,
+                                default=suppress, help=list_help)
+        elif isinstance(key.kind, type) and issubclass(key.kind, Enum):
+            choices = ",".join(str(member.value) for member in key.kind)
+            parser.add_argument(*spellings, dest=key.name, metavar=f"{{{choices}}}", default=suppress,
+                                help=f"{described} {where}")
+        else:
+            parser.add_argument(*spellings, dest=key.name, metavar=metavar, default=suppress,
+                                help=f"{described} {where}")
+
+
+def config_defaults(config_class: type) -> dict[str, object]:
+    """Every key's default, read off the dataclass's fields (no instance is built:
+    a config may require a key, as the sidecar does ``upstream``)."""
+    def default(f: dataclasses.Field[Any]) -> object:
+        if f.default_factory is not dataclasses.MISSING:
+            return f.default_factory()
+        return f.default
+
+    fields = {f.name: f for f in dataclasses.fields(config_class)}
+    wire = default(fields["wire"])
+    values: dict[str, object] = {f.name: getattr(wire, f.name) for f in dataclasses.fields(WireConfig)}
+    values.update((name, default(f)) for name, f in fields.items() if name != "wire")
+    return values
+
+
 ConfigT = TypeVar("ConfigT")
 
 
@@ -142,7 +212,7 @@ def build_layered(
     wire_defaults: WireConfig,
     keys: list[ConfigKey],
     *,
-    flags: Mapping[str, str] | None = None,
+    flags: Mapping[str, str | Sequence[str]] | None = None,
     environ: Mapping[str, str] | None = None,
     file_values: Mapping[str, Any] | None = None,
 ) -> ConfigT:
@@ -152,9 +222,12 @@ def build_layered(
     ``flags`` maps key names to the text given on the command line; only the
     flags actually given belong in it. Unknown variables are ignored (a newer
     deployment may set keys this version lacks); unknown file keys and flags
-    are errors."""
+    are errors. A repeated flag (a list of texts) reads as the comma list its
+    variable would be."""
     by_name = {key.name: key for key in keys}
-    values = merge_layers(by_name, from_text=value_from_text, from_toml=value_from_toml, flags=flags,
+    texts = {name: given if isinstance(given, str) else ",".join(given)
+             for name, given in (flags or {}).items()}
+    values = merge_layers(by_name, from_text=value_from_text, from_toml=value_from_toml, flags=texts,
                           environ=environ, file_values=file_values)
     wire_values = {name: value for name, value in values.items() if by_name[name].wire}
     own_values = {name: value for name, value in values.items() if not by_name[name].wire}

@@ -234,9 +234,5 @@ def build_config(
     ``flags`` maps key names to the text given on the command line (a list of
     texts for repeatable keys such as ``upstream``).
     """
-    # A repeated flag (``--upstream a --upstream b``) reads as the comma list
-    # its environment variable would be.
-    texts = {name: given if isinstance(given, str) else ",".join(given)
-             for name, given in (flags or {}).items()}
-    return build_layered(SidecarConfig, SIDECAR_WIRE_DEFAULTS, all_keys(), flags=texts, environ=environ,
+    return build_layered(SidecarConfig, SIDECAR_WIRE_DEFAULTS, all_keys(), flags=flags, environ=environ,
                          file_values=file_values)
