@@ -6,6 +6,7 @@ The targets are real servers: the fake engine on TCP or on a Unix socket (as
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -18,7 +19,7 @@ import pytest
 from conftest import LoopThread
 from tokenwire.sidecar.tools.probe import main
 from tokenwire.sidecar.tools.stats import paired_difference, percentile
-from upstreams import FakeUpstream
+from upstreams import DONE, FakeUpstream, ScriptedUpstream, chunk
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[str, Any]]:
@@ -150,6 +151,23 @@ def test_probe_compare_whenOneTargetPrefillsLonger_thenTheIntervalHoldsTheDiffer
     assert ttft["pairs"] == 6
     assert 150 <= ttft["ci95"][0] <= ttft["median"] <= ttft["ci95"][1]
     assert report["ttft_gap_p50_ms"] >= 150
+
+
+def test_probe_whenServerClosesItsKeptAliveConnection_thenTheNextRequestGoesOnANewOne(
+        recorder: ScriptedUpstream, capsys: pytest.CaptureFixture[str]) -> None:
+    """An engine closes an idle keep-alive connection (uvicorn after 5 s) with no
+    ``Connection: close`` to say so: that is no failed stream."""
+    async def answer_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        events = chunk(role="assistant") + chunk("hi") + chunk(finish="stop") + DONE
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n%x\r\n%b\r\n0\r\n\r\n" % (len(events), events))
+        await writer.drain()
+        writer.close()
+
+    recorder.respond = answer_then_close
+    code, report = _run(capsys, recorder.url, "--requests", "3", "--concurrency", "1", "--warmup", "0")
+    assert code == 0, report[recorder.url]["summary"]["error_samples"]
+    assert report[recorder.url]["summary"]["ok"] == 3 and recorder.connections == 3
 
 
 def test_probe_whenUrlIsNotHttp_thenUsageErrorNamesIt(capsys: pytest.CaptureFixture[str]) -> None:
