@@ -12,8 +12,7 @@ import argparse
 from collections.abc import Mapping, Sequence
 
 from tokenwire.engine.config import CONFIG_ENV, EngineConfig, build_engine_config, engine_keys
-from tokenwire.middleware.config import load_toml
-from tokenwire.middleware.config_layers import add_key_flags, config_defaults
+from tokenwire.middleware.config_layers import add_key_flags, config_defaults, read_command_line
 
 SUMMARY = "the embedded torch + transformers engine (needs tokenwire[engine])"
 DESCRIPTION = (
@@ -45,7 +44,5 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_engine_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> EngineConfig:
     """Parse flags, read the environment and the ``--config`` file; merge them."""
-    flags = vars(build_parser().parse_args(list(argv)))
-    config_path = flags.pop("config", None) or (environ or {}).get(CONFIG_ENV)
-    file_values = load_toml(config_path) if config_path else {}
+    flags, file_values = read_command_line(build_parser(), argv, environ, CONFIG_ENV)
     return build_engine_config(flags=flags, environ=environ, file_values=file_values)

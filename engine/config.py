@@ -155,9 +155,9 @@ def build_engine_config(
     """Merge the layers (flag > env > file > default) into a validated config.
 
     ``flags`` maps key names to the text given on the command line (a list of
-    texts for a repeated flag); only the flags actually given belong in it. Unknown ``TOKENWIRE_ENGINE_*``
-    variables are ignored (a newer deployment may set keys this version lacks);
-    unknown file keys and flags are errors.
+    texts for a repeated flag); only the flags actually given belong in it.
+    Unknown ``TOKENWIRE_ENGINE_*`` variables are ignored (a newer deployment
+    may set keys this version lacks); unknown file keys and flags are errors.
     """
     return build_layered(EngineConfig, engine_wire_defaults(), engine_keys(), flags=flags,
                          environ=environ, file_values=file_values)

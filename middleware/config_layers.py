@@ -27,7 +27,7 @@ from enum import Enum
 from types import MappingProxyType
 from typing import Any, TypeVar
 
-from .config import ConfigError, WireConfig, field_docs, merge_layers, parse_bool
+from .config import ConfigError, WireConfig, field_docs, load_toml, merge_layers, parse_bool
 
 _OPTIONAL_KINDS = (str | None, int | None)
 
@@ -187,6 +187,16 @@ def add_key_flags(parser: argparse.ArgumentParser, keys: list[ConfigKey], defaul
         else:
             parser.add_argument(*spellings, dest=key.name, metavar=metavar, default=suppress,
                                 help=f"{described} {where}")
+
+
+def read_command_line(
+    parser: argparse.ArgumentParser, argv: Sequence[str], environ: Mapping[str, str] | None, config_env: str,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The flags given (by key name) and the values of the ``--config`` file (or the
+    file ``config_env`` names): the top two layers but the environment."""
+    flags = vars(parser.parse_args(list(argv)))
+    config_path = flags.pop("config", None) or (environ or {}).get(config_env)
+    return flags, load_toml(config_path) if config_path else {}
 
 
 def config_defaults(config_class: type) -> dict[str, object]:

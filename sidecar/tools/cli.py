@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from tokenwire.middleware import ConfigError
-from tokenwire.middleware.config import load_toml
-from tokenwire.middleware.config_layers import add_key_flags, config_defaults
+from tokenwire.middleware.config_layers import add_key_flags, config_defaults, read_command_line
 
 from ..settings import SidecarConfig, all_keys, build_config
 
@@ -172,10 +171,8 @@ def sidecar_parser() -> argparse.ArgumentParser:
 
 def load_sidecar_config(argv: Sequence[str], environ: dict[str, str] | None = None) -> SidecarConfig:
     """Parse flags, read the environment and the ``--config`` file; merge them."""
-    namespace = vars(sidecar_parser().parse_args(list(argv)))
-    config_path = namespace.pop("config", None) or (environ or {}).get("TOKENWIRE_CONFIG")
-    file_values = load_toml(config_path) if config_path else {}
-    return build_config(flags=namespace, environ=environ, file_values=file_values)
+    flags, file_values = read_command_line(sidecar_parser(), argv, environ, "TOKENWIRE_CONFIG")
+    return build_config(flags=flags, environ=environ, file_values=file_values)
 
 
 def sidecar_main(argv: Sequence[str]) -> int:
