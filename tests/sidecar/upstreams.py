@@ -12,15 +12,15 @@ base URL per behaviour works with any client (``base_url=.../silent/v1``):
     /echo/...       JSON: the request line, headers and body it received
     /models/...     a plain JSON body (``/v1/models``), Content-Length framed
     /abort/{id}     the explicit abort call: 200, recorded like every request
-    /prefill/...    normal, with ``x-fake-prefill-s`` (default 0.3) between the role chunk and the text
+    /prefill/...    normal, with ``x-fake-prefill-s`` (default 0.5) between the role chunk and the text
 
 A path ending in ``/completions`` (not ``/chat/completions``) streams legacy
 text-completion chunks (``choices[].text``, no role chunk) instead.
 
 Request headers tune it: ``x-fake-tokens`` (count), ``x-fake-delay-s``
-(between tokens), ``x-fake-silence-s``, ``x-fake-prefill-s`` (any mode). Every connection is recorded with the
-moment the *peer* (the sidecar) closed it, which is how tests see an abort
-reach the upstream.
+(between tokens), ``x-fake-silence-s``, ``x-fake-prefill-s`` (any mode: after
+the role chunk). Every connection is recorded with the moment the *peer* (the
+sidecar) closed it, which is how tests see an abort reach the upstream.
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ class FakeUpstream(_Listener):
         else:
             piece = chunk
             await self._send(writer, chunk(role="assistant"))
-        prefill_s = headers.get("x-fake-prefill-s", "0.3" if mode == "prefill" else "0")
+        prefill_s = headers.get("x-fake-prefill-s", "0.5" if mode == "prefill" else "0")
         if float(prefill_s):
             await asyncio.sleep(float(prefill_s))
         if mode == "malformed":
