@@ -26,8 +26,8 @@ from typing import Any
 import httpx
 import pytest
 from conftest import LoopThread, RunningSidecar
-from tokenwire.sidecar.admin import Playground
-from tokenwire.sidecar.tools.up import admin_origins
+from tokenwire.sidecar.cors import admin_origins
+from tokenwire.sidecar.tools.playground import Playground
 from upstreams import FakeUpstream, Request, expected_text
 
 SCREENSHOT = Path(__file__).resolve().parents[2] / "bench" / "results" / "playground.png"
