@@ -67,6 +67,8 @@ _DEFAULT_WINDOW_BYTES = 65_535
 # What HPACK counts per header field beyond its name and value (RFC 7541 section 4.1).
 _FIELD_OVERHEAD_BYTES = 32
 _ErrorCodes = h2.errors.ErrorCodes
+# How long a closed connection's client may keep sending before it is cut off.
+_LINGER_S = 2.0
 
 
 class Http2Connection(asyncio.Protocol):
@@ -139,6 +141,7 @@ class Http2Connection(asyncio.Protocol):
         except h2.exceptions.ProtocolError as error:
             # h2 has queued GOAWAY with the error's code; send it and go.
             logger.info("HTTP/2 connection error from %s: %s", self._peer.host, error)
+            self._flush()
             self._end_all_streams()
             self._close()
             return
@@ -199,14 +202,24 @@ class Http2Connection(asyncio.Protocol):
                     now, open_calls=len(self.streams)):
                 self._too_many_pings()
         elif isinstance(event, h2.events.SettingsAcknowledged):
-            # h2 just set its HPACK limit to the advertised list size; the hard
-            # limit is twice that, so a list a little over gets its 431 instead
-            # of the connection's end (the hard limit is for HPACK bombs).
-            self.h2.decoder.max_header_list_size = 2 * self._config.http2_max_header_list_bytes
+            self._relax_hard_limits()
         elif isinstance(event, h2.events.ConnectionTerminated):
             # The client's GOAWAY: it will read nothing more of ours.
+            self._flush()
             self._end_all_streams()
             self._close()
+
+    def _relax_hard_limits(self) -> None:
+        """Our SETTINGS are in force, and h2 now enforces them itself by ending
+        the connection. Its limits go to twice ours, so a client a little over
+        gets what the RFC prefers from us: a stream over the concurrency limit
+        RST_STREAM(REFUSED_STREAM), a header list over the size limit 431. Past
+        twice (a client ignoring limits, an HPACK bomb) h2 still ends it."""
+        config = self._config
+        self.h2.decoder.max_header_list_size = 2 * config.http2_max_header_list_bytes
+        settings = self.h2.local_settings
+        settings[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS] = 2 * config.http2_max_concurrent_streams
+        settings.acknowledge()  # in force at once, not advertised: ours stays the client's limit
 
     def _on_request(self, event: h2.events.RequestReceived) -> None:
         self._streams_opened += 1
@@ -446,14 +459,23 @@ class Http2Connection(asyncio.Protocol):
             self._transport.write(data)
 
     def _close(self) -> None:
+        """Close after what is written; a lingering close where the socket can
+        half-close: a client still sending (a flood) would otherwise get a reset
+        that discards our GOAWAY before it reads it."""
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
         self.closing = True
-        if self._transport is not None:
-            self._transport.close()
+        transport = self._transport
+        if transport is None or self._lost:
+            return
+        if transport.can_write_eof():
+            transport.write_eof()
+            self.loop.call_later(_LINGER_S, transport.abort)
+        else:
+            transport.close()
             # A client that stopped reading would hold the flush forever.
-            self.loop.call_later(self._config.wire.close_flush_timeout_s, self._transport.abort)
+            self.loop.call_later(self._config.wire.close_flush_timeout_s, transport.abort)
 
     def _arm_idle(self, delay_s: float) -> None:
         if self._idle_timer is not None:

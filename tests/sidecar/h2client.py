@@ -67,14 +67,18 @@ class H2Client:
         self.goaway: GoAway | None = None
         self._frames = bytearray()  # received bytes not yet split into frames
         self.closed = False
+        self.send_failed = False
         self.flush()
 
     # ------------------------------------------------------------ sending
 
     def flush(self) -> None:
         data = self.conn.data_to_send()
-        if data:
-            self.sock.sendall(data)
+        if data and not self.closed and not self.send_failed:
+            try:
+                self.sock.sendall(data)
+            except OSError:
+                self.send_failed = True  # the peer hung up; what it sent may still be read
 
     def request(self, path: str, *, method: str = "GET", body: bytes = b"",
                 headers: Iterable[Header] = (), end: bool = True, flush: bool = True) -> int:

@@ -7,6 +7,7 @@ Real clients on 127.0.0.1: httpx with ``http2=True`` and a raw h2 client
 
 from __future__ import annotations
 
+import itertools
 import json
 import ssl
 import time
@@ -159,7 +160,7 @@ def test_http2_whenClientNeverOpensItsWindow_thenOthersFlowAndWriteDeadlineEndsI
         client.flush()
         started = time.monotonic()
         state = client.response(flowing)
-        gaps = [b - a for a, b in zip(state.data_times, state.data_times[1:], strict=False)]
+        gaps = [b - a for a, b in itertools.pairwise(state.data_times)]
         assert state.ended and _text(bytes(state.body)) == expected_text(30)
         assert max(gaps) < 0.5
         assert client.read_until(lambda: client.streams[stuck].reset_code is not None, 10)
