@@ -20,8 +20,8 @@ Method (figures in bench/README.md, "gRPC"):
   propagation alone) and 200 times 50 at a time (under 5,000 messages/s); the
   time from the cancel to the upstream seeing its connection closed (p50/p99).
 
-Usage: ``python bench/grpc_bench.py [--rounds 3 --events 300]``; writes
-``bench/results/grpc.json``. ``python bench/grpc_bench.py client ...`` is the
+Usage: ``python bench/grpc_bench.py [--rounds 3 --streams 200 --events 300 --out grpc.json]``;
+writes ``bench/results/grpc.json``. ``python bench/grpc_bench.py client ...`` is the
 gRPC load client (run by the benchmark itself).
 """
 
@@ -410,6 +410,7 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=200)
     parser.add_argument("--events", type=int, default=300)
     parser.add_argument("--interval-ms", type=float, default=10)
+    parser.add_argument("--out", default="grpc.json", help="file name under bench/results")
     args = parser.parse_args()
     if args.command == "client":
         sse_load.raise_fd_limit()
@@ -431,7 +432,7 @@ def main() -> int:
     results = run(args.rounds, args.streams, args.events, args.interval_ms)
     results["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     sb.RESULTS.mkdir(parents=True, exist_ok=True)
-    (sb.RESULTS / "grpc.json").write_text(json.dumps(results, indent=2) + "\n")
+    (sb.RESULTS / args.out).write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps({"summary": results["summary"], "cancel": results["cancel"]}, indent=2))
     return 0
 
