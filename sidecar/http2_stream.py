@@ -146,8 +146,13 @@ class Http2Stream:
         self._waiting += data
         self.push()
 
-    def send_trailers(self, headers: Sequence[Header]) -> None:
-        """End the stream with trailers (a HEADERS frame with END_STREAM), after the body."""
+    def send_trailers(self, headers: Sequence[Header], *, drop_waiting: bool = False) -> None:
+        """End the stream with trailers (a HEADERS frame with END_STREAM), after the body;
+        ``drop_waiting``: without the body bytes the send windows still hold back (a
+        client that stopped reading; trailers are not flow-controlled)."""
+        if drop_waiting:
+            self._waiting.clear()
+            self._connection.blocked.pop(self.stream_id, None)
         self._trailers = [(name.lower(), value) for name, value in headers]
         self._ending(_End.TRAILERS)
 

@@ -14,8 +14,8 @@ is shut, the write deadline, the record, the abort on cancel); the
 :class:`~tokenwire.sidecar.grpc_gateway.call.ResponseTranscoder` turns what it
 writes into messages and trailers. The client's ``grpc-timeout`` arms a timer
 that stops the stream through the core. A client that stopped reading is cut
-with RST_STREAM(ENHANCE_YOUR_CALM), which gRPC clients report as
-``RESOURCE_EXHAUSTED``.
+with trailers at once (``RESOURCE_EXHAUSTED``, ``backpressure_exceeded`` or
+``send_timeout``), what its window held back dropped.
 
 Health (``Check``, ``Watch``) and reflection are answered here; watches hear
 of a drain (SIGTERM) through ``SidecarContext.on_drain``.
@@ -55,12 +55,12 @@ _GRPC_ONLY = frozenset({b"content-type", b"content-length", b"te", b"grpc-timeou
                         b"grpc-accept-encoding", b"grpc-message-type", b"accept", b"accept-encoding"})
 
 
-def _end(stream: Http2Stream, status: CallStatus, *, started: bool) -> None:
+def _end(stream: Http2Stream, status: CallStatus, *, started: bool, drop_waiting: bool = False) -> None:
     """End a call: trailers after the initial metadata, else a trailers-only response."""
     if started:
-        stream.send_trailers(status.trailers())
+        stream.send_trailers(status.trailers(), drop_waiting=drop_waiting)
     else:
-        stream.send_trailers([(b":status", b"200"), *status.trailers_only()])
+        stream.send_trailers([(b":status", b"200"), *status.trailers_only()], drop_waiting=drop_waiting)
     # A client that stopped reading would hold the trailers back forever.
     stream.set_timer(stream_flush_timeout_s(stream), lambda: stream.reset(h2.errors.ErrorCodes.CANCEL))
 
@@ -353,15 +353,13 @@ class StreamCall:
 
     def end_response(self, *, abrupt: bool, reset: bool) -> None:
         stream = self._stream
-        if reset:
-            # The client stopped reading: what waits is dropped; gRPC clients
-            # report ENHANCE_YOUR_CALM as RESOURCE_EXHAUSTED.
-            stream.reset(h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
-            return
-        ending = self.transcoder.on_end(abrupt=abrupt, reset=reset)
+        code = self._exchange.stream.error_code if self._exchange is not None else None
+        ending = self.transcoder.on_end(abrupt=abrupt, reset=reset, code=code)
         if ending.data:
             stream.send_body(ending.data)
-        _end(stream, ending.status, started=not ending.trailers_only)
+        # A reset (the client stopped reading): what waits is dropped, the
+        # trailers (not flow-controlled) say why.
+        _end(stream, ending.status, started=not ending.trailers_only, drop_waiting=reset)
 
     def exchange_finished(self, exchange: Exchange | None) -> None:
         self._cancel_timer()

@@ -272,6 +272,24 @@ def test_grpc_whenReaderIsSlow_thenChunksMergeIntoFewerMessagesWithExactText(
     assert sidecar.record("g-slow").coalesced_events > 0
 
 
+def test_grpc_whenReaderNeverOpensItsWindow_thenResourceExhaustedTrailersAndUpstreamAborted(
+        start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
+    """Past max_pending_bytes the call ends at once: trailers (not flow-controlled)
+    with RESOURCE_EXHAUSTED and E7302, what the window held back dropped."""
+    sidecar = start_sidecar(max_pending_bytes=8192)
+    with GrpcH2Client(sidecar.port, settings={4: 256}) as client:
+        client.credits = lambda stream_id: False
+        stream_id = client.call(CHAT_PATH, _request().SerializeToString(),
+                                [(b"x-request-id", b"g-stuck"), (b"x-fake-tokens", b"2000"),
+                                 (b"x-fake-delay-s", b"0.001")])
+        assert client.read_until(lambda: stream_id in client.trailers, timeout_s=20)
+        status = client.status(stream_id)
+    assert status[b"grpc-status"] == b"8"  # RESOURCE_EXHAUSTED
+    assert status[b"tokenwire-error-number"] == b"E7302"
+    assert upstream.connection_of("g-stuck").closed.wait(5)
+    assert sidecar.record("g-stuck").end_reason is EndReason.SLOW_CLIENT
+
+
 # ---------------------------------------------------------------- bad input
 
 
