@@ -134,7 +134,8 @@ class RawGrpcConnection(asyncio.Protocol):
                     end = buffer.rfind(b"\n\n")
                     if end >= 0:
                         for frame in bytes(buffer[:end]).split(b"\n\n"):
-                            if frame.startswith(b"data: {"):
+                            # A heartbeat comment line may precede an event in its block.
+                            if b"data: {" in frame:
                                 on_message(frame, now)
                         del buffer[:end + 2]
                     continue
