@@ -137,7 +137,8 @@ class ResponseTranscoder:
         for name, value in headers:
             if name == b"content-type" and not value.lower().startswith(b"text/event-stream"):
                 self._whole = bytearray()
-        return [(b"content-type", GRPC_CONTENT_TYPE),
+        # Identity only: a client then never compresses (a compressed message is UNIMPLEMENTED).
+        return [(b"content-type", GRPC_CONTENT_TYPE), (b"grpc-accept-encoding", b"identity"),
                 *((name, value) for name, value in headers if name in self._keep)]
 
     def on_body(self, data: bytes) -> bytes:
