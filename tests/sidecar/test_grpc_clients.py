@@ -225,6 +225,38 @@ def test_grpc_whenUpstreamDiesMidStream_thenUnavailableNeverOk(start_sidecar: Ca
     assert trailing["tokenwire-error-code"] == "upstream_failed"
 
 
+def test_grpc_whenOperatorCancels_thenCancelledWithTheCode(start_sidecar: Callable[..., RunningSidecar],
+                                                         upstream: FakeUpstream) -> None:
+    sidecar = start_sidecar()
+    with grpc.insecure_channel(f"{sidecar.host}:{sidecar.port}") as channel:
+        call = pbg.ChatCompletionsStub(channel).Create(_request(), metadata=_metadata("g-op", 500, 0.02),
+                                                       timeout=30)
+        next(call)
+        assert httpx.delete(sidecar.admin_url + "/streams/g-op").status_code == 200
+        with pytest.raises(grpc.RpcError) as error:
+            list(call)
+    assert error.value.code() is grpc.StatusCode.CANCELLED
+    trailing = dict(error.value.trailing_metadata())
+    assert (trailing["tokenwire-error-code"], trailing["tokenwire-error-number"]) == ("cancelled", "E7301")
+    assert upstream.connection_of("g-op").closed.wait(5)
+
+
+def test_grpc_whenDrainTimeEnds_thenUnavailableWithShutdown(start_sidecar: Callable[..., RunningSidecar],
+                                                           loop_thread: LoopThread) -> None:
+    sidecar = start_sidecar(drain_s=0.5)
+    with grpc.insecure_channel(f"{sidecar.host}:{sidecar.port}") as channel:
+        call = pbg.ChatCompletionsStub(channel).Create(_request(), metadata=_metadata("g-drain", 1000, 0.02),
+                                                       timeout=30)
+        next(call)
+        stopping = threading.Thread(target=lambda: loop_thread.run(sidecar.sidecar.shutdown()))
+        stopping.start()
+        with pytest.raises(grpc.RpcError) as error:
+            list(call)
+        stopping.join(10)
+    assert error.value.code() is grpc.StatusCode.UNAVAILABLE
+    assert dict(error.value.trailing_metadata())["tokenwire-error-code"] == "shutdown"
+
+
 def test_grpc_whenEngineRefuses_thenInvalidArgumentWithItsMessage(
         start_sidecar: Callable[..., RunningSidecar], recorder: Any) -> None:
     async def refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
