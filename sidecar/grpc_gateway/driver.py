@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import h2.errors
@@ -46,8 +45,6 @@ from .transcode import decode_request
 if TYPE_CHECKING:
     from ..http2_stream import Http2Stream, RequestHead, StreamHandler
 
-logger = logging.getLogger("tokenwire.sidecar")
-
 Header = tuple[bytes, bytes]
 
 # Request metadata that is gRPC's own, not the engine's: never forwarded.
@@ -62,10 +59,10 @@ def _end(stream: Http2Stream, status: CallStatus, *, started: bool, drop_waiting
     else:
         stream.send_trailers([(b":status", b"200"), *status.trailers_only()], drop_waiting=drop_waiting)
     # A client that stopped reading would hold the trailers back forever.
-    stream.set_timer(stream_flush_timeout_s(stream), lambda: stream.reset(h2.errors.ErrorCodes.CANCEL))
+    stream.set_timer(_flush_timeout_s(stream), lambda: stream.reset(h2.errors.ErrorCodes.CANCEL))
 
 
-def stream_flush_timeout_s(stream: Http2Stream) -> float:
+def _flush_timeout_s(stream: Http2Stream) -> float:
     return stream.connection.context.config.wire.close_flush_timeout_s
 
 
@@ -177,7 +174,8 @@ class _Messages:
 class UnaryCall:
     """One request message, one response message (health ``Check``)."""
 
-    def __init__(self, router: GrpcRouter, stream: Http2Stream, answer: Any) -> None:
+    def __init__(self, router: GrpcRouter, stream: Http2Stream, answer: Callable[[bytes], bytes]) -> None:
+        """``answer``: the serialized response for the serialized request, or ``GrpcCallError``."""
         self._stream = stream
         self._messages = _Messages(router, stream)
         self._answer = answer
