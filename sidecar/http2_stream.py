@@ -276,7 +276,11 @@ class Http2Stream:
             return
         try:
             call()
-        except (h2.exceptions.StreamClosedError, h2.exceptions.NoSuchStreamError):
+        except (h2.exceptions.StreamClosedError, h2.exceptions.NoSuchStreamError,
+                h2.exceptions.TooManyStreamsError):
+            # TooManyStreamsError: h2 already dropped this stream (reset by the client
+            # in the same read as the event being answered), so it took a HEADERS
+            # frame for a new server-initiated stream, which a server may not open.
             self._closed_under_us()
             return
         self._connection.schedule_flush()
