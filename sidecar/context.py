@@ -16,7 +16,7 @@ from .settings import SidecarConfig
 from .upstream import UpstreamPools
 
 if TYPE_CHECKING:
-    from .protocol import ClientConnection
+    from .http1 import ClientConnection
 
 
 @dataclass(slots=True)

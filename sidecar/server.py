@@ -30,9 +30,9 @@ from .admin import AdminAccess, AdminHandler
 from .admin import handler as admin_handler
 from .context import SidecarContext
 from .cors import admin_origins
+from .http1 import ClientConnection
 from .logs import StreamLog
 from .metrics import SidecarMetrics
-from .protocol import ClientConnection
 from .settings import SidecarConfig, parse_host_port, read_admin_token
 from .tls import alerting_protocol_factory, load_certificates, server_context
 from .upstream import UpstreamPools

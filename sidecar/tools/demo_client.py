@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import h11
+from tokenwire.middleware.chunks import read_chunk
 from tokenwire.middleware.sse import SSEEvent
 
-from .probe import read_chunk
 from .sse_client import BlockingReader, ResponseParser, SSEResponse, read_response, request_bytes
 
 PROMPT = "Tell me about the sea."

@@ -31,10 +31,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from .probe_load import ChunkFacts, StreamOutcome, Target, Workload, read_chunk, run_load, run_targets
+from .probe_load import StreamOutcome, Target, Workload, run_load, run_targets
 from .stats import ms, paired_difference, percentile
 
-__all__ = ["ChunkFacts", "main", "read_chunk", "run_load", "summarize"]
+__all__ = ["main", "run_load", "summarize"]
 
 
 def _spread_ms(values: list[float], *tails: str) -> dict[str, float | None]:

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from conftest import LoopThread
+from tokenwire.middleware.chunks import read_chunk
 from tokenwire.sidecar.tools.probe import main
 from tokenwire.sidecar.tools.stats import paired_difference, percentile
 from upstreams import DONE, FakeUpstream, ScriptedUpstream, chunk
@@ -193,3 +194,18 @@ def test_stats_pairedDifference_isTheMedianOfPairDifferencesWithAnIntervalAround
     assert 400.0 <= diff["ci95"][0] <= 500.0 <= diff["ci95"][1] <= 600.0
     assert paired_difference([])["median"] is None
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile([], 99) is None
+
+
+def test_readChunk_textReasoningAndToolCallsAreTokens_theRoleFinishAndUsageChunksAreNot() -> None:
+    def chunk_with(delta: dict[str, Any], **extra: Any) -> str:
+        return json.dumps({"choices": [{"index": 0, "delta": delta, "finish_reason": None}], **extra})
+
+    tokens = [chunk_with({"content": "hi"}), chunk_with({"reasoning_content": "hm"}),
+              chunk_with({"reasoning": "hm"}), json.dumps({"choices": [{"index": 0, "text": "x"}]}),
+              chunk_with({"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]})]
+    not_tokens = [chunk_with({"role": "assistant", "content": ""}),
+                  json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
+                  json.dumps({"choices": [], "usage": {"completion_tokens": 3}})]
+    assert all(read_chunk(data).carries_token for data in tokens)
+    assert not any(read_chunk(data).carries_token for data in not_tokens)
+    assert read_chunk(not_tokens[2]).completion_tokens == 3

@@ -1,4 +1,4 @@
-"""The client side: one ``asyncio.Protocol`` per connection, driving h11.
+"""The client side over HTTP/1.1: one ``asyncio.Protocol`` per connection, driving h11.
 
 Theory of operation
 -------------------
