@@ -187,6 +187,17 @@ def test_probe_whenTextReport_thenNamesEachFigure(
         assert figure in out
 
 
+def test_probe_compare_whenTextReport_thenEachFigureHasItsDifferenceAndInterval(
+        upstream: FakeUpstream, capsys: pytest.CaptureFixture[str]) -> None:
+    first, second = upstream.url + "/normal/v1", upstream.url + "/prefill/v1"
+    assert main([first, "--compare", second, "--requests", "3", "--warmup", "0"]) == 0
+    out = capsys.readouterr().out
+    assert f"{second} minus {first}, pair by pair" in out
+    for figure in ("ttft_ms", "itl_p50_ms", "duration_ms", "tokens_per_s"):
+        line = next(line for line in out.splitlines() if line.strip().startswith(figure))
+        assert "[" in line and "(3 pairs)" in line, line
+
+
 def test_stats_pairedDifference_isTheMedianOfPairDifferencesWithAnIntervalAroundIt() -> None:
     pairs = [(1.0, 1.5), (2.0, 2.4), (1.0, 1.6), (3.0, 3.5), (1.0, 1.45)]
     diff = paired_difference(pairs, scale=1000)
