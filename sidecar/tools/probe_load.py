@@ -47,9 +47,11 @@ class Target:
     port: int = 0
     tls: bool = False
     unix_path: str = ""
+    ca_file: str = ""
+    """CA bundle to verify an ``https`` target with (empty: the system's)."""
 
     @classmethod
-    def parse(cls, text: str) -> Target:
+    def parse(cls, text: str, *, ca_file: str = "") -> Target:
         """``http(s)://host[:port][/prefix]`` or ``unix:PATH``; a ValueError names a bad one."""
         if text.startswith("unix:"):
             path = text[len("unix:"):]
@@ -62,7 +64,8 @@ class Target:
         prefix = parts.path.rstrip("/")
         base = prefix if prefix.endswith("/v1") else prefix + "/v1"
         tls = parts.scheme == "https"
-        return cls(text, base, host=parts.hostname, port=parts.port or (443 if tls else 80), tls=tls)
+        return cls(text, base, host=parts.hostname, port=parts.port or (443 if tls else 80), tls=tls,
+                   ca_file=ca_file)
 
     @property
     def host_header(self) -> str:
@@ -75,7 +78,7 @@ class Target:
         if self.unix_path:
             opening = asyncio.open_unix_connection(self.unix_path, limit=_READ_BYTES)
         else:
-            context = ssl.create_default_context() if self.tls else None
+            context = ssl.create_default_context(cafile=self.ca_file or None) if self.tls else None
             opening = asyncio.open_connection(self.host, self.port, ssl=context, limit=_READ_BYTES)
         return await asyncio.wait_for(opening, timeout_s)
 

@@ -13,9 +13,12 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import trustme
+from clients import tls_server_files
 from conftest import LoopThread
 from tokenwire.middleware.chunks import read_chunk
 from tokenwire.sidecar.tools.probe import main
@@ -169,6 +172,18 @@ def test_probe_whenServerClosesItsKeptAliveConnection_thenTheNextRequestGoesOnAN
     code, report = _run(capsys, recorder.url, "--requests", "3", "--concurrency", "1", "--warmup", "0")
     assert code == 0, report[recorder.url]["summary"]["error_samples"]
     assert report[recorder.url]["summary"]["ok"] == 3 and recorder.connections == 3
+
+
+def test_probe_whenTargetIsHttps_thenVerifiesItWithTheGivenCa(
+        start_sidecar: Callable[..., Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    files = tls_server_files(trustme.CA(), tmp_path)
+    sidecar = start_sidecar(tls_cert=files["tls_cert"], tls_key=files["tls_key"])
+    url = f"https://localhost:{sidecar.port}/normal/v1"
+    code, report = _run(capsys, url, "--ca-file", files["ca"], "--requests", "2", "--warmup", "0")
+    assert code == 0 and report[url]["summary"]["ok"] == 2
+    # Without the CA the certificate is refused, and every stream says so.
+    code, report = _run(capsys, url, "--requests", "1", "--warmup", "0")
+    assert code == 1 and "CERTIFICATE_VERIFY_FAILED" in report[url]["summary"]["error_samples"][0]
 
 
 def test_probe_whenUrlIsNotHttp_thenUsageErrorNamesIt(capsys: pytest.CaptureFixture[str]) -> None:
