@@ -138,7 +138,8 @@ class StreamReader:
 
     @property
     def raw(self) -> bytes:
-        return self._reader.response.raw
+        """Every byte read so far, head and framing included."""
+        return self._reader.parser.current().raw
 
     def send(self, target: str, body: bytes, *, method: str = "POST",
              headers: Sequence[tuple[str, str]] = ()) -> None:
