@@ -88,6 +88,7 @@ class Exchange:
         upstream_headers: Sequence[Header],
         body: bytes,
         expect_stream: bool,
+        http_version: str = "1.1",
     ) -> None:
         self._context = context
         self._downstream = downstream
@@ -96,6 +97,8 @@ class Exchange:
         """The client's id (or one made up for it): logs, the response, the admin list."""
         self.upstream_request_id = upstream_request_id or request_id
         """The upstream's id for this request, and the key of its abort call; never the client's."""
+        self.http_version = http_version
+        """The client's protocol (``1.1``, ``2``), for the stream record."""
         self._method = method
         self._target = target
         self._upstream_headers = list(upstream_headers)
@@ -260,9 +263,10 @@ class Exchange:
         context.metrics.active_streams.dec()
         context.metrics.observe_record(action.record)
         if self.upstream_request_id != self.request_id:
-            context.log.write(action.record, upstream_request_id=self.upstream_request_id)
+            context.log.write(action.record, upstream_request_id=self.upstream_request_id,
+                              http_version=self.http_version)
         else:
-            context.log.write(action.record)
+            context.log.write(action.record, http_version=self.http_version)
         self._timer.cancel()
         if self._reader_wait is not None:
             self._reader_wait.cancel()

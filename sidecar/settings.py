@@ -104,6 +104,34 @@ class SidecarConfig:
     """Worker processes sharing the proxy port (SO_REUSEPORT), like nginx's worker_processes;
     ``auto`` = the CPUs this process may use. One admin port sees them all."""
 
+    http2: bool = True
+    """Serve HTTP/2 beside HTTP/1.1 on the proxy port: ALPN ``h2`` under TLS, the
+    connection preface (prior knowledge) on plaintext."""
+    http2_max_concurrent_streams: int = 128
+    """Streams one HTTP/2 connection may have open (SETTINGS_MAX_CONCURRENT_STREAMS);
+    streams still being answered after a client reset count too."""
+    http2_max_header_list_bytes: int = 32 * 1024
+    """An HTTP/2 request header list larger than this (decoded) gets 431; one over twice
+    this (an HPACK bomb) ends the connection with GOAWAY."""
+    http2_header_table_bytes: int = 4096
+    """HPACK dynamic table the client's encoder may use (SETTINGS_HEADER_TABLE_SIZE)."""
+    http2_stream_window_bytes: int = 1024 * 1024
+    """Request body bytes one HTTP/2 stream may send ahead (its receive window)."""
+    http2_connection_window_bytes: int = 16 * 1024 * 1024
+    """Request body bytes one HTTP/2 connection may send ahead, all streams together."""
+    http2_max_streams_per_connection: int = 100_000
+    """Streams after which an HTTP/2 connection is asked to go (GOAWAY, NO_ERROR) and
+    the client opens a new one (nginx's keepalive_requests)."""
+    http2_max_resets_per_s: int = 100
+    """Streams an HTTP/2 client may cancel (RST_STREAM) per second; beyond it the
+    connection ends with GOAWAY ENHANCE_YOUR_CALM (rapid reset, CVE-2023-44487)."""
+    http2_max_control_frames_per_s: int = 500
+    """SETTINGS, PING and PRIORITY frames an HTTP/2 client may send per second; beyond
+    it GOAWAY ENHANCE_YOUR_CALM (CVE-2019-9512, -9515, -9516)."""
+    http2_max_empty_frames_per_s: int = 100
+    """DATA frames without payload or end an HTTP/2 client may send per second; beyond
+    it GOAWAY ENHANCE_YOUR_CALM (CVE-2019-9518)."""
+
     def __post_init__(self) -> None:
         for key in ("drain_s", "header_read_timeout_s", "body_read_timeout_s", "keepalive_timeout_s",
                     "upstream_connect_timeout_s", "upstream_keepalive_s"):
@@ -111,7 +139,11 @@ class SidecarConfig:
             if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
                 raise ConfigError(key, f"must be a number >= 0, got {value!r}")
         for key in ("max_connections", "max_head_bytes", "max_header_count", "max_body_bytes",
-                    "max_buffered_body_bytes", "upstream_max_connections"):
+                    "max_buffered_body_bytes", "upstream_max_connections",
+                    "http2_max_concurrent_streams", "http2_max_header_list_bytes",
+                    "http2_stream_window_bytes", "http2_connection_window_bytes",
+                    "http2_max_streams_per_connection", "http2_max_resets_per_s",
+                    "http2_max_control_frames_per_s", "http2_max_empty_frames_per_s"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(key, f"must be a whole number > 0, got {value!r}")
@@ -127,6 +159,11 @@ class SidecarConfig:
                     "FILE, TOKENWIRE_ADMIN_TOKEN or --admin-token) or listen on 127.0.0.1")
         if not self.upstream:
             raise ConfigError("upstream", "at least one upstream is required")
+        if isinstance(self.http2_header_table_bytes, bool) or not isinstance(
+                self.http2_header_table_bytes, int) or self.http2_header_table_bytes < 0:
+            raise ConfigError("http2_header_table_bytes", "must be a whole number >= 0")
+        if self.http2_stream_window_bytes > 2**31 - 1 or self.http2_connection_window_bytes > 2**31 - 1:
+            raise ConfigError("http2_stream_window_bytes", "HTTP/2 windows are at most 2**31 - 1 bytes")
         if not isinstance(self.drop_underscore_headers, bool):
             raise ConfigError("drop_underscore_headers", "must be true or false")
         if self.resume_store not in ("", "memory") and not self.resume_store.startswith(
