@@ -336,7 +336,9 @@ class ChunkFacts:
     completion_tokens: int | None = None
     error: str | None = None
     carries_token: bool = False
-    """Text, reasoning or a tool call: a token reached the reader."""
+    """Text (content, reasoning or a completion's text) or a tool call reached the
+    reader: a token. An engine's role-only first chunk, a finish reason alone and
+    a usage chunk carry none."""
 
 
 def read_chunk(data: str) -> ChunkFacts:
@@ -358,7 +360,8 @@ def read_chunk(data: str) -> ChunkFacts:
     tool_call = False
     for choice in chunk.get("choices") or []:
         delta = choice.get("delta") or {}
-        text.append(delta.get("content") or delta.get("reasoning_content") or choice.get("text") or "")
+        text.append(delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
+                    or choice.get("text") or "")
         tool_call = tool_call or bool(delta.get("tool_calls"))
         if choice.get("finish_reason") is not None:
             finish_reason = choice["finish_reason"]
