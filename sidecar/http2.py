@@ -343,7 +343,7 @@ class Http2Connection(asyncio.Protocol):
         """A stream's answer is over: forget it; close if draining and it was the last."""
         if self.streams.get(stream.stream_id) is stream:
             del self.streams[stream.stream_id]
-            # Its last bytes may still wait for a window (it stays in self.blocked).
+        # Its last bytes may still wait for a window (it stays in self.blocked).
         if self.closing:
             return
         if not self.streams:
