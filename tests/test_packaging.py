@@ -67,6 +67,9 @@ def test_wheel_maps_every_source_file(wheel: Path) -> None:
     data = [p for p in (ROOT / "engine" / "data").glob("*") if p.is_file()]
     for path in data:
         assert f"tokenwire/engine/data/{path.name}" in names
+    # The gRPC API ships as its .proto and the code generated from it (with stubs for mypy).
+    for name in ("streaming.proto", "streaming_pb2.py", "streaming_pb2.pyi", "streaming_pb2_grpc.py"):
+        assert f"tokenwire/v1/{name}" in names, f"tokenwire/v1/{name} missing from wheel"
 
 
 def _metadata(wheel: Path) -> Message:
