@@ -225,6 +225,19 @@ def test_grpc_whenUpstreamDiesMidStream_thenUnavailableNeverOk(start_sidecar: Ca
     assert trailing["tokenwire-error-code"] == "upstream_failed"
 
 
+def test_grpc_whenUpstreamRefusesBeforeTheFirstMessage_thenRetriedAndOk(
+        start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
+    """The core's retry rule, per call: a 503 before anything reached the client is retried."""
+    sidecar = start_sidecar(upstreams=f"{upstream.url}/status503")
+    with grpc.insecure_channel(f"{sidecar.host}:{sidecar.port}") as channel:
+        call = pbg.ChatCompletionsStub(channel).Create(
+            _request(), metadata=[*_metadata("g-retry", 6), ("x-fake-fail-first", "1")], timeout=10)
+        assert _text(list(call)) == expected_text(6)
+        assert call.code() is grpc.StatusCode.OK
+    assert len(upstream.requests_with("g-retry")) == 2
+    assert sidecar.record("g-retry").retries == 1
+
+
 def test_grpc_whenOperatorCancels_thenCancelledWithTheCode(start_sidecar: Callable[..., RunningSidecar],
                                                          upstream: FakeUpstream) -> None:
     sidecar = start_sidecar()
