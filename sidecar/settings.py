@@ -226,7 +226,8 @@ class SidecarConfig:
         if self.balance not in POLICIES:
             raise ConfigError("balance", f"must be one of {', '.join(POLICIES)}, got {self.balance!r}")
         if self.load_metrics not in PRESETS:
-            raise ConfigError("load_metrics", f"must be one of {', '.join(PRESETS)}, got {self.load_metrics!r}")
+            raise ConfigError("load_metrics",
+                              f"must be one of {', '.join(PRESETS)}, got {self.load_metrics!r}")
         for key in ("load_poll_s", "prefix_affinity_load_factor", "health_interval_s", "health_timeout_s",
                     "outlier_base_ejection_s", "outlier_max_ejection_s", "queue_timeout_s",
                     "upstream_refresh_s"):

@@ -6,7 +6,7 @@ engine's ``/metrics``), ``prefix`` (a request's affinity key), ``members``
 (the ``upstream`` entries). The driver is ``tokenwire.sidecar.upstream``.
 """
 
-from .balancer import QUEUED, BalanceSettings, Balancer, Pick, Refusal, RefusalReason
+from .balancer import QUEUED, Balancer, BalanceSettings, Pick, Refusal, RefusalReason
 from .load import PRESETS, LoadMetricNames, LoadSample, metric_names, parse_load
 from .members import SourceKind, UpstreamSpec, parse_address_file, parse_spec
 from .pods import HealthSettings, PodState

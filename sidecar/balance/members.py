@@ -39,7 +39,7 @@ class UpstreamSpec:
 
     kind: SourceKind
     address: str
-    """``http://host:port[/prefix]``, ``unix:/path``, the DNS name's URL (``http://NAME:PORT``) or the file's path."""
+    """``http://host:port[/prefix]``, ``unix:/path``, a DNS entry's URL or a file's path."""
     weight: int = 1
 
     @property
