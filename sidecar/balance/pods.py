@@ -146,6 +146,7 @@ class PodState:
     def describe(self, now: float) -> dict[str, Any]:
         """The ``GET /upstreams`` entry."""
         load = self.load
+        load_age_s = None if self.load_at is None else round(now - self.load_at, 3)
         return {
             "address": self.address,
             "weight": self.weight,
@@ -159,7 +160,7 @@ class PodState:
             "health_checks_failed": self.health_checks_failed,
             "load": None if load is None else {"waiting": load.waiting, "running": load.running,
                                                "cache_use": load.cache_use,
-                                               "age_s": round(now - (self.load_at or now), 3)},
+                                               "age_s": load_age_s},
             "last_pick_reason": self.last_pick_reason,
             "picks": dict(self.picks),
         }
