@@ -16,7 +16,8 @@ It serves what a real engine serves, over real sockets, with none of the GPU:
 * ``POST /control``: a JSON object that changes any of ``slowdown``,
   ``prefill_s``, ``cached_prefill_s``, ``token_s``, ``health_delay_s``,
   ``health_status``; answers the state.
-* ``GET /stats``: requests received, streams completed, the most running at once.
+* ``GET /stats``: requests received, streams completed, the most running at
+  once, prefix cache hits, the ``user`` field of each request received.
 
 Prints ``ready port=N`` when listening. ``python bench/fake_engine.py --help``.
 """
@@ -50,6 +51,8 @@ class FakeEngine:
         self.received = 0
         self.completed = 0
         self.cache_hits = 0
+        self.users: list[str] = []
+        """The ``user`` field of each request received (a client's tag for it)."""
 
     def _scaled(self, key: str) -> float:
         return float(self.state[key]) * float(self.state["slowdown"])
@@ -90,7 +93,7 @@ class FakeEngine:
                     await self._json(writer, 200, {
                         "pod": self.name, "received": self.received, "completed": self.completed,
                         "max_running": self.max_running, "cache_hits": self.cache_hits,
-                        "waiting": self.waiting, "running": self.running})
+                        "waiting": self.waiting, "running": self.running, "users": self.users})
                 else:
                     await self._json(writer, 404, {"error": "no route"})
         except (asyncio.IncompleteReadError, ConnectionError, ValueError):
@@ -114,6 +117,8 @@ class FakeEngine:
     async def _complete(self, body: bytes, writer: asyncio.StreamWriter) -> None:
         self.received += 1
         payload = json.loads(body or b"{}")
+        if isinstance(payload.get("user"), str):
+            self.users.append(payload["user"])
         tokens = int(payload.get("max_tokens") or self.tokens)
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                      b"transfer-encoding: chunked\r\n\r\n")
