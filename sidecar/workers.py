@@ -351,6 +351,18 @@ class Supervisor:
                         "alive": w.process.returncode is None, "streams": len(w.streams)}
                        for _, w in sorted(self.workers.items())]
             return 200, json_type, json.dumps(listing, separators=(",", ":")).encode()
+        if method in (b"GET", b"HEAD") and path == "/upstreams":
+            # Each worker balances on its own: one view per worker.
+            views = [{**json.loads(answer[2]), "worker": worker.index}
+                     for worker, answer in await self._gather("GET", "/upstreams")
+                     if answer is not None and answer[0] == 200]
+            return 200, json_type, json.dumps({"workers": views}, separators=(",", ":")).encode()
+        if method == b"POST" and path.startswith("/upstreams/"):
+            # A drain is every worker's: the first answer that found the pod speaks for all.
+            answers = [answer for _, answer in await self._gather("POST", quoted) if answer is not None]
+            found = [answer for answer in answers if answer[0] == 200]
+            if found or answers:
+                return (found or answers)[0]
         if method in (b"GET", b"HEAD") and path == "/readyz" and self._stopping:
             return 503, json_type, b'{"status":"draining"}'
         if method == b"DELETE" and path.startswith("/streams/"):

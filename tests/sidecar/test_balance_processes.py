@@ -343,3 +343,45 @@ def test_draining_a_pod_lets_its_stream_finish_and_sends_no_new_ones(pods, sidec
     assert results[0].clean_end and pod_of(results[0]) == a.name
     admin(sidecar, "POST", f"/upstreams/{a.url}/undrain")
     assert states(sidecar)[a.url] == "up"
+
+
+def test_with_workers_each_lists_its_view_and_a_drain_reaches_every_one(pods, sidecars) -> None:
+    a, b = pods(2)
+    sidecar = sidecars([a.url, b.url], "--workers", "2")
+    views = admin(sidecar, "GET", "/upstreams")["workers"]
+    assert sorted(view["worker"] for view in views) == [0, 1]
+    assert admin(sidecar, "POST", f"/upstreams/{a.url}/drain") == {"upstream": a.url, "draining": True}
+    for view in admin(sidecar, "GET", "/upstreams")["workers"]:
+        assert {e["address"]: e["state"] for e in view["upstreams"]} == {a.url: "draining", b.url: "up"}
+    served = Counter(pod_of(exchange(sidecar.port, "POST", PATH, body=body(max_tokens=1))) for _ in range(8))
+    assert served == {b.name: 8}
+
+
+def test_a_dns_name_lists_every_address_it_resolves_to(pods, sidecars) -> None:
+    (a,) = pods(1)
+    sidecar = sidecars([f"dns+http://localhost:{a.port}"], "--upstream-refresh-s", "0.2",
+                       "--balance", "round-robin")
+    listed = states(sidecar)
+    assert listed.get(a.url) == "up", listed  # localhost's IPv4 address; its ::1 too where it has one
+    served = {pod_of(exchange(sidecar.port, "POST", PATH, body=body(max_tokens=1))) for _ in range(4)}
+    assert served == {a.name}
+
+
+def test_a_resume_on_another_replica_comes_from_the_store_not_from_another_pod(
+        pods, sidecars, redis_url: str) -> None:
+    from resume_client import open_stream, resume
+
+    four = pods(4, "--token-s", "0.03", "--tokens", "40")
+    shared = ["--resume", "--resume-store", redis_url, "--resume-owner-secret", "replicas-share-this",
+              "--resume-grace-s", "5"]
+    first = sidecars([pod.url for pod in four], *shared)
+    second = sidecars([pod.url for pod in four], *shared)
+    part = open_stream(first.port, "POST", PATH, body=body(), stop_after=5)
+    assert part.status == 200 and len(part.ids) == 5
+    rest = resume(second.port, part.stream_id, part.ids[-1])
+    assert rest.status == 200 and rest.clean_end
+    texts = [json.loads(e.data)["choices"][0]["delta"].get("content", "") for e in part.events + rest.events
+             if e.data and e.data.startswith("{")]
+    assert "".join(texts) == "".join(f"t{i} " for i in range(40))
+    # One generation, on one pod, whichever replica the reader came back through.
+    assert sum(pod.stats()["received"] for pod in four) == 1
