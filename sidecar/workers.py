@@ -359,10 +359,10 @@ class Supervisor:
             return 200, json_type, json.dumps({"workers": views}, separators=(",", ":")).encode()
         if method == b"POST" and path.startswith("/upstreams/"):
             # A drain is every worker's: the first answer that found the pod speaks for all.
-            answers = [answer for _, answer in await self._gather("POST", quoted) if answer is not None]
-            found = [answer for answer in answers if answer[0] == 200]
-            if found or answers:
-                return (found or answers)[0]
+            replies = [reply for _, reply in await self._gather("POST", quoted) if reply is not None]
+            found = [reply for reply in replies if reply[0] == 200]
+            if found or replies:
+                return (found or replies)[0]
         if method in (b"GET", b"HEAD") and path == "/readyz" and self._stopping:
             return 503, json_type, b'{"status":"draining"}'
         if method == b"DELETE" and path.startswith("/streams/"):
