@@ -135,6 +135,9 @@ class SidecarConfig:
     prefix_affinity_load_factor: float = 2.0
     """prefix-affinity: a pod with this many times its fair share of open streams is passed
     over (least-outstanding picks instead)."""
+    prefix_affinity_min_streams: int = 8
+    """prefix-affinity: a pod with fewer open streams than this is never passed over (a few
+    streams do not load an engine; a spilled prompt evicts another pod's cached prefix)."""
     health_path: str = ""
     """Active health check path (e.g. ``/health``), asked every health_interval_s; empty = off."""
     health_interval_s: float = 2.0
@@ -234,8 +237,8 @@ class SidecarConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise ConfigError(key, f"must be a number > 0, got {value!r}")
-        for key in ("prefix_affinity_tokens", "health_unhealthy_threshold", "health_healthy_threshold",
-                    "queue_max"):
+        for key in ("prefix_affinity_tokens", "prefix_affinity_min_streams", "health_unhealthy_threshold",
+                    "health_healthy_threshold", "queue_max"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(key, f"must be a whole number > 0, got {value!r}")

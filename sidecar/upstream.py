@@ -164,6 +164,7 @@ def balance_settings(config: SidecarConfig) -> BalanceSettings:
         queue_max=config.queue_max,
         queue_timeout_s=config.queue_timeout_s,
         prefix_affinity_load_factor=config.prefix_affinity_load_factor,
+        prefix_affinity_min_streams=config.prefix_affinity_min_streams,
         load_stale_after_s=3 * config.load_poll_s + config.health_timeout_s,
         health=HealthSettings(
             unhealthy_threshold=config.health_unhealthy_threshold,

@@ -96,6 +96,7 @@ class BalanceSettings:
     queue_max: int = 1000
     queue_timeout_s: float = 30.0
     prefix_affinity_load_factor: float = 2.0
+    prefix_affinity_min_streams: int = 8
     load_stale_after_s: float = 3.0
     health: HealthSettings = field(default_factory=HealthSettings)
     retry_after_s: int = 1
@@ -117,7 +118,8 @@ class Balancer:
         self._rng = rng if rng is not None else random.Random()
         self.policy: Policy = build_policy(settings.policy, self._rng,
                                            load_factor=settings.prefix_affinity_load_factor,
-                                           stale_after_s=settings.load_stale_after_s)
+                                           stale_after_s=settings.load_stale_after_s,
+                                           min_streams=settings.prefix_affinity_min_streams)
         self._pods: dict[str, PodState] = {}
         self._queue: OrderedDict[Hashable, _Waiter] = OrderedDict()
         self.queue_timeouts = 0

@@ -25,8 +25,11 @@ from the ``random.Random`` each policy is built with, so tests seed it.
   the request's prefix key (see ``prefix.py``) over the available pods, a
   consistent hash: removing a pod moves only the keys it held. When that pod
   is not free, or its open streams are at least ``load_factor`` x its fair
-  share (its weight's part of all open streams here, at least 1), or the
-  request has no key, the pick falls back to least-outstanding.
+  share (its weight's part of all open streams here) and at least
+  ``min_streams``, or the request has no key, the pick falls back to
+  least-outstanding. The floor keeps noise from spilling prompts: at a few
+  streams an engine that batches dozens is not loaded, while each spilled
+  request evicts another pod's cached prefix for one that will not come back.
 """
 
 from __future__ import annotations
@@ -130,9 +133,10 @@ def rendezvous_score(key: bytes, pod: PodState) -> float:
 class PrefixAffinity:
     name = "prefix-affinity"
 
-    def __init__(self, rng: random.Random, *, load_factor: float) -> None:
+    def __init__(self, rng: random.Random, *, load_factor: float, min_streams: int = 1) -> None:
         self._fallback = LeastOutstanding(rng)
         self._load_factor = load_factor
+        self._min_streams = min_streams
 
     def owner(self, key: bytes, available: Sequence[PodState]) -> PodState:
         """The pod the hash gives ``key`` among ``available``."""
@@ -149,14 +153,15 @@ class PrefixAffinity:
             return chosen, "prefix-affinity:owner-full"
         total_open = sum(pod.open_streams for pod in available)
         total_weight = sum(pod.weight for pod in available)
-        fair_share = max(1.0, total_open * owner.weight / total_weight)
-        if owner.open_streams >= self._load_factor * fair_share:
+        fair_share = total_open * owner.weight / total_weight
+        if owner.open_streams >= max(self._min_streams, self._load_factor * fair_share):
             chosen, _ = self._fallback.pick(free, available, key, now)
             return chosen, "prefix-affinity:overloaded"
         return owner, "prefix-affinity"
 
 
-def build_policy(name: str, rng: random.Random, *, load_factor: float, stale_after_s: float) -> Policy:
+def build_policy(name: str, rng: random.Random, *, load_factor: float, stale_after_s: float,
+                 min_streams: int = 1) -> Policy:
     """The policy called ``name`` (one of :data:`POLICIES`)."""
     if name == "least-outstanding":
         return LeastOutstanding(rng)
@@ -165,5 +170,5 @@ def build_policy(name: str, rng: random.Random, *, load_factor: float, stale_aft
     if name == "queue-aware":
         return QueueAware(rng, stale_after_s=stale_after_s)
     if name == "prefix-affinity":
-        return PrefixAffinity(rng, load_factor=load_factor)
+        return PrefixAffinity(rng, load_factor=load_factor, min_streams=min_streams)
     raise ValueError(f"unknown balancing policy {name!r}")

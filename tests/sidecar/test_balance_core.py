@@ -180,7 +180,7 @@ def test_queue_aware_orders_by_waiting_then_running_counting_its_own_sends() -> 
 
 
 def test_prefix_affinity_is_a_consistent_hash_with_a_load_fallback() -> None:
-    policy = PrefixAffinity(random.Random(4), load_factor=2.0)
+    policy = PrefixAffinity(random.Random(4), load_factor=2.0, min_streams=4)
     pods = _pods(0, 0, 0, 0)
     keys = [f"prompt {i}".encode() for i in range(400)]
     owners = {key: policy.owner(key, pods).address for key in keys}
@@ -193,11 +193,17 @@ def test_prefix_affinity_is_a_consistent_hash_with_a_load_fallback() -> None:
     key = keys[0]
     owner = next(p for p in pods if p.address == owners[key])
     assert policy.pick(pods, pods, key, 0.0) == (owner, "prefix-affinity")
-    owner.open_streams = 6  # fair share here: max(1, 6 / 4) = 1.5; 6 >= 2 x 1.5
+    owner.open_streams = 3  # 2 x its fair share (3 / 4), but under the floor of 4
+    assert policy.pick(pods, pods, key, 0.0) == (owner, "prefix-affinity")
+    owner.open_streams = 6  # fair share here: 6 / 4 = 1.5; 6 >= max(4, 2 x 1.5)
     chosen, reason = policy.pick(pods, pods, key, 0.0)
     assert reason == "prefix-affinity:overloaded" and chosen is not owner
-    owner.open_streams = 0
     others = [p for p in pods if p is not owner]
+    others[0].open_streams = 10
+    # Now 16 open: fair share 4, 2 x 4 = 8 > 6: the owner again.
+    assert policy.pick(pods, pods, key, 0.0) == (owner, "prefix-affinity")
+    others[0].open_streams = 0
+    owner.open_streams = 0
     assert policy.pick(others, pods, key, 0.0)[1] == "prefix-affinity:owner-full"
     assert policy.pick(pods, pods, None, 0.0)[1] == "prefix-affinity:no-prefix"
 
