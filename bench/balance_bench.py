@@ -321,6 +321,9 @@ def main() -> int:
         print(json.dumps({name: results[name]}, indent=1), flush=True)
     out = HERE / "results" / "balance.json"
     out.parent.mkdir(exist_ok=True)
+    if args.only and out.exists():
+        # Part of the scenarios: the others keep their last figures.
+        results = {**json.loads(out.read_text()), **results}
     out.write_text(json.dumps(results, indent=1) + "\n")
     return 0
 
