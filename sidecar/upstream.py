@@ -1,9 +1,18 @@
-"""The upstream side: httpcore connection pools, one attempt at a time.
+"""The upstream side: the pod set, httpcore connection pools, one attempt at a time.
 
 Theory of operation
 -------------------
-Each configured upstream (``http://host:port[/prefix]`` or ``unix:/path``)
-gets one :class:`httpcore.AsyncConnectionPool`. An *attempt* is one upstream
+:class:`UpstreamPools` is the driver of the balancing core
+(:mod:`tokenwire.sidecar.balance`): it lists the pods (the ``upstream``
+entries, address files re-read on change and SIGHUP, names re-resolved every
+``upstream_refresh_s``), runs the active health checks and the load scrapes,
+arms the wait queue's timer, and gives each attempt the pod the balancer
+picked (:meth:`UpstreamPools.request`), or its refusal. It decides nothing:
+which pod, when a pod is out, who waits, all are the balancer's answers.
+
+Each pod (``http://host:port[/prefix]`` or ``unix:/path``) gets its
+httpcore connection pools, made on its first attempt and closed
+when it leaves the set with no stream open. An *attempt* is one upstream
 request, run as a task by :func:`run_attempt`; it reports what happened as
 wire-core inputs through a callback and never decides anything itself.
 
