@@ -113,7 +113,8 @@ class SidecarConfig:
     from this sidecar, power of two choices), ``round-robin``, ``queue-aware`` (the engines'
     own queue depth from their /metrics) or ``prefix-affinity`` (same prompt start, same pod)."""
     load_poll_s: float = 1.0
-    """queue-aware: how often each engine's load_metrics_path is read."""
+    """queue-aware: how often each engine's load_metrics_path is read (each read may take up
+    to health_timeout_s; a reading older than 3 polls is not used)."""
     load_metrics: str = "tokenwire"
     """queue-aware: the engine's metric names, a preset: ``tokenwire``, ``vllm``, ``sglang`` or ``tgi``."""
     load_metrics_path: str = "/metrics"
