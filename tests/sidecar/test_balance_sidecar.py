@@ -91,3 +91,25 @@ def test_pools_built_outside_a_loop_do_nothing_until_started() -> None:
     assert pools.names == ["http://a:1", "http://b:2"]
     assert pools.upstreams == []  # pools per pod are made on first use
     asyncio.run(pools.aclose())
+
+
+def test_metrics_and_the_admin_list_show_each_upstream(start_sidecar, upstream: FakeUpstream) -> None:
+    import httpx
+
+    dead = f"http://127.0.0.1:{_closed_port()}"
+    sidecar = start_sidecar([upstream.url, dead], balance="round-robin", retry_backoff_s=0.01)
+    for i in range(4):
+        assert exchange(sidecar.port, "POST", "/normal/v1/chat/completions", body=chat_body(),
+                        headers={"X-Request-Id": f"metrics-{i}"}).clean_end
+    text = httpx.get(sidecar.admin_url + "/metrics").text
+    assert f'tokenwire_upstream_requests_total{{upstream="{upstream.url}"}} 4.0' in text
+    assert f'tokenwire_upstream_failures_total{{upstream="{dead}"}} 2.0' in text
+    assert f'tokenwire_upstream_open_streams{{upstream="{upstream.url}"}} 0.0' in text
+    assert f'tokenwire_upstream_up{{upstream="{dead}"}} 1.0' in text  # 2 failures: not yet ejected
+    assert f'tokenwire_upstream_picks_total{{reason="round-robin",upstream="{dead}"}} 2.0' in text
+    assert "tokenwire_upstream_queue_depth 0.0" in text
+    listed = {e["address"]: e for e in httpx.get(sidecar.admin_url + "/upstreams").json()["upstreams"]}
+    assert listed[dead]["failures"] == 2 and listed[upstream.url]["requests"] == 4
+    assert listed[upstream.url]["last_pick_reason"] == "round-robin"
+    status = httpx.post(sidecar.admin_url + "/upstreams/nowhere:1/drain").status_code
+    assert status == 404
