@@ -335,6 +335,10 @@ class ChunkFacts:
     finish_reason: str | None = None
     completion_tokens: int | None = None
     error: str | None = None
+    carries_token: bool = False
+    """Text (content, reasoning or a completion's text) or a tool call reached the
+    reader: a token. An engine's role-only first chunk, a finish reason alone and
+    a usage chunk carry none."""
 
 
 def read_chunk(data: str) -> ChunkFacts:
@@ -353,9 +357,14 @@ def read_chunk(data: str) -> ChunkFacts:
     tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
     text: list[str] = []
     finish_reason = None
+    tool_call = False
     for choice in chunk.get("choices") or []:
         delta = choice.get("delta") or {}
-        text.append(delta.get("content") or delta.get("reasoning_content") or choice.get("text") or "")
+        text.append(delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
+                    or choice.get("text") or "")
+        tool_call = tool_call or bool(delta.get("tool_calls"))
         if choice.get("finish_reason") is not None:
             finish_reason = choice["finish_reason"]
-    return ChunkFacts("".join(text), finish_reason, tokens if isinstance(tokens, int) else None)
+    joined = "".join(text)
+    return ChunkFacts(joined, finish_reason, tokens if isinstance(tokens, int) else None,
+                      carries_token=bool(joined) or tool_call)
