@@ -37,6 +37,7 @@ from .metrics import SidecarMetrics
 from .settings import SidecarConfig, parse_host_port, read_admin_token
 from .tls import alerting_protocol_factory, load_certificates, server_context
 from .upstream import UpstreamPools
+from .upstream_metrics import UpstreamCollector
 
 logger = logging.getLogger("tokenwire.sidecar")
 
@@ -97,6 +98,8 @@ class Sidecar:
             admin_origins=own_origins,
         )
         self.context = context
+        context.metrics.registry.register(UpstreamCollector(context.pools))
+        await context.pools.start()
         if config.tls:
             self._ssl = server_context(config)
         host, port = parse_host_port(config.listen, "listen")
@@ -153,6 +156,12 @@ class Sidecar:
             return False
         logger.info("TLS certificates reloaded")
         return True
+
+    def reload(self) -> None:
+        """SIGHUP: reload the certificates and re-read the upstream address files."""
+        self.reload_tls()
+        if self.context is not None:
+            self.context.pools.reload()
 
     def request_stop(self) -> None:
         """Begin a graceful shutdown (safe from signal handlers; same loop)."""
@@ -247,7 +256,7 @@ async def _serve(config: SidecarConfig, out: TextIO, reuse_port: bool) -> int:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, sidecar.request_stop)
     loop.add_signal_handler(signal.SIGINT, sidecar.request_stop)
-    loop.add_signal_handler(signal.SIGHUP, sidecar.reload_tls)
+    loop.add_signal_handler(signal.SIGHUP, sidecar.reload)
     host, port = sidecar.address
     scheme = "https" if config.tls else "http"
     ready = f"ready listen={host}:{port} scheme={scheme}"
