@@ -23,7 +23,7 @@ COPY sidecar/ sidecar/
 COPY engine/ engine/
 RUN python -m build --wheel --outdir /dist .
 
-# ---- sidecar: h11, httpcore, uvloop, prometheus-client and tokenwire; nothing else
+# ---- sidecar: h11, h2, httpcore, uvloop, prometheus-client and tokenwire; nothing else
 FROM ${PYTHON_IMAGE} AS sidecar
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

@@ -135,7 +135,9 @@ class Http2Stream:
         if status in (204, 304):
             self._no_body = True
         fields = [(b":status", str(status).encode())]
-        fields += [(name.lower(), value) for name, value in headers
+        # HTTP/2 field values carry no surrounding whitespace (RFC 9113 section
+        # 8.2.1), which an HTTP/1.1 upstream's may; h2 would refuse them.
+        fields += [(name.lower(), value.strip()) for name, value in headers
                    if name.lower() not in _CONNECTION_SPECIFIC]
         self._send(lambda: self._h2.send_headers(self.stream_id, fields))
 

@@ -193,3 +193,41 @@ def chat_headers(tokens: int = 5, delay_s: float = 0.0) -> list[Header]:
     """Headers for a streamed chat request to the fake upstream."""
     return [(b"content-type", b"application/json"), (b"accept", b"text/event-stream"),
             (b"x-fake-tokens", str(tokens).encode()), (b"x-fake-delay-s", str(delay_s).encode())]
+
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+
+def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
+    """One raw HTTP/2 frame."""
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream_id.to_bytes(4, "big") + payload
+
+
+# GET /models/v1/models from HPACK's static table and literals without indexing
+# only: one block serves any number of streams, with no encoder state.
+STATIC_GET_BLOCK = b"\x82\x86\x04\x11/models/v1/models\x01\x01x"
+
+
+def read_goaway(sock: socket.socket, timeout_s: float = 10.0) -> GoAway | None:
+    """Read a raw HTTP/2 connection until it ends; its GOAWAY, if one came."""
+    deadline = time.monotonic() + timeout_s
+    buffer = b""
+    goaway = None
+    while time.monotonic() < deadline:
+        sock.settimeout(max(deadline - time.monotonic(), 0.01))
+        try:
+            data = sock.recv(65536)
+        except (TimeoutError, OSError):
+            break
+        if not data:
+            break
+        buffer += data
+        while len(buffer) >= 9:
+            length = int.from_bytes(buffer[:3], "big")
+            if len(buffer) < 9 + length:
+                break
+            if buffer[3] == 0x7:
+                goaway = GoAway(int.from_bytes(buffer[9:13], "big") & 0x7FFFFFFF,
+                                int.from_bytes(buffer[13:17], "big"))
+            buffer = buffer[9 + length:]
+    return goaway

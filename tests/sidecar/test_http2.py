@@ -290,3 +290,23 @@ def test_http2_whenRouteClaimsAStream_thenItsHandlerAnswersAndNothingIsProxied(
             assert plain.status == 200 and len(upstream.requests) == before + 1
     finally:
         loop_thread.run(sidecar.shutdown())
+
+
+def test_http2_whenBodyTooSlowOrTooLarge_thenStream408Or413AndNothingForwarded(
+        start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
+    sidecar = start_sidecar(body_read_timeout_s=0.3, max_body_bytes=1000)
+    before = len(upstream.requests)
+    with H2Client(sidecar.port) as client:
+        slow = client.request("/echo/v1/x", method="POST", end=False)
+        client.conn.send_data(slow, b"partial")
+        client.flush()
+        large = client.request("/echo/v1/x", method="POST", body=b"x" * 2000)
+        announced = client.request("/echo/v1/x", method="POST", end=False,
+                                   headers=[(b"content-length", b"5000")])
+        assert client.response(large).status == 413
+        assert client.response(announced).status == 413
+        timed_out = client.response(slow)
+        assert timed_out.status == 408 and timed_out.ended
+        # The connection serves on.
+        assert client.response(client.request("/models/v1/models")).status == 200
+    assert len(upstream.requests) == before + 1

@@ -6,8 +6,10 @@ reaches the upstream, and the sidecar keeps serving others.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -15,7 +17,7 @@ from collections.abc import Callable
 import hpack
 import pytest
 from conftest import RunningSidecar
-from h2client import H2Client, chat_headers
+from h2client import PREFACE, STATIC_GET_BLOCK, H2Client, chat_headers, frame, read_goaway
 from hyperframe.frame import ContinuationFrame, HeadersFrame
 from upstreams import FakeUpstream, expected_text
 
@@ -70,26 +72,25 @@ def test_attack_rapidReset_whenOpenCancelFlood_thenGoawayCalmAndUpstreamSeesAtMo
     bystander.start()
     assert bystander.started.wait(10)
     before = len(upstream.requests)
-    pairs = 5_000
-    with H2Client(sidecar.port) as client:
-        sent = 0
-        try:
-            for batch in range(pairs // 500):
-                for _ in range(500):
-                    stream_id = client.request("/models/v1/models", flush=False)
-                    client.conn.reset_stream(stream_id, 8)
-                    sent += 1
-                client.flush()
-                del batch
-        except OSError:
-            pass  # the sidecar hung up mid-flood: that is the defence
-        _closed_with(client, ENHANCE_YOUR_CALM)
+    pairs = 20_000
+    # Prebuilt frames: the flood costs this process (which also runs the sidecar's
+    # loop and the bystander's reader) next to nothing, as a real attacker's would.
+    cancel = b"\x00\x00\x00\x08"
+    flood = b"".join(frame(0x1, 0x5, 1 + 2 * i, STATIC_GET_BLOCK) + frame(0x3, 0, 1 + 2 * i, cancel)
+                     for i in range(pairs))
+    with socket.create_connection(("127.0.0.1", sidecar.port), timeout=10) as sock:
+        sock.sendall(PREFACE + frame(0x4, 0, 0))
+        with contextlib.suppress(OSError):  # the sidecar hangs up mid-flood: that is the defence
+            sock.sendall(flood)
+        goaway = read_goaway(sock)
+    assert goaway is not None and goaway.error_code == ENHANCE_YOUR_CALM, goaway
     bystander.join(30)
     assert bystander.client.streams[bystander.stream_id].ended
-    assert bystander.max_gap_s() < 0.5
+    # bench/h2_bench.py measures this bound apart from the load (81 ms there);
+    # here the test process also runs the sidecar and the reader.
+    assert bystander.max_gap_s() < 1.0
     time.sleep(0.2)  # let any upstream request already under way arrive
     forwarded = len(upstream.requests) - before
-    print(f"rapid reset: {sent} pairs sent, {forwarded} reached the upstream")
     assert forwarded <= 50 + 20
     _serves(sidecar)
 
