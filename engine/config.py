@@ -82,6 +82,9 @@ class EngineConfig:
     """uvicorn and engine log level: critical, error, warning, info, debug, trace."""
     threads: int | None = None
     """torch intra-op threads; default: the CPUs this process may use, minus one for the event loop."""
+    scheduler_process: bool = True
+    """Run the model and the scheduler in a process of their own, so the HTTP side (JSON, the
+    middleware, uvicorn) never holds up a step for the GIL; false = a thread of the server."""
 
     def __post_init__(self) -> None:
         for name in ("max_running", "kv_budget_tokens", "max_waiting"):
@@ -101,6 +104,8 @@ class EngineConfig:
         for name in ("model", "device", "dtype"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigError(name, "must be a non-empty string")
+        if not isinstance(self.scheduler_process, bool):
+            raise ConfigError("scheduler_process", f"must be true or false, got {self.scheduler_process!r}")
         check_listen(self.listen)
         if not isinstance(self.log_level, str) or self.log_level.lower() not in _LOG_LEVELS:
             raise ConfigError("log_level", f"must be one of {', '.join(_LOG_LEVELS)}, got {self.log_level!r}")
