@@ -2,8 +2,7 @@
 
 Theory of operation
 -------------------
-With ``scheduler_process = true`` (the default of ``tokenwire engine``) the
-engine is two processes:
+With ``scheduler_process = true`` the engine is two processes:
 
 - the **front**: uvicorn, the middleware, the API, tokenization and JSON; it
   holds the tokenizer and no weights (``loader.load_front``);

@@ -6,6 +6,9 @@ import json
 import os
 import shutil
 import signal
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -155,3 +158,52 @@ def test_a_model_that_fails_to_load_is_reported_with_the_childs_error(
     with pytest.raises(SchedulerProcessError) as raised:
         _launch(broken)
     assert "no-such-arch" in str(raised.value)
+
+
+def test_tokenwire_engine_with_a_scheduler_process_serves_and_takes_it_along_on_sigterm(
+    tiny_model_dir: Path,
+) -> None:
+    port = _free_port()
+    engine = subprocess.Popen(
+        [sys.executable, "-m", "tokenwire.engine.server", "--model", str(tiny_model_dir),
+         "--listen", f"127.0.0.1:{port}", "--threads", "1", "--device", "cpu",
+         "--scheduler-process", "true", "--log-level", "warning", "--served-model-name", "tiny"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        base_url = f"http://127.0.0.1:{port}"
+
+        def healthy() -> bool:
+            assert engine.poll() is None, engine.stderr.read() if engine.stderr else b""
+            try:
+                return httpx.get(f"{base_url}/health").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        _wait_until(healthy, timeout_s=180)
+        children = Path(f"/proc/{engine.pid}/task/{engine.pid}/children").read_text().split()
+        assert children, "the scheduler process is a child of the server"
+        assert _completion(base_url, "The kitchen is", 8)
+        engine.send_signal(signal.SIGTERM)
+        # uvicorn shuts down, then re-raises the signal it caught: -15 is a clean exit.
+        assert engine.wait(30) in (0, -signal.SIGTERM)
+        for child in children:
+            _wait_until(lambda: _exited(int(child)), 30)  # noqa: B023 (waited on at once)
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait(10)
+
+
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie (its parent, the server, has exited without reaping it)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
