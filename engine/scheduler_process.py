@@ -27,6 +27,11 @@ queues, as the thread's one ``call_soon_threadsafe`` does.
 The front checks a request before sending it (``check_request``, with the
 queue length of the last step), so a refusal is still an HTTP 400/503.
 
+Flow control: the up pipe holds about 16 steps of 64 rows. A client that
+reads slowly never fills it (the front only queues outputs per request, as
+with the thread), but a front whose loop stalls for that long pauses the
+scheduler process at its next send, rather than letting outputs pile up.
+
 Lifetimes: the scheduler process reads the down pipe until ``_Stop`` or end of
 file, so a front that dies, however it dies, takes it along. If the scheduler
 process dies, every request in flight finishes with an error, new ones get a
