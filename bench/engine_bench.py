@@ -508,7 +508,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
     for run in results["chunked_prefill"]["runs"]:
         gaps = run["gaps_ms"]
         middle.plot(range(len(gaps)), gaps, linewidth=1,
-                    label=f"{run['label']}: worst x{run['worst_over_steady']} of steady")
+                    label=f"{run['label']}: worst x{run['worst_over_control_worst']}, "
+                          f"p95 x{run['p95_over_control_p95']} the control's")
     middle.axvline(30, color="grey", linestyle="--", label="4,000-token prompt arrives")
     middle.set_yscale("log")
     middle.set_xlabel("scheduler step")
