@@ -16,7 +16,7 @@ from .settings import SidecarConfig
 from .upstream import UpstreamPools
 
 if TYPE_CHECKING:
-    from .protocol import ClientConnection
+    from .connection import OpenConnection
 
 
 @dataclass(slots=True)
@@ -35,7 +35,7 @@ class SidecarContext:
     admin_origins: tuple[str, ...] = ()
     """The admin port's own origins (its playground page), allowed by the proxy's CORS."""
     registry: StreamRegistry = field(default_factory=StreamRegistry)
-    connections: set[ClientConnection] = field(default_factory=set)
+    connections: set[OpenConnection] = field(default_factory=set)
     buffered_body_bytes: int = 0
     """Request body bytes held by all connections now (``max_buffered_body_bytes``)."""
     draining: bool = False

@@ -12,11 +12,15 @@ base URL per behaviour works with any client (``base_url=.../silent/v1``):
     /echo/...       JSON: the request line, headers and body it received
     /models/...     a plain JSON body (``/v1/models``), Content-Length framed
     /abort/{id}     the explicit abort call: 200, recorded like every request
+    /prefill/...    normal, with ``x-fake-prefill-s`` (default 0.5) between the role chunk and the text
+
+A path ending in ``/completions`` (not ``/chat/completions``) streams legacy
+text-completion chunks (``choices[].text``, no role chunk) instead.
 
 Request headers tune it: ``x-fake-tokens`` (count), ``x-fake-delay-s``
-(between tokens), ``x-fake-silence-s``. Every connection is recorded with the
-moment the *peer* (the sidecar) closed it, which is how tests see an abort
-reach the upstream.
+(between tokens), ``x-fake-silence-s``, ``x-fake-prefill-s`` (any mode: after
+the role chunk). Every connection is recorded with the moment the *peer* (the
+sidecar) closed it, which is how tests see an abort reach the upstream.
 """
 
 from __future__ import annotations
@@ -43,6 +47,15 @@ def chunk(text: str | None = None, *, role: str | None = None, finish: str | Non
         "id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 0, "model": "fake",
         "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
     }
+    if usage is not None:
+        payload["usage"] = usage
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def text_chunk(text: str = "", *, finish: str | None = None, usage: dict[str, int] | None = None) -> bytes:
+    """One legacy ``text_completion`` SSE event (``/v1/completions``)."""
+    payload: dict[str, Any] = {"id": "cmpl-fake", "object": "text_completion", "created": 0, "model": "fake",
+                               "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
     if usage is not None:
         payload["usage"] = usage
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
@@ -101,6 +114,10 @@ class _Listener:
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
 
+    async def start_unix(self, path: str) -> None:
+        """Listen on the Unix socket ``path`` instead (as an engine behind ``tokenwire up`` does)."""
+        self._server = await asyncio.start_unix_server(self._serve, path)
+
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
@@ -133,10 +150,11 @@ class FakeUpstream(_Listener):
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         record = Connection(opened_at=time.monotonic())
         self.connections.append(record)
+        carried = b""
         try:
             while True:
                 try:
-                    head = await reader.readuntil(b"\r\n\r\n")
+                    head = carried + await reader.readuntil(b"\r\n\r\n")
                 except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
                     record.peer_closed_at = time.monotonic()
                     return
@@ -148,13 +166,20 @@ class FakeUpstream(_Listener):
                 watcher = asyncio.ensure_future(reader.read(1))
                 responder = asyncio.ensure_future(self._respond(request, writer))
                 done, _ = await asyncio.wait({watcher, responder}, return_when=asyncio.FIRST_COMPLETED)
+                carried = b""
                 if watcher in done:
-                    record.peer_closed_at = time.monotonic()
-                    responder.cancel()
-                    return
-                watcher.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await watcher
+                    carried = b"" if watcher.exception() is not None else watcher.result()
+                    if not carried:
+                        record.peer_closed_at = time.monotonic()
+                        responder.cancel()
+                        return
+                    # The client's next request on this connection began before the
+                    # answer's last write returned (keep-alive): no abort; keep its byte.
+                    await asyncio.wait({responder})
+                else:
+                    watcher.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await watcher
                 keep_alive = responder.exception() is None and responder.result()
                 if not keep_alive:
                     return
@@ -209,7 +234,16 @@ class FakeUpstream(_Listener):
             return True
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                      b"transfer-encoding: chunked\r\nx-engine: fake\r\n\r\n")
-        await self._send(writer, chunk(role="assistant"))
+        if request.path.endswith("/completions") and not request.path.endswith("/chat/completions"):
+            def piece(text: str | None = None, *, finish: str | None = None,
+                      usage: dict[str, int] | None = None) -> bytes:
+                return text_chunk(text or "", finish=finish, usage=usage)
+        else:
+            piece = chunk
+            await self._send(writer, chunk(role="assistant"))
+        prefill_s = headers.get("x-fake-prefill-s", "0.5" if mode == "prefill" else "0")
+        if float(prefill_s):
+            await asyncio.sleep(float(prefill_s))
         if mode == "malformed":
             await self._send(writer, b"data: " + b"x" * 200_000)
             await asyncio.sleep(3600)
@@ -224,9 +258,9 @@ class FakeUpstream(_Listener):
                 await asyncio.sleep(float(headers.get("x-fake-silence-s", "1")))
             if delay_s:
                 await asyncio.sleep(delay_s)
-            await self._send(writer, chunk(token(i)))
-        await self._send(writer, chunk(finish="stop"))
-        await self._send(writer, chunk(usage={"prompt_tokens": 1, "completion_tokens": tokens,
+            await self._send(writer, piece(token(i)))
+        await self._send(writer, piece(finish="stop"))
+        await self._send(writer, piece(usage={"prompt_tokens": 1, "completion_tokens": tokens,
                                               "total_tokens": tokens + 1}))
         await self._send(writer, DONE)
         writer.write(b"0\r\n\r\n")
