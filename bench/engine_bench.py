@@ -265,7 +265,7 @@ def _start_engine(model_path: Path, port: int, threads: int, device: str, dtype:
          "--dtype", dtype, "--max-running", str(max(64, largest)),
          "--kv-budget-tokens", str(1 << 22), "--max-prefill-tokens-per-step", "2048",
          "--log-level", "warning", "--served-model-name", "bench",
-         "--scheduler-process", "true" if scheduler_process else "false"],
+         "--scheduler-process" if scheduler_process else "--no-scheduler-process"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline_s = time.monotonic() + 180
     while True:

@@ -167,7 +167,7 @@ def test_tokenwire_engine_with_a_scheduler_process_serves_and_takes_it_along_on_
     engine = subprocess.Popen(
         [sys.executable, "-m", "tokenwire.engine.server", "--model", str(tiny_model_dir),
          "--listen", f"127.0.0.1:{port}", "--threads", "1", "--device", "cpu",
-         "--scheduler-process", "true", "--log-level", "warning", "--served-model-name", "tiny"],
+         "--scheduler-process", "--log-level", "warning", "--served-model-name", "tiny"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         base_url = f"http://127.0.0.1:{port}"
