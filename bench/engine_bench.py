@@ -1,28 +1,39 @@
-"""Engine benchmark: batching throughput, chunked prefill, abort latency.
+"""Engine benchmark: batching throughput, chunked prefill, served over HTTP, abort latency.
 
-Not a test. Run it on an otherwise idle machine::
+Not a test. Every figure is a ratio of two things measured side by side in the
+same run (the machine may be shared)::
 
     python bench/engine_bench.py            # writes bench/results/engine.{json,png}
+    python bench/engine_bench.py --parts served --streams 64   # one part
 
-1. **Throughput**: N streams (1, 16, 64) submitted at once to the scheduler,
-   greedy, ``ignore_eos``, fixed output length; aggregate generated tokens per
-   wall-clock second, prefill included. Baseline: ``model.generate`` on the
-   same prompts one at a time.
+1. **Throughput**: N streams (``--streams``, default 1, 16, 64) submitted at
+   once to the scheduler, greedy, ``ignore_eos``, fixed output length;
+   aggregate generated tokens per wall-clock second, prefill included.
+   Baseline: ``model.generate`` on the same prompts one at a time (the first
+   16 timed; their mean stands for the rest).
 2. **Chunked prefill**: 16 streams decoding, then a 4,000-token prompt
    arrives. Every step gives each running stream one token, so a stream's
-   inter-token gap is the step time; we record it from before the arrival
-   until 20 steps after the long prompt's first token, with and without
-   chunking (``max_prefill_tokens_per_step`` 256 vs 0).
-3. **Abort**: the engine served by uvicorn behind the middleware, 16 streams
-   running; a 17th client reads its first token and then resets its TCP
-   connection (``SO_LINGER`` 0). We measure the time and the scheduler steps
-   from the reset until its row has left the batch.
+   inter-token gap is the step time; we record it from the arrival until 20
+   steps after the long prompt's first token, for each ``--chunk-tokens``
+   value of ``max_prefill_tokens_per_step`` and 0 (no chunking), each beside a
+   control (the same 16 streams, no long prompt) stepped in lockstep.
+3. **Served**: ``tokenwire engine`` in its own process, N raw-socket streaming
+   clients at once, with the scheduler in a process of its own (the default)
+   and in a thread of the server, against the scheduler alone in this
+   process; the three take turns. Tokens/s, and each stream's time to first
+   token and inter-token gaps (p50, p99).
+4. **Abort**: the engine served by uvicorn behind the middleware (scheduler
+   thread, in this process, so the batch can be read), 16 streams running; a
+   17th client reads its first token and then resets its TCP connection
+   (``SO_LINGER`` 0). We measure the time and the scheduler steps from the
+   reset until its row has left the batch.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import socket
@@ -60,12 +71,34 @@ def _prompts(loaded: LoadedModel, count: int) -> list[tuple[int, ...]]:
 # -- 1. throughput ---------------------------------------------------------------------
 
 
+def scheduler_alone(loaded: LoadedModel, prompts: list[tuple[int, ...]], output_tokens: int,
+                    ) -> tuple[float, int, float]:
+    """All ``prompts`` added at once to a fresh scheduler, stepped until done in this thread:
+    (generated tokens per second, steps, seconds)."""
+    scheduler = ContinuousBatchingScheduler(
+        loaded, EngineConfig(max_running=max(64, len(prompts)), kv_budget_tokens=1 << 22,
+                             max_prefill_tokens_per_step=2048))
+    params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
+    started_s = time.perf_counter()
+    for index, prompt in enumerate(prompts):
+        scheduler.add(GenerationRequest(f"t{index}", prompt, params))
+    generated = 0
+    steps = 0
+    while scheduler.has_work():
+        generated += sum(len(o.token_ids) for o in scheduler.step())
+        steps += 1
+    elapsed_s = time.perf_counter() - started_s
+    return generated / elapsed_s, steps, elapsed_s
+
+
 def bench_throughput(loaded: LoadedModel, stream_counts: list[int], output_tokens: int) -> dict[str, Any]:
     results: dict[str, Any] = {"output_tokens": output_tokens, "streams": {}}
     largest = max(stream_counts)
     prompts = _prompts(loaded, largest)
+    # One-at-a-time generate costs the same per prompt whatever N is: time the
+    # first 16 and use their mean (256 of them would take minutes on a GPU).
     baseline_s: list[float] = []
-    for prompt in prompts:
+    for prompt in prompts[:16]:
         input_ids = torch.tensor([prompt], device=loaded.device)
         started_s = time.perf_counter()
         with torch.inference_mode():
@@ -73,21 +106,10 @@ def bench_throughput(loaded: LoadedModel, stream_counts: list[int], output_token
                                   min_new_tokens=output_tokens, do_sample=False)
         baseline_s.append(time.perf_counter() - started_s)
     for streams in stream_counts:
-        generate_tokens_per_s = streams * output_tokens / sum(baseline_s[:streams])
-        scheduler = ContinuousBatchingScheduler(
-            loaded, EngineConfig(max_running=max(64, streams), kv_budget_tokens=1 << 22,
-                                 max_prefill_tokens_per_step=2048))
-        params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
-        started_s = time.perf_counter()
-        for index in range(streams):
-            scheduler.add(GenerationRequest(f"t{index}", prompts[index], params))
-        generated = 0
-        steps = 0
-        while scheduler.has_work():
-            generated += sum(len(o.token_ids) for o in scheduler.step())
-            steps += 1
-        elapsed_s = time.perf_counter() - started_s
-        batched_tokens_per_s = generated / elapsed_s
+        timed = baseline_s[:streams]
+        generate_tokens_per_s = len(timed) * output_tokens / sum(timed)
+        batched_tokens_per_s, steps, elapsed_s = scheduler_alone(loaded, prompts[:streams],
+                                                                 output_tokens)
         results["streams"][str(streams)] = {
             "batched_tokens_per_s": round(batched_tokens_per_s, 1),
             "generate_one_at_a_time_tokens_per_s": round(generate_tokens_per_s, 1),
@@ -203,107 +225,173 @@ def bench_chunked_prefill(loaded: LoadedModel, long_prompt_tokens: int,
 # -- 2b. served over HTTP beside the scheduler alone --------------------------------------
 
 
-async def _stream_once(port: int, prompt: tuple[int, ...], output_tokens: int) -> int:
-    """One streamed completion over a raw socket; returns the ``data:`` events before [DONE]."""
+async def _stream_once(port: int, prompt: tuple[int, ...], output_tokens: int) -> list[float]:
+    """One streamed completion over a raw socket; returns the arrival time of each
+    ``data: {`` event before ``[DONE]`` (events that arrive in one read share a time),
+    the request's send time first."""
     body = json.dumps({"prompt": list(prompt), "max_tokens": output_tokens, "stream": True,
                        "temperature": 0, "ignore_eos": True}).encode()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    times = [time.perf_counter()]
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\n"
                  b"Content-Type: application/json\r\nConnection: close\r\n"
                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-    events = 0
     received = b""
     while True:
         data = await reader.read(65536)
         if not data:
             break
+        now = time.perf_counter()
         received = received[-16:] + data
-        events += data.count(b"data: {")
+        times.extend([now] * data.count(b"data: {"))
         if b"data: [DONE]" in received:
             break
     writer.close()
-    return events
+    return times
 
 
-def bench_served(model_path: Path, loaded: LoadedModel, stream_counts: list[int],
-                 output_tokens: int, threads: int, device: str, dtype: str) -> dict[str, Any]:
-    """``tokenwire engine`` in its own process (uvicorn, the middleware, JSON, detokenisation),
-    N streaming clients at once over raw sockets, against the scheduler alone in this
-    process on the same prompts: tokens per second, side by side, alternating."""
+def _percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(fraction * len(ordered)) - 1))]
+
+
+def _start_engine(model_path: Path, port: int, threads: int, device: str, dtype: str,
+                  largest: int, scheduler_process: bool) -> Any:
     import subprocess
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    largest = max(stream_counts)
     server = subprocess.Popen(
         [sys.executable, "-m", "tokenwire.engine.server", "--model", str(model_path),
          "--listen", f"127.0.0.1:{port}", "--threads", str(threads), "--device", device,
          "--dtype", dtype, "--max-running", str(max(64, largest)),
          "--kv-budget-tokens", str(1 << 22), "--max-prefill-tokens-per-step", "2048",
-         "--log-level", "warning", "--served-model-name", "bench"],
+         "--log-level", "warning", "--served-model-name", "bench",
+         "--scheduler-process" if scheduler_process else "--no-scheduler-process"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline_s = time.monotonic() + 120
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline_s:
-                    raise RuntimeError("engine did not start: " + server.stderr.read().decode()
-                                       if server.stderr else "engine did not start") from None
-                time.sleep(0.2)
-        prompts = _prompts(loaded, largest)
-        asyncio.run(_stream_once(port, prompts[0], 4))  # warm-up
+    deadline_s = time.monotonic() + 180
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return server
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline_s:
+                server.kill()
+                error = server.stderr.read().decode() if server.stderr else ""
+                raise RuntimeError("engine did not start: " + error) from None
+            time.sleep(0.2)
 
-        def served(streams: int) -> float:
-            async def run() -> int:
-                counts = await asyncio.gather(*(_stream_once(port, prompts[i], output_tokens)
-                                                for i in range(streams)))
-                return sum(counts)
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by ``pid`` and its children (Linux ``/proc``)."""
+    total = 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except (OSError, IndexError, ValueError):
+        return total
+    return total + sum(_cpu_s(int(child)) for child in children)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def bench_served(model_path: Path, loaded: LoadedModel, stream_counts: list[int],
+                 output_tokens: int, threads: int, device: str, dtype: str,
+                 repeats: int = 3) -> dict[str, Any]:
+    """``tokenwire engine`` in its own process (uvicorn, the middleware, JSON,
+    detokenisation), N raw-socket streaming clients at once, twice (the scheduler in
+    its own process, the default; and in a thread of the server), against the
+    scheduler alone in this process on the same prompts. Tokens per second,
+    side by side: the three take turns, ``repeats`` rounds, medians. Also each
+    served stream's time to first token and inter-token gaps (p50 / p99)."""
+    largest = max(stream_counts)
+    prompts = _prompts(loaded, largest)
+    kinds = {"process": True, "thread": False}
+    servers: dict[str, Any] = {}
+    ports: dict[str, int] = {}
+    try:
+        for kind, in_process in kinds.items():
+            ports[kind] = _free_port()
+            servers[kind] = _start_engine(model_path, ports[kind], threads, device, dtype,
+                                          largest, in_process)
+            asyncio.run(_stream_once(ports[kind], prompts[0], 4))  # warm-up
+
+        cpu: dict[str, list[float]] = {}
+
+        def served(kind: str, streams: int) -> tuple[float, list[float], list[float]]:
+            async def run() -> list[list[float]]:
+                return await asyncio.gather(*(_stream_once(ports[kind], prompts[i], output_tokens)
+                                              for i in range(streams)))
+            server_cpu_s, clients_cpu_s = _cpu_s(servers[kind].pid), time.process_time()
             started_s = time.perf_counter()
-            events = asyncio.run(run())
+            streams_times = asyncio.run(run())
             elapsed_s = time.perf_counter() - started_s
+            cpu.setdefault(kind, []).extend([_cpu_s(servers[kind].pid) - server_cpu_s,
+                                             time.process_time() - clients_cpu_s])
+            events = sum(len(times) - 1 for times in streams_times)
+            cpu[kind].append(events)
             if events < streams * output_tokens * 0.5:
                 raise RuntimeError(f"only {events} events for {streams} streams")
-            return streams * output_tokens / elapsed_s
+            ttft = [times[1] - times[0] for times in streams_times if len(times) > 1]
+            gaps = [later - earlier for times in streams_times
+                    for earlier, later in itertools.pairwise(times[1:])]
+            return streams * output_tokens / elapsed_s, ttft, gaps
 
-        def scheduler_only(streams: int) -> float:
-            scheduler = ContinuousBatchingScheduler(
-                loaded, EngineConfig(max_running=max(64, streams), kv_budget_tokens=1 << 22,
-                                     max_prefill_tokens_per_step=2048))
-            params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
-            started_s = time.perf_counter()
-            for index in range(streams):
-                scheduler.add(GenerationRequest(f"t{index}", prompts[index], params))
-            generated = 0
-            while scheduler.has_work():
-                generated += sum(len(o.token_ids) for o in scheduler.step())
-            return generated / (time.perf_counter() - started_s)
-
-        results: dict[str, Any] = {"output_tokens": output_tokens, "streams": {}}
+        results: dict[str, Any] = {"output_tokens": output_tokens, "repeats": repeats,
+                                   "streams": {}}
         for streams in stream_counts:
-            # Alternate, three of each, so both see the same minute of a shared machine.
-            served_runs, alone_runs = [], []
-            for _ in range(3):
-                served_runs.append(served(streams))
-                alone_runs.append(scheduler_only(streams))
-            served_tps = statistics.median(served_runs)
-            alone_tps = statistics.median(alone_runs)
-            results["streams"][str(streams)] = {
-                "served_tokens_per_s": round(served_tps, 1),
-                "scheduler_only_tokens_per_s": round(alone_tps, 1),
-                "served_over_scheduler": round(served_tps / alone_tps, 3),
-                "served_runs": [round(x, 1) for x in served_runs],
-                "scheduler_runs": [round(x, 1) for x in alone_runs],
+            cpu.clear()
+            runs: dict[str, list[float]] = {"process": [], "thread": [], "alone": []}
+            ttft: dict[str, list[float]] = {"process": [], "thread": []}
+            gaps: dict[str, list[float]] = {"process": [], "thread": []}
+            for _ in range(repeats):
+                for kind in kinds:
+                    tokens_per_s, first, between = served(kind, streams)
+                    runs[kind].append(tokens_per_s)
+                    ttft[kind].extend(first)
+                    gaps[kind].extend(between)
+                runs["alone"].append(scheduler_alone(loaded, prompts[:streams], output_tokens)[0])
+            medians = {kind: statistics.median(values) for kind, values in runs.items()}
+            row: dict[str, Any] = {
+                "scheduler_only_tokens_per_s": round(medians["alone"], 1),
+                "scheduler_runs": [round(x, 1) for x in runs["alone"]],
             }
-            print(f"served {streams:>3} streams: {served_tps:7.0f} tok/s over HTTP, "
-                  f"{alone_tps:7.0f} tok/s scheduler alone, x{served_tps / alone_tps:.2f}", flush=True)
+            for kind in kinds:
+                row[kind] = {
+                    "served_tokens_per_s": round(medians[kind], 1),
+                    "served_over_scheduler": round(medians[kind] / medians["alone"], 3),
+                    "runs": [round(x, 1) for x in runs[kind]],
+                    "ttft_ms_p50": round(1000 * _percentile(ttft[kind], 0.5), 2),
+                    "ttft_ms_p99": round(1000 * _percentile(ttft[kind], 0.99), 2),
+                    "itl_ms_p50": round(1000 * _percentile(gaps[kind], 0.5), 2),
+                    "itl_ms_p99": round(1000 * _percentile(gaps[kind], 0.99), 2),
+                    # Per round: the server's CPU seconds (its scheduler process included),
+                    # the clients' (this process), and the SSE events they read.
+                    "server_cpu_s": [round(x, 2) for x in cpu[kind][0::3]],
+                    "clients_cpu_s": [round(x, 2) for x in cpu[kind][1::3]],
+                    "events": [int(x) for x in cpu[kind][2::3]],
+                }
+            # The issue's figure: the default (scheduler process) against the scheduler alone.
+            row["served_over_scheduler"] = row["process"]["served_over_scheduler"]
+            results["streams"][str(streams)] = row
+            print(f"served {streams:>3} streams: scheduler alone {medians['alone']:7.0f} tok/s; "
+                  + "; ".join(
+                      f"{kind} {medians[kind]:7.0f} tok/s x{row[kind]['served_over_scheduler']:.2f}"
+                      f" (TTFT p50/p99 {row[kind]['ttft_ms_p50']}/{row[kind]['ttft_ms_p99']} ms,"
+                      f" ITL p50/p99 {row[kind]['itl_ms_p50']}/{row[kind]['itl_ms_p99']} ms)"
+                      for kind in kinds), flush=True)
         return results
     finally:
-        server.terminate()
-        server.wait(15)
+        for server in servers.values():
+            server.terminate()
+        for server in servers.values():
+            try:
+                server.wait(20)
+            except Exception:
+                server.kill()
 
 
 # -- 3. abort latency over HTTP ----------------------------------------------------------
@@ -420,7 +508,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
     for run in results["chunked_prefill"]["runs"]:
         gaps = run["gaps_ms"]
         middle.plot(range(len(gaps)), gaps, linewidth=1,
-                    label=f"{run['label']}: worst x{run['worst_over_steady']} of steady")
+                    label=f"{run['label']}: worst x{run['worst_over_control_worst']}, "
+                          f"p95 x{run['p95_over_control_p95']} the control's")
     middle.axvline(30, color="grey", linestyle="--", label="4,000-token prompt arrives")
     middle.set_yscale("log")
     middle.set_xlabel("scheduler step")
@@ -447,7 +536,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--long-prompt-tokens", type=int, default=4000)
-    parser.add_argument("--chunk-tokens", type=int, nargs="+", default=[16, 32, 64, 256])
+    parser.add_argument("--chunk-tokens", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 16, 64],
+                        help="stream counts for the throughput and served parts")
+    parser.add_argument("--served-repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (1: steady on a shared small machine)")
     parser.add_argument("--abort-trials", type=int, default=10)
@@ -472,21 +564,26 @@ def main(argv: list[str] | None = None) -> int:
         "python": sys.version.split()[0],
     }}
     if "throughput" in args.parts:
-        results["throughput"] = bench_throughput(loaded, [1, 16, 64], args.output_tokens)
+        results["throughput"] = bench_throughput(loaded, args.streams, args.output_tokens)
     if "prefill" in args.parts:
         results["chunked_prefill"] = bench_chunked_prefill(loaded, args.long_prompt_tokens,
                                                            args.chunk_tokens)
     if "served" in args.parts:
-        results["served"] = bench_served(path, loaded, [1, 16, 64], args.served_output_tokens,
-                                         args.threads, args.device, args.dtype)
+        results["served"] = bench_served(path, loaded, args.streams, args.served_output_tokens,
+                                         args.threads, args.device, args.dtype,
+                                         args.served_repeats)
     if "abort" in args.parts:
         results["abort"] = bench_abort(loaded, args.abort_trials)
     results["environment"]["load_avg_end"] = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    print(f"wrote {args.out.with_suffix('.json')}")
     if all(part in results for part in ("throughput", "chunked_prefill", "abort")):
-        plot(results, args.out.with_suffix(".png"))
-    print(f"wrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")
+        try:
+            plot(results, args.out.with_suffix(".png"))
+            print(f"wrote {args.out.with_suffix('.png')}")
+        except ImportError:
+            print("no figure: matplotlib is not installed (tokenwire[bench])")
     return 0
 
 

@@ -22,7 +22,12 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from tokenwire.engine.backend import EngineBackend, GenerationRequest, RequestRejected
+from tokenwire.engine.backend import (
+    EngineBackend,
+    GenerationRequest,
+    RequestOutput,
+    RequestRejected,
+)
 from tokenwire.engine.config import EngineConfig
 from tokenwire.engine.loader import LoadedModel
 from tokenwire.engine.metrics import CONTENT_TYPE, EngineMetrics
@@ -34,9 +39,10 @@ from tokenwire.engine.openai_requests import (
     parse_chat_request,
     parse_completion_request,
 )
-from tokenwire.engine.runner import EngineRunner
+from tokenwire.engine.runner import EngineRunner, Runner
 from tokenwire.engine.sampling import SamplingParams
 from tokenwire.engine.scheduler import ContinuousBatchingScheduler
+from tokenwire.engine.scheduler_process import LaunchedScheduler, SchedulerProcessRunner
 from tokenwire.engine.service import EngineService, RequestHandle
 from tokenwire.engine.streaming import EventStreamResponse
 
@@ -49,8 +55,9 @@ class EngineApp:
     """What ``build_app`` wires together; ``app.state.engine`` holds it."""
 
     service: EngineService
-    runner: EngineRunner
-    backend: EngineBackend
+    runner: Runner
+    backend: EngineBackend | None
+    """The scheduler, or ``None`` when it runs in a process of its own."""
     metrics: EngineMetrics
     loaded: LoadedModel
     model_name: str
@@ -58,17 +65,31 @@ class EngineApp:
 
 
 def build_app(
-    loaded: LoadedModel, config: EngineConfig, *, backend: EngineBackend | None = None
+    loaded: LoadedModel, config: EngineConfig, *, backend: EngineBackend | None = None,
+    launched: LaunchedScheduler | None = None,
 ) -> Starlette:
-    """The bare Starlette app; the engine thread starts and stops with its lifespan."""
-    scheduler = backend or ContinuousBatchingScheduler(loaded, config)
-    max_model_len = getattr(scheduler, "max_model_len", loaded.max_model_len)
+    """The bare Starlette app; the engine starts and stops with its lifespan.
+
+    The scheduler runs in a thread of this process over ``backend`` (default:
+    a :class:`ContinuousBatchingScheduler` of ``loaded``), or, given
+    ``launched``, in that scheduler process (``loaded`` is then its front).
+    """
     metrics = EngineMetrics()
     service_box: list[EngineService] = []
-    runner = EngineRunner(
-        scheduler, lambda outputs: service_box[0].deliver(outputs),
-        on_step=metrics.observe_step,
-    )
+
+    def deliver(outputs: list[RequestOutput]) -> None:
+        service_box[0].deliver(outputs)
+
+    scheduler: EngineBackend | None
+    runner: Runner
+    if launched is not None:
+        scheduler = None
+        max_model_len = launched.facts.max_model_len
+        runner = SchedulerProcessRunner(launched, deliver, on_step=metrics.observe_step)
+    else:
+        scheduler = backend or ContinuousBatchingScheduler(loaded, config)
+        max_model_len = getattr(scheduler, "max_model_len", loaded.max_model_len)
+        runner = EngineRunner(scheduler, deliver, on_step=metrics.observe_step)
     service = EngineService(runner, metrics)
     service_box.append(service)
     engine = EngineApp(
@@ -161,7 +182,12 @@ class _Handlers:
         )
 
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok", "in_flight": self._engine.service.in_flight})
+        in_flight = self._engine.service.in_flight
+        if not self._engine.runner.alive:
+            # The scheduler (thread or process) has stopped: nothing will be generated.
+            return JSONResponse({"status": "scheduler_down", "in_flight": in_flight},
+                                status_code=503)
+        return JSONResponse({"status": "ok", "in_flight": in_flight})
 
     async def metrics(self, request: Request) -> Response:
         return Response(self._engine.metrics.render(), media_type=CONTENT_TYPE)

@@ -66,7 +66,7 @@ class EngineConfig:
     """Most sequences in the running batch (prefilling ones included)."""
     kv_budget_tokens: int = 262_144
     """Admission budget: sum over admitted requests of prompt + max_tokens."""
-    max_prefill_tokens_per_step: int = 256
+    max_prefill_tokens_per_step: int = 128
     """Prompt tokens processed per scheduler step, attention over the cached context counted
     (late chunks of a long prompt get fewer tokens); 0 = whole prompts at once (no chunking)."""
     max_model_len: int | None = None
@@ -79,6 +79,10 @@ class EngineConfig:
     """uvicorn and engine log level: critical, error, warning, info, debug, trace."""
     threads: int | None = None
     """torch intra-op threads; default: the CPUs this process may use, minus one for the event loop."""
+    scheduler_process: bool = False
+    """Run the model and the scheduler in a process of their own, so the HTTP side (JSON, the
+    middleware, uvicorn) never holds a step up for the GIL; worth it with a core to spare for
+    the HTTP side. false = a thread of the server's process (no faster on a loaded 2-core box)."""
 
     def __post_init__(self) -> None:
         for name in ("max_running", "kv_budget_tokens", "max_waiting"):
@@ -98,6 +102,8 @@ class EngineConfig:
         for name in ("model", "device", "dtype"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigError(name, "must be a non-empty string")
+        if not isinstance(self.scheduler_process, bool):
+            raise ConfigError("scheduler_process", f"must be true or false, got {self.scheduler_process!r}")
         check_listen(self.listen)
         if not isinstance(self.log_level, str) or self.log_level.lower() not in _LOG_LEVELS:
             raise ConfigError("log_level", f"must be one of {', '.join(_LOG_LEVELS)}, got {self.log_level!r}")

@@ -27,7 +27,8 @@ class LoadedModel:
     """A model ready for the scheduler: weights, tokenizer and the facts it needs."""
 
     model: Any
-    """A ``transformers`` causal LM in eval mode (``PreTrainedModel``)."""
+    """A ``transformers`` causal LM in eval mode (``PreTrainedModel``); ``None`` in the
+    front of a scheduler process, whose weights live in that process (:func:`load_front`)."""
     tokenizer: Any
     """A ``PreTrainedTokenizerFast`` (chat template, special tokens)."""
     name: str
@@ -90,6 +91,30 @@ def load_model(
         dtype=torch_dtype,
         max_model_len=max_model_len,
         eos_token_ids=_eos_token_ids(model, tokenizer),
+        default_temperature=_default_temperature(folder),
+    )
+
+
+def load_front(
+    path: str | Path, *, name: str, device: str, dtype: str, max_model_len: int,
+    eos_token_ids: frozenset[int],
+) -> LoadedModel:
+    """The tokenizer side of a model loaded in another process: no weights (``model`` is None).
+
+    ``device``, ``dtype`` (``str()`` of the torch objects), ``max_model_len`` and
+    ``eos_token_ids`` are what that process reported of the model it loaded.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    folder = Path(path)
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    torch_dtype = getattr(torch, dtype.removeprefix("torch."))
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ValueError(f"not a torch dtype: {dtype!r}")
+    return LoadedModel(
+        model=None, tokenizer=tokenizer, name=name, path=folder, device=torch.device(device),
+        dtype=torch_dtype, max_model_len=max_model_len, eos_token_ids=eos_token_ids,
         default_temperature=_default_temperature(folder),
     )
 

@@ -5,6 +5,9 @@ event loop. Requests and cancellations cross into the engine thread through a
 lock-protected inbox; each step's outputs cross back with exactly one
 ``loop.call_soon_threadsafe``, whose callback puts them on per-request queues
 without awaiting. A slow or vanished client can therefore never stall a step.
+
+The same thread runs inside the scheduler process (``scheduler_process.py``),
+started without a loop: there each step's outputs go straight to the pipe.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from tokenwire.engine.backend import BackendStats, EngineBackend, GenerationRequest, RequestOutput
 
@@ -21,6 +25,31 @@ DeliverOutputs = Callable[[list[RequestOutput]], None]
 """Runs on the event loop with one step's outputs."""
 StepObserver = Callable[[float, BackendStats], None]
 """Runs on the engine thread after each step: (step seconds, load snapshot)."""
+
+
+class Runner(Protocol):
+    """What the HTTP side needs of whatever runs the scheduler: a thread or a process."""
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Begin stepping; outputs are delivered on ``loop``."""
+        ...
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop stepping; requests still in flight are not finished."""
+        ...
+
+    def submit(self, request: GenerationRequest) -> None:
+        """Check and queue a request; raises ``RequestRejected`` before queueing."""
+        ...
+
+    def cancel(self, request_id: str) -> None:
+        """Ask for ``request_id`` to leave the batch at the next step."""
+        ...
+
+    @property
+    def alive(self) -> bool:
+        """Started and still stepping (what ``/health`` reports)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +84,9 @@ class EngineRunner:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Start the engine thread; outputs go to ``loop``."""
+    def start(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Start the engine thread; outputs go to ``loop``, or with ``None`` to
+        ``deliver`` called on the engine thread itself (the scheduler process)."""
         if self._thread is not None:
             raise RuntimeError("engine runner already started")
         self._loop = loop
@@ -71,9 +101,18 @@ class EngineRunner:
             self._thread.join(timeout_s)
             self._thread = None
 
+    @property
+    def alive(self) -> bool:
+        """Started and its thread still running."""
+        return self._thread is not None and self._thread.is_alive()
+
     def submit(self, request: GenerationRequest) -> None:
         """Check and queue a request; raises ``RequestRejected`` before queueing."""
         self._backend.check(request)
+        self._post(_Add(request))
+
+    def enqueue(self, request: GenerationRequest) -> None:
+        """Queue a request checked elsewhere (by the front of the scheduler process). Any thread."""
         self._post(_Add(request))
 
     def cancel(self, request_id: str) -> None:
@@ -107,7 +146,6 @@ class EngineRunner:
         return rejected
 
     def _run(self) -> None:
-        assert self._loop is not None
         while not self._stopping.is_set():
             self._wake.clear()
             outputs = self._drain_inbox()
@@ -125,7 +163,9 @@ class EngineRunner:
                 self._on_step(step_s, self._backend.stats())
 
     def _hand_off(self, outputs: list[RequestOutput]) -> None:
-        assert self._loop is not None
+        if self._loop is None:
+            self._deliver(outputs)
+            return
         try:
             self._loop.call_soon_threadsafe(self._deliver, outputs)
         except RuntimeError:

@@ -145,33 +145,8 @@ class ContinuousBatchingScheduler:
 
     def check(self, request: GenerationRequest) -> None:
         """Refuse a request that can never be admitted (400) or cannot be queued (503)."""
-        prompt_tokens = len(request.prompt_token_ids)
-        max_tokens = request.params.max_tokens
-        if prompt_tokens == 0:
-            raise RequestRejected("the prompt is empty", param="prompt")
-        if prompt_tokens + max_tokens > self.max_model_len:
-            raise RequestRejected(
-                f"This model's maximum context length is {self.max_model_len} tokens. "
-                f"However, you requested {prompt_tokens + max_tokens} tokens "
-                f"({prompt_tokens} in the prompt, {max_tokens} in the completion). "
-                "Please reduce the length of the prompt or of max_tokens.",
-                param="max_tokens",
-            )
-        if prompt_tokens + max_tokens > self._config.kv_budget_tokens:
-            raise RequestRejected(
-                f"This request needs {prompt_tokens + max_tokens} KV-cache tokens "
-                f"({prompt_tokens} prompt + {max_tokens} max_tokens) but the engine's "
-                f"KV budget is {self._config.kv_budget_tokens} tokens.",
-                param="max_tokens",
-            )
-        if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= self.vocab_size:
-            raise RequestRejected(f"prompt token ids must be in [0, {self.vocab_size})",
-                                  param="prompt")
-        if len(self._waiting) >= self._config.max_waiting:
-            raise RequestRejected(
-                f"the engine already has {len(self._waiting)} requests waiting; retry later",
-                http_status=503,
-            )
+        check_request(request, self._config, max_model_len=self.max_model_len,
+                      vocab_size=self.vocab_size, waiting=len(self._waiting))
 
     def add(self, request: GenerationRequest) -> None:
         """Queue ``request`` (call :meth:`check` first); duplicate ids are refused."""
@@ -523,6 +498,42 @@ class ContinuousBatchingScheduler:
             finish_reason=reason,
             stop_reason=stop_reason,
             error=error,
+        )
+
+
+def check_request(request: GenerationRequest, config: EngineConfig, *, max_model_len: int,
+                  vocab_size: int, waiting: int) -> None:
+    """Refuse a request that can never be admitted (400) or cannot be queued now (503).
+
+    Reads no scheduler state but ``waiting`` (requests queued for admission), so
+    the front of a scheduler process runs it too, with the count of the last step.
+    """
+    prompt_tokens = len(request.prompt_token_ids)
+    max_tokens = request.params.max_tokens
+    if prompt_tokens == 0:
+        raise RequestRejected("the prompt is empty", param="prompt")
+    if prompt_tokens + max_tokens > max_model_len:
+        raise RequestRejected(
+            f"This model's maximum context length is {max_model_len} tokens. "
+            f"However, you requested {prompt_tokens + max_tokens} tokens "
+            f"({prompt_tokens} in the prompt, {max_tokens} in the completion). "
+            "Please reduce the length of the prompt or of max_tokens.",
+            param="max_tokens",
+        )
+    if prompt_tokens + max_tokens > config.kv_budget_tokens:
+        raise RequestRejected(
+            f"This request needs {prompt_tokens + max_tokens} KV-cache tokens "
+            f"({prompt_tokens} prompt + {max_tokens} max_tokens) but the engine's "
+            f"KV budget is {config.kv_budget_tokens} tokens.",
+            param="max_tokens",
+        )
+    if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab_size:
+        raise RequestRejected(f"prompt token ids must be in [0, {vocab_size})",
+                              param="prompt")
+    if waiting >= config.max_waiting:
+        raise RequestRejected(
+            f"the engine already has {waiting} requests waiting; retry later",
+            http_status=503,
         )
 
 

@@ -41,22 +41,35 @@ class ListenAddress:
 
 
 def build_asgi_app(config: EngineConfig) -> ASGIApp:
-    """Load the model, build the API, wrap it in tokenwire's middleware."""
+    """Load the model (here or in the scheduler process), build the API, wrap it in
+    tokenwire's middleware."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from tokenwire.engine.api import build_app
     from tokenwire.engine.loader import load_model
+    from tokenwire.engine.scheduler_process import SchedulerSpec, launch_scheduler
     from tokenwire.engine.tiny import ensure_tiny_model
 
-    # Before the first torch op: the pool is sized once. One CPU is left to the
-    # event loop, which encodes and writes while the engine thread computes.
-    torch.set_num_threads(torch_threads(config))
     if config.model == "tiny":
         path: Path = ensure_tiny_model()
         name = config.served_model_name or "tiny"
     else:
         path = Path(config.model).expanduser()
         name = config.served_model_name or path.name
+    if config.scheduler_process:
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path}: not a model folder (no config.json)")
+        # This process only tokenizes and writes: one torch thread. The scheduler
+        # process gets the intra-op threads, one CPU being left to this loop.
+        torch.set_num_threads(1)
+        launched = launch_scheduler(SchedulerSpec(
+            model_path=str(path), name=name, device=config.device, dtype=config.dtype,
+            threads=torch_threads(config), config=config, log_level=config.log_level))
+        app = build_app(launched.front_model(), config, launched=launched)
+        return _wrap_in_middleware(app, config.wire)
+    # Before the first torch op: the pool is sized once. One CPU is left to the
+    # event loop, which encodes and writes while the engine thread computes.
+    torch.set_num_threads(torch_threads(config))
     loaded = load_model(path, device=config.device, dtype=config.dtype, name=name)
     app = build_app(loaded, config)
     return _wrap_in_middleware(app, config.wire)
@@ -85,16 +98,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tokenwire engine: configuration error: {error}", file=sys.stderr)
         return 2
     logging.basicConfig(level=config.log_level.upper(), format="%(message)s", stream=sys.stderr)
-    # The engine thread gives up the GIL inside every torch op and must take
-    # it back after; with the default 5 ms switch interval, an event loop busy
-    # encoding chunks could hold it that long each time. 1 ms bounds what the
-    # loop can cost a step.
+    # Without a scheduler process, the engine thread gives up the GIL inside
+    # every torch op and must take it back after; with the default 5 ms switch
+    # interval, an event loop busy encoding chunks could hold it that long each
+    # time. 1 ms bounds what the loop can cost a step.
     sys.setswitchinterval(_SWITCH_INTERVAL_S)
     import uvicorn
 
     try:
         app = build_asgi_app(config)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, RuntimeError) as error:  # SchedulerProcessError included
         print(f"tokenwire engine: {error}", file=sys.stderr)
         return 2
     uvicorn_config = uvicorn.Config(

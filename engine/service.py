@@ -1,8 +1,10 @@
 """The event-loop side of the engine: request handles, delivery, accounting.
 
 :class:`EngineService` is what the HTTP handlers talk to. ``submit`` checks a
-request and queues it on the engine thread; the engine thread's one
-``call_soon_threadsafe`` per step lands in :meth:`EngineService.deliver`, which
+request and queues it on the engine thread (or sends it to the scheduler
+process); each step's one hand-off (the engine thread's
+``call_soon_threadsafe``, or the scheduler process's pipe becoming readable)
+lands in :meth:`EngineService.deliver`, which
 puts each output on its request's ``asyncio.Queue`` with ``put_nowait`` (the
 queues are unbounded, so this never waits) and, when a request finishes for
 whatever reason, writes its accounting line: tokens generated are billed even
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 
 from tokenwire.engine.backend import GenerationRequest, RequestOutput, RequestRejected
 from tokenwire.engine.metrics import EngineMetrics
-from tokenwire.engine.runner import EngineRunner
+from tokenwire.engine.runner import Runner
 
 request_log = logging.getLogger("tokenwire.engine.requests")
 """One JSON line per finished request (aborted and failed ones included)."""
@@ -45,7 +47,7 @@ class RequestHandle:
 class EngineService:
     """Submit, abort, deliver: the engine as seen from the event loop."""
 
-    def __init__(self, runner: EngineRunner, metrics: EngineMetrics) -> None:
+    def __init__(self, runner: Runner, metrics: EngineMetrics) -> None:
         self._runner = runner
         self._metrics = metrics
         self._handles: dict[str, RequestHandle] = {}

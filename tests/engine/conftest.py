@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import threading
@@ -77,15 +78,13 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def engine_server(tiny_f32: LoadedModel) -> Iterator[RunningServer]:
-    """The engine behind tokenwire's middleware, served by uvicorn in a thread."""
+@contextlib.contextmanager
+def serve(app: Any) -> Iterator[RunningServer]:
+    """``app`` (the bare engine app) behind tokenwire's middleware, served by uvicorn
+    in a thread on 127.0.0.1, lifespan included."""
     import uvicorn
-    from tokenwire.engine.api import build_app
     from tokenwire.engine.server import _wrap_in_middleware
 
-    config = EngineConfig(max_running=32, kv_budget_tokens=4096, max_prefill_tokens_per_step=64)
-    app = build_app(tiny_f32, config)
     port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(_wrap_in_middleware(app), host="127.0.0.1", port=port,
@@ -93,13 +92,13 @@ def engine_server(tiny_f32: LoadedModel) -> Iterator[RunningServer]:
     )
     loop_box: list[asyncio.AbstractEventLoop] = []
 
-    def serve() -> None:
+    def run() -> None:
         loop = asyncio.new_event_loop()
         loop_box.append(loop)
         loop.run_until_complete(server.serve())
         loop.close()
 
-    thread = threading.Thread(target=serve, name="uvicorn-test", daemon=True)
+    thread = threading.Thread(target=run, name="uvicorn-test", daemon=True)
     thread.start()
     deadline_s = time.monotonic() + 30
     while not server.started:
@@ -111,3 +110,19 @@ def engine_server(tiny_f32: LoadedModel) -> Iterator[RunningServer]:
     finally:
         server.should_exit = True
         thread.join(15)
+
+
+@pytest.fixture(scope="module")
+def engine_server(tiny_f32: LoadedModel) -> Iterator[RunningServer]:
+    """The engine behind tokenwire's middleware, served by uvicorn in a thread."""
+    from tokenwire.engine.api import build_app
+
+    config = EngineConfig(max_running=32, kv_budget_tokens=4096, max_prefill_tokens_per_step=64)
+    with serve(build_app(tiny_f32, config)) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def serve_engine() -> Any:
+    """:func:`serve`, for test modules (which cannot import this conftest by name)."""
+    return serve

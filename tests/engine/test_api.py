@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import openai
@@ -15,6 +15,7 @@ import pytest
 
 if TYPE_CHECKING:
     from conftest import RunningServer
+    from tokenwire.engine.loader import LoadedModel
 
 
 def _client(server: RunningServer) -> openai.OpenAI:
@@ -212,3 +213,17 @@ def test_a_request_without_temperature_gets_the_model_default(engine_server: Run
     assert answer() == greedy and answer() == greedy
     hot = {answer(temperature=2.0, seed=seed) for seed in range(4)}
     assert hot != {greedy}  # and a temperature that is asked for is honoured
+
+
+def test_health_is_503_once_the_engine_thread_has_stopped(
+    tiny_f32: LoadedModel, serve_engine: Any,
+) -> None:
+    from tokenwire.engine.api import build_app
+    from tokenwire.engine.config import EngineConfig
+
+    with serve_engine(build_app(tiny_f32, EngineConfig())) as server:
+        assert httpx.get(f"{server.base_url}/health").json()["status"] == "ok"
+        server.app.state.engine.runner.stop()
+        health = httpx.get(f"{server.base_url}/health")
+        assert health.status_code == 503
+        assert health.json()["status"] == "scheduler_down"

@@ -34,7 +34,7 @@ def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path) -> None
     assert config.max_waiting == 8                      # env
     assert config.kv_budget_tokens == 1000              # file
     assert config.listen == "unix:/tmp/from-file.sock"  # file, not the sidecar's TOKENWIRE_LISTEN
-    assert config.max_prefill_tokens_per_step == 256    # default
+    assert config.max_prefill_tokens_per_step == 128    # default
 
 
 def test_wire_keys_take_the_engine_prefix_and_the_same_precedence(tmp_path: Path) -> None:
@@ -73,6 +73,16 @@ def test_threads_default_to_the_usable_cpus_minus_one_for_the_loop() -> None:
     assert build_engine_config(file_values={"threads": 0}).threads is None
 
 
+def test_scheduler_process_is_a_flag_a_variable_and_a_key(tmp_path: Path) -> None:
+    assert build_engine_config().scheduler_process is False
+    assert build_engine_config(flags={"scheduler_process": "true"}).scheduler_process is True
+    assert build_engine_config(
+        environ={"TOKENWIRE_ENGINE_SCHEDULER_PROCESS": "1"}).scheduler_process is True
+    assert build_engine_config(file_values={"scheduler_process": True}).scheduler_process is True
+    assert build_engine_config(flags={"scheduler_process": "false"},
+                               file_values={"scheduler_process": True}).scheduler_process is False
+
+
 def test_config_file_from_the_environment(tmp_path: Path) -> None:
     config_file = tmp_path / "engine.toml"
     config_file.write_text('model = "/models/qwen"\nserved_model_name = "qwen"\n')
@@ -101,6 +111,8 @@ def test_optional_keys_unset_by_empty_or_zero() -> None:
     ({}, {}, {"model": 7}, "model"),
     ({"heartbeat_s": "soon"}, {}, {}, "heartbeat_s"),
     ({"threads": "-2"}, {}, {}, "threads"),
+    ({"scheduler_process": "sometimes"}, {}, {}, "scheduler_process"),
+    ({}, {}, {"scheduler_process": "yes"}, "scheduler_process"),
     ({}, {"TOKENWIRE_ENGINE_RESUME": "maybe"}, {}, "resume"),
     ({}, {}, {"slow_client_policy": "shout"}, "slow_client_policy"),
     ({}, {}, {"write_deadline_s": 0}, "write_deadline_s"),
