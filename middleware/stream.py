@@ -109,6 +109,7 @@ from .headers import (
     passthrough_headers,
     sse_response_headers,
 )
+from .meter import TokenMeter
 from .pending import PendingBuffer
 from .retry import RetryBudget
 from .sse import SSEEvent, SSEParser, encode
@@ -120,8 +121,6 @@ HEARTBEAT = b": keepalive\n"
 """A comment line alone: no blank line, so no decoder can dispatch it as an event
 (see the module docstring)."""
 RETRYABLE_STATUSES = frozenset({502, 503, 504})
-# Upper bounds of the inter-event gap histogram carried in each record.
-GAP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, float("inf"))
 
 
 class StreamState(StrEnum):
@@ -275,9 +274,8 @@ class WireStream:
         self.upstream_comments = 0
         self.pending_high_water_bytes = 0
         self._ttfb_s: float | None = None
-        self._last_content_at: float | None = None
-        self._max_gap_s = 0.0
-        self._gap_buckets = [0] * len(GAP_BUCKETS_S)
+        self.meter = TokenMeter(now)
+        """Time to first token, inter-token gaps (see ``meter.py``); read live by drivers."""
         self._usage: dict[str, Any] | None = None
         # Resume.
         self._stream_id = stream_id or ""
@@ -415,6 +413,8 @@ class WireStream:
         self._last_write_at = now
         self._last_progress_at = now
         self.bytes_out += len(data)
+        if self.meter.awaiting_token:
+            self.meter.queued(data)
         self._count_content_write(count, now)
         return data
 
@@ -456,8 +456,8 @@ class WireStream:
             started_at=self.started_at,
             duration_s=now - self.started_at,
             ttfb_s=self._ttfb_s,
-            max_event_gap_s=self._max_gap_s,
-            event_gap_buckets=tuple(self._gap_buckets),
+            max_event_gap_s=self.meter.max_gap_s,
+            event_gap_buckets=tuple(self.meter.gap_buckets),
             events_in=self.events_in,
             events_out=self.events_out,
             bytes_out=self.bytes_out,
@@ -468,6 +468,10 @@ class WireStream:
             refused_retries=self.refused_retries,
             pending_high_water_bytes=self.pending_high_water_bytes,
             usage=self._usage,
+            ttft_s=self.meter.ttft_s,
+            event_gap_sum_s=self.meter.gap_sum_s,
+            content_events=self.meter.content_events,
+            stream_id=self._stream_id or None,
         )
 
     # ------------------------------------------------------------ state
@@ -549,6 +553,8 @@ class WireStream:
                 # The client keeps up and these are ordinary text chunks: they
                 # go out as they came, with nothing to merge them with, so
                 # parsing and re-encoding them would only cost time.
+                if self.meter.awaiting_token:
+                    self.meter.queued(event.data)
                 self._pending.add_bytes(self._number_plain(event.data) if self.config.resume
                                         else event.data, count)
                 self.events_in += count
@@ -600,12 +606,15 @@ class WireStream:
             return
         marker = self.config.terminal_marker
         if marker is not None and data == marker:
+            self.meter.marker_queued()
             self._queue_event(event, droppable=False)
             self._end(EndReason.COMPLETE, None, abrupt=False, trigger=_Trigger.FINISH)
             self._enforce_cap(now)
             return
         if data is not None and '"usage"' in data:
             self._capture_usage(data)
+        if data is not None and self.meter.awaiting_token:
+            self.meter.queued(data)
         self._queue_event(event)
         if self._state is StreamState.COMMITTED:
             self._transition(_Trigger.SEND)
@@ -1065,15 +1074,7 @@ class WireStream:
         self.events_out += events
         if self._ttfb_s is None:
             self._ttfb_s = now - self.started_at
-        elif self._last_content_at is not None:
-            gap_s = now - self._last_content_at
-            if gap_s > self._max_gap_s:
-                self._max_gap_s = gap_s
-            for i, bound in enumerate(GAP_BUCKETS_S):
-                if gap_s <= bound:
-                    self._gap_buckets[i] += 1
-                    break
-        self._last_content_at = now
+        self.meter.wrote(events, now)
 
     def _capture_usage(self, data: str) -> None:
         try:

@@ -7,7 +7,7 @@ scripts/setup-venv.sh dev,engine
 # Real Redis (resume store), headless Chromium (EventSource, playground),
 # nginx (the ingress example is checked with nginx -t), and Node, npm and curl
 # (clients of the compatibility suite, tests/compat/clients).
-scripts/system-deps.sh redis-server chromium nginx nodejs npm curl
+scripts/system-deps.sh redis-server chromium nginx nodejs npm curl prometheus
 # openai-node and eventsource for the compatibility suite, from its lock file.
 scripts/node-deps.sh
 py=.venv/bin/python
