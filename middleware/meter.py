@@ -20,7 +20,8 @@ meter costs a subtraction and a few comparisons per write.
 
 A write is the unit of timing, as the client sees it: merged events (a slow
 reader's coalesced text) are one arrival. ``content_events`` counts the events
-written from the first token on (the terminal marker excluded by the caller):
+written from the first token on (the terminal marker and in-band errors
+excluded by the caller):
 one per token for engines that send one chunk per token, the fallback count of
 tokens when the upstream reports no ``usage``.
 """
@@ -80,9 +81,10 @@ class TokenMeter:
         if not self.token_queued and carries_token(data.encode() if isinstance(data, str) else data):
             self.token_queued = True
 
-    def marker_queued(self) -> None:
-        """The terminal marker (``[DONE]``) is queued: it is no token, so it is
-        taken off the count its write will add (when that write counts)."""
+    def terminal_queued(self) -> None:
+        """The terminal marker (``[DONE]``) or an in-band error event is queued:
+        no token, so it is taken off the count its write will add (when that
+        write counts)."""
         if self.token_queued:
             self.content_events -= 1
 

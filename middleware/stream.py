@@ -599,6 +599,7 @@ class WireStream:
         if self._state is StreamState.WAITING:
             self._commit_sse(now)
         if error is not None:
+            self.meter.terminal_queued()
             self._queue_event(SSEEvent(data=UpstreamErrorEvent(error).sse_data()), droppable=False)
             self._end(EndReason.UPSTREAM_ERROR, ErrorCode.UPSTREAM_FAILED, abrupt=True,
                       trigger=_Trigger.ABORT)
@@ -606,7 +607,7 @@ class WireStream:
             return
         marker = self.config.terminal_marker
         if marker is not None and data == marker:
-            self.meter.marker_queued()
+            self.meter.terminal_queued()
             self._queue_event(event, droppable=False)
             self._end(EndReason.COMPLETE, None, abrupt=False, trigger=_Trigger.FINISH)
             self._enforce_cap(now)
@@ -911,6 +912,7 @@ class WireStream:
             # A reader's own ending (shutdown, cancel, the store lost the rest)
             # is not an event of the stream: numbering it would shadow the
             # stored event of that number on the next reconnect.
+            self.meter.terminal_queued()
             self._queue_event(SSEEvent(data=error.sse_data()), droppable=False,
                               numbered=not self._replaying)
             self._end(reason, error.code, abrupt=True, trigger=_Trigger.ABORT)

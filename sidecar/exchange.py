@@ -44,6 +44,7 @@ from tokenwire.middleware import (
     ReplaySource,
     ResumeUpstream,
     RetryUpstream,
+    StreamRecord,
     Tick,
     UpstreamData,
     WireError,
@@ -90,6 +91,8 @@ class Exchange:
         upstream_headers: Sequence[Header],
         body: bytes,
         expect_stream: bool,
+        http_version: str = "1.1",
+        client_address: str = "",
     ) -> None:
         self._context = context
         self._downstream = downstream
@@ -98,6 +101,9 @@ class Exchange:
         """The client's id (or one made up for it): logs, the response, the admin list."""
         self.upstream_request_id = upstream_request_id or request_id
         """The upstream's id for this request, and the key of its abort call; never the client's."""
+        self.http_version = http_version
+        """The client connection's HTTP version: a label of the stream's metrics."""
+        self.client_address = client_address
         self._method = method
         self._target = target
         self._upstream_headers = list(upstream_headers)
@@ -191,6 +197,10 @@ class Exchange:
         # which the core takes now, before the next chunk, as it would have.
         self._downstream.send_body(batch[0] if len(batch) == 1 else b"".join(batch))
 
+    def live_record(self) -> tuple[StreamRecord, str]:
+        """The stream's record as of now and the client's HTTP version (live metrics)."""
+        return self.stream.record(self._loop.time()), self.http_version
+
     def describe(self, now: float) -> dict[str, Any]:
         """The ``GET /streams`` entry for this stream."""
         stream = self.stream
@@ -260,7 +270,7 @@ class Exchange:
         context = self._context
         context.registry.remove(self)
         context.metrics.active_streams.dec()
-        context.metrics.observe_record(action.record)
+        context.metrics.observe_record(action.record, self.http_version)
         if self.upstream_request_id != self.request_id:
             context.log.write(action.record, upstream_request_id=self.upstream_request_id)
         else:

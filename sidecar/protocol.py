@@ -389,7 +389,8 @@ class ClientConnection(asyncio.Protocol):
             self._context, self, request_id=request_id, upstream_request_id=upstream_id,
             method=request.method,
             target=request.target, upstream_headers=upstream_headers, body=body,
-            expect_stream=wants_stream(headers, body))
+            expect_stream=wants_stream(headers, body),
+            http_version=request.http_version.decode(), client_address=self._peer_host or "")
         self._exchange = exchange
         exchange.start()
         if self._write_paused:

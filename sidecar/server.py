@@ -33,6 +33,7 @@ from .cors import admin_origins
 from .logs import StreamLog
 from .metrics import SidecarMetrics
 from .protocol import ClientConnection
+from .registry import StreamRegistry
 from .settings import SidecarConfig, parse_host_port, read_admin_token
 from .tls import alerting_protocol_factory, load_certificates, server_context
 from .upstream import UpstreamPools
@@ -81,12 +82,14 @@ class Sidecar:
             bound = self.admin_address
             assert bound is not None
             own_origins = tuple(admin_origins(*bound))
+        registry = StreamRegistry()
         context = SidecarContext(
             config=config,
             pools=UpstreamPools(config),
             retry_budget=RetryBudget(ratio=wire.retry_budget_ratio, min_per_s=wire.retry_budget_min_per_s,
                                      now=loop.time()),
-            metrics=SidecarMetrics(),
+            metrics=SidecarMetrics(live=registry.live_records),
+            registry=registry,
             log=self._log if self._log is not None else StreamLog.open(config.log_file),
             replay_store=open_replay_store(config.resume_store, wire) if wire.resume else None,
             caller_key=CallerKey.from_config(wire) if wire.resume else None,

@@ -256,7 +256,7 @@ def test_errorEventFirst_thenEnginesStatusAndBodyNeverRetried(payload: dict[str,
     body = json.loads(d.written)
     if isinstance(payload["error"], dict):
         # Forwarded as it came; tokenwire's own code beside the engine's fields.
-        assert body == {**payload, "error": {**payload["error"], "tokenwire": {"code": "upstream_failed", "number": "E7307"}}}
+        assert body == {**payload, "error": {**payload["error"], **OURS}}
     else:
         assert body["error"]["message"] == payload["error"]
     assert d.of(AbortUpstream) == [AbortUpstream(EndReason.UPSTREAM_ERROR)]

@@ -1,0 +1,103 @@
+"""The sidecar's telemetry over real sockets: TTFT from the first token, live
+metrics while a stream runs, and /metrics clean under ``promtool check metrics``."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import httpx
+import pytest
+from clients import ResponseReader, chat_body, connect, exchange, request_bytes, wait_for
+from prometheus_client.parser import text_string_to_metric_families
+from upstreams import FakeUpstream
+
+
+def sample(text: str, name: str, **labels: str) -> float | None:
+    for family in text_string_to_metric_families(text):
+        for found in family.samples:
+            if found.name == name and labels.items() <= found.labels.items():
+                return float(found.value)
+    return None
+
+
+def promtool_check(text: str) -> None:
+    """``promtool check metrics`` finds nothing to say: no error, no lint warning.
+    promtool ships in Debian's prometheus package (scripts/system-deps.sh prometheus)."""
+    promtool = shutil.which("promtool")
+    assert promtool is not None, "promtool missing: run scripts/system-deps.sh prometheus"
+    result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0 and not result.stdout.strip() and not result.stderr.strip(), \
+        result.stdout + result.stderr
+
+
+def test_ttft_whenRoleChunkComesFirst_thenTimedAtTheFirstToken(start_sidecar) -> None:
+    """The fake engine sends its role chunk at once and each token 0.5 s later:
+    the first byte is the role chunk, the first token comes at least 0.5 s in."""
+    sidecar = start_sidecar()
+    exchange(sidecar.port, "POST", "/normal/v1/chat/completions", body=chat_body(),
+             headers={"x-fake-tokens": "2", "x-fake-delay-s": "0.5", "X-Request-Id": "ttft-1"})
+    record = sidecar.record("ttft-1")
+    assert record.ttft_s is not None and record.ttfb_s is not None
+    assert record.ttft_s >= 0.5 > record.ttfb_s
+    # One gap between the two tokens (>= 0.5 s), then the finish, usage and [DONE] chunks.
+    assert record.event_gap_sum_s >= 0.5 and sum(record.event_gap_buckets) == 4
+    assert record.tokens_out == (2, "usage")
+
+
+def test_metrics_whileAStreamRuns_thenItsFirstTokenAndBytesAreCountedLive(
+        start_sidecar, upstream: FakeUpstream) -> None:
+    sidecar = start_sidecar()
+    labels = {"upstream": upstream.url, "status_class": "2xx", "http_version": "1.1"}
+
+    def scrape() -> str:
+        return httpx.get(sidecar.admin_url + "/metrics").text
+
+    with connect(sidecar.port) as sock:
+        sock.sendall(request_bytes("POST", "/silent/v1/chat/completions", body=chat_body(),
+                                   headers={"x-fake-silence-s": "30", "X-Request-Id": "live-m"}))
+        reader = ResponseReader(sock)
+        assert reader.read(head_only=True).status == 200
+        # The role chunk and token 0 came; the stream is silent for 30 s and has not ended.
+        wait_for(lambda: sample(scrape(), "tokenwire_time_to_first_token_seconds_count", **labels) == 1)
+        text = scrape()
+        assert (sample(text, "tokenwire_bytes_out_total", **labels) or 0) > 0
+        assert sample(text, "tokenwire_content_events_total", **labels) == 1
+        assert sample(text, "tokenwire_active_streams") == 1
+        assert sample(text, "tokenwire_streams_ended_total", **labels) is None
+        assert httpx.delete(sidecar.admin_url + "/streams/live-m").status_code == 200
+        reader.read()
+    sidecar.record("live-m")
+    text = scrape()
+    # Its end replaced its live figures: nothing counted twice, nothing went down.
+    assert sample(text, "tokenwire_time_to_first_token_seconds_count", **labels) == 1
+    assert sample(text, "tokenwire_content_events_total", **labels) == 1
+    assert sample(text, "tokenwire_streams_ended_total", reason="cancelled", **labels) == 1
+    assert sample(text, "tokenwire_stream_errors_total", number="E7301", code="cancelled") == 1
+    assert sample(text, "tokenwire_active_streams") == 0
+
+
+def test_metrics_passPromtoolCheck(start_sidecar) -> None:
+    sidecar = start_sidecar()
+    exchange(sidecar.port, "POST", "/normal/v1/chat/completions", body=chat_body(),
+             headers={"X-Request-Id": "p-1"})
+    exchange(sidecar.port, "POST", "/die/v1/chat/completions", body=chat_body(),
+             headers={"X-Request-Id": "p-2"})
+    sidecar.record("p-1")
+    sidecar.record("p-2")
+    text = httpx.get(sidecar.admin_url + "/metrics").text
+    assert sample(text, "tokenwire_stream_errors_total", number="E7307", code="upstream_failed") == 1
+    promtool_check(text)
+
+
+@pytest.mark.parametrize("rules", ["tokenwire-alerts.yml"])
+def test_alertRules_passPromtoolCheckRules(rules: str) -> None:
+    from pathlib import Path
+
+    promtool = shutil.which("promtool")
+    assert promtool is not None, "promtool missing: run scripts/system-deps.sh prometheus"
+    path = Path(__file__).resolve().parents[2] / "conf" / "examples" / rules
+    result = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
