@@ -18,6 +18,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from opentelemetry.context import Context
+from opentelemetry.trace import TracerProvider
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -39,6 +41,7 @@ from tokenwire.engine.sampling import SamplingParams
 from tokenwire.engine.scheduler import ContinuousBatchingScheduler
 from tokenwire.engine.service import EngineService, RequestHandle
 from tokenwire.engine.streaming import EventStreamResponse
+from tokenwire.middleware.tracing import extract_text, get_tracer
 
 REQUEST_ID_HEADER = "x-request-id"
 _MAX_REQUEST_ID_CHARS = 128
@@ -58,9 +61,11 @@ class EngineApp:
 
 
 def build_app(
-    loaded: LoadedModel, config: EngineConfig, *, backend: EngineBackend | None = None
+    loaded: LoadedModel, config: EngineConfig, *, backend: EngineBackend | None = None,
+    tracer_provider: TracerProvider | None = None,
 ) -> Starlette:
-    """The bare Starlette app; the engine thread starts and stops with its lifespan."""
+    """The bare Starlette app; the engine thread starts and stops with its lifespan.
+    ``tracer_provider``: where request spans go (``tokenwire.middleware.tracing``)."""
     scheduler = backend or ContinuousBatchingScheduler(loaded, config)
     max_model_len = getattr(scheduler, "max_model_len", loaded.max_model_len)
     metrics = EngineMetrics()
@@ -69,7 +74,7 @@ def build_app(
         scheduler, lambda outputs: service_box[0].deliver(outputs),
         on_step=metrics.observe_step,
     )
-    service = EngineService(runner, metrics)
+    service = EngineService(runner, metrics, get_tracer(tracer_provider))
     service_box.append(service)
     engine = EngineApp(
         service=service, runner=runner, backend=scheduler, metrics=metrics, loaded=loaded,
@@ -130,7 +135,8 @@ class _Handlers:
                 self._check_model(parsed.model)
                 prompt_ids = self._tokenize_prompt(parsed)
             handle = self._submit(request_id, prompt_ids, parsed.sampling,
-                                  "chat" if chat else "completions", parsed.user, received_s)
+                                  "chat" if chat else "completions", parsed.user, received_s,
+                                  extract_text(request.headers))
         except (ProtocolError, RequestRejected) as error:
             return _error_response(error, request_id)
         stream = _ResponseStream(self._engine, handle, parsed, chat=chat)
@@ -197,13 +203,14 @@ class _Handlers:
 
     def _submit(
         self, request_id: str, prompt_ids: tuple[int, ...], sampling: SamplingFields,
-        endpoint: str, user: str | None, received_s: float,
+        endpoint: str, user: str | None, received_s: float, trace_context: Context | None = None,
     ) -> RequestHandle:
         params = _sampling_params(sampling, len(prompt_ids), self._engine.max_model_len,
                                   self._engine.loaded.default_temperature)
         return self._engine.service.submit(
             GenerationRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=params),
             endpoint=endpoint, model=self._engine.model_name, user=user, received_s=received_s,
+            trace_context=trace_context,
         )
 
 

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from opentelemetry.trace import TracerProvider
 from starlette.types import ASGIApp
+from tokenwire.engine.access_log import AccessLog
 from tokenwire.engine.cli import build_parser, load_engine_config
 from tokenwire.engine.config import EngineConfig, engine_wire_defaults, torch_threads
 from tokenwire.middleware import WireConfig
 from tokenwire.middleware.asgi import listening_socket
+from tokenwire.middleware.logs import configure_logging
+from tokenwire.middleware.tracing import tracer_provider_from_env
 
 __all__ = ["ListenAddress", "build_asgi_app", "build_parser", "load_engine_config", "main"]
 
@@ -40,8 +43,8 @@ class ListenAddress:
         return cls(host=host.strip("[]") or "127.0.0.1", port=int(port))
 
 
-def build_asgi_app(config: EngineConfig) -> ASGIApp:
-    """Load the model, build the API, wrap it in tokenwire's middleware."""
+def build_asgi_app(config: EngineConfig, tracer_provider: TracerProvider | None = None) -> ASGIApp:
+    """Load the model, build the API, wrap it in tokenwire's middleware and the access log."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from tokenwire.engine.api import build_app
@@ -58,8 +61,8 @@ def build_asgi_app(config: EngineConfig) -> ASGIApp:
         path = Path(config.model).expanduser()
         name = config.served_model_name or path.name
     loaded = load_model(path, device=config.device, dtype=config.dtype, name=name)
-    app = build_app(loaded, config)
-    return _wrap_in_middleware(app, config.wire)
+    app = build_app(loaded, config, tracer_provider=tracer_provider)
+    return AccessLog(_wrap_in_middleware(app, config.wire))
 
 
 def _wrap_in_middleware(app: ASGIApp, wire: WireConfig | None = None) -> ASGIApp:
@@ -84,7 +87,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:  # ConfigError included: it names the key
         print(f"tokenwire engine: configuration error: {error}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=config.log_level.upper(), format="%(message)s", stream=sys.stderr)
+    # uvicorn's "trace" level is below debug; ours stops at debug.
+    configure_logging("debug" if config.log_level.lower() == "trace" else config.log_level,
+                      config.log_format)
     # The engine thread gives up the GIL inside every torch op and must take
     # it back after; with the default 5 ms switch interval, an event loop busy
     # encoding chunks could hold it that long each time. 1 ms bounds what the
@@ -92,13 +97,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.setswitchinterval(_SWITCH_INTERVAL_S)
     import uvicorn
 
+    provider = tracer_provider_from_env(os.environ, "tokenwire-engine")
     try:
-        app = build_asgi_app(config)
+        app = build_asgi_app(config, provider)
     except (OSError, ValueError) as error:
         print(f"tokenwire engine: {error}", file=sys.stderr)
         return 2
+    # log_config=None: uvicorn's loggers go through our handler (configure_logging);
+    # its access line lacks the request id, so AccessLog writes that one.
     uvicorn_config = uvicorn.Config(
-        app, uds=listen.unix_path, log_level=config.log_level.lower(), timeout_graceful_shutdown=5
+        app, uds=listen.unix_path, log_level=config.log_level.lower(), timeout_graceful_shutdown=5,
+        log_config=None, access_log=False,
     )
     server = uvicorn.Server(uvicorn_config)
     if listen.unix_path is not None:
@@ -109,6 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         assert listen.host is not None and listen.port is not None
         sock = listening_socket(listen.host, listen.port, config.wire)
         server.run(sockets=[sock])
+    shutdown = getattr(provider, "shutdown", None)
+    if shutdown is not None:
+        shutdown()  # the SDK's: exports the spans still batched
     return 0
 
 if __name__ == "__main__":

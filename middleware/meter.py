@@ -30,6 +30,10 @@ from __future__ import annotations
 
 import re
 
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                     float("inf"))
+"""Time to first token/byte buckets of the sidecar's and the engine's histograms (the same,
+so the two can be compared)."""
 GAP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, float("inf"))
 """Upper bounds of the inter-token gap histogram carried in each record."""
 
@@ -51,8 +55,8 @@ def carries_token(data: bytes) -> bool:
 class TokenMeter:
     """Per-stream token timing; the core calls ``queued`` and ``wrote``."""
 
-    __slots__ = ("_last_at", "content_events", "first_token_at", "gap_buckets", "gap_count",
-                 "gap_sum_s", "max_gap_s", "started_at", "token_queued")
+    __slots__ = ("content_events", "first_token_at", "gap_buckets", "gap_count",
+                 "gap_sum_s", "last_write_at", "max_gap_s", "started_at", "token_queued")
 
     def __init__(self, started_at: float) -> None:
         self.started_at = started_at
@@ -64,7 +68,8 @@ class TokenMeter:
         self.gap_count = 0
         self.max_gap_s = 0.0
         self.content_events = 0
-        self._last_at = 0.0
+        self.last_write_at = 0.0
+        """When the last write from the first token on left (0 before)."""
 
     @property
     def awaiting_token(self) -> bool:
@@ -95,7 +100,7 @@ class TokenMeter:
                 return
             self.first_token_at = now
         else:
-            gap_s = now - self._last_at
+            gap_s = now - self.last_write_at
             self.gap_sum_s += gap_s
             self.gap_count += 1
             if gap_s > self.max_gap_s:
@@ -105,4 +110,4 @@ class TokenMeter:
                     self.gap_buckets[i] += 1
                     break
         self.content_events += events
-        self._last_at = now
+        self.last_write_at = now

@@ -57,6 +57,7 @@ from tokenwire.middleware.retry import may_repeat
 
 from .context import SidecarContext
 from .forwarding import client_response_headers
+from .lifecycle import Lifecycle, open_span, request_fields, wall_clock
 from .upstream import run_attempt
 from .upstream_io import UpstreamStream
 
@@ -106,7 +107,9 @@ class Exchange:
         self.client_address = client_address
         self._method = method
         self._target = target
-        self._upstream_headers = list(upstream_headers)
+        self._log_fields = request_fields(method, target, client_address, http_version)
+        span, traced_headers = open_span(context.tracer, request_id, self._log_fields, upstream_headers)
+        self._upstream_headers = traced_headers
         self._body = body
         resume = context.config.wire.resume
         self.stream_id = new_stream_id() if resume else None
@@ -118,6 +121,8 @@ class Exchange:
             upstreams=context.pools.names, retry_budget=context.retry_budget,
             expect_stream=expect_stream, stream_id=self.stream_id,
             may_repeat=may_repeat(method, self._upstream_headers))
+        self._lifecycle = (Lifecycle(self.stream, self._log_fields, span)
+                           if span is not None or Lifecycle.wanted() else None)
         self._inbox: deque[tuple[Input, float | None]] = deque()
         self._busy = False
         self._done = False
@@ -134,6 +139,8 @@ class Exchange:
         """Register the stream and send the first upstream request."""
         self._context.registry.add(self)
         self._context.metrics.active_streams.inc()
+        if self._lifecycle is not None:
+            self._lifecycle.accepted(self.stream_id)
         if self._context.replay_store is None:
             self._start_attempt(0)
         else:
@@ -152,8 +159,11 @@ class Exchange:
             while self._inbox and not self._done:
                 queued, at = self._inbox.popleft()
                 at = self._loop.time() if at is None else at
-                self._execute(self.stream.handle(queued, at))
+                actions = self.stream.handle(queued, at)
+                self._execute(actions)
                 self._flush()
+                if self._lifecycle is not None:
+                    self._lifecycle.after(actions, at)
         except Exception:
             logger.exception("stream %s: driver failure; resetting the client", self.request_id)
             self._crash()
@@ -271,10 +281,11 @@ class Exchange:
         context.registry.remove(self)
         context.metrics.active_streams.dec()
         context.metrics.observe_record(action.record, self.http_version)
+        record = action.record
+        extra = {**self._log_fields, "started_at": wall_clock(record.started_at, self._loop.time())}
         if self.upstream_request_id != self.request_id:
-            context.log.write(action.record, upstream_request_id=self.upstream_request_id)
-        else:
-            context.log.write(action.record)
+            extra["upstream_request_id"] = self.upstream_request_id
+        context.log.write(record, **extra)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import resource
 import signal
 import ssl
@@ -22,9 +23,11 @@ import sys
 from collections.abc import Callable
 from typing import TextIO
 
+from opentelemetry.trace import TracerProvider
 from tokenwire.middleware import ConfigError, EndReason, RetryBudget
 from tokenwire.middleware.replay_store import open_replay_store
 from tokenwire.middleware.resume import CallerKey
+from tokenwire.middleware.tracing import get_tracer, tracer_provider_from_env
 
 from .admin import AdminAccess, AdminHandler
 from .admin import handler as admin_handler
@@ -49,9 +52,12 @@ class Sidecar:
     """One sidecar: the proxy listener, the admin listener and what they share."""
 
     def __init__(self, config: SidecarConfig, *, log: StreamLog | None = None,
-                 reuse_port: bool = False) -> None:
-        """``reuse_port``: bind the proxy port with SO_REUSEPORT (a ``--workers`` worker)."""
+                 reuse_port: bool = False, tracer_provider: TracerProvider | None = None) -> None:
+        """``reuse_port``: bind the proxy port with SO_REUSEPORT (a ``--workers`` worker).
+        ``tracer_provider``: where stream spans go (see ``tokenwire.middleware.tracing``);
+        None = no tracing."""
         self.config = config
+        self._tracer_provider = tracer_provider
         self._log = log
         self._reuse_port = reuse_port
         self._server: asyncio.Server | None = None
@@ -90,6 +96,7 @@ class Sidecar:
                                      now=loop.time()),
             metrics=SidecarMetrics(live=registry.live_records),
             registry=registry,
+            tracer=get_tracer(self._tracer_provider),
             log=self._log if self._log is not None else StreamLog.open(config.log_file),
             replay_store=open_replay_store(config.resume_store, wire) if wire.resume else None,
             caller_key=CallerKey.from_config(wire) if wire.resume else None,
@@ -228,7 +235,8 @@ def run(config: SidecarConfig, *, out: TextIO = sys.stdout, reuse_port: bool = F
 
 
 async def _serve(config: SidecarConfig, out: TextIO, reuse_port: bool) -> int:
-    sidecar = Sidecar(config, reuse_port=reuse_port)
+    provider = tracer_provider_from_env(os.environ, "tokenwire-sidecar")
+    sidecar = Sidecar(config, reuse_port=reuse_port, tracer_provider=provider)
     await sidecar.start()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, sidecar.request_stop)
@@ -243,4 +251,7 @@ async def _serve(config: SidecarConfig, out: TextIO, reuse_port: bool) -> int:
     print(ready, file=out, flush=True)
     await sidecar.wait_stopped()
     await sidecar.shutdown()
+    shutdown = getattr(provider, "shutdown", None)
+    if shutdown is not None:
+        shutdown()  # the SDK's: exports the spans still batched
     return 0
