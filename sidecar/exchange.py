@@ -159,11 +159,8 @@ class Exchange:
             while self._inbox and not self._done:
                 queued, at = self._inbox.popleft()
                 at = self._loop.time() if at is None else at
-                actions = self.stream.handle(queued, at)
-                self._execute(actions)
+                self._execute(self.stream.handle(queued, at))
                 self._flush()
-                if self._lifecycle is not None:
-                    self._lifecycle.after(actions, at)
         except Exception:
             logger.exception("stream %s: driver failure; resetting the client", self.request_id)
             self._crash()
@@ -201,6 +198,8 @@ class Exchange:
             self.feed(UpstreamData(data))
         if batch:
             self._write_batch(batch)
+        if self._lifecycle is not None:
+            self._lifecycle.after((), self._loop.time())
 
     def _write_batch(self, batch: list[bytes]) -> None:
         # A write that fills the socket calls pause_writing → SocketPaused,
@@ -274,6 +273,8 @@ class Exchange:
                 self._reader_wait = self._loop.create_task(self._await_reader(action))
         if tell_engine:
             self._context.pools.send_abort(self.upstream_request_id)
+        if self._lifecycle is not None:
+            self._lifecycle.after(actions, self._loop.time())
 
     def _finish(self, action: Finished) -> None:
         self._done = True

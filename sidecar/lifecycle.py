@@ -34,7 +34,7 @@ from tokenwire.middleware import (
     WireStream,
 )
 from tokenwire.middleware.logs import rfc3339
-from tokenwire.middleware.tracing import extract, set_attributes, with_span_headers
+from tokenwire.middleware.tracing import extract, loop_wall_ns, set_attributes, with_span_headers
 
 Header = tuple[bytes, bytes]
 
@@ -83,20 +83,26 @@ class Lifecycle:
     def wanted() -> bool:
         return lifecycle_log.isEnabledFor(logging.DEBUG)
 
-    def _log(self, what: str, **fields: Any) -> None:
+    def _log(self, what: str, at_ns: int | None = None, **fields: Any) -> None:
         if self._debug:
             lifecycle_log.debug(what, extra={"fields": {**self._fields, **fields}})
         if self._span is not None:
-            self._span.add_event(what, {k: v for k, v in fields.items() if v is not None})
+            self._span.add_event(what, {k: v for k, v in fields.items() if v is not None}, at_ns)
 
     def accepted(self, stream_id: str | None) -> None:
         if stream_id:
             self._fields["stream_id"] = stream_id
         self._log("accepted")
 
-    def after(self, actions: list[Action] | tuple[Action, ...], now: float) -> None:
-        """After the core handled an input (and its bytes were written)."""
+    def after(self, actions: Sequence[Action], now: float) -> None:
+        """After the driver executed the core's actions (``now``: the loop's clock)."""
         stream = self._stream
+        meter = stream.meter
+        if not self._first_token and meter.first_token_at is not None:
+            # Before "ended": the write that carried it may also have finished the stream.
+            self._first_token = True
+            self._log("first token", loop_wall_ns(meter.first_token_at, now),
+                      ttft_s=round(meter.first_token_at - stream.started_at, 6))
         for action in actions:
             if isinstance(action, CommitHeaders):
                 self._log("committed", status=action.status, streaming=action.streaming,
@@ -110,10 +116,6 @@ class Lifecycle:
                 self._log("ended", end_reason=record.end_reason.value,
                           error=record.error_code.label if record.error_code else None)
                 self._end_span(record)
-        meter = stream.meter
-        if not self._first_token and meter.first_token_at is not None:
-            self._first_token = True
-            self._log("first token", ttft_s=round(meter.first_token_at - stream.started_at, 6))
         if stream.heartbeats != self._heartbeats:
             self._heartbeats = stream.heartbeats
             since = meter.last_write_at if meter.first_token_at is not None else stream.started_at
