@@ -16,6 +16,9 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 access_log = logging.getLogger("tokenwire.engine.access")
+RECEIVED_KEY = "tokenwire.received_s"
+"""Scope key: ``time.monotonic()`` when the request reached the outermost wrapper
+(the engine's TTFT and queue wait run from it)."""
 _REQUEST_ID = b"x-request-id"
 
 
@@ -33,10 +36,14 @@ class AccessLog:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not access_log.isEnabledFor(logging.INFO):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         started_s = time.monotonic()
+        scope[RECEIVED_KEY] = started_s
+        if not access_log.isEnabledFor(logging.INFO):
+            await self.app(scope, receive, send)
+            return
         status = 0
         request_id = _header(scope.get("headers"), _REQUEST_ID)
 

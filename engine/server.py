@@ -54,6 +54,13 @@ def build_asgi_app(config: EngineConfig, tracer_provider: TracerProvider | None 
     # Before the first torch op: the pool is sized once. One CPU is left to the
     # event loop, which encodes and writes while the engine thread computes.
     torch.set_num_threads(torch_threads(config))
+    # transformers writes progress bars and its warnings to stderr itself: as plain
+    # lines among the JSON ones. Its records go through our handler instead.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()
     if config.model == "tiny":
         path: Path = ensure_tiny_model()
         name = config.served_model_name or "tiny"

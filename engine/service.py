@@ -44,11 +44,17 @@ class RequestHandle:
     user: str | None
     received_s: float
     outputs: asyncio.Queue[RequestOutput] = field(default_factory=asyncio.Queue)
+    streaming: bool = False
     first_token_s: float | None = None
+    """When the first token was delivered to this handle (the engine produced it)."""
+    first_token_sent_s: float | None = None
+    """When the streamed response handed its first token on (``first_token_sent``)."""
     admitted_s: float | None = None
     last_token_s: float | None = None
     trace_context: Context | None = None
     """The caller's ``traceparent`` (with tracing on), parent of the request's span."""
+    deferred_account: tuple[RequestOutput, float] | None = None
+    """The final output and its time, while its log line waits for the first token's hand-off."""
     abort_reason: str | None = None
     finished: bool = False
     """Set by the handler once it has read the final output."""
@@ -70,7 +76,7 @@ class EngineService:
 
     def submit(
         self, request: GenerationRequest, *, endpoint: str, model: str, user: str | None,
-        received_s: float, trace_context: Context | None = None,
+        received_s: float, trace_context: Context | None = None, streaming: bool = False,
     ) -> RequestHandle:
         """Queue ``request``; raises ``RequestRejected`` (a 400/503) without queueing."""
         if request.request_id in self._handles:
@@ -80,7 +86,7 @@ class EngineService:
         handle = RequestHandle(
             request_id=request.request_id, endpoint=endpoint, model=model,
             prompt_tokens=len(request.prompt_token_ids), user=user, received_s=received_s,
-            trace_context=trace_context,
+            trace_context=trace_context, streaming=streaming,
         )
         self._handles[request.request_id] = handle
         return handle
@@ -113,7 +119,8 @@ class EngineService:
             if output.token_ids:
                 if handle.first_token_s is None:
                     handle.first_token_s = now_s
-                    metrics.time_to_first_token_seconds.observe(now_s - handle.received_s)
+                    if not handle.streaming:
+                        metrics.time_to_first_token_seconds.observe(now_s - handle.received_s)
                     if handle.admitted_s is not None:
                         metrics.prefill_seconds.observe(max(now_s - handle.admitted_s, 0.0))
                 elif handle.last_token_s is not None:
@@ -127,11 +134,37 @@ class EngineService:
         # One counter update per step, not per row (each takes a lock).
         self._metrics.generated_tokens.inc(generated)
 
+    def first_token_sent(self, handle: RequestHandle) -> None:
+        """The streamed response hands its first token to the wire now: the
+        engine's time to first token, measured where the sidecar's next hop starts."""
+        now_s = time.monotonic()
+        handle.first_token_sent_s = now_s
+        self._metrics.time_to_first_token_seconds.observe(now_s - handle.received_s)
+        self.response_done(handle)
+
     def _account(self, handle: RequestHandle, output: RequestOutput, now_s: float) -> None:
         reason = output.finish_reason or "error"
         self._metrics.requests_finished.labels(finish_reason=reason).inc()
         self._metrics.prompt_tokens.inc(output.prompt_tokens)
         self._metrics.request_duration_seconds.labels(finish_reason=reason).observe(now_s - handle.received_s)
+        if (handle.streaming and handle.first_token_sent_s is None and output.completion_tokens
+                and reason not in ("abort", "error")):
+            # Generation ended before the response handed on its first token (a short
+            # answer): the line waits for that moment, so its ttft_s is the response's.
+            handle.deferred_account = (output, now_s)
+            return
+        self._write_account(handle, output, now_s)
+
+    def response_done(self, handle: RequestHandle) -> None:
+        """The streamed response read its last output (or was torn down)."""
+        if handle.deferred_account is not None:
+            output, now_s = handle.deferred_account
+            handle.deferred_account = None
+            self._write_account(handle, output, now_s)
+
+    def _write_account(self, handle: RequestHandle, output: RequestOutput, now_s: float) -> None:
+        reason = output.finish_reason or "error"
+        first_s = handle.first_token_sent_s or handle.first_token_s
         record = {
             "request_id": handle.request_id,
             "endpoint": handle.endpoint,
@@ -142,8 +175,7 @@ class EngineService:
             "finish_reason": reason,
             "abort_reason": handle.abort_reason if reason == "abort" else None,
             "error": output.error,
-            "ttft_s": None if handle.first_token_s is None
-            else round(handle.first_token_s - handle.received_s, 6),
+            "ttft_s": None if first_s is None else round(first_s - handle.received_s, 6),
             "queue_wait_s": None if handle.admitted_s is None
             else round(handle.admitted_s - handle.received_s, 6),
             "duration_s": round(now_s - handle.received_s, 6),

@@ -34,6 +34,7 @@ class ErrorCode(StrEnum):
     IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"
     RESUME_UNAVAILABLE = "resume_unavailable"
     INTERNAL = "internal_error"
+    UNAUTHORIZED = "unauthorized"
 
     @property
     def number(self) -> str:
@@ -67,13 +68,26 @@ ERROR_TABLE: tuple[tuple[str, ErrorCode, str], ...] = (
     ("E7310", ErrorCode.INVALID_LAST_EVENT_ID, "a Last-Event-ID that names no stream of this server"),
     ("E7311", ErrorCode.IDEMPOTENCY_KEY_REUSED, "an Idempotency-Key reused with a different request"),
     ("E7312", ErrorCode.RESUME_UNAVAILABLE, "the replay store is unreachable or lost the stream"),
-    ("E7313", ErrorCode.INTERNAL, "a bug in tokenwire"),
+    ("E7313", ErrorCode.INTERNAL, "a bug in tokenwire, or an engine's own failure to generate"),
+    ("E7314", ErrorCode.UNAUTHORIZED, "the admin API's bearer token was missing or wrong"),
 )
 """Every error code: its stable number, its name, and what it means. The one
 table: the README lists it, logs and records carry ``number`` and ``code``,
 error objects carry both as ``"tokenwire": {"code", "number"}``."""
 
 _NUMBERS = {code: number for number, code, _ in ERROR_TABLE}
+
+
+def tokenwire_fields(code: ErrorCode) -> dict[str, str]:
+    """``{"code": ..., "number": ...}``: what rides as ``"tokenwire"`` in an error object."""
+    return {"code": code.value, "number": code.number}
+
+
+def error_object(message: str, error_type: str, code: ErrorCode, **fields: object) -> dict[str, object]:
+    """An OpenAI-shaped error body, ``{"error": {"message", "type", "code", ..., "tokenwire"}}``,
+    for answers that are not a raised :class:`WireError` (the admin API, the engine)."""
+    return {"error": {"message": message, "type": error_type, **fields, "code": code.value,
+                      "tokenwire": tokenwire_fields(code)}}
 
 
 class WireError(Exception):
@@ -109,7 +123,7 @@ class WireError(Exception):
 
     def tokenwire_fields(self) -> dict[str, str]:
         """``{"code": ..., "number": ...}``: tokenwire's stable code of this error."""
-        return {"code": self.code.value, "number": self.code.number}
+        return tokenwire_fields(self.code)
 
     def body(self) -> bytes:
         """JSON body for a response whose status line is still ours to choose."""
