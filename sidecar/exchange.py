@@ -57,7 +57,7 @@ from tokenwire.middleware.retry import may_repeat
 
 from .context import SidecarContext
 from .forwarding import client_response_headers
-from .lifecycle import Lifecycle, open_span, request_fields, wall_clock
+from .milestones import Milestones, open_span, request_fields, wall_clock
 from .upstream import run_attempt
 from .upstream_io import UpstreamStream
 
@@ -121,8 +121,8 @@ class Exchange:
             upstreams=context.pools.names, retry_budget=context.retry_budget,
             expect_stream=expect_stream, stream_id=self.stream_id,
             may_repeat=may_repeat(method, self._upstream_headers))
-        self._lifecycle = (Lifecycle(self.stream, self._log_fields, span)
-                           if span is not None or Lifecycle.wanted() else None)
+        self._milestones = (Milestones(self.stream, self._log_fields, span)
+                           if span is not None or Milestones.wanted() else None)
         self._inbox: deque[tuple[Input, float | None]] = deque()
         self._busy = False
         self._done = False
@@ -139,8 +139,8 @@ class Exchange:
         """Register the stream and send the first upstream request."""
         self._context.registry.add(self)
         self._context.metrics.active_streams.inc()
-        if self._lifecycle is not None:
-            self._lifecycle.accepted(self.stream_id)
+        if self._milestones is not None:
+            self._milestones.accepted(self.stream_id)
         if self._context.replay_store is None:
             self._start_attempt(0)
         else:
@@ -198,8 +198,8 @@ class Exchange:
             self.feed(UpstreamData(data))
         if batch:
             self._write_batch(batch)
-        if self._lifecycle is not None:
-            self._lifecycle.after((), self._loop.time())
+        if self._milestones is not None:
+            self._milestones.after((), self._loop.time())
 
     def _write_batch(self, batch: list[bytes]) -> None:
         # A write that fills the socket calls pause_writing → SocketPaused,
@@ -273,8 +273,8 @@ class Exchange:
                 self._reader_wait = self._loop.create_task(self._await_reader(action))
         if tell_engine:
             self._context.pools.send_abort(self.upstream_request_id)
-        if self._lifecycle is not None:
-            self._lifecycle.after(actions, self._loop.time())
+        if self._milestones is not None:
+            self._milestones.after(actions, self._loop.time())
 
     def _finish(self, action: Finished) -> None:
         self._done = True

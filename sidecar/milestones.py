@@ -1,4 +1,4 @@
-"""What the logs say about one stream: its end line's fields, and its lifecycle at debug.
+"""What the logs and traces say about one stream: its end line's fields, its milestones.
 
 At INFO a stream is one line, when it ends (``logs.StreamLog``); this module
 adds what the wire core's record cannot know (the wall-clock start, method,
@@ -66,7 +66,7 @@ def open_span(tracer: Tracer | None, request_id: str, fields: dict[str, Any],
     return span, with_span_headers(upstream_headers, span)
 
 
-class Lifecycle:
+class Milestones:
     """Debug lines and span events for one stream; made only when either is on."""
 
     __slots__ = ("_debug", "_fields", "_first_token", "_heartbeats", "_span", "_stream")
