@@ -14,6 +14,12 @@ Method (figures in bench/README.md, "Telemetry"):
   - ``debug``: as ``on``, with ``--log-level debug`` (each stream's lifecycle
     lines too).
 
+* ``micro``, in this process, the pieces timed alone (medians of repeats):
+  one stream's log line (JSON, to a file), one scrape of ``/metrics`` with 40
+  open streams and 100 finished ones, and the core's token meter per write.
+  With the events per stream of the load run, they say what the whole-process
+  figures above cannot resolve (run-to-run noise there is several percent).
+
 * Each turn is one ``sse_load.py client throughput`` run (S streams x E events
   every I ms); CPU is the sidecar process's user + system time
   (``/proc/PID/stat``) over the run, divided by the tokens the client got
@@ -109,18 +115,83 @@ def run(rounds: int, streams: int, events: int, interval_ms: float) -> dict[str,
             "cost_vs_off": {mode: round((medians[mode] - off) / off, 4) for mode in MODES if mode != "off"}}
 
 
+def micro(events_per_stream: int, streams: int) -> dict[str, float]:
+    """Per-call costs of the telemetry pieces, timed alone (µs)."""
+    import logging
+    import timeit
+
+    from tokenwire.middleware import (
+        Finished,
+        StreamRecord,
+        UpstreamData,
+        UpstreamEnded,
+        UpstreamHeaders,
+        WireStream,
+        WriteCompleted,
+    )
+    from tokenwire.middleware.meter import TokenMeter
+    from tokenwire.sidecar.logs import StreamLog
+    from tokenwire.sidecar.metrics import SidecarMetrics
+    from tokenwire.sidecar.settings import SIDECAR_WIRE_DEFAULTS
+
+    chunk = b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"tok"}}]}\n\n'
+
+    def finished_record() -> StreamRecord:
+        stream = WireStream(SIDECAR_WIRE_DEFAULTS, now=0.0, request_id="r", upstreams=("http://u",))
+        actions = stream.handle(UpstreamHeaders(200, ((b"content-type", b"text/event-stream"),)), 0.0)
+        for i in range(events_per_stream):
+            actions += stream.handle(UpstreamData(chunk), i * 0.005)
+            while stream.data_to_send(i * 0.005):
+                actions += stream.handle(WriteCompleted(), i * 0.005)
+        actions += stream.handle(UpstreamData(b"data: [DONE]\n\n"), 9.0)
+        while stream.data_to_send(9.0):
+            actions += stream.handle(WriteCompleted(), 9.0)
+        actions += stream.handle(UpstreamEnded(), 9.0)
+        (done,) = [a for a in actions if isinstance(a, Finished)]
+        return done.record
+
+    record = finished_record()
+    with tempfile.TemporaryDirectory() as tmp:
+        log = StreamLog.open(str(Path(tmp) / "streams.jsonl"))
+        logging.getLogger().setLevel(logging.INFO)
+        line_us = min(timeit.repeat(lambda: log.write(record, method="POST", path="/v1/chat/completions",
+                                                      client="127.0.0.1"), number=200, repeat=5)) / 200 * 1e6
+        log.close()
+    live = [(record, "1.1")] * streams
+    metrics = SidecarMetrics(live=lambda: live)
+    for _ in range(100):
+        metrics.observe_record(record)
+    scrape_us = min(timeit.repeat(metrics.render, number=20, repeat=5)) / 20 * 1e6
+
+    def meter_writes() -> None:
+        meter = TokenMeter(0.0)
+        meter.queued(chunk)
+        for i in range(1000):
+            meter.wrote(1, i * 0.005)
+
+    meter_us = min(timeit.repeat(meter_writes, number=20, repeat=5)) / 20 / 1000 * 1e6
+    return {"log_line_us": round(line_us, 1), "scrape_us": round(scrape_us, 1),
+            "meter_per_write_us": round(meter_us, 3),
+            "log_line_per_event_us": round(line_us / events_per_stream, 4)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--streams", type=int, default=40)
     parser.add_argument("--events", type=int, default=500)
     parser.add_argument("--interval-ms", type=float, default=5.0)
+    parser.add_argument("--micro-only", action="store_true", help="only the in-process timings")
     args = parser.parse_args()
+    if args.micro_only:
+        print(json.dumps(micro(args.events, args.streams)))
+        return 0
     results = run(args.rounds, args.streams, args.events, args.interval_ms)
+    results["micro"] = micro(args.events, args.streams)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "telemetry.json").write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps({"median_us_per_event": results["median_us_per_event"],
-                      "cost_vs_off": results["cost_vs_off"]}))
+                      "cost_vs_off": results["cost_vs_off"], "micro": results["micro"]}))
     return 0
 
 

@@ -102,3 +102,23 @@ def test_alertRules_passPromtoolCheckRules(rules: str) -> None:
     result = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_sumMetrics_whenWorkersAdd_thenInfoAndStartTimesAreNotSummed() -> None:
+    """The --workers admin port sums its workers' /metrics: counters and
+    histograms add up, but a build-info sample stays 1 and a start time is the
+    earliest, and the sum still passes promtool."""
+    from tokenwire.sidecar.metrics import SidecarMetrics
+    from tokenwire.sidecar.workers import sum_metrics
+
+    texts = []
+    for started_at in (200.0, 100.0):
+        metrics = SidecarMetrics()
+        metrics.start_time.set(started_at)
+        metrics.rejected_requests.labels("503").inc()
+        texts.append(metrics.render())
+    summed = sum_metrics(texts).decode()
+    assert sample(summed, "tokenwire_build_info", program="sidecar") == 1
+    assert sample(summed, "tokenwire_start_time_seconds") == 100.0
+    assert sample(summed, "tokenwire_rejected_requests_total", status="503") == 2
+    promtool_check(summed)
