@@ -134,7 +134,8 @@ def micro(events_per_stream: int, streams: int) -> dict[str, float]:
     from tokenwire.sidecar.metrics import SidecarMetrics
     from tokenwire.sidecar.settings import SIDECAR_WIRE_DEFAULTS
 
-    chunk = b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"tok"}}]}\n\n'
+    chunk = (b'data: {"id":"c","object":"chat.completion.chunk",'
+             b'"choices":[{"index":0,"delta":{"content":"tok"}}]}\n\n')
 
     def finished_record() -> StreamRecord:
         stream = WireStream(SIDECAR_WIRE_DEFAULTS, now=0.0, request_id="r", upstreams=("http://u",))
