@@ -65,6 +65,7 @@ from tokenwire.middleware import (
     WriteCompleted,
 )
 from tokenwire.middleware.replay_store import FRAME_OVERHEAD_BYTES, MemoryReplayStore
+from tokenwire.sidecar.tools.sse_client import parse_response
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -111,19 +112,6 @@ def resumable_sidecar(upstream_port: int, store: str) -> Iterator[tuple[int, sub
 # ---------------------------------------------------------------- client
 
 
-def dechunk(raw: bytes) -> bytes:
-    """An HTTP/1.1 chunked body, de-chunked (checked outside the timed part)."""
-    out = bytearray()
-    position = 0
-    while True:
-        line_end = raw.index(b"\r\n", position)
-        size = int(raw[position:line_end].split(b";")[0], 16)
-        if size == 0:
-            return bytes(out)
-        out += raw[line_end + 2:line_end + 2 + size]
-        position = line_end + 2 + size + 2
-
-
 def fetch(port: int, request: bytes, timeout_s: float = 60.0) -> tuple[dict[str, str], bytes, float, float]:
     """One request on a fresh connection, body read to its chunked terminator as
     fast as the socket gives it: (headers, SSE body, seconds to first byte, seconds in all)."""
@@ -141,12 +129,10 @@ def fetch(port: int, request: bytes, timeout_s: float = 60.0) -> tuple[dict[str,
                 first = time.perf_counter() - started
             buffer += data
         elapsed = time.perf_counter() - started
-    head, _, raw = bytes(buffer).partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    if " 200 " not in lines[0] + " ":
-        raise RuntimeError(f"unexpected response: {lines[0]}")
-    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
-    return headers, dechunk(raw), first, elapsed
+    response = parse_response(bytes(buffer))  # (checked outside the timed part)
+    if response.status != 200 or not response.clean_end:
+        raise RuntimeError(f"unexpected response: {response.status} {response.error}")
+    return response.headers, response.body, first, elapsed
 
 
 def post_request(request_id: str, events: int) -> bytes:

@@ -8,6 +8,6 @@ Modules, one idea each:
 - ``scheduler`` (+ ``batch``): continuous batching over plain forward passes;
 - ``sampling``, ``detok``: per-request sampling, incremental detokenisation;
 - ``runner``: the engine thread and its one hand-off per step to asyncio;
-- ``service``, ``protocol``, ``api``, ``streaming``, ``metrics``: the HTTP side;
+- ``service``, ``openai_requests``, ``api``, ``streaming``, ``metrics``: the HTTP side;
 - ``server``: ``tokenwire engine`` / ``python -m tokenwire.engine.server``.
 """

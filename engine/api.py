@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API, as a Starlette app.
 
-Handlers are thin: validate (``protocol.py``), tokenize, submit to the
+Handlers are thin: validate (``openai_requests.py``), tokenize, submit to the
 :class:`~tokenwire.engine.service.EngineService`, then turn outputs into
 OpenAI-shaped JSON or SSE chunks. Errors become OpenAI error bodies here, in
 one function, ``_error_response``; after the first SSE byte they travel in-band
@@ -29,7 +29,7 @@ from tokenwire.engine.backend import EngineBackend, GenerationRequest, RequestRe
 from tokenwire.engine.config import EngineConfig
 from tokenwire.engine.loader import LoadedModel
 from tokenwire.engine.metrics import CONTENT_TYPE, EngineMetrics
-from tokenwire.engine.protocol import (
+from tokenwire.engine.openai_requests import (
     ChatRequest,
     CompletionRequest,
     ProtocolError,

@@ -12,7 +12,7 @@ import argparse
 from collections.abc import Mapping, Sequence
 
 from tokenwire.engine.config import CONFIG_ENV, EngineConfig, build_engine_config, engine_keys
-from tokenwire.middleware.config import load_toml
+from tokenwire.middleware.config_layers import add_key_flags, config_defaults, read_command_line
 
 SUMMARY = "the embedded torch + transformers engine (needs tokenwire[engine])"
 DESCRIPTION = (
@@ -26,17 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``--config`` and one flag per :class:`EngineConfig` key.
 
     Flags default to "not given" (``SUPPRESS``) so that an absent flag leaves
-    the environment, the file or the built-in default in charge.
+    the environment, the file or the built-in default in charge; they are
+    spelt as the sidecar's (``add_key_flags``).
     """
     parser.description = DESCRIPTION
     parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
                         help=f"TOML file (see conf/engine.toml) [{CONFIG_ENV}]")
-    defaults = EngineConfig()
-    for key in engine_keys():
-        default = getattr(defaults.wire if key.wire else defaults, key.name)
-        shown = "derived" if default is None else default
-        parser.add_argument(key.flag, dest=key.name, metavar=key.name.upper(), default=argparse.SUPPRESS,
-                            help=f"{key.help.replace('``', '')} [{key.env}; default {shown}]")
+    add_key_flags(parser, engine_keys(), config_defaults(EngineConfig))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +44,5 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_engine_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> EngineConfig:
     """Parse flags, read the environment and the ``--config`` file; merge them."""
-    flags = vars(build_parser().parse_args(list(argv)))
-    config_path = flags.pop("config", None) or (environ or {}).get(CONFIG_ENV)
-    file_values = load_toml(config_path) if config_path else {}
+    flags, file_values = read_command_line(build_parser(), argv, environ, CONFIG_ENV)
     return build_engine_config(flags=flags, environ=environ, file_values=file_values)

@@ -25,16 +25,13 @@ config file fails fast, before a model is loaded.
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 from tokenwire.middleware import ConfigError, WireConfig
-from tokenwire.middleware.config import field_docs, merge_layers, parse_bool
+from tokenwire.middleware.config_layers import ConfigKey, build_layered, config_keys
 from tokenwire.middleware.logs import LogFormat
 
 ENV_PREFIX = "TOKENWIRE_ENGINE_"
@@ -144,114 +141,26 @@ def check_listen(value: str) -> None:
 # ---------------------------------------------------------------- the layers
 
 
-@dataclass(frozen=True, slots=True)
-class EngineKey:
-    """One configuration key: its type, help text, flag and variable."""
-
-    name: str
-    kind: Any
-    """``str``, ``int``, ``float``, ``bool``, an ``Enum``, ``str | None`` or ``int | None``."""
-    help: str
-    wire: bool = False
-    """A key of :class:`WireConfig` (lands in ``config.wire``)."""
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
-
-    @property
-    def env(self) -> str:
-        return ENV_PREFIX + self.name.upper()
-
-    @property
-    def optional(self) -> bool:
-        """An empty value (or 0 for a number) means "unset": TOML has no null."""
-        return self.kind in (str | None, int | None)
+EngineKey = ConfigKey
+"""One engine configuration key (the shared :class:`~tokenwire.middleware.config_layers.ConfigKey`)."""
 
 
-def engine_keys() -> list[EngineKey]:
+def engine_keys() -> list[ConfigKey]:
     """Every key: the wire core's first (as for the sidecar), then the engine's own."""
-    keys: list[EngineKey] = []
-    for cls, wire in ((WireConfig, True), (EngineConfig, False)):
-        hints = typing.get_type_hints(cls)
-        docs = field_docs(cls)
-        keys.extend(EngineKey(f.name, hints[f.name], docs.get(f.name, ""), wire)
-                    for f in dataclasses.fields(cls) if f.name != "wire")
-    return keys
-
-
-def _from_text(key: EngineKey, text: str) -> object:
-    """A flag or environment value (always text) as the key's type."""
-    kind = key.kind
-    if key.optional and text.strip() in ("", "none"):
-        return None
-    if kind is bool:
-        return parse_bool(key.name, text)
-    if kind is float:
-        try:
-            return float(text)
-        except ValueError:
-            raise ConfigError(key.name, f"not a number: {text!r}") from None
-    if isinstance(kind, type) and issubclass(kind, Enum):
-        try:
-            return kind(text)
-        except ValueError:
-            choices = ", ".join(str(member.value) for member in kind)
-            raise ConfigError(key.name, f"must be one of {choices}, got {text!r}") from None
-    if kind in (int, int | None):
-        try:
-            value = int(text)
-        except ValueError:
-            raise ConfigError(key.name, f"not a whole number: {text!r}") from None
-        return None if key.optional and value == 0 else value
-    if kind == tuple[str, ...]:
-        return tuple(part.strip() for part in text.split(",") if part.strip())
-    return text
-
-
-def _from_toml(key: EngineKey, value: object) -> object:
-    """A TOML value, type-checked against the key."""
-    kind = key.kind
-    if kind is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(key.name, f"must be true or false, got {value!r}")
-        return value
-    if kind is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(key.name, f"must be a number, got {value!r}")
-        return float(value)
-    if kind in (int, int | None):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(key.name, f"must be a whole number, got {value!r}")
-        return None if key.optional and value == 0 else value
-    if kind == tuple[str, ...]:
-        names = [value] if isinstance(value, str) else value
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-            raise ConfigError(key.name, f"must be a list of strings, got {value!r}")
-        return tuple(names)
-    if not isinstance(value, str):
-        raise ConfigError(key.name, f"must be a string, got {value!r}")
-    if isinstance(kind, type) and issubclass(kind, Enum):
-        return _from_text(key, value)
-    return None if key.optional and value == "" else value
+    return config_keys(EngineConfig, ENV_PREFIX)
 
 
 def build_engine_config(
-    flags: Mapping[str, str] | None = None,
+    flags: Mapping[str, str | Sequence[str]] | None = None,
     environ: Mapping[str, str] | None = None,
     file_values: Mapping[str, Any] | None = None,
 ) -> EngineConfig:
     """Merge the layers (flag > env > file > default) into a validated config.
 
-    ``flags`` maps key names to the text given on the command line; only the
-    flags actually given belong in it. Unknown ``TOKENWIRE_ENGINE_*``
-    variables are ignored (a newer deployment may set keys this version lacks);
-    unknown file keys and flags are errors.
+    ``flags`` maps key names to the text given on the command line (a list of
+    texts for a repeated flag); only the flags actually given belong in it.
+    Unknown ``TOKENWIRE_ENGINE_*`` variables are ignored (a newer deployment
+    may set keys this version lacks); unknown file keys and flags are errors.
     """
-    keys = {key.name: key for key in engine_keys()}
-    values = merge_layers(keys, from_text=_from_text, from_toml=_from_toml, flags=flags,
-                          environ=environ, file_values=file_values)
-    wire_values = {name: value for name, value in values.items() if keys[name].wire}
-    own_values = {name: value for name, value in values.items() if not keys[name].wire}
-    wire = engine_wire_defaults().replace(**wire_values)
-    return EngineConfig(wire=wire, **own_values)  # type: ignore[arg-type]
+    return build_layered(EngineConfig, engine_wire_defaults(), engine_keys(), flags=flags,
+                         environ=environ, file_values=file_values)

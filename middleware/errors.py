@@ -16,6 +16,8 @@ import json
 from enum import StrEnum
 from typing import Any, ClassVar
 
+from .chunks import error_payload, message_of, status_of
+
 
 class ErrorCode(StrEnum):
     """Stable error codes; each has a stable number in :data:`ERROR_TABLE`."""
@@ -118,8 +120,8 @@ class WireError(Exception):
         """The OpenAI-shaped error object, ``{"error": {"message", "type", "code"}}``,
         with tokenwire's own code and its E73xx number beside
         as ``"tokenwire"``: the same place as on a forwarded engine error."""
-        return {"error": {"message": self.message, "type": self.error_type, "code": self.code.value,
-                          "tokenwire": self.tokenwire_fields()}}
+        return error_payload(self.message, self.error_type, self.code.value,
+                             tokenwire=self.tokenwire_fields())
 
     def tokenwire_fields(self) -> dict[str, str]:
         """``{"code": ..., "number": ...}``: tokenwire's stable code of this error."""
@@ -144,36 +146,6 @@ class WireError(Exception):
         return f"{type(self).__name__}({self.message!r}, code={self.code.value})"
 
 
-_CLIENT_ERROR_TYPES = ("invalid_request", "badrequest", "bad_request", "validation", "not_found",
-                       "notfound", "unprocessable", "permission", "authentication")
-
-
-def _status_of(payload: dict[str, Any], error: object) -> int:
-    """The HTTP status an upstream's error object stands for: the ``code`` or
-    ``status`` it carries when that is an HTTP error status (vLLM, SGLang and
-    our engine put one there), else 400 when its type names a client error
-    (OpenAI's ``invalid_request_error``, TGI's ``validation``), else 502."""
-    holders = (error, payload) if isinstance(error, dict) else (payload,)
-    for holder in holders:
-        for key in ("code", "status", "status_code"):
-            value = holder.get(key)
-            if isinstance(value, str) and value.isascii() and value.isdigit():
-                value = int(value)
-            if isinstance(value, int) and not isinstance(value, bool) and 400 <= value <= 599:
-                return value
-    kind = error.get("type") if isinstance(error, dict) else payload.get("error_type")
-    if isinstance(kind, str) and kind.replace(" ", "").lower().startswith(_CLIENT_ERROR_TYPES):
-        return 400
-    return 502
-
-
-def _message_of(error: object) -> str:
-    if isinstance(error, dict):
-        message = error.get("message")
-        return str(message) if message else json.dumps(error, ensure_ascii=False)
-    return str(error)
-
-
 class ClientError(WireError):
     """The client sent something wrong, or went away, or reads too slowly."""
 
@@ -193,6 +165,11 @@ class LocalError(WireError):
 
     error_type = "server_error"
     default_status = 500
+
+
+def upstream_timeout(message: str) -> UpstreamError:
+    """The upstream took too long (headers, silence, the whole stream, a read): 504."""
+    return UpstreamError(message, ErrorCode.UPSTREAM_TIMEOUT, http_status=504)
 
 
 class SSEProtocolError(UpstreamError):
@@ -221,8 +198,8 @@ class UpstreamErrorEvent(UpstreamError):
 
     def __init__(self, payload: dict[str, Any]) -> None:
         error = payload.get("error")
-        super().__init__(_message_of(error), ErrorCode.UPSTREAM_FAILED,
-                         http_status=_status_of(payload, error))
+        super().__init__(message_of(error), ErrorCode.UPSTREAM_FAILED,
+                         http_status=status_of(payload, error))
         self.payload = payload
 
     def to_json(self) -> dict[str, object]:
@@ -233,9 +210,8 @@ class UpstreamErrorEvent(UpstreamError):
             forwarded["error"] = {**error, "tokenwire": error.get("tokenwire", ours)}
             return forwarded
         kind = self.payload.get("error_type")
-        return {"error": {"message": self.message,
-                          "type": kind if isinstance(kind, str) else "upstream_error",
-                          "code": self.code.value, "tokenwire": ours}}
+        return error_payload(self.message, kind if isinstance(kind, str) else "upstream_error",
+                             self.code.value, tokenwire=ours)
 
     def response_headers(self) -> list[tuple[bytes, bytes]]:
         return [*super().response_headers(), NO_CLIENT_RETRY]

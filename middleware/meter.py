@@ -12,7 +12,7 @@ first event that carries a token, by which every gap is measured from then on.
 
 A token event is one whose data is not a JSON object (a plain SSE stream has no
 role chunk: its first event is its content), or a JSON chunk with a non-empty
-text (``content``, ``reasoning_content``, ``reasoning``, a completion's
+text (``chunks.carries_token``: the chunk format is known there) (``content``, ``reasoning_content``, ``reasoning``, a completion's
 ``text``) or a tool call. The role-only chunk, a finish reason alone, a usage
 chunk, an error and the terminal marker are not. The test is one regex search
 of the queued bytes, made only until the first token is queued: after that the
@@ -28,7 +28,7 @@ tokens when the upstream reports no ``usage``.
 
 from __future__ import annotations
 
-import re
+from .chunks import carries_token
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
                      float("inf"))
@@ -36,20 +36,6 @@ LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.
 so the two can be compared)."""
 GAP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, float("inf"))
 """Upper bounds of the inter-token gap histogram carried in each record."""
-
-# A non-empty text field, or the opening of a tool call's list.
-_TOKEN_RE = re.compile(rb'"(?:content|reasoning_content|reasoning|text)" ?: ?"[^"]'
-                       rb'|"tool_calls" ?: ?\[ ?\{')
-
-
-def carries_token(data: bytes) -> bool:
-    """Whether ``data`` (one or more events' data, or whole ``data:`` frames)
-    holds a token event; see the module docstring."""
-    if _TOKEN_RE.search(data) is not None:
-        return True
-    # Non-JSON data is content: a plain event stream's first event is its text.
-    body = data[6:] if data.startswith(b"data: ") else data
-    return not body.lstrip().startswith((b"{", b"[", b"\"")) and bool(body.strip())
 
 
 class TokenMeter:

@@ -17,9 +17,10 @@ Redis Streams so any replica can serve the reconnect.
 
 Idempotency keys live beside the streams: :meth:`open` claims a key for a new
 stream, or says which stream already holds it. Each stream also keeps its
-owner's hash (see ``resume.py``); :func:`admit` is where both drivers decide,
-before any upstream is called, whether a request replays, generates, or is
-refused, so the ownership rule is applied in one place.
+owner's hash (see ``resume.py``); :func:`admit` is where every driver decides
+(through ``driver.py``'s ``enter_resume``), before any upstream is called,
+whether a request replays, generates, or is refused, so the ownership rule is
+applied in one place.
 """
 
 from __future__ import annotations

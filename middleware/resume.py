@@ -21,7 +21,7 @@ gets the very 404 an unknown stream gets; an idempotency key counts only
 within its owner's keys (:func:`scoped_key`), so another caller's key neither
 replays nor answers 422. Requests without the header share one owner: for
 them, as before, the stream id alone is the key to an answer. The drivers
-apply this through :func:`~tokenwire.middleware.replay_store.admit`.
+apply this through :func:`~tokenwire.middleware.driver.enter_resume`.
 
 Malformed input is a :class:`~tokenwire.middleware.errors.ClientError` with a
 stable code, raised here and put on the wire by the core (``Rejected``).

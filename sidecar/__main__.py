@@ -1,5 +1,5 @@
 """``python -m tokenwire.sidecar ...`` is ``tokenwire ...``."""
 
-from .cli import main
+from .tools.cli import main
 
 raise SystemExit(main())

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import html
-import importlib.resources
 import json
 import urllib.parse
 from collections.abc import Awaitable, Callable
@@ -39,6 +37,7 @@ from tokenwire.middleware.errors import error_object
 from tokenwire.middleware.headers import header_value
 
 from .context import SidecarContext
+from .tools.playground import Playground
 
 _MAX_ADMIN_HEAD_BYTES = 16 * 1024
 _ADMIN_READ_TIMEOUT_S = 10.0
@@ -74,50 +73,6 @@ class AdminAccess:
 
 
 UNAUTHORIZED_HEADERS = ((b"www-authenticate", b'Bearer realm="tokenwire admin"'),)
-
-
-_PROXY_URL_PLACEHOLDER = "{{PROXY_URL}}"
-# Bound to every interface: the browser must use the name it reached the admin port by.
-_WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
-
-
-@dataclass(frozen=True, slots=True)
-class Playground:
-    """The playground page, told where the proxy port is."""
-
-    template: str
-    proxy_scheme: str
-    proxy_host: str
-    proxy_port: int
-
-    @classmethod
-    def load(cls, context: SidecarContext, proxy_address: tuple[str, int] | None) -> Playground:
-        """Read the page from the package; ``proxy_address`` is the proxy's bound (host, port)."""
-        config = context.config
-        if proxy_address is None:
-            # Without the bound address the configured one is the best guess (wrong for port 0).
-            host, _, port = config.listen.rpartition(":")
-            proxy_address = (host.strip("[]"), int(port))
-        package = __package__ or "tokenwire.sidecar"
-        template = importlib.resources.files(package).joinpath("static/playground.html").read_text("utf-8")
-        return cls(template, "https" if config.tls else "http", *proxy_address)
-
-    def proxy_url(self, admin_host_header: bytes | None) -> str:
-        """The proxy's base URL as a browser that sent ``admin_host_header`` can reach it."""
-        host = self.proxy_host
-        if host in _WILDCARD_HOSTS and admin_host_header:
-            parsed = urllib.parse.urlsplit("//" + admin_host_header.decode("ascii", "replace"))
-            host = parsed.hostname or "127.0.0.1"
-        elif host in _WILDCARD_HOSTS:
-            host = "127.0.0.1"
-        if ":" in host:
-            host = f"[{host}]"
-        return f"{self.proxy_scheme}://{host}:{self.proxy_port}"
-
-    def render(self, admin_host_header: bytes | None) -> bytes:
-        """The page with the proxy's URL filled in."""
-        url = html.escape(self.proxy_url(admin_host_header), quote=True)
-        return self.template.replace(_PROXY_URL_PLACEHOLDER, url).encode("utf-8")
 
 
 def route(context: SidecarContext, method: bytes, target: bytes, *,
@@ -206,7 +161,7 @@ def handler(context: SidecarContext, *, proxy_address: tuple[str, int] | None = 
     playground page calls; the configured ``listen`` may say port 0.
     ``access``: the token rule (None = open, as on loopback without a token).
     """
-    playground = Playground.load(context, proxy_address)
+    playground = Playground.load(context.config, proxy_address)
 
     async def answer(request: h11.Request) -> tuple[int, bytes, bytes]:
         return route(context, request.method, request.target, playground=playground,

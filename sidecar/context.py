@@ -17,7 +17,7 @@ from .settings import SidecarConfig
 from .upstream import UpstreamPools
 
 if TYPE_CHECKING:
-    from .protocol import ClientConnection
+    from .connection import OpenConnection
 
 
 @dataclass(slots=True)
@@ -38,7 +38,7 @@ class SidecarContext:
     registry: StreamRegistry = field(default_factory=StreamRegistry)
     tracer: Tracer | None = None
     """Where each stream's span goes (``tokenwire.middleware.tracing``); None = tracing off."""
-    connections: set[ClientConnection] = field(default_factory=set)
+    connections: set[OpenConnection] = field(default_factory=set)
     buffered_body_bytes: int = 0
     """Request body bytes held by all connections now (``max_buffered_body_bytes``)."""
     draining: bool = False

@@ -41,18 +41,16 @@ from tokenwire.middleware import (
     ReaderAttached,
     Rejected,
     ReplayAppend,
-    ReplaySource,
     ResumeUpstream,
     RetryUpstream,
     StreamRecord,
     Tick,
     UpstreamData,
-    WireError,
     WireStream,
     WriteCompleted,
 )
-from tokenwire.middleware.replay_store import StoreUnavailable, admit, feed_replay
-from tokenwire.middleware.resume import ResumeFrom, classify, new_stream_id
+from tokenwire.middleware.driver import DeadlineTimer, enter_resume, replay, wait_for_reader
+from tokenwire.middleware.resume import new_stream_id
 from tokenwire.middleware.retry import may_repeat
 
 from .context import SidecarContext
@@ -103,7 +101,7 @@ class Exchange:
         self.upstream_request_id = upstream_request_id or request_id
         """The upstream's id for this request, and the key of its abort call; never the client's."""
         self.http_version = http_version
-        """The client connection's HTTP version: a label of the stream's metrics."""
+        """The client's protocol (``1.1``, ``2``): a label of the stream's metrics, in its record."""
         self.client_address = client_address
         self._method = method
         self._target = target
@@ -130,8 +128,8 @@ class Exchange:
         self._attempt: asyncio.Task[None] | None = None
         self._attempt_connection: object | None = None
         self._upstream_readable = asyncio.Event()
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at: float | None = None
+        # Fed as an input of its own: a Tick must not run inside another input's loop.
+        self._timer = DeadlineTimer(self._loop, lambda now: self.feed(Tick(), now))
 
     # ------------------------------------------------------------ public
 
@@ -287,9 +285,7 @@ class Exchange:
         if self.upstream_request_id != self.request_id:
             extra["upstream_request_id"] = self.upstream_request_id
         context.log.write(record, **extra)
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._timer.cancel()
         if self._reader_wait is not None:
             self._reader_wait.cancel()
         attempt = self._attempt
@@ -313,27 +309,8 @@ class Exchange:
     # ------------------------------------------------------------ timers
 
     def _reschedule(self) -> None:
-        if self._done:
-            return
-        deadline = self.stream.next_deadline()
-        if deadline is None:
-            return
-        # A timer that fires early is harmless (the Tick finds nothing due and
-        # we come back here), so only ever move the timer earlier: heartbeat
-        # deadlines shift on every write and re-arming each time costs more.
-        if self._timer_at is not None and self._timer_at <= deadline:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer_at = deadline
-        self._timer = self._loop.call_at(deadline, self._on_timer, deadline)
-
-    def _on_timer(self, deadline: float) -> None:
-        self._timer = None
-        self._timer_at = None
-        # The loop's clock granularity may wake us a hair early; report the
-        # deadline itself so the due timer fires instead of spinning.
-        self.feed(Tick(), max(self._loop.time(), deadline))
+        if not self._done:
+            self._timer.arm(self.stream.next_deadline())
 
     # ------------------------------------------------------------ resume
 
@@ -341,51 +318,39 @@ class Exchange:
         """With resume on: a reconnect replays, an idempotent repeat replays,
         anything else opens its stream in the store and goes upstream."""
         store = self._context.replay_store
-        assert store is not None and self.stream_id is not None
-        path = self._target.partition(b"?")[0].decode("latin-1")
         caller_key = self._context.caller_key
-        assert caller_key is not None
-        owner = caller_key.owner(self._upstream_headers)
-        try:
-            route = classify(self._method.decode("latin-1"), path, self._upstream_headers, self._body)
-            # Opened whatever the request looks like: an answer that turns out not
-            # to be an event stream is discarded by the core at its end.
-            source = await admit(store, route, stream_id=self.stream_id, owner=owner, open_now=True)
-        except WireError as error:
-            self.feed(Rejected(error))
+        assert store is not None and caller_key is not None and self.stream_id is not None
+        # Opened whatever the request looks like: an answer that turns out not
+        # to be an event stream is discarded by the core at its end.
+        entry = await enter_resume(
+            store, caller_key, method=self._method.decode("latin-1"),
+            path=self._target.partition(b"?")[0].decode("latin-1"), headers=self._upstream_headers,
+            body=self._body, stream_id=self.stream_id, open_now=True)
+        if entry.refusal is not None:
+            self.feed(Rejected(entry.refusal))
             return
-        except StoreUnavailable as error:
-            # An ordinary request still gets its answer; only its resume is lost.
-            logger.warning("stream %s: not resumable: %s", self.request_id, error)
-            source = None
-        if source is not None:
+        if entry.unresumable is not None:
+            logger.warning("stream %s: not resumable: %s", self.request_id, entry.unresumable)
+        if entry.replay is not None:
             # A reconnect, or the same request again (the answer being made, from the start).
-            kind = "reconnect" if isinstance(route, ResumeFrom) else "idempotent"
-            self._context.metrics.replays.labels(kind).inc()
-            await self._replay(source.stream_id, source.after_seq)
+            self._context.metrics.replays.labels("reconnect" if entry.reconnect else "idempotent").inc()
+            self.replaying = True
+            self._upstream_readable.set()
+            task = asyncio.current_task()
+
+            def feed_from_replay(event: Input) -> None:
+                if task is self._attempt:
+                    self.feed(event)
+
+            await replay(store, entry.replay, readable=self._upstream_readable, feed=feed_from_replay)
             return
         if self._attempt is asyncio.current_task():
             self._start_attempt(0)
 
-    async def _replay(self, stream_id: str, after_seq: int) -> None:
-        store = self._context.replay_store
-        assert store is not None
-        self.replaying = True
-        self._upstream_readable.set()
-        self.feed(ReplaySource(stream_id, after_seq))
-        task = asyncio.current_task()
-
-        def feed_from_replay(event: Input) -> None:
-            if task is self._attempt:
-                self.feed(event)
-
-        await feed_replay(store, stream_id, after_seq, readable=self._upstream_readable,
-                          feed=feed_from_replay)
-
     async def _await_reader(self, action: AwaitReader) -> None:
         store = self._context.replay_store
         assert store is not None
-        if await store.wait_reader(action.stream_id, max(action.until - self._loop.time(), 0.0)):
+        if await wait_for_reader(store, action, self._loop.time()):
             self.feed(ReaderAttached())
 
     # ------------------------------------------------------------ upstream

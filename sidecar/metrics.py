@@ -254,6 +254,9 @@ class SidecarMetrics:
         self.rejected_requests = Counter("tokenwire_rejected_requests",
                                          "Requests refused before reaching an upstream, by status.",
                                          ["status"], registry=r)
+        self.client_requests = Counter("tokenwire_client_requests",
+                                       "Requests read from clients, by protocol (http/1.1, h2).",
+                                       ["protocol"], registry=r)
         self.replays = Counter("tokenwire_replays",
                                "Streams served from the replay store instead of an upstream, by kind "
                                "(reconnect: Last-Event-ID or GET /v1/streams; idempotent: a repeated "

@@ -33,9 +33,10 @@ from .admin import AdminAccess, AdminHandler
 from .admin import handler as admin_handler
 from .context import SidecarContext
 from .cors import admin_origins
+from .http2 import StreamRoute
+from .listener import ProtocolSelector
 from .logs import StreamLog
 from .metrics import SidecarMetrics
-from .protocol import ClientConnection
 from .registry import StreamRegistry
 from .settings import SidecarConfig, parse_host_port, read_admin_token
 from .tls import alerting_protocol_factory, load_certificates, server_context
@@ -52,11 +53,15 @@ class Sidecar:
     """One sidecar: the proxy listener, the admin listener and what they share."""
 
     def __init__(self, config: SidecarConfig, *, log: StreamLog | None = None,
-                 reuse_port: bool = False, tracer_provider: TracerProvider | None = None) -> None:
+                 reuse_port: bool = False, http2_route: StreamRoute | None = None,
+                 tracer_provider: TracerProvider | None = None) -> None:
         """``reuse_port``: bind the proxy port with SO_REUSEPORT (a ``--workers`` worker).
+        ``http2_route``: gives some HTTP/2 streams to another handler than the proxy's
+        exchange (see ``http2.StreamRoute``).
         ``tracer_provider``: where stream spans go (see ``tokenwire.middleware.tracing``);
         None = no tracing."""
         self.config = config
+        self._http2_route = http2_route
         self._tracer_provider = tracer_provider
         self._log = log
         self._reuse_port = reuse_port
@@ -108,10 +113,11 @@ class Sidecar:
         host, port = parse_host_port(config.listen, "listen")
         # A TLS client that never finishes its handshake (or never sends a byte)
         # gets no more time than a plain one that never finishes its head; the
-        # loop's default would hold the socket for 60 s, before ClientConnection
+        # loop's default would hold the socket for 60 s, before the connection
         # (and its timers and connection count) even exists.
         handshake_timeout_s = (config.header_read_timeout_s or None) if self._ssl is not None else None
-        factory: Callable[[], asyncio.BaseProtocol] = lambda: ClientConnection(context)  # noqa: E731
+        route = self._http2_route
+        factory: Callable[[], asyncio.BaseProtocol] = lambda: ProtocolSelector(context, route)  # noqa: E731
         alerting = (alerting_protocol_factory(factory, self._ssl, handshake_timeout_s)
                     if self._ssl is not None and config.tls_client_ca else None)
         if alerting is not None:

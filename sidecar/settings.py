@@ -14,18 +14,14 @@ prefix for its own keys and both may share one environment.
 
 from __future__ import annotations
 
-import dataclasses
 import ipaddress
 import os
-import types
-import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 from tokenwire.middleware import ConfigError, WireConfig
-from tokenwire.middleware.config import field_docs, merge_layers, parse_bool
+from tokenwire.middleware.config_layers import ConfigKey, build_layered, config_keys
 from tokenwire.middleware.logs import LOG_LEVELS, LogFormat
 
 from .cors import normalize_origin
@@ -115,6 +111,34 @@ class SidecarConfig:
     """Worker processes sharing the proxy port (SO_REUSEPORT), like nginx's worker_processes;
     ``auto`` = the CPUs this process may use. One admin port sees them all."""
 
+    http2: bool = True
+    """Serve HTTP/2 beside HTTP/1.1 on the proxy port: ALPN ``h2`` under TLS, the
+    connection preface (prior knowledge) on plaintext."""
+    http2_max_concurrent_streams: int = 128
+    """Streams one HTTP/2 connection may have open (SETTINGS_MAX_CONCURRENT_STREAMS);
+    streams still being answered after a client reset count too."""
+    http2_max_header_list_bytes: int = 32 * 1024
+    """An HTTP/2 request header list larger than this (decoded) gets 431; one over twice
+    this (an HPACK bomb) ends the connection with GOAWAY."""
+    http2_header_table_bytes: int = 4096
+    """HPACK dynamic table the client's encoder may use (SETTINGS_HEADER_TABLE_SIZE)."""
+    http2_stream_window_bytes: int = 1024 * 1024
+    """Request body bytes one HTTP/2 stream may send ahead (its receive window)."""
+    http2_connection_window_bytes: int = 16 * 1024 * 1024
+    """Request body bytes one HTTP/2 connection may send ahead, all streams together."""
+    http2_max_streams_per_connection: int = 100_000
+    """Streams after which an HTTP/2 connection is asked to go (GOAWAY, NO_ERROR) and
+    the client opens a new one (nginx's keepalive_requests)."""
+    http2_max_resets_per_s: int = 100
+    """Streams an HTTP/2 client may cancel (RST_STREAM) per second; beyond it the
+    connection ends with GOAWAY ENHANCE_YOUR_CALM (rapid reset, CVE-2023-44487)."""
+    http2_max_control_frames_per_s: int = 500
+    """SETTINGS, PING and PRIORITY frames an HTTP/2 client may send per second; beyond
+    it GOAWAY ENHANCE_YOUR_CALM (CVE-2019-9512, -9515, -9516)."""
+    http2_max_empty_frames_per_s: int = 100
+    """DATA frames without payload or end an HTTP/2 client may send per second; beyond
+    it GOAWAY ENHANCE_YOUR_CALM (CVE-2019-9518)."""
+
     def __post_init__(self) -> None:
         for key in ("drain_s", "header_read_timeout_s", "body_read_timeout_s", "keepalive_timeout_s",
                     "upstream_connect_timeout_s", "upstream_keepalive_s"):
@@ -122,7 +146,11 @@ class SidecarConfig:
             if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
                 raise ConfigError(key, f"must be a number >= 0, got {value!r}")
         for key in ("max_connections", "max_head_bytes", "max_header_count", "max_body_bytes",
-                    "max_buffered_body_bytes", "upstream_max_connections"):
+                    "max_buffered_body_bytes", "upstream_max_connections",
+                    "http2_max_concurrent_streams", "http2_max_header_list_bytes",
+                    "http2_stream_window_bytes", "http2_connection_window_bytes",
+                    "http2_max_streams_per_connection", "http2_max_resets_per_s",
+                    "http2_max_control_frames_per_s", "http2_max_empty_frames_per_s"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(key, f"must be a whole number > 0, got {value!r}")
@@ -140,6 +168,11 @@ class SidecarConfig:
             raise ConfigError("upstream", "at least one upstream is required")
         if not isinstance(self.log_level, str) or self.log_level.lower() not in LOG_LEVELS:
             raise ConfigError("log_level", f"must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if isinstance(self.http2_header_table_bytes, bool) or not isinstance(
+                self.http2_header_table_bytes, int) or self.http2_header_table_bytes < 0:
+            raise ConfigError("http2_header_table_bytes", "must be a whole number >= 0")
+        if self.http2_stream_window_bytes > 2**31 - 1 or self.http2_connection_window_bytes > 2**31 - 1:
+            raise ConfigError("http2_stream_window_bytes", "HTTP/2 windows are at most 2**31 - 1 bytes")
         if not isinstance(self.drop_underscore_headers, bool):
             raise ConfigError("drop_underscore_headers", "must be true or false")
         if self.resume_store not in ("", "memory") and not self.resume_store.startswith(
@@ -228,98 +261,13 @@ def parse_host_port(value: str, key: str) -> tuple[str, int]:
 # ---------------------------------------------------------------- keys
 
 
-@dataclass(frozen=True, slots=True)
-class Key:
-    """One configuration key and where it lands."""
-
-    name: str
-    kind: Any
-    """The field's type: float, int, str, an Enum, ``str | None``, ``tuple[str, ...]``."""
-    wire: bool
-    help: str
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
-
-    @property
-    def env(self) -> str:
-        return ENV_PREFIX + self.name.upper()
+Key = ConfigKey
+"""One sidecar configuration key (the shared :class:`~tokenwire.middleware.config_layers.ConfigKey`)."""
 
 
-def all_keys() -> list[Key]:
+def all_keys() -> list[ConfigKey]:
     """Every key: the wire core's first, then the sidecar's."""
-    keys: list[Key] = []
-    for cls, wire in ((WireConfig, True), (SidecarConfig, False)):
-        hints = typing.get_type_hints(cls)
-        docs = field_docs(cls)
-        for f in dataclasses.fields(cls):
-            if f.name == "wire":
-                continue
-            keys.append(Key(f.name, hints[f.name], wire, docs.get(f.name, "")))
-    return keys
-
-
-def _convert_text(key: Key, text: str) -> object:
-    """A flag or environment value (always text) as the key's type."""
-    kind = key.kind
-    try:
-        if kind is bool:
-            return parse_bool(key.name, text)
-        if kind is float:
-            return float(text)
-        if kind is int:
-            return int(text)
-        if isinstance(kind, type) and issubclass(kind, Enum):
-            return kind(text)
-        if kind == (str | None):
-            return text or None
-        if kind == tuple[str, ...]:
-            return tuple(part.strip() for part in text.split(",") if part.strip())
-    except ValueError:
-        raise ConfigError(key.name, f"not a valid {_kind_name(kind)}: {text!r}") from None
-    return text
-
-
-def _convert_toml(key: Key, value: object) -> object:
-    """A TOML value, type-checked against the key."""
-    kind = key.kind
-    ok: bool
-    if kind is bool:
-        ok = isinstance(value, bool)
-    elif kind is float:
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-    elif kind is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif kind == tuple[str, ...]:
-        if isinstance(value, str):
-            value = [value]
-        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
-        if ok:
-            value = tuple(typing.cast(list[str], value))
-    elif kind == (str | None):
-        ok = isinstance(value, str)
-        if ok and value == "":
-            value = None
-    else:
-        ok = isinstance(value, str)
-        if ok and isinstance(kind, type) and issubclass(kind, Enum):
-            return _convert_text(key, typing.cast(str, value))
-    if not ok:
-        raise ConfigError(key.name, f"must be a {_kind_name(kind)}, got {value!r}")
-    return value
-
-
-def _kind_name(kind: Any) -> str:
-    if kind is bool:
-        return "boolean (true/false)"
-    if kind == tuple[str, ...]:
-        return "list of strings"
-    if isinstance(kind, types.UnionType):
-        return "string"
-    if isinstance(kind, type) and issubclass(kind, Enum):
-        return "one of " + ", ".join(str(m.value) for m in kind)
-    return getattr(kind, "__name__", str(kind))
+    return config_keys(SidecarConfig, ENV_PREFIX)
 
 
 def build_config(
@@ -332,13 +280,5 @@ def build_config(
     ``flags`` maps key names to the text given on the command line (a list of
     texts for repeatable keys such as ``upstream``).
     """
-    keys = {key.name: key for key in all_keys()}
-    # A repeated flag (``--upstream a --upstream b``) reads as the comma list
-    # its environment variable would be.
-    texts = {name: given if isinstance(given, str) else ",".join(given)
-             for name, given in (flags or {}).items()}
-    values = merge_layers(keys, from_text=_convert_text, from_toml=_convert_toml, flags=texts,
-                          environ=environ, file_values=file_values)
-    wire_values = {n: v for n, v in values.items() if keys[n].wire}
-    own_values = {n: v for n, v in values.items() if not keys[n].wire}
-    return SidecarConfig(wire=SIDECAR_WIRE_DEFAULTS.replace(**wire_values), **own_values)  # type: ignore[arg-type]
+    return build_layered(SidecarConfig, SIDECAR_WIRE_DEFAULTS, all_keys(), flags=flags, environ=environ,
+                         file_values=file_values)

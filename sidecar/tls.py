@@ -74,7 +74,8 @@ def server_context(config: SidecarConfig) -> ssl.SSLContext:
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.set_ciphers(INTERMEDIATE_CIPHERS_TLS12)
     context.options |= ssl.OP_NO_COMPRESSION | ssl.OP_NO_RENEGOTIATION
-    context.set_alpn_protocols(["http/1.1"])
+    # h2 first: a client offering both gets HTTP/2 (RFC 7301: the server picks).
+    context.set_alpn_protocols(["h2", "http/1.1"] if config.http2 else ["http/1.1"])
     if not set_groups(context, INTERMEDIATE_GROUPS):
         logger.warning("cannot limit TLS key-exchange groups to %s on this Python; "
                        "OpenSSL's defaults are offered", INTERMEDIATE_GROUPS)

@@ -8,11 +8,11 @@ from __future__ import annotations
 import random
 import socket
 import struct
-import time
-from dataclasses import dataclass, field
 
-import h11
-from tokenwire.middleware import SSEEvent, SSEParser
+from tokenwire.middleware import SSEEvent
+from tokenwire.sidecar.tools.sse_client import SSEResponse, read_response
+
+__all__ = ["SSEResponse", "open_stream", "read_events", "reset", "resume", "resume_through_drops"]
 
 
 def request_bytes(method: str, path: str, *, body: bytes = b"",
@@ -31,75 +31,20 @@ def reset(sock: socket.socket) -> None:
     sock.close()
 
 
-@dataclass
-class SSEResponse:
-    status: int = 0
-    headers: dict[str, str] = field(default_factory=dict)
-    events: list[SSEEvent] = field(default_factory=list)
-    body: bytes = b""
-    clean_end: bool = False
-    dropped: bool = False
-    """We dropped the connection ourselves after ``stop_after`` events."""
-
-    @property
-    def data_events(self) -> list[SSEEvent]:
-        return [e for e in self.events if e.data is not None]
-
-    @property
-    def ids(self) -> list[str]:
-        return [e.id for e in self.data_events if e.id is not None]
-
-    @property
-    def stream_id(self) -> str:
-        return self.headers["x-tokenwire-stream-id"]
-
-
 def read_events(sock: socket.socket, *, stop_after: int | None = None, timeout_s: float = 10.0,
                 drop: bool = True) -> SSEResponse:
-    """Read one response; with ``stop_after``, reset the connection once that
-    many data events arrived (a phone losing its network)."""
-    conn = h11.Connection(h11.CLIENT)
-    conn.send(h11.Request(method="GET", target="/", headers=[("Host", "x")]))
-    conn.send(h11.EndOfMessage())
-    parser = SSEParser()
-    response = SSEResponse()
-    body = bytearray()
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            event = conn.next_event()
-        except h11.RemoteProtocolError:
-            break  # cut without the chunked terminator: clean_end stays False
-        if event is h11.NEED_DATA:
-            if time.monotonic() > deadline:
-                raise AssertionError("timed out reading the stream")
-            try:
-                data = sock.recv(65536)
-            except ConnectionResetError:
-                data = b""
-            conn.receive_data(data)
-            continue
-        if isinstance(event, h11.Response):
-            response.status = event.status_code
-            response.headers = {k.decode(): v.decode() for k, v in event.headers}
-        elif isinstance(event, h11.Data):
-            body += event.data
-            for parsed in parser.feed(bytes(event.data)):
-                response.events.append(parsed)
-                if stop_after is not None and len(response.data_events) >= stop_after:
-                    response.body = bytes(body)
-                    response.dropped = True
-                    if drop:
-                        reset(sock)
-                    return response
-        elif isinstance(event, h11.EndOfMessage):
-            response.clean_end = True
-            break
-        elif isinstance(event, h11.ConnectionClosed):
-            break
-        else:
-            raise AssertionError(f"unexpected {event!r}")
-    response.body = bytes(body)
+    """Read one response; with ``stop_after``, stop once that many data events
+    arrived (``stopped``) and, with ``drop``, reset the connection (a phone
+    losing its network)."""
+    def enough(response: SSEResponse, event: SSEEvent) -> bool:
+        return stop_after is not None and event.data is not None \
+            and len(response.data_events) >= stop_after
+
+    response = read_response(sock, timeout_s=timeout_s, stop=enough)
+    if response.error == "timeout":
+        raise AssertionError("timed out reading the stream")
+    if response.stopped and drop:
+        reset(sock)
     return response
 
 
@@ -135,6 +80,6 @@ def resume_through_drops(port: int, first: SSEResponse, rng: random.Random,
         if more.status == 204:  # after the last event: an EventSource would stop here
             return received
         received += more.data_events
-        if not more.dropped:
+        if not more.stopped:
             assert more.clean_end, more
             return received

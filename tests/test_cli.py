@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 from tokenwire.engine.config import engine_keys
-from tokenwire.sidecar.cli import COMMANDS, build_parser, main
 from tokenwire.sidecar.settings import all_keys
+from tokenwire.sidecar.tools.cli import COMMANDS, build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,7 +75,7 @@ def test_help_without_a_command_lists_them_and_bad_ones_fail(capsys: pytest.Capt
     assert main(["help", "nope"]) == 2
     assert "invalid choice" in capsys.readouterr().err
     assert main(["probe"]) == 2  # its URL is required: argparse's usage error, as a status
-    assert "url" in capsys.readouterr().err
+    assert "TARGET" in capsys.readouterr().err
     # A check the command makes itself, after the flags parsed: still a status, not an exit.
     assert main(["probe", "http://127.0.0.1:9", "--concurrency", "0"]) == 2
     assert "--concurrency and --requests must be >= 1" in capsys.readouterr().err

@@ -44,9 +44,9 @@ from tokenwire.middleware import (
     WriteCompleted,
 )
 from tokenwire.middleware.config import load_toml
-from tokenwire.sidecar.cli import load_sidecar_config
 from tokenwire.sidecar.metrics import SidecarMetrics
 from tokenwire.sidecar.settings import SIDECAR_WIRE_DEFAULTS
+from tokenwire.sidecar.tools.cli import load_sidecar_config
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "conf" / "examples"

@@ -89,10 +89,9 @@ def test_wheel_metadata_license_classifiers_urls(wheel: Path) -> None:
     assert "Programming Language :: Python :: 3.11" in classifiers
     assert not any(c.startswith("License ::") for c in classifiers)  # the expression says it
     urls = dict(u.split(", ", 1) for u in metadata.get_all("Project-URL") or [])
-    assert set(urls) >= {"Homepage", "Documentation"}
     for label, target in urls.items():
-        # No public address yet: each names a file of the repository, which must exist.
-        assert target.startswith("https://") or (ROOT / target).is_file(), (label, target)
+        # No public address yet, so none is listed; one added later must be a real link.
+        assert target.startswith("https://"), (label, target)
 
 
 def test_extras_install_only_what_each_image_needs(wheel: Path) -> None:
@@ -103,7 +102,7 @@ def test_extras_install_only_what_each_image_needs(wheel: Path) -> None:
                 if f'extra == "{name}"' in r}
 
     base = {r.split(";")[0].split(">")[0].strip() for r in requires if "extra ==" not in r}
-    assert base == {"h11", "httpcore", "uvloop", "prometheus-client", "opentelemetry-api"}
+    assert base == {"h11", "h2", "httpcore", "uvloop", "prometheus-client", "opentelemetry-api"}
     # Traces: the API is in the base (no-op until configured), the SDK and exporter are not.
     assert extra("otel") == {"opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-http"}
     assert "torch" in extra("engine") and "matplotlib" not in extra("engine")  # the engine image
@@ -153,7 +152,8 @@ def test_console_script_without_torch(clean_venv: Path) -> None:
 
 def test_demo_report_without_matplotlib(clean_venv: Path, tmp_path: Path) -> None:
     """matplotlib is the ``demo`` extra, not a dependency: without it the report has no plots."""
-    script = ("import sys; from pathlib import Path; from tokenwire.sidecar.demo import write_plots\n"
+    script = ("import sys; from pathlib import Path\n"
+              "from tokenwire.sidecar.tools.demo_report import write_plots\n"
               "assert write_plots({}, Path(sys.argv[1])) == []\n")
     result = subprocess.run([str(clean_venv), "-c", script, str(tmp_path)], capture_output=True,
                             text=True, timeout=60, cwd="/")

@@ -3,7 +3,8 @@
 Three packages, mapped from the repository's top-level folders:
 
 - ``tokenwire.middleware``: the sans-IO wire core and the ASGI middleware;
-- ``tokenwire.sidecar``: the reverse proxy, and the ``tokenwire`` command;
+- ``tokenwire.sidecar``: the reverse proxy; ``tokenwire.sidecar.tools``: the
+  ``tokenwire`` command and its tools (``up``, ``demo``, ``probe``);
 - ``tokenwire.engine``: the torch + transformers engine (``tokenwire[engine]``).
 
 This package only holds them together (and ``python -m tokenwire``); it

@@ -6,7 +6,8 @@ exactly as they came). ``test_behaviour.py`` runs every scenario against every
 driver in :data:`DRIVERS` and holds each to the same reference.
 
 Adding a driver: write a class with ``name`` and ``async def run(scenario)``
-and register it with ``@register``. The sidecar slot is below.
+and register it with ``@register``. The sidecar runs twice: its client speaking
+HTTP/1.1 and HTTP/2.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
+import h2.config
+import h2.connection
+import h2.events
+import h2.settings
 import uvicorn
 from tokenwire.middleware import TokenWireMiddleware
 from tokenwire.sidecar import Sidecar, SidecarConfig, StreamLog
@@ -145,3 +150,78 @@ class SidecarDriver:
 
     async def run(self, scenario: Scenario) -> bytes:
         return await through_sidecar(scenario_app, scenario)
+
+
+async def fetch_h2(port: int, scenario: Scenario) -> bytes:
+    """``fetch`` over HTTP/2 with prior knowledge, the answer rendered as the
+    HTTP/1.1 bytes it stands for, so the suite holds it to the same reference:
+    END_STREAM is the chunked terminator, RST_STREAM a body cut without it, and
+    a body without Content-Length is chunked (HTTP/2 frames every body). A
+    stalled client is one that neither reads nor opens its window: its stream
+    window is 4 KiB, credited only once the stall is over."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
+    stall_s = scenario.client_stall_s
+    if stall_s:
+        conn.local_settings = h2.settings.Settings(
+            client=True, initial_values={h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 4096})
+    conn.initiate_connection()
+    conn.send_headers(1, [(b":method", b"GET"), (b":path", f"/{scenario.name}".encode()),
+                          (b":scheme", b"http"), (b":authority", b"127.0.0.1")], end_stream=True)
+    played = PLAYED[scenario.name] = asyncio.Event()
+    writer.write(conn.data_to_send())
+    if stall_s:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(played.wait(), max(10.0, 25 * stall_s))
+        rest_s = stall_s - (loop.time() - started)
+        if rest_s > 0:
+            await asyncio.sleep(rest_s)
+    status, headers, body, complete = b"", [], bytearray(), False
+    ended = False
+    try:
+        while not ended:
+            data = await asyncio.wait_for(reader.read(65536), 20)
+            if not data:
+                break
+            for event in conn.receive_data(data):
+                if isinstance(event, h2.events.ResponseReceived):
+                    fields = [(bytes(k), bytes(v)) for k, v in event.headers or []]
+                    status = dict(fields)[b":status"]
+                    headers = [(k, v) for k, v in fields if not k.startswith(b":")]
+                elif isinstance(event, h2.events.DataReceived):
+                    body += event.data or b""
+                    conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                elif isinstance(event, h2.events.StreamEnded):
+                    complete = ended = True
+                elif isinstance(event, h2.events.StreamReset | h2.events.ConnectionTerminated):
+                    ended = True
+            writer.write(conn.data_to_send())
+    finally:
+        writer.close()
+    lines = [b"HTTP/1.1 " + status + b" -"] + [name + b": " + value for name, value in headers]
+    if any(name == b"content-length" for name, _ in headers):
+        return b"\r\n".join([*lines, b"", b""]) + bytes(body)
+    lines.append(b"transfer-encoding: chunked")
+    framed = b"%x\r\n%b\r\n" % (len(body), bytes(body)) if body else b""
+    return b"\r\n".join([*lines, b"", b""]) + framed + (b"0\r\n\r\n" if complete else b"")
+
+
+@register
+class SidecarHttp2Driver:
+    """The sidecar of :class:`SidecarDriver`, its client speaking HTTP/2 (prior
+    knowledge): every wire rule holds per HTTP/2 stream, byte for byte."""
+
+    name = "sidecar-h2"
+
+    async def run(self, scenario: Scenario) -> bytes:
+        async with serve(scenario_app) as upstream_port:
+            config = SidecarConfig(wire=scenario.config, upstream=(f"http://127.0.0.1:{upstream_port}",),
+                                   listen="127.0.0.1:0", admin_listen="", drain_s=0.0, log_file="")
+            sidecar = Sidecar(config, log=StreamLog(None))
+            await sidecar.start()
+            try:
+                return await fetch_h2(sidecar.address[1], scenario)
+            finally:
+                await sidecar.shutdown()

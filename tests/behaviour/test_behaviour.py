@@ -19,8 +19,8 @@ import json
 import re
 from typing import Any
 
-import h11
 import pytest
+from tokenwire.sidecar.tools.sse_client import parse_response
 
 from .drivers import DRIVERS
 from .scenarios import SCENARIOS, WireResult, reference
@@ -34,26 +34,9 @@ _MESSAGE = re.compile(rb'"message":"(?:[^"\\]|\\.)*"')
 
 def parse(raw: bytes) -> WireResult:
     """A client's view of a raw HTTP/1.1 response."""
-    conn = h11.Connection(h11.CLIENT)
-    conn.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))
-    conn.send(h11.EndOfMessage())
-    conn.receive_data(raw)
-    conn.receive_data(b"")
-    status, headers, body = 0, {}, bytearray()
-    while True:
-        try:
-            event = conn.next_event()
-        except h11.RemoteProtocolError:
-            return WireResult(status, headers, bytes(body), complete=False)
-        if isinstance(event, h11.Response):
-            status = event.status_code
-            headers = {bytes(k): bytes(v) for k, v in event.headers}
-        elif isinstance(event, h11.Data):
-            body += event.data
-        elif isinstance(event, h11.EndOfMessage):
-            return WireResult(status, headers, bytes(body), complete=True)
-        elif event is h11.NEED_DATA or isinstance(event, h11.ConnectionClosed):
-            return WireResult(status, headers, bytes(body), complete=False)
+    response = parse_response(raw)
+    headers = {name.encode("latin-1"): value.encode("latin-1") for name, value in response.headers.items()}
+    return WireResult(response.status, headers, response.body, complete=response.clean_end)
 
 
 def merged_text_deltas(body: bytes) -> list[Any]:

@@ -17,11 +17,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import h11
 import uvicorn
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
 from tokenwire.middleware.events import StreamRecord
+from tokenwire.sidecar.tools.sse_client import read_response as read_sse_response
 
 SERVERS = ("uvicorn-h11", "uvicorn-httptools", "hypercorn")
 
@@ -167,34 +167,14 @@ def open_request(port: int, path: str = "/", *, method: str = "GET", body: bytes
 
 
 def read_response(sock: socket.socket, timeout_s: float = 10.0) -> RawResponse:
-    """Read one response with h11, until its end or until the server closes."""
+    """Read one response until its end or until the server closes; a server
+    silent for ``timeout_s`` raises ``TimeoutError`` (never read as a cut body)."""
     sock.settimeout(timeout_s)
-    conn = h11.Connection(h11.CLIENT)
-    conn.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))
-    conn.send(h11.EndOfMessage())
-    raw = bytearray()
-    status = 0
-    headers: dict[bytes, bytes] = {}
-    body = bytearray()
-    while True:
-        try:
-            event = conn.next_event()
-        except h11.RemoteProtocolError:
-            return RawResponse(status, headers, bytes(body), False, bytes(raw))
-        if event is h11.NEED_DATA:
-            data = sock.recv(65536)
-            raw += data
-            conn.receive_data(data)
-            continue
-        if isinstance(event, h11.Response):
-            status = event.status_code
-            headers = {bytes(k): bytes(v) for k, v in event.headers}
-        elif isinstance(event, h11.Data):
-            body += event.data
-        elif isinstance(event, h11.EndOfMessage):
-            return RawResponse(status, headers, bytes(body), True, bytes(raw))
-        elif isinstance(event, h11.ConnectionClosed):
-            return RawResponse(status, headers, bytes(body), False, bytes(raw))
+    response = read_sse_response(sock, timeout_s=None, keep_raw=True)
+    if response.error == "timeout":
+        raise TimeoutError(f"no answer in {timeout_s} s")
+    headers = {name.encode("latin-1"): value.encode("latin-1") for name, value in response.headers.items()}
+    return RawResponse(response.status, headers, response.body, response.clean_end, response.raw)
 
 
 def reset(sock: socket.socket) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 from tokenwire.middleware import UpstreamData, UpstreamEnded
-from tokenwire.middleware.meter import GAP_BUCKETS_S, TokenMeter, carries_token
+from tokenwire.middleware.chunks import carries_token
+from tokenwire.middleware.meter import GAP_BUCKETS_S, TokenMeter
 
 from .wire_harness import Driver, chunk, completion_chunk, event, tool_args
 

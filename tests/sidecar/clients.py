@@ -10,32 +10,22 @@ import ssl
 import struct
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import h11
+from tokenwire.middleware.sse import SSEParser
+from tokenwire.sidecar.tools.sse_client import BlockingReader, ResponseParser, SSEResponse, read_response
+
+__all__ = ["RawResponse", "read_response"]
 
 
-@dataclass
-class RawResponse:
-    status: int = 0
-    headers: dict[str, str] = field(default_factory=dict)
-    body: bytes = b""
-    clean_end: bool = False
-    """True if the body ended with its framing complete (chunked terminator / full length)."""
-    error: str = ""
-
-    def datas(self) -> list[str]:
-        """The ``data:`` payloads of the SSE body, in order."""
-        return sse_datas(self.body)
-
-    def json(self) -> Any:
-        return json.loads(self.body)
+RawResponse = SSEResponse
+"""One response as the raw-socket clients read it (``tokenwire.sidecar.tools.sse_client``)."""
 
 
 def sse_datas(body: bytes) -> list[str]:
-    return [line[len(b"data: "):].decode() for line in body.split(b"\n") if line.startswith(b"data: ")]
+    """The ``data`` of every SSE event in ``body``, in order."""
+    return [event.data for event in SSEParser().feed(body) if event.data is not None]
 
 
 def chat_body(stream: bool = True, **extra: Any) -> bytes:
@@ -72,72 +62,16 @@ def reset(sock: socket.socket) -> None:
     sock.close()
 
 
-class ResponseReader:
-    """Reads one response off ``sock`` in steps: the head first, the rest later."""
+class ResponseReader(BlockingReader):
+    """Reads one response off ``sock`` in steps: the head first (``head_only``), the rest later."""
 
     def __init__(self, sock: socket.socket, timeout_s: float = 10.0, *, buffered: bytes = b"") -> None:
-        self.sock = sock
-        self.timeout_s = timeout_s
-        self.conn = h11.Connection(h11.CLIENT)
-        # h11 must believe it sent a request to parse a response.
-        self.conn.send(h11.Request(method="GET", target="/", headers=[("Host", "x")]))
-        self.conn.send(h11.EndOfMessage())
-        if buffered:  # (b"" would mean EOF to h11)
-            # Bytes already read off the socket past the previous response (pipelining).
-            self.conn.receive_data(buffered)
-        self.response = RawResponse()
-        self._body = bytearray()
+        super().__init__(sock, ResponseParser(buffered=buffered), timeout_s=timeout_s)
 
     @property
     def trailing(self) -> bytes:
         """What was read past the end of this response: the next one's start."""
-        data, _closed = self.conn.trailing_data
-        return bytes(data)
-
-    def read(self, *, head_only: bool = False) -> RawResponse:
-        response = self.response
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            try:
-                event = self.conn.next_event()
-            except h11.RemoteProtocolError as error:
-                response.error = str(error)
-                break
-            if event is h11.NEED_DATA:
-                if time.monotonic() > deadline:
-                    response.error = "timeout"
-                    break
-                try:
-                    data = self.sock.recv(65536)
-                except TimeoutError:
-                    response.error = "timeout"
-                    break
-                except (ConnectionResetError, ssl.SSLError) as error:
-                    response.error = f"reset: {error}"
-                    break
-                self.conn.receive_data(data)
-                continue
-            if isinstance(event, h11.InformationalResponse):
-                continue
-            if isinstance(event, h11.Response):
-                response.status = event.status_code
-                response.headers = {k.decode(): v.decode() for k, v in event.headers}
-                if head_only:
-                    break
-            elif isinstance(event, h11.Data):
-                self._body += event.data
-            elif isinstance(event, h11.EndOfMessage):
-                response.clean_end = True
-                break
-            elif isinstance(event, h11.ConnectionClosed):
-                break
-        response.body = bytes(self._body)
-        return response
-
-
-def read_response(sock: socket.socket, *, timeout_s: float = 10.0, head_only: bool = False) -> RawResponse:
-    """Read one response (skipping 1xx) until its end or the connection's."""
-    return ResponseReader(sock, timeout_s).read(head_only=head_only)
+        return self.parser.trailing
 
 
 def read_responses(sock: socket.socket, count: int, *, timeout_s: float = 10.0) -> list[RawResponse]:

@@ -55,8 +55,11 @@ class RecordingLog(StreamLog):
     def __init__(self) -> None:
         super().__init__(None)
         self.records: list[StreamRecord] = []
+        self.extras: dict[str, dict[str, object]] = {}
+        """The fields the driver adds to each record (``http_version``...), by request id."""
 
     def write(self, record: StreamRecord, **extra: object) -> None:
+        self.extras[record.request_id] = extra
         self.records.append(record)
 
 

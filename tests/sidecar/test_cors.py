@@ -6,8 +6,8 @@ import pytest
 from clients import ResponseReader, chat_body, connect, exchange, request_bytes
 from tokenwire.middleware import ConfigError
 from tokenwire.sidecar import cors
-from tokenwire.sidecar.cli import load_sidecar_config
 from tokenwire.sidecar.settings import build_config
+from tokenwire.sidecar.tools.cli import load_sidecar_config
 from upstreams import FakeUpstream
 
 PAGE = "http://127.0.0.1:8081"

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tokenwire.sidecar.demo import split_wire
+from tokenwire.sidecar.tools.demo_sections import split_wire
 
 _DEMO_TIMEOUT_S = 420  # a loaded two-core machine; the tour itself takes ~20 s
 

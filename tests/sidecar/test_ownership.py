@@ -17,10 +17,10 @@ from conftest import LoopThread, RunningSidecar, make_config
 from resume_client import SSEResponse, open_stream, resume
 from tokenwire.middleware import ConfigError
 from tokenwire.sidecar.admin import AdminAccess
-from tokenwire.sidecar.cli import main
 from tokenwire.sidecar.cors import origins_for
 from tokenwire.sidecar.server import Sidecar
 from tokenwire.sidecar.settings import is_loopback
+from tokenwire.sidecar.tools.cli import main
 from tokenwire.sidecar.upstream import UpstreamPools
 from upstreams import FakeUpstream, expected_text
 

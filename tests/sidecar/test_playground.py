@@ -26,8 +26,8 @@ from typing import Any
 import httpx
 import pytest
 from conftest import LoopThread, RunningSidecar
-from tokenwire.sidecar.admin import Playground
-from tokenwire.sidecar.up import admin_origins
+from tokenwire.sidecar.cors import admin_origins
+from tokenwire.sidecar.tools.playground import Playground
 from upstreams import FakeUpstream, Request, expected_text
 
 SCREENSHOT = Path(__file__).resolve().parents[2] / "bench" / "results" / "playground.png"
@@ -332,7 +332,7 @@ def test_aPageFromAnotherOrigin_isToldWhichFlagLetsItIn(
 
 def test_nothingListening_saysSoInWords(page: Any) -> None:
     dead = f"http://127.0.0.1:{_free_port()}"
-    template = importlib.resources.files("tokenwire.sidecar").joinpath("static/playground.html")
+    template = importlib.resources.files("tokenwire.sidecar.tools").joinpath("static/playground.html")
     with _served_elsewhere(template.read_text("utf-8").replace("{{PROXY_URL}}", dead)) as origin:
         page.goto(origin + "/")
         page.wait_for_selector("#model[data-loaded=true]", state="attached")

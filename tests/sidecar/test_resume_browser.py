@@ -157,7 +157,7 @@ def test_eventSource_droppedByTheServer_reconnectsWithLastEventId_andShowsTheWho
         # A client starts the answer (6 s of tokens) and loses its network after three events.
         first = open_stream(sidecar.port, "POST", PATH, body=chat_body(), stop_after=3,
                             headers={"x-fake-tokens": str(TOKENS), "x-fake-delay-s": "0.1"})
-        assert first.status == 200 and first.dropped
+        assert first.status == 200 and first.stopped
         stream_id = first.stream_id
         page.evaluate("url => window.follow(url)", f"{sidecar.url}/v1/streams/{stream_id}")
 

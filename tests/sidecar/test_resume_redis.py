@@ -64,7 +64,7 @@ def test_a_stream_resumes_on_the_other_replica_only_for_its_caller(
 
 def test_a_redis_store_without_an_owner_secret_is_refused(redis_url: str, upstream: FakeUpstream) -> None:
     from tokenwire.middleware import ConfigError
-    from tokenwire.sidecar.cli import load_sidecar_config
+    from tokenwire.sidecar.tools.cli import load_sidecar_config
 
     with pytest.raises(ConfigError) as refused:
         load_sidecar_config(["--upstream", upstream.url, "--resume", "--resume-store", redis_url], {})

@@ -6,6 +6,7 @@ import json
 import time
 
 from clients import chat_body, connect, read_response, request_bytes, reset, wait_for
+from tokenwire.sidecar.tools.sse_client import parse_response
 from upstreams import FakeUpstream, expected_text
 
 
@@ -37,7 +38,7 @@ def test_slow_reader_gets_exact_text_coalesced_with_bounded_memory(
                 break
             time.sleep(0.01)  # ~400 KB/s at best, far below what the upstream sends
         read_s = time.monotonic() - started
-    response = read_response_from(bytes(body))
+    response = parse_response(bytes(body))
     assert response.datas()[-1] == "[DONE]"
     assert _text(response.datas()) == expected_text(tokens)
     record = sidecar.record("slow-1")
@@ -49,17 +50,6 @@ def test_slow_reader_gets_exact_text_coalesced_with_bounded_memory(
     assert request.finished_at is not None
     # The upstream ran at its own speed, not the reader's.
     assert request.finished_at - started < read_s
-
-
-def read_response_from(raw: bytes):  # type: ignore[no-untyped-def]
-    """Parse a response already read off the socket."""
-    import socket as socket_module
-
-    left, right = socket_module.socketpair()
-    with left, right:
-        left.sendall(raw)
-        left.shutdown(socket_module.SHUT_WR)
-        return read_response(right)
 
 
 def test_client_that_stops_reading_hits_the_write_deadline_and_the_upstream_is_closed(

@@ -12,11 +12,15 @@ base URL per behaviour works with any client (``base_url=.../silent/v1``):
     /echo/...       JSON: the request line, headers and body it received
     /models/...     a plain JSON body (``/v1/models``), Content-Length framed
     /abort/{id}     the explicit abort call: 200, recorded like every request
+    /prefill/...    normal, with ``x-fake-prefill-s`` (default 0.5) between the role chunk and the text
+
+A path ending in ``/completions`` (not ``/chat/completions``) streams legacy
+text-completion chunks (``choices[].text``, no role chunk) instead.
 
 Request headers tune it: ``x-fake-tokens`` (count), ``x-fake-delay-s``
-(between tokens), ``x-fake-silence-s``. Every connection is recorded with the
-moment the *peer* (the sidecar) closed it, which is how tests see an abort
-reach the upstream.
+(between tokens), ``x-fake-silence-s``, ``x-fake-prefill-s`` (any mode: after
+the role chunk). Every connection is recorded with the moment the *peer* (the
+sidecar) closed it, which is how tests see an abort reach the upstream.
 """
 
 from __future__ import annotations
@@ -43,6 +47,15 @@ def chunk(text: str | None = None, *, role: str | None = None, finish: str | Non
         "id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 0, "model": "fake",
         "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
     }
+    if usage is not None:
+        payload["usage"] = usage
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def text_chunk(text: str = "", *, finish: str | None = None, usage: dict[str, int] | None = None) -> bytes:
+    """One legacy ``text_completion`` SSE event (``/v1/completions``)."""
+    payload: dict[str, Any] = {"id": "cmpl-fake", "object": "text_completion", "created": 0, "model": "fake",
+                               "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
     if usage is not None:
         payload["usage"] = usage
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
@@ -100,6 +113,10 @@ class _Listener:
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
+
+    async def start_unix(self, path: str) -> None:
+        """Listen on the Unix socket ``path`` instead (as an engine behind ``tokenwire up`` does)."""
+        self._server = await asyncio.start_unix_server(self._serve, path)
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -209,7 +226,16 @@ class FakeUpstream(_Listener):
             return True
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                      b"transfer-encoding: chunked\r\nx-engine: fake\r\n\r\n")
-        await self._send(writer, chunk(role="assistant"))
+        if request.path.endswith("/completions") and not request.path.endswith("/chat/completions"):
+            def piece(text: str | None = None, *, finish: str | None = None,
+                      usage: dict[str, int] | None = None) -> bytes:
+                return text_chunk(text or "", finish=finish, usage=usage)
+        else:
+            piece = chunk
+            await self._send(writer, chunk(role="assistant"))
+        prefill_s = headers.get("x-fake-prefill-s", "0.5" if mode == "prefill" else "0")
+        if float(prefill_s):
+            await asyncio.sleep(float(prefill_s))
         if mode == "malformed":
             await self._send(writer, b"data: " + b"x" * 200_000)
             await asyncio.sleep(3600)
@@ -224,9 +250,9 @@ class FakeUpstream(_Listener):
                 await asyncio.sleep(float(headers.get("x-fake-silence-s", "1")))
             if delay_s:
                 await asyncio.sleep(delay_s)
-            await self._send(writer, chunk(token(i)))
-        await self._send(writer, chunk(finish="stop"))
-        await self._send(writer, chunk(usage={"prompt_tokens": 1, "completion_tokens": tokens,
+            await self._send(writer, piece(token(i)))
+        await self._send(writer, piece(finish="stop"))
+        await self._send(writer, piece(usage={"prompt_tokens": 1, "completion_tokens": tokens,
                                               "total_tokens": tokens + 1}))
         await self._send(writer, DONE)
         writer.write(b"0\r\n\r\n")

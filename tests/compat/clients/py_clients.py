@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import subprocess
 from collections.abc import Callable
 from typing import Any
@@ -35,11 +36,37 @@ def _sdk_error(error: BaseException) -> dict[str, Any]:
             "body": jsonable(getattr(error, "body", None)), "message": str(error)}
 
 
-def openai_sync(base_url: str, stall: Stall | None) -> Outcome:
+def speaks_h2(base_url: str) -> bool:
+    """Whether the server at ``base_url`` answers the HTTP/2 preface (tokenwire's
+    sidecar does; the fake upstream and uvicorn speak HTTP/1.1 only). It stands
+    for configuration: a deployment sets prior knowledge for a server it knows."""
+    url = httpx.URL(base_url)
+    key = (url.host, url.port or 80)
+    if key not in _H2_SERVERS:
+        try:
+            with socket.create_connection(key, timeout=2) as sock:
+                sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+                head = sock.recv(9)
+            _H2_SERVERS[key] = len(head) == 9 and head[3] == 0x4  # a SETTINGS frame
+        except OSError:
+            _H2_SERVERS[key] = False
+    return _H2_SERVERS[key]
+
+
+_H2_SERVERS: dict[tuple[str, int], bool] = {}
+
+
+def _http2_client(base_url: str) -> httpx.Client:
+    """httpx with ``http2=True``: HTTP/2 with prior knowledge where the server speaks it."""
+    return httpx.Client(http2=True, http1=not speaks_h2(base_url), timeout=TIMEOUT_S)
+
+
+def openai_sync(base_url: str, stall: Stall | None, *, http2: bool = False) -> Outcome:
     import openai
 
     out = Outcome()
-    client = openai.OpenAI(base_url=base_url, api_key="compat", timeout=TIMEOUT_S)
+    client = openai.OpenAI(base_url=base_url, api_key="compat", timeout=TIMEOUT_S,
+                           http_client=_http2_client(base_url) if http2 else None)
     try:
         stream = client.chat.completions.create(model=MODEL, messages=MESSAGES,  # type: ignore[arg-type]
                                                 stream=True)
@@ -144,14 +171,14 @@ def litellm_client(base_url: str, stall: Stall | None) -> Outcome:
     return out
 
 
-def httpx_sse_client(base_url: str, stall: Stall | None) -> Outcome:
+def httpx_sse_client(base_url: str, stall: Stall | None, *, http2: bool = False) -> Outcome:
     from httpx_sse import connect_sse
 
     datas: list[str] = []
     ids: list[str] = []
     events: list[str] = []
     out = Outcome()
-    with httpx.Client(timeout=TIMEOUT_S) as http:
+    with _http2_client(base_url) if http2 else httpx.Client(timeout=TIMEOUT_S) as http:
         try:
             with connect_sse(http, "POST", f"{base_url}/chat/completions", json=BODY) as source:
                 out.status = source.response.status_code
@@ -196,4 +223,7 @@ PY_CLIENTS: dict[str, Callable[[str, Stall | None], Outcome]] = {
     "litellm": litellm_client,
     "httpx-sse": httpx_sse_client,
     "curl": curl,
+    # HTTP/2 to the sidecar (prior knowledge), HTTP/1.1 to the rest.
+    "openai-sync-h2": lambda base_url, stall: openai_sync(base_url, stall, http2=True),
+    "httpx-sse-h2": lambda base_url, stall: httpx_sse_client(base_url, stall, http2=True),
 }

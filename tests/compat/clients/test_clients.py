@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from .outcome import Outcome, compare
-from .py_clients import PY_CLIENTS
+from .py_clients import PY_CLIENTS, speaks_h2
 from .scripts import FEATURES, PROFILE, SLOW_FEATURES
 from .servers import DRIVERS, TARGETS, Servers, stall_max_s
 
@@ -37,6 +37,9 @@ NODE_CLIENTS = ("openai-node", "eventsource")
 BROWSER_CLIENTS = ("browser-eventsource", "browser-fetch")
 CLIENTS = (*PY_CLIENTS, *NODE_CLIENTS, *BROWSER_CLIENTS)
 PYTHON_THREADS = 12
+# The first case asked of a batch runs the whole batch (hundreds of cases): on a
+# busy machine that takes longer than the suite's default per-test timeout.
+pytestmark = pytest.mark.timeout(600)
 BROWSER_REPEATS = 8
 GET_CLIENTS = frozenset({"browser-eventsource"})
 """A browser ``EventSource`` can only GET; every other client POSTs."""
@@ -288,3 +291,11 @@ def test_drop_policy_never_drops_an_openai_answer(driver: str, servers: Servers,
     assert record.coalesced_events > 0, f"the slow reader got no merged event: {record}"
     assert record.dropped_events == 0, f"events of an OpenAI answer were dropped: {record}"
     assert len(servers.upstream.requests[case_id("openai-sync", "drop_policy", driver)]) == 1
+
+
+def test_h2_rows_speak_http2_to_the_sidecar_only(servers: Servers) -> None:
+    """The ``-h2`` rows compare an HTTP/1.1 read (direct, middleware) with an
+    HTTP/2 one (sidecar): that only holds if the sidecar is the one speaking it."""
+    assert speaks_h2(servers.url("sidecar", "plain"))
+    assert not speaks_h2(servers.url("direct", "plain"))
+    assert not speaks_h2(servers.url("middleware", "plain"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from tokenwire.engine.protocol import ProtocolError, parse_chat_request, parse_completion_request
+from tokenwire.engine.openai_requests import ProtocolError, parse_chat_request, parse_completion_request
 
 COMPLETION = {"model": "tiny", "prompt": "Hello"}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}]}

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from ..cors import admin_origins
+
 _ENGINE_START_TIMEOUT_S = 300.0  # the first run builds the tiny model (about a minute)
 _SIDECAR_START_TIMEOUT_S = 30.0
 # ``up`` is for trying things in a browser: the playground's resume button needs ids and a
@@ -120,22 +122,6 @@ def _engine_ready(socket_path: str) -> bool:
             return conn.recv(64).startswith(b"HTTP/1.1 200")
     except OSError:
         return False
-
-
-def admin_origins(host: str, port: int) -> list[str]:
-    """The origins a browser may load the playground from, for the proxy's CORS list.
-
-    A loopback admin port is reached as ``127.0.0.1`` or ``localhost`` alike,
-    and the browser's ``Origin`` is whichever name was typed.
-    """
-    hosts = [f"[{host}]" if ":" in host else host]
-    if host in ("127.0.0.1", "localhost", "::1"):
-        hosts = ["127.0.0.1", "localhost", "[::1]"]
-    elif host in ("0.0.0.0", "::"):
-        # Every interface: the page's origin cannot be known here, so loopback names are
-        # covered and other hosts can be added with --cors-allow-origin.
-        hosts = ["127.0.0.1", "localhost", "[::1]", socket.gethostname()]
-    return [f"http://{name}:{port}" for name in hosts]
 
 
 def _wait(child: Child, ready: threading.Event | None, probe: str | None, timeout_s: float) -> None:

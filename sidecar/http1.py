@@ -1,4 +1,4 @@
-"""The client side: one ``asyncio.Protocol`` per connection, driving h11.
+"""The client side over HTTP/1.1: one ``asyncio.Protocol`` per connection, driving h11.
 
 Theory of operation
 -------------------
@@ -26,10 +26,8 @@ too many connections) get a small JSON error, ``Connection: close``, and a
 lingering close: half-close, drain what the client is still sending, then
 close, so the client reads the status instead of a reset.
 
-``pause_writing``/``resume_writing`` become ``SocketPaused``/``SocketResumed``.
-The socket's send buffer is capped (``socket_send_buffer_bytes``) and the
-transport's high-water mark set (``write_high_water_bytes``) so a slow reader
-is seen here, where events can still be coalesced, not hidden in the kernel.
+``pause_writing``/``resume_writing`` become ``SocketPaused``/``SocketResumed``
+(the socket is tuned for that in ``connection.set_up_transport``).
 """
 
 from __future__ import annotations
@@ -45,13 +43,21 @@ import typing
 from collections.abc import Callable, Sequence
 
 import h11
-from tokenwire.middleware import ClientError, ClientGone, ErrorCode, SocketPaused, SocketResumed
+from tokenwire.middleware import ClientGone, SocketPaused, SocketResumed
 from tokenwire.middleware.headers import header_value
 
-from . import cors
+from .connection import (
+    BUSY_BODIES,
+    BodyReservation,
+    Peer,
+    new_exchange,
+    preflight,
+    refusal,
+    set_up_transport,
+    with_cors,
+)
 from .context import SidecarContext
 from .exchange import Exchange
-from .forwarding import request_id_from, upstream_request_headers, upstream_request_id, wants_stream
 from .framing import ChunkedScanner, head_length, request_line_end, request_line_problem
 
 logger = logging.getLogger("tokenwire.sidecar")
@@ -133,7 +139,9 @@ class Phase(enum.Enum):
 class ClientConnection(asyncio.Protocol):
     """One client connection: h11 in, exchanges out. See the module docstring."""
 
-    def __init__(self, context: SidecarContext) -> None:
+    def __init__(self, context: SidecarContext, *, over_limit: bool | None = None) -> None:
+        """``over_limit``: whether the connection came in past ``max_connections``
+        (None: counted when the transport arrives)."""
         self._context = context
         self._config = context.config
         self._loop = asyncio.get_running_loop()
@@ -141,10 +149,8 @@ class ClientConnection(asyncio.Protocol):
         self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self._config.max_head_bytes)
         self._phase = Phase.IDLE
         self._timer: asyncio.TimerHandle | None = None
-        self._peer_host: str | None = None
-        self._server_port: int | None = None
-        self._scheme = "http"
-        self._over_limit = False
+        self._peer = Peer(host=None, server_port=None, scheme="http", client_cert_der=None)
+        self._over_limit = over_limit
         self._write_paused = False
         self._reading_paused = False
         self._lost = False
@@ -161,8 +167,8 @@ class ClientConnection(asyncio.Protocol):
         self._line_checked = False
         # Follows a chunked body beside h11 (framing.py); None otherwise.
         self._chunks: ChunkedScanner | None = None
-        # Bytes of this request's body counted in context.buffered_body_bytes.
-        self._body_reserved = 0
+        # This request's body, counted in context.buffered_body_bytes.
+        self._body_reserved = BodyReservation(context)
 
     # ------------------------------------------------------------ asyncio.Protocol
 
@@ -171,24 +177,11 @@ class ClientConnection(asyncio.Protocol):
         transport = typing.cast(asyncio.Transport, transport)
         self._transport = transport
         context = self._context
-        self._over_limit = len(context.connections) >= self._config.max_connections
+        if self._over_limit is None:
+            self._over_limit = len(context.connections) >= self._config.max_connections
         context.connections.add(self)
         context.metrics.active_connections.inc()
-        wire = self._config.wire
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, wire.socket_send_buffer_bytes)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        transport.set_write_buffer_limits(high=wire.write_high_water_bytes)
-        peer = transport.get_extra_info("peername")
-        if isinstance(peer, tuple) and peer:
-            self._peer_host = str(peer[0])
-        if transport.get_extra_info("sslcontext") is not None:
-            self._scheme = "https"
-        local = transport.get_extra_info("sockname")
-        if isinstance(local, tuple) and len(local) >= 2:
-            self._server_port = int(local[1])
+        self._peer = set_up_transport(context, transport)
         self._arm_timer(self._config.header_read_timeout_s)
 
     def data_received(self, data: bytes) -> None:
@@ -350,47 +343,29 @@ class ClientConnection(asyncio.Protocol):
     def _reserve_body(self, body_bytes: int) -> bool:
         """Count ``body_bytes`` more against ``max_buffered_body_bytes``; refuse
         with 503 (and False) if all connections together would hold more."""
-        context = self._context
-        if body_bytes and context.buffered_body_bytes + body_bytes > self._config.max_buffered_body_bytes:
-            # Many large uploads at once would hold the loop and memory hostage;
-            # each one is fine again shortly, so this is "busy", not "too large".
-            self._refuse(503, "too many request bodies are being received; try again shortly",
-                         retry_after_s=1)
-            return False
-        context.buffered_body_bytes += body_bytes
-        self._body_reserved += body_bytes
-        return True
+        if self._body_reserved.reserve(body_bytes):
+            return True
+        self._refuse(503, BUSY_BODIES, retry_after_s=1)
+        return False
 
     def _release_body(self) -> None:
-        self._context.buffered_body_bytes -= self._body_reserved
-        self._body_reserved = 0
+        self._body_reserved.release()
 
     def _start_exchange(self) -> None:
         request = self._request
         assert request is not None
         self._phase = Phase.RESPONSE
         self._cancel_timer()
-        if self._cors_origins(request) and cors.is_preflight(request.method, request.headers):
-            self._answer_preflight(request)
-            return
-        config = self._config
-        id_header = config.request_id_header.encode()
         headers = list(request.headers)
+        answer = preflight(self._context, request.method, headers)
+        if answer is not None:
+            self._answer_preflight(*answer)
+            return
         body = bytes(self._body)
         self._body = bytearray()
-        request_id = request_id_from(headers, id_header)
-        upstream_id = upstream_request_id(headers, id_header, request_id)
-        upstream_headers = upstream_request_headers(
-            headers, body_bytes=len(body), peer_host=self._peer_host, scheme=self._scheme,
-            request_id=upstream_id, request_id_header=id_header, client_request_id=request_id,
-            server_port=self._server_port, client_cert_der=self._client_cert_der(),
-            drop_underscores=config.drop_underscore_headers)
-        exchange = Exchange(
-            self._context, self, request_id=request_id, upstream_request_id=upstream_id,
-            method=request.method,
-            target=request.target, upstream_headers=upstream_headers, body=body,
-            expect_stream=wants_stream(headers, body),
-            http_version=request.http_version.decode(), client_address=self._peer_host or "")
+        exchange = new_exchange(self._context, self, method=request.method, target=request.target,
+                                headers=headers, body=body, peer=self._peer,
+                                http_version=request.http_version.decode())
         self._exchange = exchange
         exchange.start()
         if self._write_paused:
@@ -400,11 +375,10 @@ class ClientConnection(asyncio.Protocol):
 
     def send_headers(self, status: int, headers: Sequence[Header]) -> None:
         """Send the response head (called by the exchange on ``CommitHeaders``)."""
-        headers = list(headers)
-        if self._request is not None and (origins := self._cors_origins(self._request)):
-            headers = cors.with_cors_headers(headers, origins,
-                                             header_value(self._request.headers, b"origin"),
-                                             request_id_header=self._config.request_id_header.encode())
+        if self._request is not None:
+            headers = with_cors(self._context, self._request.headers, headers)
+        else:
+            headers = list(headers)
         if self._context.draining:
             headers.append((b"connection", b"close"))
         head = self._conn.send(h11.Response(status_code=status, headers=headers))
@@ -490,15 +464,8 @@ class ClientConnection(asyncio.Protocol):
             if not self._request_line_refused():
                 self._process()
 
-    def _cors_origins(self, request: h11.Request) -> tuple[str, ...]:
-        return cors.origins_for(self._config.cors_allow_origins, self._context.admin_origins,
-                                header_value(request.headers, b"origin"))
-
-    def _answer_preflight(self, request: h11.Request) -> None:
+    def _answer_preflight(self, status: int, headers: list[Header], body: bytes) -> None:
         """Answer a CORS preflight here: the engine knows nothing of the sidecar's origins."""
-        status, headers, body = cors.preflight_response(
-            self._cors_origins(request), request.headers,
-            request_id_header=self._config.request_id_header.encode())
         # Straight to h11, not send_headers: that would treat these as a proxied response's.
         self._write(self._conn.send(h11.Response(status_code=status, headers=headers)))
         if body:
@@ -553,25 +520,16 @@ class ClientConnection(asyncio.Protocol):
         self._refuse(*problem)
         return True
 
-    def _client_cert_der(self) -> bytes | None:
-        """The client's verified certificate (mTLS), DER-encoded."""
-        if self._transport is None or self._scheme != "https" or not self._config.tls_client_ca:
-            return None
-        ssl_object = self._transport.get_extra_info("ssl_object")
-        return None if ssl_object is None else ssl_object.getpeercert(binary_form=True)
-
     def _refuse(self, status: int, message: str, *, retry_after_s: int | None = None) -> None:
         """Answer with an error status, nothing forwarded, then close lingeringly."""
         if self._phase is Phase.CLOSING or self._transport is None or self._lost:
             return
         self._release_body()
-        self._context.metrics.rejected_requests.labels(str(status)).inc()
-        error = ClientError(message, ErrorCode.BAD_REQUEST, http_status=status, retry_after_s=retry_after_s)
-        body = error.body()
+        headers, body = refusal(self._context, status, message, retry_after_s=retry_after_s)
         lines = [f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}".encode()]
-        for name, value in error.response_headers():
+        for name, value in headers:
             lines.append(name + b": " + value)
-        lines += [b"content-length: " + str(len(body)).encode(), b"connection: close", b"", b""]
+        lines += [b"connection: close", b"", b""]
         # Raw bytes, not h11: the request may be too broken for h11 to answer it.
         self._transport.write(b"\r\n".join(lines) + body)
         self._phase = Phase.CLOSING

@@ -9,20 +9,18 @@ its flag, its variable and its help text without an edit here.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import importlib.metadata
 import os
 import sys
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from enum import Enum
 from typing import cast
 
 from tokenwire.middleware import ConfigError
-from tokenwire.middleware.config import load_toml
+from tokenwire.middleware.config_layers import add_key_flags, config_defaults, read_command_line
 
-from .settings import SIDECAR_WIRE_DEFAULTS, SidecarConfig, all_keys, build_config
+from ..settings import SidecarConfig, all_keys, build_config
 
 DESCRIPTION = (
     "Reverse proxy that owns the wire between an OpenAI-compatible engine and its clients. "
@@ -50,15 +48,15 @@ class Command:
 
 COMMANDS = (
     Command("sidecar", "reverse proxy in front of an OpenAI-compatible engine",
-            "tokenwire.sidecar.cli:add_arguments", "tokenwire.sidecar.cli:sidecar_main"),
+            "tokenwire.sidecar.tools.cli:add_arguments", "tokenwire.sidecar.tools.cli:sidecar_main"),
     Command("engine", "the embedded torch + transformers engine (needs tokenwire[engine])",
-            "tokenwire.engine.cli:add_arguments", "tokenwire.sidecar.cli:engine_main"),
+            "tokenwire.engine.cli:add_arguments", "tokenwire.sidecar.tools.cli:engine_main"),
     Command("up", "engine (tiny) + sidecar together, for trying it out",
-            "tokenwire.sidecar.up:add_arguments", "tokenwire.sidecar.up:main"),
+            "tokenwire.sidecar.tools.up:add_arguments", "tokenwire.sidecar.tools.up:main"),
     Command("demo", "the guided tour: live streams, a slow reader, a dropped connection, a resume",
-            "tokenwire.sidecar.demo:add_arguments", "tokenwire.sidecar.demo:main"),
+            "tokenwire.sidecar.tools.demo:add_arguments", "tokenwire.sidecar.tools.demo:main"),
     Command("probe", "what a client sees on a stream: time to first token, gaps, truncation",
-            "tokenwire.sidecar.probe:add_arguments", "tokenwire.sidecar.probe:main"),
+            "tokenwire.sidecar.tools.probe:add_arguments", "tokenwire.sidecar.tools.probe:main"),
 )
 _BY_NAME = {command.name: command for command in COMMANDS}
 
@@ -151,62 +149,16 @@ def engine_main(argv: Sequence[str]) -> int:
     return int(serve(list(argv)))
 
 
-def _defaults() -> dict[str, object]:
-    wire = SIDECAR_WIRE_DEFAULTS
-    values: dict[str, object] = {f.name: getattr(wire, f.name) for f in dataclasses.fields(wire)}
-    for f in dataclasses.fields(SidecarConfig):
-        if f.name != "wire":
-            values[f.name] = f.default
-    return values
-
-
-def _shown(default: object) -> str:
-    """A default as one would type it: ``''`` for an empty or unset string."""
-    if default in (None, ""):
-        return "''"
-    if default == ():
-        return "none"
-    if isinstance(default, bool):
-        return str(default).lower()
-    return str(default.value if isinstance(default, Enum) else default)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``tokenwire sidecar`` flags: ``--config`` and one per configuration key.
-
-    Flags default to "not given" (``SUPPRESS``) so that an absent flag leaves
-    the environment, the file or the built-in default in charge.
-    """
+    """The ``tokenwire sidecar`` flags: ``--config`` and one per configuration key."""
     parser.description = DESCRIPTION
-    suppress = argparse.SUPPRESS
-    parser.add_argument("--config", metavar="FILE", default=suppress,
+    parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
                         help="TOML file (see conf/sidecar.toml) [TOKENWIRE_CONFIG]")
-    defaults = _defaults()
-    for key in all_keys():
-        described = key.help.replace("``", "")  # reStructuredText literals read as plain text
-        help_text = f"{described} [{key.env}; default {_shown(defaults[key.name])}]"
-        if key.name == "upstream":
-            parser.add_argument(key.flag, dest=key.name, action="append", metavar="URL", default=suppress,
-                                help=f"{described} Repeat for fallbacks. [{key.env}, comma-separated]")
-        elif key.name == "cors_allow_origins":
-            # Given once per origin, so the singular reads right on a command line.
-            parser.add_argument(key.flag, "--cors-allow-origin", dest=key.name, action="append",
-                                metavar="ORIGIN", default=suppress,
-                                help=f"{described} Repeatable. [{key.env}, comma-separated]")
-        elif key.kind is bool:
-            # A switch, as users expect of --resume; --no-resume undoes an env/file value.
-            parser.add_argument(key.flag, dest=key.name, action="store_const", const="true",
-                                default=suppress, help=f"{described} --no-{key.flag[2:]} turns it off. "
-                                                       f"[{key.env}; default {_shown(defaults[key.name])}]")
-            parser.add_argument("--no-" + key.flag[2:], dest=key.name, action="store_const",
-                                const="false", default=suppress, help=suppress)
-        elif isinstance(key.kind, type) and issubclass(key.kind, Enum):
-            choices = ",".join(str(member.value) for member in key.kind)
-            parser.add_argument(key.flag, dest=key.name, metavar=f"{{{choices}}}", default=suppress,
-                                help=help_text)
-        else:
-            parser.add_argument(key.flag, dest=key.name, metavar=key.name.upper(), default=suppress,
-                                help=help_text)
+    # Given once per origin, so the singular reads right on a command line.
+    add_key_flags(parser, all_keys(), config_defaults(SidecarConfig),
+                  metavars={"upstream": "URL", "cors_allow_origins": "ORIGIN"},
+                  aliases={"cors_allow_origins": "--cors-allow-origin"},
+                  notes={"upstream": "Repeat for fallbacks."})
 
 
 def sidecar_parser() -> argparse.ArgumentParser:
@@ -218,10 +170,8 @@ def sidecar_parser() -> argparse.ArgumentParser:
 
 def load_sidecar_config(argv: Sequence[str], environ: dict[str, str] | None = None) -> SidecarConfig:
     """Parse flags, read the environment and the ``--config`` file; merge them."""
-    namespace = vars(sidecar_parser().parse_args(list(argv)))
-    config_path = namespace.pop("config", None) or (environ or {}).get("TOKENWIRE_CONFIG")
-    file_values = load_toml(config_path) if config_path else {}
-    return build_config(flags=namespace, environ=environ, file_values=file_values)
+    flags, file_values = read_command_line(sidecar_parser(), argv, environ, "TOKENWIRE_CONFIG")
+    return build_config(flags=flags, environ=environ, file_values=file_values)
 
 
 def sidecar_main(argv: Sequence[str]) -> int:
@@ -233,8 +183,8 @@ def sidecar_main(argv: Sequence[str]) -> int:
         return 2
     from tokenwire.middleware.logs import configure_logging
 
-    from .server import run
-    from .workers import WORKER_ENV, die_with_parent, supervise
+    from ..server import run
+    from ..workers import WORKER_ENV, die_with_parent, supervise
 
     configure_logging(config.log_level, config.log_format)
     worker = WORKER_ENV in os.environ

@@ -1,0 +1,268 @@
+"""The known HTTP/2 attacks, each shown and bounded: rapid reset, CONTINUATION
+flood, HPACK bomb, SETTINGS/PING/PRIORITY/empty-DATA floods, too many streams,
+stream id exhaustion, oversized header lists. Nothing of a refused stream
+reaches the upstream, and the sidecar keeps serving others.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from collections.abc import Callable
+
+import hpack
+import pytest
+from conftest import RunningSidecar
+from h2client import H2Client, chat_headers
+from hyperframe.frame import ContinuationFrame, HeadersFrame
+from upstreams import FakeUpstream, expected_text
+
+CHAT = b'{"model":"m","stream":true,"messages":[]}'
+CHAT_PATH = "/normal/v1/chat/completions"
+ENHANCE_YOUR_CALM = 0xB
+PROTOCOL_ERROR = 0x1
+REFUSED_STREAM = 0x7
+
+
+def _serves(sidecar: RunningSidecar) -> None:
+    """The sidecar still answers a fresh connection."""
+    with H2Client(sidecar.port) as client:
+        state = client.response(client.request(CHAT_PATH, method="POST", body=CHAT,
+                                               headers=chat_headers(3)))
+    assert state.ended and state.status == 200
+
+
+def _closed_with(client: H2Client, code: int, timeout_s: float = 10.0) -> None:
+    assert client.read_until(lambda: client.closed, timeout_s), "the connection stayed open"
+    assert client.goaway is not None and client.goaway.error_code == code, client.goaway
+
+
+class _Bystander(threading.Thread):
+    """A stream on its own connection; records the gaps between its DATA frames."""
+
+    def __init__(self, port: int, tokens: int, delay_s: float) -> None:
+        super().__init__(daemon=True)
+        self.client = H2Client(port)
+        self.stream_id = self.client.request(CHAT_PATH, method="POST", body=CHAT,
+                                             headers=chat_headers(tokens, delay_s))
+        self.started = threading.Event()
+
+    def run(self) -> None:
+        state = self.client.streams[self.stream_id]
+        self.client.read_until(lambda: state.first_data_at is not None)
+        self.started.set()
+        self.client.response(self.stream_id, timeout_s=30)
+
+    def max_gap_s(self) -> float:
+        times = self.client.streams[self.stream_id].data_times
+        return max(b - a for a, b in itertools.pairwise(times))
+
+
+def test_attack_rapidReset_whenOpenCancelFlood_thenGoawayCalmAndUpstreamSeesAtMostTheLimit(
+        start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
+    """CVE-2023-44487: streams opened and cancelled at once cost the server
+    work while never counting as open. Resets are counted per connection: past
+    http2_max_resets_per_s the connection ends with GOAWAY(ENHANCE_YOUR_CALM)."""
+    sidecar = start_sidecar(http2_max_resets_per_s=50, http2_max_concurrent_streams=20)
+    bystander = _Bystander(sidecar.port, tokens=40, delay_s=0.02)
+    bystander.start()
+    assert bystander.started.wait(10)
+    before = len(upstream.requests)
+    pairs = 5_000
+    with H2Client(sidecar.port) as client:
+        sent = 0
+        try:
+            for batch in range(pairs // 500):
+                for _ in range(500):
+                    stream_id = client.request("/models/v1/models", flush=False)
+                    client.conn.reset_stream(stream_id, 8)
+                    sent += 1
+                client.flush()
+                del batch
+        except OSError:
+            pass  # the sidecar hung up mid-flood: that is the defence
+        _closed_with(client, ENHANCE_YOUR_CALM)
+    bystander.join(30)
+    assert bystander.client.streams[bystander.stream_id].ended
+    assert bystander.max_gap_s() < 0.5
+    time.sleep(0.2)  # let any upstream request already under way arrive
+    forwarded = len(upstream.requests) - before
+    print(f"rapid reset: {sent} pairs sent, {forwarded} reached the upstream")
+    assert forwarded <= 50 + 20
+    _serves(sidecar)
+
+
+def test_attack_tooManyStreams_whenOverTheLimit_thenRefusedStreamAndNothingForwarded(
+        start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
+    sidecar = start_sidecar(http2_max_concurrent_streams=4)
+    with H2Client(sidecar.port) as client:
+        client.read_until(lambda: client.conn.remote_settings.max_concurrent_streams == 4, 5)
+        assert client.conn.remote_settings.max_concurrent_streams == 4
+        # A client that ignores the limit: streams 5 and 6 are refused, one by one.
+        client.conn.remote_settings[3] = 100
+        client.conn.remote_settings.acknowledge()
+        ids = [client.request(CHAT_PATH, method="POST", body=CHAT,
+                              headers=[*chat_headers(20, 0.02), (b"x-request-id", f"cap-{i}".encode())])
+               for i in range(6)]
+        for stream_id in ids[4:]:
+            assert client.response(stream_id).reset_code == REFUSED_STREAM
+        for stream_id in ids[:4]:
+            state = client.response(stream_id)
+            assert state.ended and state.status == 200
+    assert not upstream.requests_with("cap-4") and not upstream.requests_with("cap-5")
+
+
+def test_attack_continuationFlood_whenEndlessHeaderBlock_thenGoawayAfterABoundedRun(
+        start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
+    """CVE-2024-27316: a header block that never ends, one CONTINUATION after
+    another, held in memory by servers that wait for END_HEADERS. h2 allows 64
+    frames (64 x 16 KiB at most) and ends the connection with PROTOCOL_ERROR."""
+    sidecar = start_sidecar()
+    before = len(upstream.requests)
+    with H2Client(sidecar.port) as client:
+        encoder = hpack.Encoder()
+        first = HeadersFrame(1)
+        first.data = encoder.encode([(b":method", b"GET"), (b":path", b"/models/v1/models"),
+                                     (b":scheme", b"http"), (b":authority", b"x")])
+        client.sock.sendall(first.serialize())
+        sent = 0
+        try:
+            for _ in range(10_000):
+                frame = ContinuationFrame(1)
+                frame.data = encoder.encode([(b"x-flood", b"y" * 1000)])
+                client.sock.sendall(frame.serialize())
+                sent += 1
+        except OSError:
+            pass
+        _closed_with(client, PROTOCOL_ERROR)
+    assert sent < 10_000 or client.closed
+    assert len(upstream.requests) == before
+    _serves(sidecar)
+
+
+def test_attack_hpackBomb_whenSmallBlockInflatesHuge_thenGoawayCalmAndNothingForwarded(
+        start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
+    """A 4 KB header put in the dynamic table once, then named by its one-byte
+    index 500 times: 5 KB on the wire, 2 MB decoded. The decoder stops at twice
+    http2_max_header_list_bytes and the connection ends."""
+    sidecar = start_sidecar()
+    before = len(upstream.requests)
+    with H2Client(sidecar.port) as client:
+        client.read_until(lambda: client.conn.remote_settings.max_header_list_size is not None, 5)
+        bomb = [(b"x-bomb", b"a" * 4000)] * 500
+        encoder = hpack.Encoder()
+        frame = HeadersFrame(1)
+        frame.flags.add("END_HEADERS")
+        frame.flags.add("END_STREAM")
+        frame.data = encoder.encode([(b":method", b"GET"), (b":path", b"/models/v1/models"),
+                                     (b":scheme", b"http"), (b":authority", b"x"), *bomb])
+        assert len(frame.data) < 6000
+        client.sock.sendall(frame.serialize())
+        _closed_with(client, ENHANCE_YOUR_CALM)
+    assert len(upstream.requests) == before
+    _serves(sidecar)
+
+
+def test_attack_headerListOverLimit_thenStream431AndConnectionStays(
+        start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
+    sidecar = start_sidecar(http2_max_header_list_bytes=8192)
+    before = len(upstream.requests)
+    with H2Client(sidecar.port) as client:
+        big = client.response(client.request("/models/v1/models", headers=[(b"x-big", b"b" * 10_000)]))
+        assert big.status == 431 and big.ended
+        assert "8192" in json.loads(bytes(big.body))["error"]["message"]
+        assert len(upstream.requests) == before
+        fine = client.response(client.request("/models/v1/models"))
+        assert fine.status == 200
+
+
+@pytest.mark.parametrize("flood", ["settings", "ping", "priority"])
+def test_attack_controlFrameFlood_thenGoawayCalm(start_sidecar: Callable[..., RunningSidecar],
+                                                 flood: str) -> None:
+    """CVE-2019-9512 (PING), -9515 (SETTINGS), -9516/-9513 (PRIORITY): frames
+    that make the server answer or reorder, nothing asked. Past
+    http2_max_control_frames_per_s the connection ends."""
+    sidecar = start_sidecar(http2_max_control_frames_per_s=100)
+    with H2Client(sidecar.port) as client:
+        sent = 0
+        try:
+            for i in range(5000):
+                if flood == "settings":
+                    client.conn.update_settings({4: 65535 + i % 2})
+                elif flood == "ping":
+                    client.conn.ping(i.to_bytes(8, "big"))
+                else:
+                    client.conn.prioritize(1 + 2 * (i % 100), weight=1 + i % 255)
+                sent += 1
+                if sent % 100 == 0:
+                    client.flush()
+            client.flush()
+        except OSError:
+            pass
+        _closed_with(client, ENHANCE_YOUR_CALM)
+    _serves(sidecar)
+
+
+def test_attack_emptyDataFlood_thenGoawayCalmAndNothingForwarded(
+        start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
+    """CVE-2019-9518: DATA frames with nothing in them, each an event to handle."""
+    sidecar = start_sidecar(http2_max_empty_frames_per_s=100)
+    before = len(upstream.requests)
+    with H2Client(sidecar.port) as client:
+        stream_id = client.request("/echo/v1/x", method="POST", end=False)
+        try:
+            for i in range(5000):
+                client.conn.send_data(stream_id, b"")
+                if i % 100 == 0:
+                    client.flush()
+            client.flush()
+        except OSError:
+            pass
+        _closed_with(client, ENHANCE_YOUR_CALM)
+    assert len(upstream.requests) == before
+    _serves(sidecar)
+
+
+def test_attack_streamsPerConnection_whenMany_thenGoawayNoErrorAndTheRestRefused(
+        start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
+    """A connection is not forever: after http2_max_streams_per_connection it
+    is asked to go (GOAWAY NO_ERROR naming the last stream it serves); what
+    it opens later is refused, and what it had open finishes."""
+    sidecar = start_sidecar(http2_max_streams_per_connection=3)
+    with H2Client(sidecar.port) as client:
+        ids = [client.request(CHAT_PATH, method="POST", body=CHAT,
+                              headers=[*chat_headers(5, 0.02), (b"x-request-id", f"per-{i}".encode())])
+               for i in range(4)]
+        assert client.read_until(lambda: client.goaway is not None, 5)
+        assert client.goaway is not None and client.goaway.last_stream_id == ids[2]
+        assert client.goaway.error_code == 0
+        for stream_id in ids[:3]:
+            assert client.response(stream_id).ended
+        assert client.response(ids[3]).reset_code == REFUSED_STREAM
+    assert not upstream.requests_with("per-3")
+
+
+def test_attack_streamIdExhaustion_whenLastIdUsed_thenServedAndLowerIdIsAConnectionError(
+        start_sidecar: Callable[..., RunningSidecar]) -> None:
+    """Stream ids only grow, to 2**31 - 1. A client there is served; an id
+    below it (a wrapped counter) ends the connection, and the sidecar is fine."""
+    sidecar = start_sidecar()
+    with H2Client(sidecar.port) as client:
+        last = 2**31 - 1
+        client.conn.highest_outbound_stream_id = last - 2
+        stream_id = client.request(CHAT_PATH, method="POST", body=CHAT, headers=chat_headers(3))
+        assert stream_id == last
+        state = client.response(stream_id)
+        assert state.ended and bytes(state.body).count(b"t2 ") == 1
+        encoder = hpack.Encoder()
+        frame = HeadersFrame(1)
+        frame.flags.add("END_HEADERS")
+        frame.flags.add("END_STREAM")
+        frame.data = encoder.encode([(b":method", b"GET"), (b":path", b"/models/v1/models"),
+                                     (b":scheme", b"http"), (b":authority", b"x")])
+        client.sock.sendall(frame.serialize())
+        _closed_with(client, PROTOCOL_ERROR)
+    _serves(sidecar)
+    assert expected_text(1)

@@ -1,0 +1,69 @@
+"""The sidecar and the engine read their keys with one implementation (middleware/config_layers.py):
+the same text or TOML value gives the same value in both, and a bad one is refused in both, naming the key."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+import pytest
+from tokenwire.engine.config import EngineConfig, build_engine_config, engine_keys
+from tokenwire.middleware import ConfigError, WireConfig
+from tokenwire.middleware.config_layers import ConfigKey, config_keys, value_from_text, value_from_toml
+from tokenwire.sidecar.settings import SidecarConfig, all_keys, build_config
+
+_UPSTREAM = {"upstream": "http://127.0.0.1:8000"}
+
+
+def _sample(key: ConfigKey) -> tuple[str, object, object]:
+    """A text, a TOML value and the value both must give, for ``key``'s type."""
+    if key.kind is bool:
+        return "yes", True, True
+    if key.kind is float:
+        return "2.5", 2.5, 2.5
+    if key.kind in (int, int | None):
+        return "7", 7, 7
+    if isinstance(key.kind, type) and issubclass(key.kind, Enum):
+        member = list(key.kind)[-1]
+        return str(member.value), str(member.value), member
+    if key.kind == tuple[str, ...]:
+        return "a, b", ["a", "b"], ("a", "b")
+    return "x", "x", "x"
+
+
+def test_wireKeys_areTheSameKeysInBothPrograms_spelledUnderEachPrefix() -> None:
+    sidecar = {k.name: k for k in all_keys() if k.wire}
+    engine = {k.name: k for k in engine_keys() if k.wire}
+    assert sidecar.keys() == engine.keys() == set(WireConfig.__dataclass_fields__)
+    assert sidecar["heartbeat_s"].env == "TOKENWIRE_HEARTBEAT_S"
+    assert engine["heartbeat_s"].env == "TOKENWIRE_ENGINE_HEARTBEAT_S"
+    assert sidecar["heartbeat_s"].flag == engine["heartbeat_s"].flag == "--heartbeat-s"
+
+
+@pytest.mark.parametrize("key", [k for k in config_keys(SidecarConfig, "") + config_keys(EngineConfig, "")
+                                 if k.name not in ("wire",)], ids=lambda k: k.name)
+def test_everyKey_readsTextAndTomlToTheSameValue(key: ConfigKey) -> None:
+    text, toml_value, expected = _sample(key)
+    assert value_from_text(key, text) == expected
+    assert value_from_toml(key, toml_value) == expected
+
+
+@pytest.mark.parametrize("build, extra", [(build_config, _UPSTREAM), (build_engine_config, {})],
+                         ids=["sidecar", "engine"])
+def test_bothPrograms_refuseTheSameBadValues_namingTheKey(build: Any, extra: dict[str, str]) -> None:
+    for flags in ({"heartbeat_s": "soon"}, {"retry_attempts": "2.5"}, {"resume": "maybe"},
+                  {"slow_client_policy": "ignore"}):
+        with pytest.raises(ConfigError) as error:
+            build(flags={**extra, **flags})
+        assert error.value.key == next(iter(flags))
+    with pytest.raises(ConfigError) as error:
+        build(flags=extra, file_values={"heartbeat_s": "15"})
+    assert error.value.key == "heartbeat_s"
+
+
+def test_optionalKeys_areUnsetByAnEmptyValueOrZero_inEveryLayer() -> None:
+    assert build_config(flags={**_UPSTREAM, "terminal_marker": ""}).wire.terminal_marker is None
+    assert build_engine_config(environ={"TOKENWIRE_ENGINE_TERMINAL_MARKER": ""}).wire.terminal_marker is None
+    config = build_engine_config(file_values={"max_model_len": 0, "served_model_name": ""})
+    assert config.max_model_len is None and config.served_model_name is None
+    assert build_engine_config(flags={"threads": "0"}).threads is None
