@@ -12,9 +12,10 @@ first event that carries a token, by which every gap is measured from then on.
 
 A token event is one whose data is not a JSON object (a plain SSE stream has no
 role chunk: its first event is its content), or a JSON chunk with a non-empty
-text (``chunks.carries_token``: the chunk format is known there) (``content``, ``reasoning_content``, ``reasoning``, a completion's
-``text``) or a tool call. The role-only chunk, a finish reason alone, a usage
-chunk, an error and the terminal marker are not. The test is one regex search
+text (``content``, ``reasoning_content``, ``reasoning``, a completion's
+``text``) or a tool call (``chunks.carries_token``: the chunk format is known
+there). The role-only chunk, a finish reason alone, a usage chunk, an error and
+the terminal marker are not. The test is one regex search
 of the queued bytes, made only until the first token is queued: after that the
 meter costs a subtraction and a few comparisons per write.
 

@@ -42,7 +42,6 @@ from __future__ import annotations
 from typing import ClassVar
 
 from .accounting import GAP_BUCKETS_S
-from .meter import TokenMeter
 from .attempt import RETRYABLE_STATUSES, failure_error
 from .chunks import error_object, plain_event_count
 from .decisions import HEARTBEAT as HEARTBEAT
@@ -79,6 +78,7 @@ from .events import (
 from .headers import is_compressed, is_event_stream, passthrough_headers
 from .lifecycle import ENDED as _ENDED
 from .lifecycle import TRANSITIONS, StreamState, Trigger
+from .meter import TokenMeter
 from .sse import SSEEvent
 
 __all__ = ["GAP_BUCKETS_S", "HEARTBEAT", "TRANSITIONS", "StreamState", "WireStream"]
