@@ -95,3 +95,10 @@ def configure_logging(level: str, log_format: LogFormat | str, stream: TextIO | 
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    # These libraries log raw headers at debug (httpcore an upstream's response
+    # headers, Set-Cookie included; hpack every header it decodes): never below info.
+    for name in _HEADER_LOGGERS:
+        logging.getLogger(name).setLevel(max(root.level, logging.INFO))
+
+
+_HEADER_LOGGERS = ("httpcore", "httpx", "hpack", "h2", "h11")

@@ -24,6 +24,8 @@ def restore_root() -> Iterator[None]:
     for handler in handlers:
         root.addHandler(handler)
     root.setLevel(level)
+    for name in ("httpcore", "httpx", "hpack", "h2", "h11"):
+        logging.getLogger(name).setLevel(logging.NOTSET)
 
 
 def test_rfc3339_isUtcWithMicroseconds() -> None:
@@ -67,3 +69,12 @@ def test_configure_whenCalledTwice_thenOneHandler(restore_root: None) -> None:
     configure_logging("info", LogFormat.JSON, io.StringIO())
     assert len(logging.getLogger().handlers) == 1
     assert logging.getLogger().level == logging.INFO
+
+
+def test_configure_whenDebug_thenHeaderLoggingLibrariesStayAtInfo(restore_root: None) -> None:
+    """httpcore logs an upstream's response headers (Set-Cookie too) at debug."""
+    out = io.StringIO()
+    configure_logging("debug", LogFormat.JSON, out)
+    logging.getLogger("httpcore.http11").debug("receive_response_headers.complete set-cookie: s=SECRET")
+    logging.getLogger("tokenwire.lifecycle").debug("accepted")
+    assert "SECRET" not in out.getvalue() and "accepted" in out.getvalue()
