@@ -122,3 +122,18 @@ def test_sumMetrics_whenWorkersAdd_thenInfoAndStartTimesAreNotSummed() -> None:
     assert sample(summed, "tokenwire_start_time_seconds") == 100.0
     assert sample(summed, "tokenwire_rejected_requests_total", status="503") == 2
     promtool_check(summed)
+
+
+def test_metrics_whenHttp2Client_thenItsStreamsHaveTheirOwnLabel(
+        start_sidecar, upstream: FakeUpstream) -> None:
+    sidecar = start_sidecar()
+    with httpx.Client(http1=False, http2=True, base_url=sidecar.url) as client:
+        response = client.post("/normal/v1/chat/completions", content=chat_body(),
+                               headers={"content-type": "application/json", "x-request-id": "h2-m"})
+    assert response.http_version == "HTTP/2" and response.status_code == 200
+    sidecar.record("h2-m")
+    text = httpx.get(sidecar.admin_url + "/metrics").text
+    labels = {"upstream": upstream.url, "status_class": "2xx"}
+    assert sample(text, "tokenwire_time_to_first_token_seconds_count", http_version="2", **labels) == 1
+    assert sample(text, "tokenwire_streams_ended_total", http_version="2", reason="complete", **labels) == 1
+    assert sample(text, "tokenwire_time_to_first_token_seconds_count", http_version="1.1", **labels) is None
