@@ -24,6 +24,7 @@ at a time.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections import deque
 from collections.abc import Sequence
@@ -55,6 +56,7 @@ from tokenwire.middleware.retry import may_repeat
 
 from .context import SidecarContext
 from .forwarding import client_response_headers
+from .metrics import REPLAY_UPSTREAM
 from .milestones import Milestones, open_span, request_fields, wall_clock
 from .upstream import run_attempt
 from .upstream_io import UpstreamStream
@@ -206,7 +208,12 @@ class Exchange:
 
     def live_record(self) -> tuple[StreamRecord, str]:
         """The stream's record as of now and the client's HTTP version (live metrics)."""
-        return self.stream.record(self._loop.time()), self.http_version
+        return self._metered(self.stream.record(self._loop.time())), self.http_version
+
+    def _metered(self, record: StreamRecord) -> StreamRecord:
+        # A replay's first token comes from the store, not an upstream: its
+        # figures must not pass for an engine's.
+        return dataclasses.replace(record, upstream=REPLAY_UPSTREAM) if self.replaying else record
 
     def describe(self, now: float) -> dict[str, Any]:
         """The ``GET /streams`` entry for this stream."""
@@ -279,7 +286,7 @@ class Exchange:
         context = self._context
         context.registry.remove(self)
         context.metrics.active_streams.dec()
-        context.metrics.observe_record(action.record, self.http_version)
+        context.metrics.observe_record(self._metered(action.record), self.http_version)
         record = action.record
         extra = {**self._log_fields, "started_at": wall_clock(record.started_at, self._loop.time())}
         if self.upstream_request_id != self.request_id:

@@ -17,8 +17,9 @@ known at the end (duration, end reason, tokens from ``usage``, retries) are
 counted at the end. At a stream's end its final record replaces its live one
 in the same loop turn, so no counter ever goes down.
 
-Labels: ``upstream`` (the engine's address as configured), ``status_class``
-(``2xx``, ``4xx``, ``5xx``), ``http_version`` (of the client's connection).
+Labels: ``upstream`` (the engine's address as configured, or ``replay`` for a
+stream served from the replay store), ``status_class`` (``2xx``, ``4xx``,
+``5xx``), ``http_version`` (of the client's connection).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ _DURATION_BUCKETS_S = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 
 _ABORT_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0)
 
 STREAM_LABELS = ("upstream", "status_class", "http_version")
+REPLAY_UPSTREAM = "replay"
+"""The ``upstream`` label of streams served from the replay store (a reconnect)."""
 LabelKey = tuple[str, str, str]
 
 
