@@ -137,3 +137,47 @@ def test_metrics_whenHttp2Client_thenItsStreamsHaveTheirOwnLabel(
     assert sample(text, "tokenwire_time_to_first_token_seconds_count", http_version="2", **labels) == 1
     assert sample(text, "tokenwire_streams_ended_total", http_version="2", reason="complete", **labels) == 1
     assert sample(text, "tokenwire_time_to_first_token_seconds_count", http_version="1.1", **labels) is None
+
+
+def test_logs_atDebug_holdNoAuthorizationCookiePromptOrCompletion(loop_thread, upstream: FakeUpstream) -> None:
+    """Every line the sidecar logs for a stream (its lifecycle at debug, its end
+    line), as JSON: none holds the credential, the cookie, the prompt or the answer."""
+    import io
+    import json as jsonlib
+    import logging
+
+    from conftest import make_config
+    from tokenwire.middleware.logs import JsonFormatter
+    from tokenwire.sidecar import Sidecar, StreamLog
+    from upstreams import expected_text
+
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger("tokenwire")
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    sidecar = Sidecar(make_config(upstream.url), log=StreamLog(logging.getLogger("tokenwire.streams")))
+    try:
+        loop_thread.run(sidecar.start())
+        host, port = sidecar.address
+        secrets = ("Bearer sk-SECRET-1f2e", "sid=COOKIE-SECRET-77", "PROMPT-SECRET-3d")
+        body = jsonlib.dumps({"stream": True, "messages": [{"role": "user", "content": secrets[2]}]})
+        response = httpx.post(f"http://{host}:{port}/normal/v1/chat/completions?key=QUERY-SECRET",
+                              content=body, headers={"Authorization": secrets[0], "Cookie": secrets[1],
+                                                     "x-fake-tokens": "12", "x-request-id": "quiet-1"})
+        assert response.status_code == 200 and expected_text(12) in "".join(
+            jsonlib.loads(line[6:])["choices"][0]["delta"].get("content", "")
+            for line in response.text.splitlines() if line.startswith("data: {"))
+        wait_for(lambda: '"stream ended"' in out.getvalue())
+    finally:
+        loop_thread.run(sidecar.shutdown())
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    logged = out.getvalue()
+    lines = [jsonlib.loads(line) for line in logged.splitlines()]
+    assert {"accepted", "committed", "first token", "ended", "stream ended"} <= {e["msg"] for e in lines}
+    assert all(e.get("request_id") == "quiet-1" for e in lines if e["logger"] != "tokenwire.sidecar")
+    for secret in (*secrets, "sk-SECRET", "COOKIE-SECRET", "QUERY-SECRET", expected_text(12)):
+        assert secret not in logged
