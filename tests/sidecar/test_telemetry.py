@@ -139,7 +139,8 @@ def test_metrics_whenHttp2Client_thenItsStreamsHaveTheirOwnLabel(
     assert sample(text, "tokenwire_time_to_first_token_seconds_count", http_version="1.1", **labels) is None
 
 
-def test_logs_atDebug_holdNoAuthorizationCookiePromptOrCompletion(loop_thread, upstream: FakeUpstream) -> None:
+def test_logs_atDebug_holdNoAuthorizationCookiePromptOrCompletion(
+        loop_thread, upstream: FakeUpstream) -> None:
     """Every line the sidecar logs for a stream (its lifecycle at debug, its end
     line), as JSON: none holds the credential, the cookie, the prompt or the answer."""
     import io
