@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -15,7 +16,7 @@ from tokenwire.engine.cli import build_parser, load_engine_config
 from tokenwire.engine.config import EngineConfig, engine_wire_defaults, torch_threads
 from tokenwire.middleware import WireConfig
 from tokenwire.middleware.asgi import listening_socket
-from tokenwire.middleware.logs import configure_logging
+from tokenwire.middleware.logs import LogFormat, configure_logging
 from tokenwire.middleware.tracing import tracer_provider_from_env
 
 __all__ = ["ListenAddress", "build_asgi_app", "build_parser", "load_engine_config", "main"]
@@ -62,7 +63,11 @@ def build_asgi_app(config: EngineConfig, tracer_provider: TracerProvider | None 
     hf_logging.disable_default_handler()
     hf_logging.enable_propagation()
     if config.model == "tiny":
-        path: Path = ensure_tiny_model()
+        # Its build's progress bar is for a terminal: with JSON logs, one line instead.
+        text_logs = LogFormat(config.log_format) is LogFormat.TEXT
+        if not text_logs:
+            logging.getLogger("tokenwire.engine").info("loading the tiny model (built on first run)")
+        path: Path = ensure_tiny_model(log=text_logs)
         name = config.served_model_name or "tiny"
     else:
         path = Path(config.model).expanduser()

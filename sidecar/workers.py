@@ -180,7 +180,7 @@ class Supervisor:
                 for worker in self.workers.values():
                     with contextlib.suppress(ProcessLookupError):
                         worker.process.kill()
-                print(f"tokenwire sidecar: a worker did not start: {failed[0]}", file=sys.stderr)
+                logger.error("a worker did not start: %s", failed[0])
                 return 1
             loop = asyncio.get_running_loop()
             stopped = asyncio.Event()
