@@ -69,6 +69,7 @@ class _Mode(Enum):
     PASSTHROUGH = "passthrough"  # not an event stream: forwarded unchanged
     DRIVEN = "driven"  # an event stream, driven by the wire core
 
+
 class StreamControl:
     """``scope["extensions"]["tokenwire"]``: the app's view of its stream.
 
@@ -76,38 +77,39 @@ class StreamControl:
     client, and call ``abort()`` to end the stream themselves.
     """
 
-    __slots__ = ("_responder",)
+    __slots__ = ("_exchange",)
 
-    def __init__(self, responder: Exchange) -> None:
-        self._responder = responder
+    def __init__(self, exchange: Exchange) -> None:
+        self._exchange = exchange
 
     @property
     def request_id(self) -> str:
         """The request's ``x-request-id`` header (configurable), or a generated id."""
-        return self._responder.request_id
+        return self._exchange.request_id
 
     @property
     def stream_id(self) -> str | None:
         """With ``config.resume``: the id a client resumes this stream by (also
         sent as ``x-tokenwire-stream-id``); None without resume."""
-        return self._responder.stream_id
+        return self._exchange.stream_id
 
     @property
     def backpressured(self) -> bool:
         """True while the client is not keeping up (events are queueing)."""
-        stream = self._responder.stream
+        stream = self._exchange.stream
         return stream is not None and stream.backpressured
 
     @property
     def pending_bytes(self) -> int:
         """Bytes waiting for the client (bounded by ``max_pending_bytes``)."""
-        stream = self._responder.stream
+        stream = self._exchange.stream
         return 0 if stream is None else stream.pending_bytes
 
     def abort(self) -> None:
         """End the stream now: the client gets an in-band ``cancelled`` error (or
         a 503 if nothing was sent yet) and the app is cancelled. Idempotent."""
-        self._responder.request_abort()
+        self._exchange.request_abort()
+
 
 class Exchange(ResponseWriter):
     """One HTTP request: the app task, the listener, and (for an event stream)
@@ -118,7 +120,6 @@ class Exchange(ResponseWriter):
         self.middleware = middleware
         self.config = middleware.config
         super().__init__(send, asyncio.get_running_loop())
-        self.receive = receive
         self.request_id = _request_id(scope, middleware.request_id_header)
         self.scope = dict(scope)
         self.scope["extensions"] = {**(scope.get("extensions") or {}), EXTENSION: StreamControl(self)}
@@ -411,6 +412,7 @@ class Exchange(ResponseWriter):
         stream = self.stream
         if stream is not None and not stream.finished:
             self.apply(stream.handle(Tick(), now))
+
 
 def _request_id(scope: Scope, header: bytes) -> str:
     for name, value in scope.get("headers", ()):

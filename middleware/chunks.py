@@ -338,6 +338,10 @@ class ChunkFacts:
     finish_reason: str | None = None
     completion_tokens: int | None = None
     error: str | None = None
+    carries_token: bool = False
+    """Text (content, reasoning or a completion's text) or a tool call reached the
+    reader: a token. An engine's role-only first chunk, a finish reason alone and
+    a usage chunk carry none."""
 
 
 def read_chunk(data: str) -> ChunkFacts:
@@ -356,12 +360,17 @@ def read_chunk(data: str) -> ChunkFacts:
     tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
     text: list[str] = []
     finish_reason = None
+    tool_call = False
     for choice in chunk.get("choices") or []:
         delta = choice.get("delta") or {}
-        text.append(delta.get("content") or delta.get("reasoning_content") or choice.get("text") or "")
+        text.append(delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
+                    or choice.get("text") or "")
+        tool_call = tool_call or bool(delta.get("tool_calls"))
         if choice.get("finish_reason") is not None:
             finish_reason = choice["finish_reason"]
-    return ChunkFacts("".join(text), finish_reason, tokens if isinstance(tokens, int) else None)
+    joined = "".join(text)
+    return ChunkFacts(joined, finish_reason, tokens if isinstance(tokens, int) else None,
+                      carries_token=bool(joined) or tool_call)
 
 
 # ---------------------------------------------------------------- tokens
@@ -374,7 +383,10 @@ _TOKEN_RE = re.compile(rb'"(?:content|reasoning_content|reasoning|text)" ?: ?"[^
 
 def carries_token(data: bytes) -> bool:
     """Whether ``data`` (one or more events' data, or whole ``data:`` frames)
-    holds a token event; see the module docstring."""
+    holds a token event: a non-empty text (content, reasoning, a completion's
+    text) or a tool call, found by a regex on the bytes, without parsing (the
+    core asks this of reads until the first token); non-JSON data counts as a
+    token. :func:`read_chunk`'s ``carries_token`` is the same fact, parsed."""
     if _TOKEN_RE.search(data) is not None:
         return True
     # Non-JSON data is content: a plain event stream's first event is its text.

@@ -44,8 +44,7 @@ from typing import ClassVar
 from .accounting import GAP_BUCKETS_S
 from .attempt import RETRYABLE_STATUSES, failure_error
 from .chunks import error_object, plain_event_count
-from .decisions import HEARTBEAT as HEARTBEAT
-from .decisions import StreamDecisions
+from .decisions import HEARTBEAT, StreamDecisions
 from .errors import (
     NO_CLIENT_RETRY,
     ErrorCode,

@@ -59,6 +59,7 @@ from .connection import (
 from .context import SidecarContext
 from .exchange import Exchange
 from .framing import ChunkedScanner, head_length, request_line_end, request_line_problem
+from .http1_faults import framing_problem, h11_fault
 
 logger = logging.getLogger("tokenwire.sidecar")
 
@@ -70,62 +71,6 @@ _LINGER_S = 2.0
 _PIPELINE_BUFFER_BYTES = 64 * 1024
 # How a response head h11 wrote declares a chunked body (the lowered head is searched).
 _CHUNKED_HEADER_LINE = b"\r\ntransfer-encoding: chunked\r\n"
-
-
-def _framing_problem(received: bytes | bytearray) -> str | None:
-    """What is wrong with a request head h11 accepted but an edge proxy must not.
-
-    ``received`` starts with the head as it came off the wire. h11 is lenient
-    where RFC 9112 allows it (bare LF line ends, obsolete line folding, a
-    repeated identical Content-Length, which it merges); the next hop may read
-    such a head differently, which is what request smuggling exploits, so the
-    sidecar refuses them as nginx and HAProxy do.
-    """
-    end = received.find(b"\n\r\n")
-    bare_end = received.find(b"\n\n")
-    if bare_end != -1 and (end == -1 or bare_end < end):
-        return "bare LF in the request head"
-    head = received[:end + 1]
-    if head.count(b"\n") != head.count(b"\r\n"):
-        return "bare LF in the request head"
-    if b"\n " in head or b"\n\t" in head:
-        return "obsolete line folding in the request head"
-    lowered = head.lower()
-    at = lowered.find(b"\ncontent-length:")
-    if at != -1 and (lowered.find(b"\ncontent-length:", at + 1) != -1
-                     or b"," in lowered[at:lowered.find(b"\r", at + 1)]):
-        return "more than one Content-Length"
-    return None
-
-
-# What h11's messages say, in words for the client (they may quote the bytes
-# as a Python repr, which names nothing a client can act on).
-_H11_FAULTS = (
-    ("illegal header name", "an invalid character in a header name"),
-    ("illegal header value", "an invalid character in a header value"),
-    ("illegal header line", "a malformed header line"),
-    ("continuation line", "obsolete line folding in the request head"),
-    ("request line", "a malformed request line"),
-    ("illegal method", "an invalid character in the method"),
-    ("illegal target", "an invalid character in the request target"),
-    ("transfer-encoding", "an unsupported Transfer-Encoding (only chunked is accepted)"),
-    ("chunk", "a malformed chunked body"),
-    ("content-length", "a malformed or conflicting Content-Length"),
-    ("missing mandatory host", "no Host header"),
-    ("multiple host", "more than one Host header"),
-    ("receive buffer too long", "a request head over the size limit"),
-    ("peer closed", "the connection closed before the request was complete"),
-    ("unexpectedly closed", "the connection closed before the request was complete"),
-)
-
-
-def _h11_fault(error: h11.RemoteProtocolError) -> str:
-    """The fault h11 found, in words (never h11's text, which may hold a repr)."""
-    text = str(error).lower()
-    for needle, words in _H11_FAULTS:
-        if needle in text:
-            return words
-    return "a malformed request"
 
 
 class Phase(enum.Enum):
@@ -291,7 +236,7 @@ class ClientConnection(asyncio.Protocol):
             # Request smuggling: two framings, and two hops that may pick differently.
             self._refuse(400, "Content-Length and Transfer-Encoding together")
             return
-        problem = _framing_problem(received)
+        problem = framing_problem(received)
         if problem is not None:
             self._refuse(400, problem)
             return
@@ -507,7 +452,7 @@ class ClientConnection(asyncio.Protocol):
         # the client's fault, which must not count as a server error (5xx is
         # what load balancers eject backends for and what clients retry).
         status = error.error_status_hint
-        self._refuse(400 if status == 501 else status, _h11_fault(error))
+        self._refuse(400 if status == 501 else status, h11_fault(error))
 
     def _request_line_refused(self) -> bool:
         """Refuse a request line h11 would wait on or accept wrongly, as soon as

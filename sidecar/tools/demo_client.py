@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import h11
+from tokenwire.middleware.chunks import read_chunk
 from tokenwire.middleware.sse import SSEEvent
 
-from .probe import read_chunk
 from .sse_client import BlockingReader, ResponseParser, SSEResponse, read_response, request_bytes
 
 PROMPT = "Tell me about the sea."
@@ -138,7 +138,8 @@ class StreamReader:
 
     @property
     def raw(self) -> bytes:
-        return self._reader.response.raw
+        """Every byte read so far, head and framing included."""
+        return self._reader.parser.current().raw
 
     def send(self, target: str, body: bytes, *, method: str = "POST",
              headers: Sequence[tuple[str, str]] = ()) -> None:

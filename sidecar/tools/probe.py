@@ -31,10 +31,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from .probe_load import ChunkFacts, StreamOutcome, Target, Workload, read_chunk, run_load, run_targets
+from .probe_load import StreamOutcome, Target, Workload, run_load, run_targets
 from .stats import ms, paired_difference, percentile
 
-__all__ = ["ChunkFacts", "main", "read_chunk", "run_load", "summarize"]
+__all__ = ["main", "run_load", "summarize"]
 
 
 def _spread_ms(values: list[float], *tails: str) -> dict[str, float | None]:
@@ -149,6 +149,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="max_tokens of every request (default %(default)s)")
     parser.add_argument("--header", action="append", default=[], metavar="'NAME: VALUE'",
                         help="an extra request header, e.g. 'Authorization: Bearer KEY' (repeatable)")
+    parser.add_argument("--ca-file", metavar="PEM", default="",
+                        help="CA bundle to verify https targets with (default: the system's)")
     parser.add_argument("--timeout-s", type=float, default=60.0,
                         help="connect, read and write timeout: a stream silent this long fails "
                              "(default %(default)s)")
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(set(labels)) != len(labels):
         parser.error("--compare needs a second, different target")
     try:
-        targets = [Target.parse(label) for label in labels]
+        targets = [Target.parse(label, ca_file=args.ca_file) for label in labels]
     except ValueError as exc:
         parser.error(str(exc))
     workload = Workload(args.model, args.prompt, args.max_tokens, args.api, _headers(args.header, parser))

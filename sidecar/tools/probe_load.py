@@ -26,6 +26,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import h11
+from tokenwire.middleware.chunks import read_chunk
 from tokenwire.middleware.sse import SSEEvent
 
 from .sse_client import END, NEED_DATA, ResponseParser, request_bytes
@@ -46,9 +47,11 @@ class Target:
     port: int = 0
     tls: bool = False
     unix_path: str = ""
+    ca_file: str = ""
+    """CA bundle to verify an ``https`` target with (empty: the system's)."""
 
     @classmethod
-    def parse(cls, text: str) -> Target:
+    def parse(cls, text: str, *, ca_file: str = "") -> Target:
         """``http(s)://host[:port][/prefix]`` or ``unix:PATH``; a ValueError names a bad one."""
         if text.startswith("unix:"):
             path = text[len("unix:"):]
@@ -61,7 +64,8 @@ class Target:
         prefix = parts.path.rstrip("/")
         base = prefix if prefix.endswith("/v1") else prefix + "/v1"
         tls = parts.scheme == "https"
-        return cls(text, base, host=parts.hostname, port=parts.port or (443 if tls else 80), tls=tls)
+        return cls(text, base, host=parts.hostname, port=parts.port or (443 if tls else 80), tls=tls,
+                   ca_file=ca_file)
 
     @property
     def host_header(self) -> str:
@@ -74,7 +78,7 @@ class Target:
         if self.unix_path:
             opening = asyncio.open_unix_connection(self.unix_path, limit=_READ_BYTES)
         else:
-            context = ssl.create_default_context() if self.tls else None
+            context = ssl.create_default_context(cafile=self.ca_file or None) if self.tls else None
             opening = asyncio.open_connection(self.host, self.port, ssl=context, limit=_READ_BYTES)
         return await asyncio.wait_for(opening, timeout_s)
 
@@ -145,46 +149,6 @@ class StreamOutcome:
         if not self.duration_s or self.error is not None or not self.tokens:
             return None
         return self.tokens / self.duration_s
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkFacts:
-    """What one OpenAI stream chunk says, as a client reads it."""
-
-    text: str = ""
-    finish_reason: str | None = None
-    completion_tokens: int | None = None
-    error: str | None = None
-    carries_token: bool = False
-    """Text, reasoning or a tool call: a token reached the reader."""
-
-
-def read_chunk(data: str) -> ChunkFacts:
-    """Read one SSE ``data`` payload of an OpenAI stream (not ``[DONE]``):
-    its text (content, reasoning or completion text), finish reason, usage
-    block, or in-band error."""
-    try:
-        chunk: Any = json.loads(data)
-    except ValueError:
-        return ChunkFacts(error=f"non-JSON event: {data[:120]}")
-    if not isinstance(chunk, dict):
-        return ChunkFacts()
-    if chunk.get("error") is not None:
-        return ChunkFacts(error=f"in-band error: {json.dumps(chunk['error'])[:300]}")
-    usage = chunk.get("usage")
-    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    text: list[str] = []
-    finish_reason = None
-    tool_call = False
-    for choice in chunk.get("choices") or []:
-        delta = choice.get("delta") or {}
-        text.append(delta.get("content") or delta.get("reasoning_content") or choice.get("text") or "")
-        tool_call = tool_call or bool(delta.get("tool_calls"))
-        if choice.get("finish_reason") is not None:
-            finish_reason = choice["finish_reason"]
-    joined = "".join(text)
-    return ChunkFacts(joined, finish_reason, tokens if isinstance(tokens, int) else None,
-                      carries_token=bool(joined) or tool_call)
 
 
 class _Tally:

@@ -49,7 +49,7 @@ class SSEResponse:
     error: str = ""
     """Why reading stopped early: a framing error, a reset, a timeout (empty if none)."""
     stopped: bool = False
-    """The reader's ``stop`` ended the read before the response ended."""
+    """The reader's ``stop`` ended the last read before the response ended."""
     raw: bytes = b""
     """Every byte read, head and framing included (only with ``keep_raw``)."""
 
@@ -152,7 +152,6 @@ class ResponseParser:
         """Bytes read off the connection; ``b""`` is its end."""
         if self._keep_raw:
             self._raw += data
-            self.response.raw = bytes(self._raw)
         if not self.done:
             self.connection.receive_data(data)
 
@@ -196,9 +195,11 @@ class ResponseParser:
         return parsed
 
     def current(self) -> SSEResponse:
-        """The response so far, its body brought up to date."""
+        """The response so far, its body (and ``raw``) brought up to date."""
         if len(self.response.body) != len(self._body):
             self.response.body = bytes(self._body)
+        if len(self.response.raw) != len(self._raw):
+            self.response.raw = bytes(self._raw)
         return self.response
 
     def _parse_sse(self, data: bytes) -> None:
@@ -256,6 +257,7 @@ class BlockingReader:
         started = time.perf_counter()
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         parser = self.parser
+        parser.response.stopped = False
         try:
             while True:
                 event = parser.next_event()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from tokenwire.middleware import UpstreamData, UpstreamEnded
-from tokenwire.middleware.chunks import carries_token
+from tokenwire.middleware.chunks import carries_token, read_chunk
 from tokenwire.middleware.meter import GAP_BUCKETS_S, TokenMeter
 
 from .wire_harness import Driver, chunk, completion_chunk, event, tool_args
@@ -34,6 +34,8 @@ DONE = "[DONE]"
 def test_carriesToken_table(data: str, token: bool) -> None:
     assert carries_token(data.encode()) is token
     assert carries_token(b"data: " + data.encode() + b"\n\n") is token
+    if data.startswith('{"id"'):  # an OpenAI chunk: the parsed fact agrees with the regex
+        assert read_chunk(data).carries_token is token
 
 
 def test_meter_whenRoleChunkFirst_thenTimesFromTheFirstToken() -> None:

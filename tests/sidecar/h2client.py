@@ -39,6 +39,7 @@ class StreamState:
     body: bytearray = field(default_factory=bytearray)
     ended: bool = False
     reset_code: int | None = None
+    trailers: list[Header] = field(default_factory=list)
     first_data_at: float | None = None
     data_times: list[float] = field(default_factory=list)
 
@@ -169,6 +170,9 @@ class H2Client:
                 state.first_data_at = now
             if event.flow_controlled_length and self.credits(event.stream_id):
                 self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+        elif isinstance(event, h2.events.TrailersReceived):
+            state = self.streams.setdefault(event.stream_id, StreamState())
+            state.trailers = [(bytes(k), bytes(v)) for k, v in event.headers or []]
         elif isinstance(event, h2.events.StreamEnded):
             self.streams.setdefault(event.stream_id, StreamState()).ended = True
         elif isinstance(event, h2.events.StreamReset):

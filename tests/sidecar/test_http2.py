@@ -19,8 +19,10 @@ import httpx
 import pytest
 import trustme
 from clients import sse_datas, tls_client_context, tls_server_files, wait_for
-from conftest import LoopThread, RunningSidecar
+from conftest import LoopThread, RecordingLog, RunningSidecar, make_config
 from h2client import H2Client, chat_headers
+from tokenwire.sidecar import Sidecar
+from tokenwire.sidecar.http2_stream import Http2Stream, RequestHead, StreamHandler
 from upstreams import FakeUpstream, expected_text
 
 CHAT = b'{"model":"m","stream":true,"messages":[]}'
@@ -240,3 +242,51 @@ def test_http2_whenTlsClientResets_thenSameAbortPath(
         assert client.read_until(lambda: client.streams[stream].first_data_at is not None)
         client.reset(stream)
         assert upstream.connection_of("h2-tls-cancel").closed.wait(5)
+
+
+class _EchoHandler:
+    """A stream handler beside the exchange (what gRPC plugs in): echoes the
+    body as it comes, then ends with trailers."""
+
+    def __init__(self, stream: Http2Stream) -> None:
+        self.stream = stream
+        stream.respond_head(200, [(b"content-type", b"application/grpc")])
+
+    def data_received(self, data: bytes) -> None:
+        self.stream.send_body(data)
+
+    def request_ended(self) -> None:
+        self.stream.send_trailers([(b"grpc-status", b"0")])
+        self.stream.exchange_finished(None)
+
+    def stream_reset(self) -> None:
+        self.stream.exchange_finished(None)
+
+
+def test_http2_whenRouteClaimsAStream_thenItsHandlerAnswersAndNothingIsProxied(
+        loop_thread: LoopThread, upstream: FakeUpstream) -> None:
+    def route(head: RequestHead, stream: Http2Stream) -> StreamHandler | None:
+        if head.header(b"content-type") == b"application/grpc":
+            return _EchoHandler(stream)
+        return None
+
+    config = make_config(upstream.url)
+    sidecar = Sidecar(config, log=RecordingLog(), http2_route=route)
+    loop_thread.run(sidecar.start())
+    try:
+        before = len(upstream.requests)
+        with H2Client(sidecar.address[1]) as client:
+            stream_id = client.request("/pkg.Service/Method", method="POST",
+                                       headers=[(b"content-type", b"application/grpc")], end=False)
+            client.conn.send_data(stream_id, b"\x00\x00\x00\x00\x02hi", end_stream=True)
+            client.flush()
+            state = client.response(stream_id)
+            assert state.status == 200 and state.ended
+            assert bytes(state.body) == b"\x00\x00\x00\x00\x02hi"
+            assert state.trailers == [(b"grpc-status", b"0")]
+            assert len(upstream.requests) == before  # the handler answered, not the upstream
+            # Anything else on the same connection is proxied as usual.
+            plain = client.response(client.request("/models/v1/models"))
+            assert plain.status == 200 and len(upstream.requests) == before + 1
+    finally:
+        loop_thread.run(sidecar.shutdown())

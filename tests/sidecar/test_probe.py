@@ -13,10 +13,14 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import trustme
+from clients import tls_server_files
 from conftest import LoopThread
+from tokenwire.middleware.chunks import read_chunk
 from tokenwire.sidecar.tools.probe import main
 from tokenwire.sidecar.tools.stats import paired_difference, percentile
 from upstreams import DONE, FakeUpstream, ScriptedUpstream, chunk
@@ -170,6 +174,18 @@ def test_probe_whenServerClosesItsKeptAliveConnection_thenTheNextRequestGoesOnAN
     assert report[recorder.url]["summary"]["ok"] == 3 and recorder.connections == 3
 
 
+def test_probe_whenTargetIsHttps_thenVerifiesItWithTheGivenCa(
+        start_sidecar: Callable[..., Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    files = tls_server_files(trustme.CA(), tmp_path)
+    sidecar = start_sidecar(tls_cert=files["tls_cert"], tls_key=files["tls_key"])
+    url = f"https://localhost:{sidecar.port}/normal/v1"
+    code, report = _run(capsys, url, "--ca-file", files["ca"], "--requests", "2", "--warmup", "0")
+    assert code == 0 and report[url]["summary"]["ok"] == 2
+    # Without the CA the certificate is refused, and every stream says so.
+    code, report = _run(capsys, url, "--requests", "1", "--warmup", "0")
+    assert code == 1 and "CERTIFICATE_VERIFY_FAILED" in report[url]["summary"]["error_samples"][0]
+
+
 def test_probe_whenUrlIsNotHttp_thenUsageErrorNamesIt(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["ftp://example", "--requests", "1"])
@@ -186,6 +202,17 @@ def test_probe_whenTextReport_thenNamesEachFigure(
         assert figure in out
 
 
+def test_probe_compare_whenTextReport_thenEachFigureHasItsDifferenceAndInterval(
+        upstream: FakeUpstream, capsys: pytest.CaptureFixture[str]) -> None:
+    first, second = upstream.url + "/normal/v1", upstream.url + "/prefill/v1"
+    assert main([first, "--compare", second, "--requests", "3", "--warmup", "0"]) == 0
+    out = capsys.readouterr().out
+    assert f"{second} minus {first}, pair by pair" in out
+    for figure in ("ttft_ms", "itl_p50_ms", "duration_ms", "tokens_per_s"):
+        line = next(line for line in out.splitlines() if line.strip().startswith(figure))
+        assert "[" in line and "(3 pairs)" in line, line
+
+
 def test_stats_pairedDifference_isTheMedianOfPairDifferencesWithAnIntervalAroundIt() -> None:
     pairs = [(1.0, 1.5), (2.0, 2.4), (1.0, 1.6), (3.0, 3.5), (1.0, 1.45)]
     diff = paired_difference(pairs, scale=1000)
@@ -193,3 +220,18 @@ def test_stats_pairedDifference_isTheMedianOfPairDifferencesWithAnIntervalAround
     assert 400.0 <= diff["ci95"][0] <= 500.0 <= diff["ci95"][1] <= 600.0
     assert paired_difference([])["median"] is None
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile([], 99) is None
+
+
+def test_readChunk_textReasoningAndToolCallsAreTokens_theRoleFinishAndUsageChunksAreNot() -> None:
+    def chunk_with(delta: dict[str, Any], **extra: Any) -> str:
+        return json.dumps({"choices": [{"index": 0, "delta": delta, "finish_reason": None}], **extra})
+
+    tokens = [chunk_with({"content": "hi"}), chunk_with({"reasoning_content": "hm"}),
+              chunk_with({"reasoning": "hm"}), json.dumps({"choices": [{"index": 0, "text": "x"}]}),
+              chunk_with({"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]})]
+    not_tokens = [chunk_with({"role": "assistant", "content": ""}),
+                  json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
+                  json.dumps({"choices": [], "usage": {"completion_tokens": 3}})]
+    assert all(read_chunk(data).carries_token for data in tokens)
+    assert not any(read_chunk(data).carries_token for data in not_tokens)
+    assert read_chunk(not_tokens[2]).completion_tokens == 3

@@ -150,10 +150,11 @@ class FakeUpstream(_Listener):
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         record = Connection(opened_at=time.monotonic())
         self.connections.append(record)
+        carried = b""
         try:
             while True:
                 try:
-                    head = await reader.readuntil(b"\r\n\r\n")
+                    head = carried + await reader.readuntil(b"\r\n\r\n")
                 except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
                     record.peer_closed_at = time.monotonic()
                     return
@@ -165,13 +166,20 @@ class FakeUpstream(_Listener):
                 watcher = asyncio.ensure_future(reader.read(1))
                 responder = asyncio.ensure_future(self._respond(request, writer))
                 done, _ = await asyncio.wait({watcher, responder}, return_when=asyncio.FIRST_COMPLETED)
+                carried = b""
                 if watcher in done:
-                    record.peer_closed_at = time.monotonic()
-                    responder.cancel()
-                    return
-                watcher.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await watcher
+                    carried = b"" if watcher.exception() is not None else watcher.result()
+                    if not carried:
+                        record.peer_closed_at = time.monotonic()
+                        responder.cancel()
+                        return
+                    # The client's next request on this connection began before the
+                    # answer's last write returned (keep-alive): no abort; keep its byte.
+                    await asyncio.wait({responder})
+                else:
+                    watcher.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await watcher
                 keep_alive = responder.exception() is None and responder.result()
                 if not keep_alive:
                     return

@@ -1,0 +1,229 @@
+"""HTTP/2 benchmark: tokenwire's HTTP/2 path beside its HTTP/1.1 path and nginx
+(``http2``, TLS), side by side, one run.
+
+Method (figures in bench/README.md, "HTTP/2"):
+
+* One fake upstream (``sse_load.py upstream``: paced OpenAI chunks stamped
+  with their send time) behind three targets: ``direct`` (plaintext HTTP/1.1,
+  the latency baseline), the tokenwire sidecar (TLS, ALPN h2 and http/1.1),
+  nginx (TLS, ``listen ... ssl http2``, ``proxy_buffering off``, one worker,
+  upstream keepalive). Each load client is its own process (``h2_load.py``).
+* ``throughput``: 200 streams x 500 events every 10 ms (100 events/s each);
+  over HTTP/2 on 10 connections, over HTTP/1.1 on 200. Completion, exact text,
+  delivered events/s, added latency (p50/p99 minus direct's), proxy CPU per event.
+* ``reset``: 200 streams, one at a time, cancelled after 3 events: RST_STREAM
+  over HTTP/2, a TCP reset over HTTP/1.1; until the upstream connection closes.
+* ``stuck``: 200 streams on one HTTP/2 connection, one of which never opens
+  its window; the other 199's longest gap between events (events every 10 ms,
+  20,000/s on the connection, and every 50 ms).
+* ``rapid reset``: 100,000 HEADERS+DATA+RST_STREAM streams from one client
+  while a bystander connection streams; the proxy's RSS and CPU before/after,
+  the GOAWAY code, the bystander's longest gap, how many requests reached the
+  upstream.
+
+Usage: ``python bench/h2_bench.py [--quick]``; writes ``bench/results/h2.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sidecar_bench import (
+    cpu_seconds,
+    free_port,
+    nginx_binary,
+    nginx_worker_pid,
+    process,
+    rss_kib,
+    wait_port,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+PY = sys.executable
+LOAD = str(ROOT / "bench" / "sse_load.py")
+H2LOAD = str(ROOT / "bench" / "h2_load.py")
+# The stuck-stream scenario holds 200 streams on one connection: both proxies
+# allow 256 (their default, 128, would refuse the last 72).
+MAX_STREAMS = 256
+
+
+def fetch_closes(upstream_port: int) -> dict[str, Any]:
+    """What the fake upstream saw end: ``closes`` (cut by the proxy) and ``finished``, by id."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{upstream_port}/closes", timeout=10) as response:
+        seen: dict[str, Any] = json.loads(response.read())
+    return seen
+
+
+def certificate(directory: Path) -> tuple[str, str]:
+    import trustme
+
+    cert = trustme.CA().issue_cert("localhost", "127.0.0.1")
+    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
+    cert_path.write_bytes(b"".join(blob.bytes() for blob in cert.cert_chain_pems))
+    cert.private_key_pem.write_to_path(str(key_path))
+    return str(cert_path), str(key_path)
+
+
+@contextlib.contextmanager
+def nginx_h2(listen_port: int, upstream_port: int, cert: str, key: str) -> Iterator[subprocess.Popen[str]]:
+    prefix = Path(tempfile.mkdtemp(prefix="tokenwire-nginx-h2-"))
+    (prefix / "logs").mkdir()
+    conf = prefix / "nginx.conf"
+    conf.write_text(f"""
+worker_processes 1;
+daemon off;
+pid {prefix}/nginx.pid;
+error_log {prefix}/logs/error.log warn;
+worker_rlimit_nofile 65536;
+events {{ worker_connections 32768; }}
+http {{
+    access_log off;
+    client_body_temp_path {prefix}/body;
+    proxy_temp_path {prefix}/proxy;
+    upstream engine {{ server 127.0.0.1:{upstream_port}; keepalive 256; }}
+    server {{
+        listen 127.0.0.1:{listen_port} ssl http2 backlog=8192;
+        http2_max_concurrent_streams {MAX_STREAMS};
+        ssl_certificate {cert};
+        ssl_certificate_key {key};
+        location / {{
+            proxy_pass http://engine;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_cache off;
+            proxy_read_timeout 3600s;
+        }}
+    }}
+}}
+""")
+    with process([nginx_binary(), "-p", str(prefix), "-c", str(conf)], "nginx", ready_line=False) as proc:
+        wait_port(listen_port)
+        yield proc
+    shutil.rmtree(prefix, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def sidecar_tls(listen_port: int, upstream_port: int, cert: str, key: str) -> Iterator[subprocess.Popen[str]]:
+    cmd = [PY, "-m", "tokenwire.sidecar", "sidecar", "--listen", f"127.0.0.1:{listen_port}",
+           "--upstream", f"http://127.0.0.1:{upstream_port}", "--max-connections", "20000",
+           "--tls-cert", cert, "--tls-key", key, "--log-file", "",
+           "--http2-max-concurrent-streams", str(MAX_STREAMS),
+           # nginx's client_header_timeout (60 s): 200 TLS handshakes from one
+           # Python client on a busy box can take longer than the sidecar's 10 s.
+           "--header-read-timeout-s", "60"]
+    with process(cmd, "sidecar") as proc:
+        yield proc
+
+
+def load(scenario: str, port: int, *args: str, timeout_s: float = 600) -> dict[str, Any]:
+    cmd = [PY, H2LOAD, scenario, "--target", f"127.0.0.1:{port}", *args]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+    for line in run.stdout.splitlines():
+        if line.startswith('{"result"'):
+            result: dict[str, Any] = json.loads(line)["result"]
+            return result
+    return {"error": f"{scenario}: exit {run.returncode}: {run.stderr[-800:]}"}
+
+
+def direct_throughput(upstream_port: int, streams: int, events: int) -> dict[str, Any]:
+    cmd = [PY, LOAD, "client", "throughput", "--target", f"127.0.0.1:{upstream_port}",
+           "--upstream-port", str(upstream_port), "--streams", str(streams), "--events", str(events),
+           "--interval-ms", "10"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True).stdout
+    return dict(json.loads(next(line for line in out.splitlines() if line.startswith('{"result"')))["result"])
+
+
+def rapid_reset(port: int, upstream_port: int, pid: int, pairs: int) -> dict[str, Any]:
+    bystander = subprocess.Popen(
+        [PY, H2LOAD, "stuck", "--target", f"127.0.0.1:{port}", "--streams", "2", "--events", "600",
+         "--interval-ms", "10"], stdout=subprocess.PIPE, text=True)
+    before_rss, before_cpu = rss_kib(pid), cpu_seconds(pid)
+    attack = load("rapid-reset", port, "--pairs", str(pairs))
+    after_rss, after_cpu = rss_kib(pid), cpu_seconds(pid)
+    out, _ = bystander.communicate(timeout=120)
+    gap = json.loads(next(line for line in out.splitlines() if line.startswith('{"result"')))["result"]
+    seen = fetch_closes(upstream_port)
+    reached = len([k for k in {**seen["closes"], **seen["finished"]} if k.startswith("rr")])
+    return {**attack, "rss_before_kib": before_rss, "rss_after_kib": after_rss,
+            "proxy_cpu_s": round(after_cpu - before_cpu, 3), "bystander_longest_gap_ms":
+            gap["others_longest_gap_ms"], "streams_reaching_upstream": reached}
+
+
+def run(quick: bool) -> dict[str, Any]:
+    streams, events = (50, 200) if quick else (200, 500)
+    pairs = 20_000 if quick else 100_000
+    tmp = Path(tempfile.mkdtemp(prefix="tokenwire-h2-bench-"))
+    cert, key = certificate(tmp)
+    upstream_port, sidecar_port, nginx_port = free_port(), free_port(), free_port()
+    results: dict[str, Any] = {"targets": {}}
+    with process([PY, LOAD, "upstream", "--port", str(upstream_port)], "upstream"), \
+            sidecar_tls(sidecar_port, upstream_port, cert, key) as side, \
+            nginx_h2(nginx_port, upstream_port, cert, key) as ngx:
+        print("[direct] throughput", flush=True)
+        direct = direct_throughput(upstream_port, streams, events)
+        results["direct"] = direct
+        pids = {"tokenwire": side.pid, "nginx": nginx_worker_pid(ngx)}
+        ports = {"tokenwire": sidecar_port, "nginx": nginx_port}
+        for name in ("tokenwire", "nginx"):
+            row: dict[str, Any] = {}
+            for proto in ("h1", "h2"):
+                print(f"[{name}] throughput {proto}", flush=True)
+                cpu_before = cpu_seconds(pids[name])
+                h1_flag = ["--h1"] if proto == "h1" else []
+                tp = load("throughput", ports[name], "--streams", str(streams), "--connections", "10",
+                          "--events", str(events), "--interval-ms", "10", *h1_flag)
+                if "error" in tp:
+                    row[f"throughput_{proto}"] = tp
+                    continue
+                tp["proxy_cpu_us_per_event"] = round(
+                    (cpu_seconds(pids[name]) - cpu_before) / max(tp["delivered_events"], 1) * 1e6, 1)
+                tp["added_latency_p50_ms"] = round(tp["latency"]["p50_ms"] - direct["latency"]["p50_ms"], 3)
+                tp["added_latency_p99_ms"] = round(tp["latency"]["p99_ms"] - direct["latency"]["p99_ms"], 3)
+                row[f"throughput_{proto}"] = tp
+                print(f"[{name}] reset {proto}", flush=True)
+                row[f"reset_{proto}"] = load("reset", ports[name], "--upstream-port", str(upstream_port),
+                                             "--streams", "50" if quick else "200", *h1_flag)
+            h1, h2 = row["throughput_h1"], row["throughput_h2"]
+            row["h2_vs_h1"] = {} if "error" in h1 or "error" in h2 else {
+                "delivered_events": round(h2["delivered_events"] / max(h1["delivered_events"], 1), 4),
+                "added_latency_p50": round(h2["added_latency_p50_ms"] / h1["added_latency_p50_ms"], 3)
+                if h1["added_latency_p50_ms"] > 0 else None}
+            for interval_ms in (10, 50):
+                print(f"[{name}] stuck stream, events every {interval_ms} ms", flush=True)
+                row[f"stuck_{interval_ms}ms"] = load("stuck", ports[name], "--streams", str(streams),
+                                                     "--events", str(3000 // interval_ms),
+                                                     "--interval-ms", str(interval_ms))
+            print(f"[{name}] rapid reset {pairs}", flush=True)
+            row["rapid_reset"] = rapid_reset(ports[name], upstream_port, pids[name], pairs)
+            results["targets"][name] = row
+    shutil.rmtree(tmp, ignore_errors=True)
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="50 streams x 200 events, 20,000 pairs")
+    args = parser.parse_args()
+    results = run(args.quick)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / ("h2_quick.json" if args.quick else "h2.json")
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""The core's parts and their states, watched through a WireStream driven as a
+driver would drive it; and driver.py, the module every driver shares (its
+timer on a real event loop, its resume entry against a real memory store)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from tokenwire.middleware import (
+    ClientGone,
+    EndReason,
+    FailureKind,
+    LocalProtocolError,
+    ReaderAttached,
+    ReplayAppend,
+    SocketPaused,
+    SocketResumed,
+    Tick,
+    UpstreamData,
+    UpstreamEnded,
+    UpstreamFailed,
+    UpstreamHeaders,
+    WireConfig,
+)
+from tokenwire.middleware.attempt import AttemptPhase
+from tokenwire.middleware.chunks import read_chunk
+from tokenwire.middleware.client_socket import SocketPhase
+from tokenwire.middleware.driver import DeadlineTimer, enter_resume, needs_body
+from tokenwire.middleware.errors import ErrorCode
+from tokenwire.middleware.lifecycle import StreamState, Trigger, next_state
+from tokenwire.middleware.recording import RecorderPhase
+from tokenwire.middleware.replay_store import MemoryReplayStore
+from tokenwire.middleware.resume import CallerKey, ResumeFrom
+
+from .wire_harness import SSE_HEADERS, Driver, chunk, proxy_config
+
+DONE = "[DONE]"
+
+
+def sse(*datas: str) -> UpstreamData:
+    return UpstreamData(b"".join(b"data: " + d.encode() + b"\n\n" for d in datas))
+
+
+def test_lifecycle_whenTriggerNotInTable_thenLocalProtocolError() -> None:
+    assert next_state(StreamState.WAITING, Trigger.COMMIT) is StreamState.COMMITTED
+    with pytest.raises(LocalProtocolError, match="can't send in state waiting"):
+        next_state(StreamState.WAITING, Trigger.SEND)
+    with pytest.raises(LocalProtocolError):
+        next_state(StreamState.ABORTED, Trigger.ABORT)
+
+
+def test_attempt_whenRetriedThenAnswered_thenPhasesFollowTheDocstring() -> None:
+    d = Driver(proxy_config(retry_attempts=1, retry_backoff_s=0.5), upstreams=("a", "b"))
+    attempt = d.stream._attempt
+    assert attempt.phase is AttemptPhase.CONNECTING
+    d.send(UpstreamFailed(FailureKind.CONNECT, "refused"), at=0.1)
+    assert attempt.phase is AttemptPhase.BACKOFF and attempt.retry_at == pytest.approx(0.6)
+    d.send(UpstreamData(b""), at=0.3)  # a dropped attempt's late bytes change nothing
+    assert attempt.phase is AttemptPhase.BACKOFF
+    d.send(Tick(), at=0.6)
+    assert attempt.phase is AttemptPhase.CONNECTING and d.stream.upstream == "b"
+    d.send(UpstreamHeaders(200, SSE_HEADERS), at=0.7)
+    assert attempt.phase is AttemptPhase.EVENT_STREAM
+    d.send(UpstreamEnded(), at=0.8)
+    assert attempt.phase is AttemptPhase.CLOSED
+
+
+def test_attempt_whenErrorStatusAfterCommit_thenLateErrorReadsItsBody() -> None:
+    d = Driver(proxy_config(commit_deadline_s=1.0))
+    d.send(SocketResumed(), at=1.0)  # the commit deadline passes: the SSE headers go out
+    assert d.stream.state is StreamState.COMMITTED
+    d.send(UpstreamHeaders(500, ((b"content-type", b"application/json"),)), at=1.5)
+    assert d.stream._attempt.phase is AttemptPhase.LATE_ERROR
+    d.send(UpstreamData(b'{"error": {"message": "engine fell over", "code": 500}}'), at=1.6)
+    d.send(UpstreamEnded(), at=1.7)
+    assert b"engine fell over" in d.written
+    assert d.finished.record.end_reason is EndReason.UPSTREAM_ERROR
+
+
+def test_clientSocket_whenPausedWritingGone_thenPhasesFollow() -> None:
+    d = Driver(proxy_config(), auto_complete=False)
+    client = d.stream._client
+    assert client.phase is SocketPhase.WRITABLE
+    d.sse_headers(at=0.0)
+    d.send(sse(chunk("hi")), at=0.1)
+    assert client.phase is SocketPhase.WRITING
+    d.send(SocketPaused(), at=0.2)
+    assert client.phase is SocketPhase.PAUSED
+    d.send(ClientGone(), at=0.3)
+    assert client.phase is SocketPhase.GONE
+
+
+def test_recorder_whenClientLeavesAndReaderAttaches_thenRecordingEndsDetached() -> None:
+    config = proxy_config(resume=True, resume_grace_s=5.0)
+    d = Driver(config, stream_id="s1")
+    recorder, hold = d.stream._resume, d.stream._hold
+    assert recorder.phase is RecorderPhase.RECORDING
+    d.sse_headers(at=0.0)
+    d.send(sse(chunk("one")), at=0.1)
+    d.send(ClientGone(), at=0.2)
+    assert hold.until == pytest.approx(5.2) and d.stream.state is StreamState.STREAMING
+    d.send(ReaderAttached(), at=0.3)
+    assert hold.until is None and hold.reader_attached
+    d.send(sse(chunk("two"), DONE), at=0.4)
+    d.send(UpstreamEnded(), at=0.5)
+    assert recorder.phase is RecorderPhase.ENDED
+    appended = d.of(ReplayAppend)
+    assert [f for a in appended for f in a.frames][-1] == f"data: {DONE}\n\n".encode()
+    assert appended[-1].end is EndReason.COMPLETE
+    assert d.finished.record.end_reason is EndReason.DETACHED
+
+
+def test_recorder_whenPastResumeMaxBytes_thenOverflowedAndStopsRecording() -> None:
+    d = Driver(proxy_config(resume=True, resume_max_bytes=200), stream_id="s2")
+    d.sse_headers(at=0.0)
+    for n in range(6):
+        d.send(sse(chunk(f"chunk number {n}")), at=0.1 * n)
+    assert d.stream._resume.phase is RecorderPhase.OVERFLOWED
+    overflowed = [a for a in d.of(ReplayAppend) if a.overflow]
+    assert len(overflowed) == 1
+
+
+def test_accounting_whenCounterAssigned_thenReadOnly() -> None:
+    d = Driver(proxy_config())
+    d.sse_headers(at=0.0)
+    d.send(sse(chunk("a")), at=0.1)
+    d.send(sse(chunk("b")), at=0.2)
+    assert d.stream.events_in == 2 and d.stream.events_out == 2
+    with pytest.raises(AttributeError, match="read-only"):
+        d.stream.events_in = 0  # type: ignore[misc]
+
+
+def test_readChunk_whenTextFinishUsageOrError_thenClientView() -> None:
+    facts = read_chunk('{"choices":[{"delta":{"content":"hi"},"finish_reason":"stop"}],'
+                       '"usage":{"completion_tokens":3}}')
+    assert (facts.text, facts.finish_reason, facts.completion_tokens, facts.error) == ("hi", "stop", 3, None)
+    assert read_chunk('{"error": {"message": "no"}}').error == 'in-band error: {"message": "no"}'
+    assert read_chunk("not json").error == "non-JSON event: not json"
+
+
+# ------------------------------------------------------------------ driver.py
+
+
+def test_deadlineTimer_whenArmedLaterThenEarlier_thenFiresOnceAtTheEarlierNeverBefore() -> None:
+    asyncio.run(_deadline_timer())
+
+
+async def _deadline_timer() -> None:
+    loop = asyncio.get_running_loop()
+    fired: list[float] = []
+    done = asyncio.Event()
+
+    def on_tick(now: float) -> None:
+        fired.append(now)
+        done.set()
+
+    timer = DeadlineTimer(loop, on_tick)
+    start = loop.time()
+    timer.arm(start + 30.0)
+    timer.arm(start + 0.05)  # moves it earlier
+    timer.arm(start + 10.0)  # a later deadline never moves it later
+    timer.arm(None)
+    await asyncio.wait_for(done.wait(), timeout=20.0)
+    assert len(fired) == 1 and start + 0.05 <= fired[0] < start + 10.0  # the earlier one, not the later
+    timer.arm(loop.time() + 0.01)
+    timer.cancel()
+    await asyncio.sleep(0.05)
+    assert len(fired) == 1
+
+
+def test_enterResume_whenReconnectReusedKeyOrPlain_thenOneAnswerForEveryDriver() -> None:
+    asyncio.run(_enter_resume())
+
+
+async def _enter_resume() -> None:
+    store = MemoryReplayStore.from_config(WireConfig(resume=True))
+    key = CallerKey(b"authorization", b"secret")
+    alice = [(b"authorization", b"Bearer alice")]
+    entry = await enter_resume(store, key, method="POST", path="/v1/chat/completions", headers=alice,
+                               body=b"{}", stream_id="s1", open_now=True)
+    assert entry.opened and entry.replay is None and entry.refusal is None
+    again = await enter_resume(store, key, method="GET", path="/v1/streams/s1", headers=alice,
+                               body=b"", stream_id="s2", open_now=True)
+    assert again.replay == ResumeFrom("s1", 0) and again.reconnect
+    bob = [(b"authorization", b"Bearer bob")]
+    stranger = await enter_resume(store, key, method="GET", path="/v1/streams/s1", headers=bob,
+                                  body=b"", stream_id="s3", open_now=True)
+    assert stranger.refusal is not None and stranger.refusal.code is ErrorCode.STREAM_NOT_FOUND
+    keyed = [*alice, (b"idempotency-key", b"k1")]
+    assert needs_body("POST", keyed) and not needs_body("POST", alice)
+    first = await enter_resume(store, key, method="POST", path="/v1/x", headers=keyed, body=b"a",
+                               stream_id="s4", open_now=False)
+    assert first.opened and first.replay is None
+    repeat = await enter_resume(store, key, method="POST", path="/v1/x", headers=keyed, body=b"a",
+                                stream_id="s5", open_now=False)
+    assert repeat.replay == ResumeFrom("s4", 0) and not repeat.reconnect
+    reused = await enter_resume(store, key, method="POST", path="/v1/x", headers=keyed, body=b"b",
+                                stream_id="s6", open_now=False)
+    assert reused.refusal is not None and reused.refusal.code is ErrorCode.IDEMPOTENCY_KEY_REUSED
+    await store.aclose()
