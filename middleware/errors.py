@@ -13,7 +13,7 @@ the OpenAI SDKs raise as ``APIError`` when it arrives inside a stream.
 from __future__ import annotations
 
 import json
-from enum import StrEnum
+from enum import IntEnum, StrEnum
 from typing import Any, ClassVar
 
 from .chunks import error_payload, message_of, status_of
@@ -228,3 +228,82 @@ class LocalProtocolError(Exception):
     This is a programming error in the driver, not a wire condition: like
     h11's ``LocalProtocolError``, it is raised, never sent.
     """
+
+
+class GrpcStatus(IntEnum):
+    """gRPC status codes (grpc/doc/statuscodes.md), for the gRPC transcoder."""
+
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    ABORTED = 10
+    OUT_OF_RANGE = 11
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    DATA_LOSS = 15
+    UNAUTHENTICATED = 16
+
+
+# Mid-stream (in-band) errors: the code decides; the HTTP status was never sent.
+_GRPC_STATUS_OF_CODE = {
+    ErrorCode.STREAM_NOT_FOUND: GrpcStatus.NOT_FOUND,
+    ErrorCode.CANCELLED: GrpcStatus.CANCELLED,
+    ErrorCode.BACKPRESSURE_EXCEEDED: GrpcStatus.RESOURCE_EXHAUSTED,
+    ErrorCode.SEND_TIMEOUT: GrpcStatus.RESOURCE_EXHAUSTED,
+    ErrorCode.INVALID_STREAM: GrpcStatus.UNAVAILABLE,
+    ErrorCode.UPSTREAM_UNAVAILABLE: GrpcStatus.UNAVAILABLE,
+    ErrorCode.UPSTREAM_TIMEOUT: GrpcStatus.UNAVAILABLE,
+    ErrorCode.UPSTREAM_FAILED: GrpcStatus.UNAVAILABLE,
+    ErrorCode.SHUTDOWN: GrpcStatus.UNAVAILABLE,
+    ErrorCode.BAD_REQUEST: GrpcStatus.INVALID_ARGUMENT,
+    ErrorCode.INVALID_LAST_EVENT_ID: GrpcStatus.INVALID_ARGUMENT,
+    ErrorCode.IDEMPOTENCY_KEY_REUSED: GrpcStatus.FAILED_PRECONDITION,
+    ErrorCode.RESUME_UNAVAILABLE: GrpcStatus.UNAVAILABLE,
+    ErrorCode.INTERNAL: GrpcStatus.INTERNAL,
+}
+
+# Before the first message an error has its HTTP status, which says more than
+# the code: an engine's 400 (code upstream_failed) is the caller's mistake.
+_GRPC_STATUS_OF_HTTP = {
+    400: GrpcStatus.INVALID_ARGUMENT,
+    401: GrpcStatus.UNAUTHENTICATED,
+    403: GrpcStatus.PERMISSION_DENIED,
+    404: GrpcStatus.NOT_FOUND,
+    408: GrpcStatus.DEADLINE_EXCEEDED,
+    409: GrpcStatus.ALREADY_EXISTS,
+    413: GrpcStatus.RESOURCE_EXHAUSTED,
+    422: GrpcStatus.INVALID_ARGUMENT,
+    429: GrpcStatus.RESOURCE_EXHAUSTED,
+    499: GrpcStatus.CANCELLED,
+    500: GrpcStatus.INTERNAL,
+    501: GrpcStatus.UNIMPLEMENTED,
+}
+
+
+def grpc_status_of(code: ErrorCode | None, http_status: int | None = None) -> GrpcStatus:
+    """The gRPC status an error ends a call with.
+
+    ``http_status`` is the status the error had as an HTTP answer, when it
+    came before the first message (the engine's 400 → ``INVALID_ARGUMENT``);
+    after it, only ``code`` counts (``backpressure_exceeded`` →
+    ``RESOURCE_EXHAUSTED``). Never ``OK``: an error is never a finished answer.
+    """
+    if http_status is not None:
+        by_http = _GRPC_STATUS_OF_HTTP.get(http_status)
+        if by_http is not None:
+            return by_http
+        if http_status >= 500:
+            return GrpcStatus.UNAVAILABLE
+        if code is None and 400 <= http_status < 500:
+            return GrpcStatus.INVALID_ARGUMENT
+    if code is None:
+        return GrpcStatus.UNKNOWN
+    return _GRPC_STATUS_OF_CODE.get(code, GrpcStatus.UNKNOWN)

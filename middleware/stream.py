@@ -136,6 +136,11 @@ class WireStream(StreamDecisions):
     def end_reason(self) -> EndReason | None:
         return self._end_reason
 
+    @property
+    def error_code(self) -> ErrorCode | None:
+        """The code the stream ended with (None while it runs or if it completed)."""
+        return self._error_code
+
     def handle(self, event: Input, now: float) -> list[Action]:
         """Feed one input; return the actions to execute, in order."""
         handler = self._handlers.get(type(event))

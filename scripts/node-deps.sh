@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs the npm packages of the client compatibility suite (openai-node and
-# eventsource) into tests/compat/clients/node/node_modules, exactly as locked in
+# Installs the npm packages of the client compatibility suite (openai-node,
+# eventsource, and @grpc/grpc-js for the gRPC tests) into
+# tests/compat/clients/node/node_modules, exactly as locked in
 # its package-lock.json, only when missing or older than the lock file.
 # Node itself comes from Debian (scripts/system-deps.sh nodejs npm).
 set -euo pipefail

@@ -10,6 +10,7 @@ mkdir -p "$tree/tokenwire"
 ln -sfn "$root/middleware" "$tree/tokenwire/middleware"
 ln -sfn "$root/sidecar" "$tree/tokenwire/sidecar"
 ln -sfn "$root/engine" "$tree/tokenwire/engine"
+ln -sfn "$root/tokenwire/v1" "$tree/tokenwire/v1"  # the generated gRPC messages (their .pyi)
 cd "$tree"
 MYPYPATH="$tree" exec "$root/.venv/bin/python" -m mypy --strict --config-file "$root/pyproject.toml" \
     --cache-dir "$root/.mypy_cache" -p tokenwire.middleware -p tokenwire.sidecar -p tokenwire.engine

@@ -6,6 +6,8 @@ Routes::
     GET    /metrics                Prometheus text format (the sidecar's own registry)
     GET    /streams                open streams as a JSON list (no stream ids: see below)
     DELETE /streams/{request_id}   cancel: upstream aborted, client gets an in-band ``cancelled``
+    GET    /upstreams              the upstream set: state, open streams, load, picks, queue
+    POST   /upstreams/{addr}/drain    no new streams to it, its open ones finish (``/undrain``: back)
     GET    /healthz                200 while the process runs
     GET    /readyz                 200 while taking requests, 503 once draining
 
@@ -91,6 +93,8 @@ def route(context: SidecarContext, method: bytes, target: bytes, *,
         if path == "/streams":
             now = asyncio.get_running_loop().time()
             return _json(200, context.registry.describe(now))
+        if path == "/upstreams":
+            return _json(200, context.pools.describe())
         if path == "/healthz":
             return _json(200, {"status": "ok"})
         if path == "/readyz":
@@ -103,6 +107,14 @@ def route(context: SidecarContext, method: bytes, target: bytes, *,
             return _json(200, {"cancelled": request_id})
         return _json(404, error_object(f"no open stream {request_id!r}", "invalid_request_error",
                                        ErrorCode.STREAM_NOT_FOUND))
+    elif method == b"POST" and path.startswith("/upstreams/") and path.endswith(("/drain", "/undrain")):
+        given, _, verb = path[len("/upstreams/"):].rpartition("/")
+        address = context.pools.find(given)
+        if address is None:
+            return _json(404, error_object(f"no upstream {given!r}", "invalid_request_error",
+                                           ErrorCode.BAD_REQUEST))
+        context.pools.drain(address, verb == "drain")
+        return _json(200, {"upstream": address, "draining": verb == "drain"})
     else:
         return _json(405, error_object("method not allowed", "invalid_request_error", ErrorCode.BAD_REQUEST))
     return _json(404, error_object(f"no route {path}", "invalid_request_error", ErrorCode.BAD_REQUEST))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -43,3 +44,5 @@ class SidecarContext:
     """Request body bytes held by all connections now (``max_buffered_body_bytes``)."""
     draining: bool = False
     """Set on shutdown: no new requests; connections close after their current response."""
+    on_drain: list[Callable[[], None]] = field(default_factory=list)
+    """Called once when shutdown begins (``draining`` is set): gRPC health watches."""

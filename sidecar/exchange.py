@@ -36,6 +36,8 @@ from tokenwire.middleware import (
     AwaitReader,
     CloseClient,
     CommitHeaders,
+    EndReason,
+    ErrorCode,
     Finished,
     Input,
     PauseUpstream,
@@ -47,6 +49,9 @@ from tokenwire.middleware import (
     StreamRecord,
     Tick,
     UpstreamData,
+    UpstreamError,
+    UpstreamFailed,
+    UpstreamHeaders,
     WireStream,
     WriteCompleted,
 )
@@ -54,11 +59,12 @@ from tokenwire.middleware.driver import DeadlineTimer, enter_resume, replay, wai
 from tokenwire.middleware.resume import new_stream_id
 from tokenwire.middleware.retry import may_repeat
 
+from .balance import Refusal
 from .context import SidecarContext
 from .forwarding import client_response_headers
 from .metrics import REPLAY_UPSTREAM
 from .milestones import Milestones, open_span, request_fields, wall_clock
-from .upstream import run_attempt
+from .upstream import Grant, run_attempt
 from .upstream_io import UpstreamStream
 
 logger = logging.getLogger("tokenwire.sidecar")
@@ -118,7 +124,9 @@ class Exchange:
         self._reader_wait: asyncio.Task[None] | None = None
         self.stream = WireStream(
             context.config.wire, now=self._loop.time(), request_id=request_id,
-            upstreams=context.pools.names, retry_budget=context.retry_budget,
+            # The pod of each attempt is the balancer's pick (self.upstream_address),
+            # not the core's index: it names one placeholder.
+            upstreams=("",), retry_budget=context.retry_budget,
             expect_stream=expect_stream, stream_id=self.stream_id,
             may_repeat=may_repeat(method, self._upstream_headers))
         self._milestones = (Milestones(self.stream, self._log_fields, span)
@@ -132,6 +140,12 @@ class Exchange:
         self._upstream_readable = asyncio.Event()
         # Fed as an input of its own: a Tick must not run inside another input's loop.
         self._timer = DeadlineTimer(self._loop, lambda now: self.feed(Tick(), now))
+        self.upstream_address = ""
+        """The pod of the current (or last) attempt; empty before one was given."""
+        self._grant: Grant | None = None
+        self._grant_reported = False
+        self._tried: set[str] = set()
+        self._waiting_for_pod = False
 
     # ------------------------------------------------------------ public
 
@@ -211,9 +225,11 @@ class Exchange:
         return self._metered(self.stream.record(self._loop.time())), self.http_version
 
     def _metered(self, record: StreamRecord) -> StreamRecord:
-        # A replay's first token comes from the store, not an upstream: its
-        # figures must not pass for an engine's.
-        return dataclasses.replace(record, upstream=REPLAY_UPSTREAM) if self.replaying else record
+        """The record as the metrics label it: the balancer's pod (the core knows
+        none), or ``replay``: a replay's first token comes from the store, and its
+        figures must not pass for an engine's."""
+        return dataclasses.replace(record, upstream=REPLAY_UPSTREAM if self.replaying
+                                   else self.upstream_address)
 
     def describe(self, now: float) -> dict[str, Any]:
         """The ``GET /streams`` entry for this stream."""
@@ -221,7 +237,7 @@ class Exchange:
         return {
             "request_id": self.request_id,
             "upstream_request_id": self.upstream_request_id,
-            "upstream": stream.upstream,
+            "upstream": self.upstream_address,
             "age_s": round(now - stream.started_at, 3),
             "state": stream.state.value,
             "pending_bytes": stream.pending_bytes,
@@ -252,9 +268,12 @@ class Exchange:
                     action.headers, self._context.config.request_id_header.encode(), self.request_id)
                 self._downstream.send_headers(action.status, headers)
             elif isinstance(action, AbortUpstream):
+                if action.reason in (EndReason.UPSTREAM_TIMEOUT, EndReason.UPSTREAM_ERROR):
+                    self._report_pod(ok=False)
                 self._abort_attempt()
                 tell_engine = tell_engine or action.final
             elif isinstance(action, RetryUpstream):
+                self._report_pod(ok=False)
                 self._abort_attempt()
                 self._start_attempt(action.upstream_index)
             elif isinstance(action, PauseUpstream):
@@ -277,7 +296,7 @@ class Exchange:
             elif isinstance(action, AwaitReader):
                 self._reader_wait = self._loop.create_task(self._await_reader(action))
         if tell_engine:
-            self._context.pools.send_abort(self.upstream_request_id)
+            self._context.pools.send_abort(self.upstream_request_id, self.upstream_address)
         if self._milestones is not None:
             self._milestones.after(actions, self._loop.time())
 
@@ -286,8 +305,9 @@ class Exchange:
         context = self._context
         context.registry.remove(self)
         context.metrics.active_streams.dec()
-        context.metrics.observe_record(self._metered(action.record), self.http_version)
-        record = action.record
+        self._release_pod()
+        record = dataclasses.replace(action.record, upstream=self.upstream_address)
+        context.metrics.observe_record(self._metered(record), self.http_version)
         extra = {**self._log_fields, "started_at": wall_clock(record.started_at, self._loop.time())}
         if self.upstream_request_id != self.request_id:
             extra["upstream_request_id"] = self.upstream_request_id
@@ -363,6 +383,49 @@ class Exchange:
     # ------------------------------------------------------------ upstream
 
     def _start_attempt(self, upstream_index: int) -> None:
+        """Ask the balancer for a pod (the core's ``upstream_index`` counts
+        attempts; the pod is the balancer's pick, another than those that
+        failed this request where there is one). The answer may come later,
+        from the wait queue; meanwhile the core's deadlines run as for a slow
+        upstream (its commit, then heartbeats)."""
+        self._release_pod()
+        answer = self._context.pools.request(self, body=self._body, exclude=frozenset(self._tried),
+                                             on_answer=self._pod_answer)
+        if answer is None:
+            self._waiting_for_pod = True
+        else:
+            self._pod_answer(answer)
+
+    def _pod_answer(self, answer: Grant | Refusal) -> None:
+        self._waiting_for_pod = False
+        if isinstance(answer, Refusal):
+            self.feed(Rejected(UpstreamError(answer.message, ErrorCode.UPSTREAM_UNAVAILABLE,
+                                             http_status=503, retry_after_s=answer.retry_after_s)))
+            return
+        if self._done:
+            self._context.pools.release(answer)
+            return
+        self._grant = answer
+        self._grant_reported = False
+        self._tried.add(answer.address)
+        self.upstream_address = answer.address
+        self._launch_attempt(answer)
+
+    def _report_pod(self, *, ok: bool) -> None:
+        """Tell the balancer how the attempt went before its first byte (once)."""
+        if self._grant is not None and not self._grant_reported:
+            self._grant_reported = True
+            self._context.pools.report(self._grant, ok)
+
+    def _release_pod(self) -> None:
+        if self._waiting_for_pod:
+            self._waiting_for_pod = False
+            self._context.pools.cancel(self)
+        grant, self._grant = self._grant, None
+        if grant is not None:
+            self._context.pools.release(grant)
+
+    def _launch_attempt(self, grant: Grant) -> None:
         pools = self._context.pools
         self._upstream_readable.set()
         attempt: asyncio.Task[None] | None = None
@@ -370,6 +433,11 @@ class Exchange:
         def feed_from_attempt(event: Input) -> None:
             # A dropped attempt's late reports must not reach the core.
             if attempt is not None and attempt is self._attempt:
+                if not self._grant_reported:
+                    if isinstance(event, UpstreamHeaders):
+                        self._report_pod(ok=event.status < 500)
+                    elif isinstance(event, UpstreamFailed):
+                        self._report_pod(ok=False)
                 self.feed(event)
 
         def connected(stream: object) -> None:
@@ -382,13 +450,14 @@ class Exchange:
 
         self._attempt_connection = None
         attempt = self._loop.create_task(run_attempt(
-            pools.upstreams[upstream_index], method=self._method, target=self._target,
+            grant.upstream, method=self._method, target=self._target,
             headers=self._upstream_headers, body=self._body, timeouts=pools.timeouts,
             readable=self._upstream_readable, feed=feed_from_attempt, on_connection=connected,
             feed_body=body_from_attempt))
         self._attempt = attempt
 
     def _abort_attempt(self) -> None:
+        self._release_pod()
         attempt, self._attempt = self._attempt, None
         connection, self._attempt_connection = self._attempt_connection, None
         if isinstance(connection, UpstreamStream) and attempt is not None and not attempt.done():

@@ -44,6 +44,7 @@ import h2.events
 import h2.exceptions
 import h2.settings
 from hyperframe.frame import GoAwayFrame
+from tokenwire.middleware.keepalive import TOO_MANY_PINGS, PingPolicy
 
 from .connection import BUSY_BODIES, Peer, new_exchange, preflight, refusal, set_up_transport
 from .context import SidecarContext
@@ -108,6 +109,7 @@ class Http2Connection(asyncio.Protocol):
             Flood.CONTROL: config.http2_max_control_frames_per_s,
             Flood.EMPTY: config.http2_max_empty_frames_per_s,
         }, now=self.loop.time())
+        self._pings = PingPolicy(config.ping_limits)  # gRPC keepalive enforcement
         self._streams_opened = 0
         self._goaway_last_id: int | None = None  # set once we sent GOAWAY
         self._idle_timer: asyncio.TimerHandle | None = None
@@ -196,6 +198,9 @@ class Http2Connection(asyncio.Protocol):
         elif isinstance(event, h2.events.PingReceived | h2.events.PriorityUpdated):
             if self._guard.count(Flood.CONTROL, now):
                 self._calm_down()
+            elif isinstance(event, h2.events.PingReceived) and self._pings.on_ping(
+                    now, open_calls=len(self.streams)):
+                self._too_many_pings()
         elif isinstance(event, h2.events.SettingsAcknowledged):
             self._relax_hard_limits()
         elif isinstance(event, h2.events.ConnectionTerminated):
@@ -339,6 +344,11 @@ class Http2Connection(asyncio.Protocol):
 
     # ------------------------------------------------------------ the streams' calls
 
+    @property
+    def peer(self) -> Peer:
+        """What the socket says about the client (for a handler's forwarded request)."""
+        return self._peer
+
     def stream_finished(self, stream: Http2Stream) -> None:
         """A stream's answer is over: forget it; close if draining and it was the last."""
         if self.streams.get(stream.stream_id) is stream:
@@ -355,6 +365,7 @@ class Http2Connection(asyncio.Protocol):
 
     def schedule_flush(self) -> None:
         """Write what h2 holds at the end of this loop turn (one write for many streams)."""
+        self._pings.on_sent()  # a stream sent something: the connection is in use
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self.loop.call_soon(self._flush)
@@ -410,6 +421,18 @@ class Http2Connection(asyncio.Protocol):
                        self._peer.host)
         self.context.metrics.rejected_requests.labels("h2_flood").inc()
         self.h2.close_connection(_ErrorCodes.ENHANCE_YOUR_CALM)
+        self._flush()
+        self._end_all_streams()
+        self._close()
+
+    def _too_many_pings(self) -> None:
+        """Keepalive PINGs past the policy: GOAWAY(ENHANCE_YOUR_CALM, ``too_many_pings``),
+        on which gRPC clients back off their keepalive, and the connection closed."""
+        if self.closing:
+            return
+        logger.info("HTTP/2 client %s sent too many PINGs: closing the connection", self._peer.host)
+        self.context.metrics.rejected_requests.labels("too_many_pings").inc()
+        self.h2.close_connection(_ErrorCodes.ENHANCE_YOUR_CALM, additional_data=TOO_MANY_PINGS)
         self._flush()
         self._end_all_streams()
         self._close()

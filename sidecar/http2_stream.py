@@ -116,6 +116,11 @@ class Http2Stream:
         self._told_paused = False
         self._timer: asyncio.TimerHandle | None = None
 
+    @property
+    def connection(self) -> Http2Connection:
+        """The connection this stream is on."""
+        return self._connection
+
     # ------------------------------------------------------------ Downstream
 
     def send_headers(self, status: int, headers: Sequence[Header]) -> None:
@@ -141,8 +146,13 @@ class Http2Stream:
         self._waiting += data
         self.push()
 
-    def send_trailers(self, headers: Sequence[Header]) -> None:
-        """End the stream with trailers (a HEADERS frame with END_STREAM), after the body."""
+    def send_trailers(self, headers: Sequence[Header], *, drop_waiting: bool = False) -> None:
+        """End the stream with trailers (a HEADERS frame with END_STREAM), after the body;
+        ``drop_waiting``: without the body bytes the send windows still hold back (a
+        client that stopped reading; trailers are not flow-controlled)."""
+        if drop_waiting:
+            self._waiting.clear()
+            self._connection.blocked.pop(self.stream_id, None)
         self._trailers = [(name.lower(), value) for name, value in headers]
         self._ending(_End.TRAILERS)
 
@@ -266,7 +276,11 @@ class Http2Stream:
             return
         try:
             call()
-        except (h2.exceptions.StreamClosedError, h2.exceptions.NoSuchStreamError):
+        except (h2.exceptions.StreamClosedError, h2.exceptions.NoSuchStreamError,
+                h2.exceptions.TooManyStreamsError):
+            # TooManyStreamsError: h2 already dropped this stream (reset by the client
+            # in the same read as the event being answered), so it took a HEADERS
+            # frame for a new server-initiated stream, which a server may not open.
             self._closed_under_us()
             return
         self._connection.schedule_flush()

@@ -41,6 +41,7 @@ from .registry import StreamRegistry
 from .settings import SidecarConfig, parse_host_port, read_admin_token
 from .tls import alerting_protocol_factory, load_certificates, server_context
 from .upstream import UpstreamPools
+from .upstream_metrics import UpstreamCollector
 
 logger = logging.getLogger("tokenwire.sidecar")
 
@@ -108,6 +109,8 @@ class Sidecar:
             admin_origins=own_origins,
         )
         self.context = context
+        context.metrics.registry.register(UpstreamCollector(context.pools))
+        await context.pools.start()
         if config.tls:
             self._ssl = server_context(config)
         host, port = parse_host_port(config.listen, "listen")
@@ -116,7 +119,7 @@ class Sidecar:
         # loop's default would hold the socket for 60 s, before the connection
         # (and its timers and connection count) even exists.
         handshake_timeout_s = (config.header_read_timeout_s or None) if self._ssl is not None else None
-        route = self._http2_route
+        route = self._http2_route if self._http2_route is not None else _grpc_route(context)
         factory: Callable[[], asyncio.BaseProtocol] = lambda: ProtocolSelector(context, route)  # noqa: E731
         alerting = (alerting_protocol_factory(factory, self._ssl, handshake_timeout_s)
                     if self._ssl is not None and config.tls_client_ca else None)
@@ -165,6 +168,12 @@ class Sidecar:
         logger.info("TLS certificates reloaded")
         return True
 
+    def reload(self) -> None:
+        """SIGHUP: reload the certificates and re-read the upstream address files."""
+        self.reload_tls()
+        if self.context is not None:
+            self.context.pools.reload()
+
     def request_stop(self) -> None:
         """Begin a graceful shutdown (safe from signal handlers; same loop)."""
         if self._stop is not None:
@@ -180,6 +189,8 @@ class Sidecar:
         if context is None:
             return
         context.draining = True
+        for listener in list(context.on_drain):
+            listener()
         if self._server is not None:
             self._server.close()
         for connection in list(context.connections):
@@ -204,6 +215,16 @@ class Sidecar:
         if context.replay_store is not None:
             await context.replay_store.aclose()
         context.log.close()
+
+
+def _grpc_route(context: SidecarContext) -> StreamRoute | None:
+    """gRPC on the HTTP/2 listener (``grpc_gateway``), where the ``grpc`` extra is installed."""
+    try:
+        # Imported here: it needs protobuf, which the sidecar alone does not.
+        from .grpc_gateway.driver import GrpcRouter
+    except ImportError:
+        return None
+    return GrpcRouter(context)
 
 
 def raise_fd_limit(max_connections: int) -> int:
@@ -247,7 +268,7 @@ async def _serve(config: SidecarConfig, out: TextIO, reuse_port: bool) -> int:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, sidecar.request_stop)
     loop.add_signal_handler(signal.SIGINT, sidecar.request_stop)
-    loop.add_signal_handler(signal.SIGHUP, sidecar.reload_tls)
+    loop.add_signal_handler(signal.SIGHUP, sidecar.reload)
     host, port = sidecar.address
     scheme = "https" if config.tls else "http"
     ready = f"ready listen={host}:{port} scheme={scheme}"

@@ -22,8 +22,12 @@ from typing import Any
 
 from tokenwire.middleware import ConfigError, WireConfig
 from tokenwire.middleware.config_layers import ConfigKey, build_layered, config_keys
+from tokenwire.middleware.keepalive import PingLimits
 from tokenwire.middleware.logs import LOG_LEVELS, LogFormat
 
+from .balance.load import PRESETS
+from .balance.members import parse_spec
+from .balance.policies import POLICIES
 from .cors import normalize_origin
 
 ENV_PREFIX = "TOKENWIRE_"
@@ -44,7 +48,9 @@ class SidecarConfig:
     listen: str = "127.0.0.1:8080"
     """HOST:PORT the proxy listens on (port 0 picks a free one)."""
     upstream: tuple[str, ...] = ()
-    """Engine base URLs (``http://host:port`` or ``unix:/path``), tried in order on retry."""
+    """Engines: ``http://host:port``, ``unix:/path``, ``dns+http://name:port`` (every address the
+    name resolves to) or ``file:/path`` (a list, re-read on change), each but file: with an
+    optional `` weight=N``; spread by ``balance``, a retry goes to another."""
     admin_listen: str = ""
     """HOST:PORT of the admin server (/metrics, /streams, /healthz); empty = off. Beyond
     loopback it needs admin_token (or admin_token_file)."""
@@ -110,6 +116,69 @@ class SidecarConfig:
     workers: str = "1"
     """Worker processes sharing the proxy port (SO_REUSEPORT), like nginx's worker_processes;
     ``auto`` = the CPUs this process may use. One admin port sees them all."""
+    grpc_max_message_bytes: int = 4 * 1024 * 1024
+    """gRPC request messages larger than this end the call RESOURCE_EXHAUSTED, nothing
+    forwarded (gRPC's own default, 4 MiB)."""
+    grpc_keepalive_min_ping_interval_s: float = 300.0
+    """HTTP/2 PINGs from a client closer together than this are strikes (gRPC servers' default)."""
+    grpc_keepalive_max_ping_strikes: int = 2
+    """PING strikes allowed before the connection gets GOAWAY too_many_pings."""
+    grpc_keepalive_permit_without_calls: bool = False
+    """Accept keepalive PINGs on an HTTP/2 connection with no open stream."""
+    balance: str = "least-outstanding"
+    """How streams are spread over the upstreams: ``least-outstanding`` (fewest open streams
+    from this sidecar, power of two choices), ``round-robin``, ``queue-aware`` (the engines'
+    own queue depth from their /metrics) or ``prefix-affinity`` (same prompt start, same pod)."""
+    load_poll_s: float = 1.0
+    """queue-aware: how often each engine's load_metrics_path is read (each read may take up
+    to health_timeout_s; a reading older than 3 polls is not used)."""
+    load_metrics: str = "tokenwire"
+    """queue-aware: the engine's metric names, a preset: ``tokenwire``, ``vllm``, ``sglang`` or ``tgi``."""
+    load_metrics_path: str = "/metrics"
+    """queue-aware: the path of the engine's Prometheus metrics."""
+    load_metric_waiting: str = ""
+    """queue-aware: the waiting-requests metric name(s), comma-separated, first present wins;
+    empty = the preset's."""
+    load_metric_running: str = ""
+    """queue-aware: the running-requests metric name(s); empty = the preset's."""
+    load_metric_cache: str = ""
+    """queue-aware: the KV-cache use (0..1) metric name(s); empty = the preset's."""
+    prefix_affinity_tokens: int = 512
+    """prefix-affinity: how much of the prompt's start is hashed, in tokens' worth (4 bytes of
+    UTF-8 each; a prompt of token ids is counted exactly)."""
+    prefix_affinity_load_factor: float = 2.0
+    """prefix-affinity: a pod with this many times its fair share of open streams is passed
+    over (least-outstanding picks instead)."""
+    prefix_affinity_min_streams: int = 8
+    """prefix-affinity: a pod with fewer open streams than this is never passed over (a few
+    streams do not load an engine; a spilled prompt evicts another pod's cached prefix)."""
+    health_path: str = ""
+    """Active health check path (e.g. ``/health``), asked every health_interval_s; empty = off."""
+    health_interval_s: float = 2.0
+    """Time between two active health checks of a pod."""
+    health_timeout_s: float = 1.0
+    """A health check not answered 2xx within this long has failed."""
+    health_unhealthy_threshold: int = 2
+    """Failed checks in a row that take a pod out."""
+    health_healthy_threshold: int = 2
+    """Passed checks in a row that put it back."""
+    outlier_consecutive_failures: int = 5
+    """Failures in a row before the first byte (refused, 5xx, no answer) that eject a pod; 0 = never."""
+    outlier_base_ejection_s: float = 10.0
+    """First ejection time; doubles with each ejection that follows without a success between."""
+    outlier_max_ejection_s: float = 300.0
+    """The ejection time never grows past this."""
+    outlier_max_ejected_share: float = 0.5
+    """At most this share of the upstreams (rounded down) is ejected at once."""
+    max_streams_per_upstream: int = 0
+    """Open streams per upstream from this sidecar; more wait in a FIFO queue (0 = no limit)."""
+    queue_max: int = 1000
+    """Requests that may wait for a free upstream at once; more get 503 with Retry-After."""
+    queue_timeout_s: float = 30.0
+    """A request that waited this long for a free upstream gets 503 with Retry-After (in-band
+    once its heartbeats have begun)."""
+    upstream_refresh_s: float = 5.0
+    """How often ``dns+http://`` names are resolved again and ``file:`` lists checked for changes."""
 
     http2: bool = True
     """Serve HTTP/2 beside HTTP/1.1 on the proxy port: ALPN ``h2`` under TLS, the
@@ -141,12 +210,13 @@ class SidecarConfig:
 
     def __post_init__(self) -> None:
         for key in ("drain_s", "header_read_timeout_s", "body_read_timeout_s", "keepalive_timeout_s",
-                    "upstream_connect_timeout_s", "upstream_keepalive_s"):
+                    "upstream_connect_timeout_s", "upstream_keepalive_s",
+                    "grpc_keepalive_min_ping_interval_s"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
                 raise ConfigError(key, f"must be a number >= 0, got {value!r}")
         for key in ("max_connections", "max_head_bytes", "max_header_count", "max_body_bytes",
-                    "max_buffered_body_bytes", "upstream_max_connections",
+                    "max_buffered_body_bytes", "upstream_max_connections", "grpc_max_message_bytes",
                     "http2_max_concurrent_streams", "http2_max_header_list_bytes",
                     "http2_stream_window_bytes", "http2_connection_window_bytes",
                     "http2_max_streams_per_connection", "http2_max_resets_per_s",
@@ -175,6 +245,12 @@ class SidecarConfig:
             raise ConfigError("http2_stream_window_bytes", "HTTP/2 windows are at most 2**31 - 1 bytes")
         if not isinstance(self.drop_underscore_headers, bool):
             raise ConfigError("drop_underscore_headers", "must be true or false")
+        if not isinstance(self.grpc_keepalive_permit_without_calls, bool):
+            raise ConfigError("grpc_keepalive_permit_without_calls", "must be true or false")
+        strikes = self.grpc_keepalive_max_ping_strikes
+        if isinstance(strikes, bool) or not isinstance(strikes, int) or strikes < 0:
+            raise ConfigError("grpc_keepalive_max_ping_strikes",
+                              f"must be a whole number >= 0, got {strikes!r}")
         if self.resume_store not in ("", "memory") and not self.resume_store.startswith(
                 ("redis://", "rediss://", "unix://")):
             raise ConfigError("resume_store", f"expected memory or redis://HOST:PORT/DB, "
@@ -184,9 +260,9 @@ class SidecarConfig:
             # a reconnect landing on another replica would find no stream of its caller.
             raise ConfigError("resume_owner_secret", "a shared resume_store needs the same "
                               "resume_owner_secret on every replica (TOKENWIRE_RESUME_OWNER_SECRET)")
-        for url in self.upstream:
-            if not (url.startswith(("http://", "unix:"))):
-                raise ConfigError("upstream", f"must be http://HOST:PORT or unix:/PATH, got {url!r}")
+        for entry in self.upstream:
+            parse_spec(entry)
+        self._check_balance()
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("tls_cert", "tls_cert and tls_key go together")
         if self.tls_client_ca and not self.tls_cert:
@@ -208,6 +284,40 @@ class SidecarConfig:
                                          "the memory store lives in one worker, and a reconnect may "
                                          "land on another; set --resume-store redis://HOST:PORT/DB "
                                          "or run one worker")
+
+    def _check_balance(self) -> None:
+        if self.balance not in POLICIES:
+            raise ConfigError("balance", f"must be one of {', '.join(POLICIES)}, got {self.balance!r}")
+        if self.load_metrics not in PRESETS:
+            raise ConfigError("load_metrics",
+                              f"must be one of {', '.join(PRESETS)}, got {self.load_metrics!r}")
+        for key in ("load_poll_s", "prefix_affinity_load_factor", "health_interval_s", "health_timeout_s",
+                    "outlier_base_ejection_s", "outlier_max_ejection_s", "queue_timeout_s",
+                    "upstream_refresh_s"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ConfigError(key, f"must be a number > 0, got {value!r}")
+        for key in ("prefix_affinity_tokens", "prefix_affinity_min_streams", "health_unhealthy_threshold",
+                    "health_healthy_threshold", "queue_max"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(key, f"must be a whole number > 0, got {value!r}")
+        for key in ("outlier_consecutive_failures", "max_streams_per_upstream"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(key, f"must be a whole number >= 0, got {value!r}")
+        if not 0 <= self.outlier_max_ejected_share <= 1:
+            raise ConfigError("outlier_max_ejected_share", "must be between 0 and 1")
+        for key in ("health_path", "load_metrics_path"):
+            value = getattr(self, key)
+            if value and not value.startswith("/"):
+                raise ConfigError(key, f"must be a path starting with /, got {value!r}")
+
+    @property
+    def ping_limits(self) -> PingLimits:
+        """The gRPC keepalive enforcement of each HTTP/2 connection."""
+        return PingLimits(self.grpc_keepalive_min_ping_interval_s, self.grpc_keepalive_max_ping_strikes,
+                          self.grpc_keepalive_permit_without_calls)
 
     @property
     def tls(self) -> bool:

@@ -1,9 +1,18 @@
-"""The upstream side: httpcore connection pools, one attempt at a time.
+"""The upstream side: the pod set, httpcore connection pools, one attempt at a time.
 
 Theory of operation
 -------------------
-Each configured upstream (``http://host:port[/prefix]`` or ``unix:/path``)
-gets one :class:`httpcore.AsyncConnectionPool`. An *attempt* is one upstream
+:class:`UpstreamPools` is the driver of the balancing core
+(:mod:`tokenwire.sidecar.balance`): it lists the pods (the ``upstream``
+entries, address files re-read on change and SIGHUP, names re-resolved every
+``upstream_refresh_s``), runs the active health checks and the load scrapes,
+arms the wait queue's timer, and gives each attempt the pod the balancer
+picked (:meth:`UpstreamPools.request`), or its refusal. It decides nothing:
+which pod, when a pod is out, who waits, all are the balancer's answers.
+
+Each pod (``http://host:port[/prefix]`` or ``unix:/path``) gets its
+httpcore connection pools, made on its first attempt and closed
+when it leaves the set with no stream open. An *attempt* is one upstream
 request, run as a task by :func:`run_attempt`; it reports what happened as
 wire-core inputs through a callback and never decides anything itself.
 
@@ -42,12 +51,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
+import os
+import random
+import socket
 import urllib.parse
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpcore
 from tokenwire.middleware import (
+    ConfigError,
     FailureKind,
     Input,
     UpstreamData,
@@ -56,6 +71,20 @@ from tokenwire.middleware import (
     UpstreamHeaders,
 )
 
+from .balance import (
+    Balancer,
+    BalanceSettings,
+    HealthSettings,
+    Pick,
+    Refusal,
+    SourceKind,
+    UpstreamSpec,
+    metric_names,
+    parse_address_file,
+    parse_load,
+    parse_spec,
+    prefix_key,
+)
 from .settings import SidecarConfig
 from .upstream_body import ChunkedBodyReader
 from .upstream_io import UpstreamBackend, UpstreamStream
@@ -120,18 +149,75 @@ class Upstream:
                             target=self.path_prefix + target)
 
 
-class UpstreamPools:
-    """The pools of every configured upstream, in retry order."""
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """A pod given to one attempt: hand it back with :meth:`UpstreamPools.release`."""
 
-    def __init__(self, config: SidecarConfig) -> None:
+    upstream: Upstream
+    reason: str
+    """Why the policy chose it (``least-outstanding``, ``prefix-affinity:overloaded``...)."""
+
+    @property
+    def address(self) -> str:
+        return self.upstream.name
+
+
+Answer = Callable[[Grant | Refusal], None]
+
+
+def balance_settings(config: SidecarConfig) -> BalanceSettings:
+    """The balancer's settings from the sidecar's."""
+    return BalanceSettings(
+        policy=config.balance,
+        max_streams_per_upstream=config.max_streams_per_upstream,
+        queue_max=config.queue_max,
+        queue_timeout_s=config.queue_timeout_s,
+        prefix_affinity_load_factor=config.prefix_affinity_load_factor,
+        prefix_affinity_min_streams=config.prefix_affinity_min_streams,
+        load_stale_after_s=3 * config.load_poll_s + config.health_timeout_s,
+        health=HealthSettings(
+            unhealthy_threshold=config.health_unhealthy_threshold,
+            healthy_threshold=config.health_healthy_threshold,
+            outlier_consecutive_failures=config.outlier_consecutive_failures,
+            outlier_base_ejection_s=config.outlier_base_ejection_s,
+            outlier_max_ejection_s=config.outlier_max_ejection_s,
+            outlier_max_ejected_share=config.outlier_max_ejected_share),
+        retry_after_s=max(1, math.ceil(config.health_interval_s)) if config.health_path else 1,
+    )
+
+
+class UpstreamPools:
+    """The upstream set: its members, their pools, and the driver of the
+    :class:`~tokenwire.sidecar.balance.Balancer` (timers, health checks, load
+    scrapes, DNS and address-file refreshes). It decides nothing itself."""
+
+    def __init__(self, config: SidecarConfig, *, rng: random.Random | None = None) -> None:
+        self._config = config
         self._connect_timeout_s = config.upstream_connect_timeout_s
         self._abort_url = config.abort_url
         self._abort_pool: httpcore.AsyncConnectionPool | None = None
         self._abort_tasks: set[asyncio.Task[None]] = set()
-        self.upstreams: list[Upstream] = [self._build(name, config) for name in config.upstream]
+        self.balancer = Balancer(balance_settings(config), rng=rng)
+        self._specs = [parse_spec(entry) for entry in config.upstream]
+        self._file_members: dict[str, dict[str, int]] = {}
+        self._file_stamps: dict[str, tuple[float, int] | None] = {}
+        self._dns_members: dict[str, dict[str, int]] = {}
+        self._upstreams: dict[str, Upstream] = {}
+        self._probe_pools: dict[str, httpcore.AsyncConnectionPool] = {}
+        self._waiting: dict[Hashable, Answer] = {}
+        self._queue_timer: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._load_names = metric_names(config.load_metrics, config.load_metric_waiting,
+                                        config.load_metric_running, config.load_metric_cache)
+        for spec in self._specs:
+            if spec.kind is SourceKind.FILE:
+                self._read_file(spec.address)
+        self._apply_members()
 
-    @staticmethod
-    def _build(name: str, config: SidecarConfig) -> Upstream:
+    # ------------------------------------------------------------ members
+
+    def _build(self, name: str) -> Upstream:
+        config = self._config
         uds: str | None = None
         if name.startswith("unix:"):
             uds = name[len("unix:"):]
@@ -154,9 +240,282 @@ class UpstreamPools:
         ) for _ in range(shards))
         return Upstream(name, scheme, host, port, prefix, pools)
 
+    def _members(self) -> dict[str, int]:
+        members: dict[str, int] = {}
+        for spec in self._specs:
+            if spec.kind is SourceKind.STATIC:
+                found = {spec.address: spec.weight}
+            elif spec.kind is SourceKind.DNS:
+                found = self._dns_members.get(spec.address, {})
+            else:
+                found = self._file_members.get(spec.address, {})
+            for address, weight in found.items():
+                members[address] = max(weight, members.get(address, 0))
+        return members
+
+    def _apply_members(self) -> None:
+        added, dropped = self.balancer.set_members(self._members())
+        for address in added:
+            logger.info("upstream %s added", address)
+        self._forget(dropped)
+        self._answer_queue()
+
+    def _forget(self, dropped: Sequence[str]) -> None:
+        for address in dropped:
+            logger.info("upstream %s removed (no open streams left)", address)
+            upstream = self._upstreams.pop(address, None)
+            probe = self._probe_pools.pop(address, None)
+            if upstream is not None or probe is not None:
+                self._spawn(self._close_pools(upstream, probe))
+
+    @staticmethod
+    async def _close_pools(upstream: Upstream | None, probe: httpcore.AsyncConnectionPool | None) -> None:
+        for pool in (*(upstream.pools if upstream is not None else ()), *((probe,) if probe else ())):
+            await pool.aclose()
+
+    def _read_file(self, path: str) -> bool:
+        """(Re-)read an address file if it changed; True if its members did."""
+        try:
+            info = os.stat(path)
+            stamp: tuple[float, int] | None = (info.st_mtime, info.st_size)
+        except OSError:
+            stamp = None
+        if path in self._file_stamps and self._file_stamps[path] == stamp:
+            return False
+        self._file_stamps[path] = stamp
+        try:
+            with open(path, encoding="utf-8") as file:
+                specs = parse_address_file(file.read(), path)
+        except (OSError, UnicodeDecodeError, ConfigError) as error:
+            # Keep serving the last good list rather than none.
+            logger.error("upstream file %s not read, keeping its last list: %s", path, error)
+            return False
+        members: dict[str, int] = {}
+        for spec in specs:
+            if spec.kind is SourceKind.DNS:
+                # A name in the file: resolved with the others on each refresh.
+                members.update(self._dns_members.get(spec.address, {}))
+                if spec not in self._specs:
+                    self._specs.append(spec)
+            else:
+                members[spec.address] = max(spec.weight, members.get(spec.address, 0))
+        changed = members != self._file_members.get(path)
+        self._file_members[path] = members
+        return changed
+
+    async def _resolve(self, spec: UpstreamSpec) -> bool:
+        loop = asyncio.get_running_loop()
+        port = int(spec.address.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)[1])
+        try:
+            infos = await loop.getaddrinfo(spec.dns_name, port, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError) as error:
+            logger.warning("upstream name %s not resolved, keeping its last addresses: %s",
+                           spec.dns_name, error)
+            return False
+        members = {spec.resolved(str(info[4][0])): spec.weight for info in infos}
+        changed = members != self._dns_members.get(spec.address)
+        self._dns_members[spec.address] = members
+        return changed
+
+    async def refresh(self) -> None:
+        """Resolve the names and re-read the files now (SIGHUP, and every ``upstream_refresh_s``)."""
+        changed = False
+        for spec in list(self._specs):
+            if spec.kind is SourceKind.FILE:
+                changed = self._read_file(spec.address) or changed
+            elif spec.kind is SourceKind.DNS:
+                changed = await self._resolve(spec) or changed
+        if changed:
+            self._apply_members()
+
+    def reload(self) -> None:
+        """SIGHUP: re-read the address files at once, changed or not."""
+        self._file_stamps.clear()
+        self._spawn(self.refresh())
+
+    # ------------------------------------------------------------ background
+
+    async def start(self) -> None:
+        """Resolve the names once, then keep the set, health and load up to date."""
+        await self.refresh()
+        config = self._config
+        if any(spec.kind is not SourceKind.STATIC for spec in self._specs):
+            self._spawn(self._every(config.upstream_refresh_s, self.refresh))
+        if config.health_path:
+            self._spawn(self._every(config.health_interval_s, self._check_health))
+        if config.balance == "queue-aware":
+            self._spawn(self._every(config.load_poll_s, self._poll_load))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        try:
+            task = asyncio.get_running_loop().create_task(coro)
+        except RuntimeError:
+            coro.close()  # built outside a loop (a test): nothing to run it on
+            return
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    @staticmethod
+    async def _every(interval_s: float, job: Callable[[], Awaitable[None]]) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await job()
+            except Exception:
+                logger.exception("upstream background job failed")
+
+    def _probe_pool(self, address: str) -> httpcore.AsyncConnectionPool:
+        pool = self._probe_pools.get(address)
+        if pool is None:
+            uds = address[len("unix:"):] if address.startswith("unix:") else None
+            pool = httpcore.AsyncConnectionPool(max_connections=2, retries=0, uds=uds,
+                                                keepalive_expiry=60.0)
+            self._probe_pools[address] = pool
+        return pool
+
+    async def _get(self, address: str, path: str) -> tuple[int, bytes] | None:
+        """One GET to a pod (a health check or a load scrape); None if it failed or took too long."""
+        upstream = self.upstream(address)
+        timeout_s = self._config.health_timeout_s
+        url = upstream.url(path.encode())
+        try:
+            async with asyncio.timeout(timeout_s):
+                response = await self._probe_pool(address).request(
+                    "GET", url, extensions={"timeout": {"connect": timeout_s, "read": timeout_s,
+                                                        "write": timeout_s, "pool": timeout_s}})
+        except (TimeoutError, httpcore.TimeoutException, httpcore.NetworkError, httpcore.ProtocolError,
+                httpcore.UnsupportedProtocol):
+            return None
+        return response.status, response.content
+
+    async def _check_health(self) -> None:
+        pods = [pod.address for pod in self.balancer.pods if not pod.removed]
+
+        async def check(address: str) -> None:
+            answer = await self._get(address, self._config.health_path)
+            ok = answer is not None and 200 <= answer[0] < 300
+            if self.balancer.health_result(address, ok):
+                logger.warning("upstream %s is %s", address, "healthy again" if ok else "unhealthy")
+
+        await asyncio.gather(*(check(address) for address in pods))
+        self._answer_queue()
+
+    async def _poll_load(self) -> None:
+        loop = asyncio.get_running_loop()
+        pods = [pod.address for pod in self.balancer.pods if not pod.removed]
+
+        async def poll(address: str) -> None:
+            answer = await self._get(address, self._config.load_metrics_path)
+            sample = None
+            if answer is not None and answer[0] == 200:
+                sample = parse_load(answer[1].decode("utf-8", "replace"), self._load_names)
+            self.balancer.load_result(address, sample, loop.time())
+
+        await asyncio.gather(*(poll(address) for address in pods))
+
+    # ------------------------------------------------------------ streams
+
+    def upstream(self, address: str) -> Upstream:
+        """The pools of the pod at ``address`` (made on first use)."""
+        upstream = self._upstreams.get(address)
+        if upstream is None:
+            upstream = self._upstreams[address] = self._build(address)
+        return upstream
+
+    def _grant(self, pick: Pick) -> Grant:
+        return Grant(self.upstream(pick.address), pick.reason)
+
+    def request(self, ticket: Hashable, *, body: bytes, exclude: frozenset[str],
+                on_answer: Answer) -> Grant | Refusal | None:
+        """A pod for one attempt: a :class:`Grant`, a :class:`Refusal`, or None
+        when the request waits in the queue (``on_answer`` gets the answer later).
+        ``exclude``: the pods this request already failed on."""
+        key = (prefix_key(body, self._config.prefix_affinity_tokens)
+               if self._config.balance == "prefix-affinity" else None)
+        now = asyncio.get_running_loop().time()
+        answer = self.balancer.request(ticket, key=key, exclude=exclude, now=now)
+        if isinstance(answer, Pick):
+            return self._grant(answer)
+        if isinstance(answer, Refusal):
+            return answer
+        self._waiting[ticket] = on_answer
+        self._arm_queue_timer()
+        return None
+
+    def cancel(self, ticket: Hashable) -> None:
+        """A waiting request left."""
+        if self._waiting.pop(ticket, None) is not None:
+            self.balancer.cancel(ticket)
+
+    def release(self, grant: Grant) -> None:
+        """The attempt on ``grant`` ended (the stream, or a failed try)."""
+        self._forget(self.balancer.release(grant.address))
+        self._answer_queue()
+
+    def report(self, grant: Grant, ok: bool) -> None:
+        """How the attempt on ``grant`` went before its first byte: ok = its head came, not a 5xx."""
+        if ok:
+            self.balancer.attempt_succeeded(grant.address)
+        elif self.balancer.attempt_failed(grant.address, asyncio.get_running_loop().time()):
+            logger.warning("upstream %s ejected after %d failures in a row", grant.address,
+                           self._config.outlier_consecutive_failures)
+
+    def drain(self, address: str, draining: bool = True) -> bool:
+        """Stop (or resume) new streams to ``address``; False if there is no such pod."""
+        found = self.balancer.drain(address, draining)
+        if found:
+            logger.info("upstream %s %s", address, "draining" if draining else "undrained")
+            self._answer_queue()
+        return found
+
+    def find(self, text: str) -> str | None:
+        """The pod an operator means: its address, or its ``host:port``."""
+        for pod in self.balancer.pods:
+            if text in (pod.address, pod.address.split("://", 1)[-1]):
+                return pod.address
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        """The ``GET /upstreams`` body."""
+        try:
+            now = asyncio.get_running_loop().time()
+        except RuntimeError:
+            now = 0.0
+        return self.balancer.describe(now)
+
+    def _answer_queue(self) -> None:
+        if not self._waiting:
+            return
+        try:
+            now = asyncio.get_running_loop().time()
+        except RuntimeError:
+            return
+        for ticket, answer in self.balancer.grants(now):
+            callback = self._waiting.pop(ticket, None)
+            if callback is None:
+                if isinstance(answer, Pick):  # nobody left to take it
+                    self.balancer.release(answer.address)
+                continue
+            callback(self._grant(answer) if isinstance(answer, Pick) else answer)
+        self._arm_queue_timer()
+
+    def _arm_queue_timer(self) -> None:
+        if self._queue_timer is not None:
+            self._queue_timer.cancel()
+            self._queue_timer = None
+        deadline = self.balancer.next_deadline()
+        if deadline is not None:
+            self._queue_timer = asyncio.get_running_loop().call_at(deadline, self._answer_queue)
+
+    @property
+    def upstreams(self) -> list[Upstream]:
+        """The pools made so far, one per pod that had traffic."""
+        return list(self._upstreams.values())
+
     @property
     def names(self) -> list[str]:
-        return [u.name for u in self.upstreams]
+        """The addresses of the pods in the set now."""
+        return [pod.address for pod in self.balancer.pods if not pod.removed]
 
     @property
     def timeouts(self) -> dict[str, float | None]:
@@ -165,22 +524,25 @@ class UpstreamPools:
         return {"connect": self._connect_timeout_s, "pool": self._connect_timeout_s,
                 "read": None, "write": None}
 
-    def send_abort(self, request_id: str) -> None:
+    def send_abort(self, request_id: str, upstream: str = "") -> None:
         """Fire the explicit abort call (``--abort-url``) in the background; best effort.
 
         ``request_id`` is the upstream's id for the request, the one it was
-        sent (the sidecar's own, never a client's)."""
-        if not self._abort_url:
+        sent (the sidecar's own, never a client's). An ``abort_url`` that is a
+        path (``/v1/abort/{request_id}``) goes to ``upstream``, the pod that ran it."""
+        if not self._abort_url or (self._abort_url.startswith("/") and not upstream.startswith("http")):
             return
-        task = asyncio.get_running_loop().create_task(self._abort(request_id))
+        task = asyncio.get_running_loop().create_task(self._abort(request_id, upstream))
         self._abort_tasks.add(task)
         task.add_done_callback(self._abort_tasks.discard)
 
-    async def _abort(self, request_id: str) -> None:
+    async def _abort(self, request_id: str, upstream: str = "") -> None:
         if self._abort_pool is None:
             self._abort_pool = httpcore.AsyncConnectionPool(max_connections=64, retries=0)
         # Percent-encoded whatever it holds: a value must never add a path, query or fragment.
         url = self._abort_url.replace("{request_id}", urllib.parse.quote(request_id, safe=""))
+        if url.startswith("/"):
+            url = upstream.rstrip("/") + url
         try:
             response = await self._abort_pool.request(
                 "POST", url, headers=[(b"content-length", b"0")],
@@ -194,11 +556,15 @@ class UpstreamPools:
             logger.warning("abort call for %s failed: %s", request_id, error)
 
     async def aclose(self) -> None:
-        for task in list(self._abort_tasks):
+        if self._queue_timer is not None:
+            self._queue_timer.cancel()
+        for task in list(self._abort_tasks) + list(self._tasks):
             task.cancel()
-        for upstream in self.upstreams:
+        for upstream in self._upstreams.values():
             for pool in upstream.pools:
                 await pool.aclose()
+        for pool in self._probe_pools.values():
+            await pool.aclose()
         if self._abort_pool is not None:
             await self._abort_pool.aclose()
 

@@ -364,6 +364,18 @@ class Supervisor:
                         "alive": w.process.returncode is None, "streams": len(w.streams)}
                        for _, w in sorted(self.workers.items())]
             return 200, json_type, json.dumps(listing, separators=(",", ":")).encode()
+        if method in (b"GET", b"HEAD") and path == "/upstreams":
+            # Each worker balances on its own: one view per worker.
+            views = [{**json.loads(answer[2]), "worker": worker.index}
+                     for worker, answer in await self._gather("GET", "/upstreams")
+                     if answer is not None and answer[0] == 200]
+            return 200, json_type, json.dumps({"workers": views}, separators=(",", ":")).encode()
+        if method == b"POST" and path.startswith("/upstreams/"):
+            # A drain is every worker's: the first answer that found the pod speaks for all.
+            replies = [reply for _, reply in await self._gather("POST", quoted) if reply is not None]
+            found = [reply for reply in replies if reply[0] == 200]
+            if found or replies:
+                return (found or replies)[0]
         if method in (b"GET", b"HEAD") and path == "/readyz" and self._stopping:
             return 503, json_type, b'{"status":"draining"}'
         if method == b"DELETE" and path.startswith("/streams/"):

@@ -67,6 +67,9 @@ def test_wheel_maps_every_source_file(wheel: Path) -> None:
     data = [p for p in (ROOT / "engine" / "data").glob("*") if p.is_file()]
     for path in data:
         assert f"tokenwire/engine/data/{path.name}" in names
+    # The gRPC API ships as its .proto and the code generated from it (with stubs for mypy).
+    for name in ("streaming.proto", "streaming_pb2.py", "streaming_pb2.pyi", "streaming_pb2_grpc.py"):
+        assert f"tokenwire/v1/{name}" in names, f"tokenwire/v1/{name} missing from wheel"
 
 
 def _metadata(wheel: Path) -> Message:
@@ -111,7 +114,11 @@ def test_extras_install_only_what_each_image_needs(wheel: Path) -> None:
 
 
 def test_base_install_imports_every_module_without_torch(wheel: Path, clean_venv: Path) -> None:
-    modules = ["tokenwire", *_modules(wheel, "middleware"), *_modules(wheel, "sidecar")]
+    # The gRPC gateway needs the grpc extra (protobuf); the sidecar imports it only when present.
+    grpc_extra = [m for m in _modules(wheel, "sidecar") if m.startswith("tokenwire.sidecar.grpc_gateway.")]
+    assert "tokenwire.sidecar.grpc_gateway.driver" in grpc_extra
+    modules = ["tokenwire", *_modules(wheel, "middleware"),
+               *(m for m in _modules(wheel, "sidecar") if m not in grpc_extra)]
     assert "tokenwire.middleware.stream" in modules and "tokenwire.sidecar" in modules
     script = (
         "import importlib, importlib.util, sys\n"

@@ -47,6 +47,7 @@ import asyncio
 import contextlib
 import importlib
 import importlib.util
+import io
 import json
 import os
 import re
@@ -696,6 +697,37 @@ def run_complete_app(block: Block, tmp: Path, fixture: Callable[[str], Any]) -> 
             assert_whole_stream(answer, f"{block.where} {method.upper()} {path}")
 
 
+def run_grpc_client(block: Block, tmp: Path, fixture: Callable[[str], Any]) -> None:
+    """A gRPC client example, run as written against a real sidecar (in this process,
+    its port put where the block says ``localhost:8080``) in front of a fake OpenAI
+    upstream: what it prints must be the whole answer's text."""
+    from tokenwire.sidecar import Sidecar, SidecarConfig
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def run(coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(30)
+
+    fake = FakeUpstream()
+    run(fake.start())
+    sidecar = Sidecar(SidecarConfig(listen="127.0.0.1:0", upstream=(fake.url,), log_file=""))
+    try:
+        run(sidecar.start())
+        source = block.text.replace("localhost:8080", f"127.0.0.1:{sidecar.address[1]}")
+        assert source != block.text, f"{block.where}: the client names no localhost:8080"
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            import_block(source, block, tmp)
+        assert printed.getvalue() == expected_text(FAKE_TOKENS), (block.where, printed.getvalue())
+    finally:
+        run(sidecar.shutdown())
+        run(fake.stop())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+
+
 @dataclass(frozen=True)
 class PythonRule:
     pattern: str
@@ -709,6 +741,8 @@ PYTHON_RULES = (
                run_placeholder_app),
     PythonRule(r'^@\w+\.(post|get)\("/', "served as written; each declared route streamed whole",
                run_complete_app),
+    PythonRule(r"grpc\.insecure_channel\(", "run against a real sidecar; prints the whole answer",
+               run_grpc_client),
 )
 
 

@@ -55,7 +55,9 @@ def test_openai_sdk_raises_on_the_in_band_error(start_sidecar) -> None:
 
 def test_refused_first_upstream_is_retried_on_the_next_and_the_client_never_notices(
         start_sidecar, upstream: FakeUpstream) -> None:
-    sidecar = start_sidecar([f"http://127.0.0.1:{_closed_port()}", upstream.url], retry_backoff_s=0.01)
+    # Round robin's first turn is the first listed: the refused one, so a retry is certain.
+    sidecar = start_sidecar([f"http://127.0.0.1:{_closed_port()}", upstream.url], retry_backoff_s=0.01,
+                            balance="round-robin")
     response = exchange(sidecar.port, "POST", "/normal/v1/chat/completions", body=chat_body(),
                         headers={"X-Request-Id": "refused-1"})
     assert response.status == 200 and response.clean_end

@@ -1,0 +1,228 @@
+"""One call's response side: the wire core's output as gRPC.
+
+:class:`ResponseTranscoder` sits where the exchange writes to its client (the
+``Downstream`` calls): the response head, the SSE bytes the wire core produced,
+the end. It turns each into what an HTTP/2 stream sends for gRPC and decides
+nothing the core has not decided already:
+
+* a 200 event-stream head becomes the initial metadata (the stream id, the
+  request id); an error status with its JSON body becomes a trailers-only
+  response whose status follows the HTTP status (the engine's 400 →
+  ``INVALID_ARGUMENT``);
+* each SSE data event becomes one length-prefixed message (comments, i.e.
+  heartbeats, and the ``[DONE]`` marker become nothing; HTTP/2 keeps the
+  connection alive);
+* a clean end (the core saw the engine finish) becomes ``grpc-status: 0``;
+  any other end carries the in-band error event's code, or, where none came,
+  ``UNAVAILABLE``: a truncated answer never ends with 0.
+
+The client's ``grpc-timeout`` is a :class:`Deadline`: when it passes, the
+driver stops the stream through the core (so the upstream is aborted as for a
+cancel) and the call ends ``DEADLINE_EXCEEDED``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tokenwire.middleware.errors import ErrorCode, GrpcStatus, grpc_status_of
+from tokenwire.middleware.headers import STREAM_ID_HEADER
+from tokenwire.middleware.sse import SSEParser
+
+from .framing import encode_message, parse_timeout
+from .metadata import GRPC_CONTENT_TYPE, OK, CallStatus, Header
+from .routing import StreamMethod
+
+_DONE = "[DONE]"
+
+
+@dataclass(frozen=True, slots=True)
+class Deadline:
+    """The client's ``grpc-timeout``, as a loop time."""
+
+    at: float
+
+    @classmethod
+    def from_headers(cls, headers: Sequence[Header], now: float) -> Deadline | None:
+        """The deadline a request's ``grpc-timeout`` sets, or None without one."""
+        for name, value in headers:
+            if name == b"grpc-timeout":
+                return cls(now + parse_timeout(value))
+        return None
+
+    def passed(self, now: float) -> bool:
+        return now >= self.at
+
+
+def _code_of(name: str | None) -> ErrorCode | None:
+    if name is None:
+        return None
+    try:
+        return ErrorCode(name)
+    except ValueError:
+        return None
+
+
+def status_of_error_json(text: str, http_status: int | None) -> CallStatus:
+    """The call status for an error object (``{"error": {..., "tokenwire": {code, number}}}``),
+    as the core puts it in an error body or an in-band error event."""
+    try:
+        payload = json.loads(text)
+    except ValueError:
+        payload = None
+    error = payload.get("error") if isinstance(payload, dict) else None
+    message = ""
+    name: str | None = None
+    number: str | None = None
+    if isinstance(error, dict):
+        message = str(error.get("message") or "")
+        ours = error.get("tokenwire")
+        if isinstance(ours, dict):
+            name = ours.get("code") if isinstance(ours.get("code"), str) else None
+            number = ours.get("number") if isinstance(ours.get("number"), str) else None
+    elif error is not None:
+        message = str(error)
+    if not message:
+        message = " ".join(text.split())[:200]
+    code = _code_of(name)
+    status = grpc_status_of(code, http_status)
+    if name is None:
+        # The engine's own error answer, forwarded as it came: it failed the request.
+        code = ErrorCode.UPSTREAM_FAILED
+    return CallStatus(status, message, code if code is not None else name, number)
+
+
+@dataclass(frozen=True, slots=True)
+class Ending:
+    """How to end the HTTP/2 stream: trailers, or (nothing sent yet) a trailers-only response."""
+
+    headers: list[Header]
+    trailers_only: bool
+    status: CallStatus
+    data: bytes = b""
+    """A last message to send before the trailers (an answer that was not a stream)."""
+
+
+class ResponseTranscoder:
+    """The response side of one streaming call. See the module docstring."""
+
+    def __init__(self, method: StreamMethod, *, metadata_headers: Sequence[bytes] = ()) -> None:
+        """``metadata_headers``: response header names passed on as initial
+        metadata (besides the stream id)."""
+        self._method = method
+        self._keep = frozenset({STREAM_ID_HEADER, *metadata_headers})
+        self._parser = SSEParser()
+        self._carry = False  # the parser holds part of an event: it takes all from now on
+        self._started = False
+        self._error_status: int | None = None
+        self._error_body = bytearray()
+        self._in_band: CallStatus | None = None
+        self._override: CallStatus | None = None
+        self._whole: bytearray | None = None  # a 200 answer that is not an event stream
+        self.messages_out = 0
+
+    @property
+    def started(self) -> bool:
+        """True once the initial metadata went out."""
+        return self._started
+
+    def on_headers(self, status: int, headers: Sequence[Header]) -> list[Header] | None:
+        """The initial metadata to send now, or None (an error: it ends trailers-only)."""
+        if status != 200:
+            self._error_status = status
+            return None
+        self._started = True
+        for name, value in headers:
+            if name == b"content-type" and not value.lower().startswith(b"text/event-stream"):
+                self._whole = bytearray()
+        # Identity only: a client then never compresses (a compressed message is UNIMPLEMENTED).
+        return [(b"content-type", GRPC_CONTENT_TYPE), (b"grpc-accept-encoding", b"identity"),
+                *((name, value) for name, value in headers if name in self._keep)]
+
+    def on_body(self, data: bytes) -> bytes:
+        """Length-prefixed messages for SSE bytes from the core (may be ``b""``)."""
+        if self._error_status is not None:
+            self._error_body += data[:64 * 1024 - len(self._error_body)]
+            return b""
+        if self._whole is not None:
+            self._whole += data
+            return b""
+        out: list[bytes] = []
+        to_message = self._method.to_message
+        for payload, event_id in self._events(data):
+            if payload == _DONE:
+                continue
+            if payload.startswith('{"error"') or ('"error"' in payload and '"choices"' not in payload
+                                                  and payload.startswith("{")):
+                self._in_band = status_of_error_json(payload, None)
+                continue
+            out.append(encode_message(to_message(payload, event_id).SerializeToString()))
+        self.messages_out += len(out)
+        return b"".join(out)
+
+    def _events(self, data: bytes) -> list[tuple[str, str | None]]:
+        """The data events (payload, id) in the core's output. The core writes
+        canonical SSE (LF line ends, ``data:``/``id:``/``retry:`` lines, comment
+        lines for heartbeats), whole events per write, so a split on blank
+        lines does; anything else (a CR) takes the full parser."""
+        if b"\r" in data or self._carry:
+            return [(e.data, e.id) for e in self._parser.feed(data)
+                    if e.data is not None and e.comment is None]
+        blocks = data.split(b"\n\n")
+        rest = blocks[-1]
+        if rest and rest.endswith(b"\n") and all(line[:1] == b":" for line in rest[:-1].split(b"\n")):
+            rest = b""  # heartbeat comment lines (no blank line after them): nothing to send
+        if rest:
+            # An event cut between two writes: the parser takes it from here on.
+            self._carry = True
+            self._parser.feed(rest)
+        events: list[tuple[str, str | None]] = []
+        for block in blocks[:-1]:
+            if block.startswith(b"data: ") and b"\n" not in block:
+                events.append((block[6:].decode("utf-8", "replace"), None))
+                continue
+            lines: list[bytes] = []
+            event_id: str | None = None
+            for line in block.split(b"\n"):
+                if line.startswith(b"data:"):
+                    lines.append(line[6:] if line.startswith(b"data: ") else line[5:])
+                elif line.startswith(b"id:"):
+                    event_id = line[3:].strip().decode("utf-8", "replace")
+            if lines:
+                events.append((b"\n".join(lines).decode("utf-8", "replace"), event_id))
+        return events
+
+    def deadline_passed(self) -> None:
+        """The client's deadline passed; the driver stops the stream through the core."""
+        self._override = CallStatus(GrpcStatus.DEADLINE_EXCEEDED, "the call's deadline passed",
+                                    ErrorCode.CANCELLED)
+
+    def on_end(self, *, abrupt: bool, reset: bool, code: ErrorCode | None = None) -> Ending:
+        """The trailers (or trailers-only response) for the core's ``CloseClient``;
+        ``code``: the stream's error code where the core sent no error event
+        (a reset: the client stopped reading)."""
+        if self._override is not None:
+            status = self._override
+        elif self._error_status is not None:
+            status = status_of_error_json(self._error_body.decode("utf-8", "replace"), self._error_status)
+        elif self._in_band is not None:
+            status = self._in_band
+        elif reset:
+            code = code or ErrorCode.BACKPRESSURE_EXCEEDED
+            status = CallStatus(grpc_status_of(code), "the client did not read the answer in time", code)
+        elif abrupt:
+            status = CallStatus(GrpcStatus.UNAVAILABLE, "the answer broke off",
+                                code or ErrorCode.UPSTREAM_FAILED)
+        else:
+            status = OK
+        last = b""
+        if self._whole and status is OK:
+            # The engine answered with one JSON object: it is the one message.
+            text = self._whole.decode("utf-8", "replace")
+            last = encode_message(self._method.to_message(text, None).SerializeToString())
+            self.messages_out += 1
+        if self._started:
+            return Ending(status.trailers(), trailers_only=False, status=status, data=last)
+        return Ending(status.trailers_only(), trailers_only=True, status=status)

@@ -1,0 +1,406 @@
+"""The glue between gRPC calls and HTTP/2 streams: the only module here doing I/O.
+
+:class:`GrpcRouter` is the HTTP/2 connection's stream route: a request with
+``content-type: application/grpc`` gets a handler here instead of the proxy's
+own exchange, and a request on a gRPC path with any other content type gets
+415, as the gRPC spec says, nothing forwarded.
+
+A ``tokenwire.v1`` call (:class:`StreamCall`) reads its one request message,
+transcodes it to the engine's OpenAI request and hands it to an ordinary
+:class:`~tokenwire.sidecar.exchange.Exchange` with itself as the
+``Downstream``: the same wire core decides everything (retries before the
+first message, the commit deadline, coalescing while the stream's send window
+is shut, the write deadline, the record, the abort on cancel); the
+:class:`~tokenwire.sidecar.grpc_gateway.call.ResponseTranscoder` turns what it
+writes into messages and trailers. The client's ``grpc-timeout`` arms a timer
+that stops the stream through the core. A client that stopped reading is cut
+with trailers at once (``RESOURCE_EXHAUSTED``, ``backpressure_exceeded`` or
+``send_timeout``), what its window held back dropped.
+
+Health (``Check``, ``Watch``) and reflection are answered here; watches hear
+of a drain (SIGTERM) through ``SidecarContext.on_drain``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import h2.errors
+from tokenwire.middleware import EndReason, StopRequested
+from tokenwire.middleware.errors import GrpcStatus
+
+from ..connection import Peer, new_exchange
+from ..context import SidecarContext
+from ..exchange import Exchange
+from . import health, reflection
+from .call import Deadline, ResponseTranscoder
+from .framing import GrpcCallError, MessageReader, encode_message, is_grpc_content_type
+from .metadata import GRPC_CONTENT_TYPE, OK, CallStatus
+from .routing import HEALTH_CHECK, HEALTH_WATCH, REFLECTION_PATHS, STREAM_METHODS, StreamMethod, is_grpc_path
+from .transcode import decode_request
+
+if TYPE_CHECKING:
+    from ..http2_stream import Http2Stream, RequestHead, StreamHandler
+
+Header = tuple[bytes, bytes]
+
+# Request metadata that is gRPC's own, not the engine's: never forwarded.
+_GRPC_ONLY = frozenset({b"content-type", b"content-length", b"te", b"grpc-timeout", b"grpc-encoding",
+                        b"grpc-accept-encoding", b"grpc-message-type", b"accept", b"accept-encoding"})
+
+
+def _end(stream: Http2Stream, status: CallStatus, *, started: bool, drop_waiting: bool = False) -> None:
+    """End a call: trailers after the initial metadata, else a trailers-only response."""
+    if started:
+        stream.send_trailers(status.trailers(), drop_waiting=drop_waiting)
+    else:
+        stream.send_trailers([(b":status", b"200"), *status.trailers_only()], drop_waiting=drop_waiting)
+    # A client that stopped reading would hold the trailers back forever.
+    stream.set_timer(_flush_timeout_s(stream), lambda: stream.reset(h2.errors.ErrorCodes.CANCEL))
+
+
+def _flush_timeout_s(stream: Http2Stream) -> float:
+    return stream.connection.context.config.wire.close_flush_timeout_s
+
+
+class GrpcRouter:
+    """The HTTP/2 stream route for gRPC (see the module docstring); one per sidecar."""
+
+    def __init__(self, context: SidecarContext) -> None:
+        self.context = context
+        self.watches: set[HealthWatch] = set()
+        context.on_drain.append(self.drain_started)
+
+    def __call__(self, head: RequestHead, stream: Http2Stream) -> StreamHandler | None:
+        content_type = head.header(b"content-type")
+        if not is_grpc_content_type(content_type):
+            if not is_grpc_path(head.path):
+                return None
+            return Refusal(stream, http_status=415)
+        path = head.path
+        try:
+            method = STREAM_METHODS.get(path)
+            if method is not None:
+                return StreamCall(self, head, stream, method)
+            if path == HEALTH_CHECK:
+                return UnaryCall(self, stream, lambda request: health.check(
+                    request, draining=self.context.draining))
+            if path == HEALTH_WATCH:
+                return HealthWatch(self, stream)
+            if path in REFLECTION_PATHS:
+                return ReflectionCall(self, stream)
+            raise GrpcCallError(GrpcStatus.UNIMPLEMENTED, f"unknown method {path[:200].decode('latin-1')}")
+        except GrpcCallError as error:
+            return Refusal(stream, status=CallStatus(error.status, error.message))
+
+    def drain_started(self) -> None:
+        """SIGTERM: every watch hears NOT_SERVING, then its call ends."""
+        for watch in list(self.watches):
+            watch.drain_started()
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self.context.config.grpc_max_message_bytes
+
+
+class Refusal:
+    """A call answered at once (415, or a status), its request body ignored."""
+
+    def __init__(self, stream: Http2Stream, *, http_status: int = 200,
+                 status: CallStatus | None = None) -> None:
+        self._stream = stream
+        if status is None:
+            stream.respond_head(http_status, [(b"content-type", b"text/plain")])
+            stream.send_body(b"gRPC methods need content-type application/grpc\n")
+            stream.end_response(abrupt=False, reset=False)
+        else:
+            _end(stream, status, started=False)
+        stream.exchange_finished(None)
+
+    def data_received(self, data: bytes) -> None:
+        pass
+
+    def request_ended(self) -> None:
+        pass
+
+    def stream_reset(self) -> None:
+        pass
+
+
+class _Messages:
+    """The request messages of a call, bounded; refuses the call on a bad one."""
+
+    def __init__(self, router: GrpcRouter, stream: Http2Stream) -> None:
+        self._router = router
+        self._stream = stream
+        self._reader = MessageReader(router.max_message_bytes)
+        self.done = False
+        """The call is over (refused or answered): ignore the rest of the request."""
+
+    def read(self, data: bytes) -> list[bytes]:
+        if self.done:
+            return []
+        try:
+            return self._reader.feed(data)
+        except GrpcCallError as error:
+            self.refuse(error, started=False)
+            return []
+
+    def close(self) -> bool:
+        """The request ended; False if it ended inside a message (refused)."""
+        if self.done:
+            return False
+        try:
+            self._reader.close()
+        except GrpcCallError as error:
+            self.refuse(error, started=False)
+            return False
+        return True
+
+    def refuse(self, error: GrpcCallError, *, started: bool) -> None:
+        self.finish(CallStatus(error.status, error.message), started=started)
+
+    def finish(self, status: CallStatus, *, started: bool) -> None:
+        if self.done:
+            return
+        self.done = True
+        _end(self._stream, status, started=started)
+        self._stream.exchange_finished(None)
+
+
+class UnaryCall:
+    """One request message, one response message (health ``Check``)."""
+
+    def __init__(self, router: GrpcRouter, stream: Http2Stream, answer: Callable[[bytes], bytes]) -> None:
+        """``answer``: the serialized response for the serialized request, or ``GrpcCallError``."""
+        self._stream = stream
+        self._messages = _Messages(router, stream)
+        self._answer = answer
+        self._requests: list[bytes] = []
+
+    def data_received(self, data: bytes) -> None:
+        self._requests += self._messages.read(data)
+
+    def request_ended(self) -> None:
+        if not self._messages.close():
+            return
+        if len(self._requests) != 1:
+            self._messages.refuse(GrpcCallError(
+                GrpcStatus.UNIMPLEMENTED if self._requests else GrpcStatus.INTERNAL,
+                f"expected one request message, got {len(self._requests)}"), started=False)
+            return
+        try:
+            response = self._answer(self._requests[0])
+        except GrpcCallError as error:
+            self._messages.refuse(error, started=False)
+            return
+        self._stream.respond_head(200, [(b"content-type", GRPC_CONTENT_TYPE)])
+        self._stream.send_body(encode_message(response))
+        self._messages.finish(OK, started=True)
+
+    def stream_reset(self) -> None:
+        self._messages.done = True
+        self._stream.exchange_finished(None)
+
+
+class ReflectionCall:
+    """Server reflection: a bidirectional stream, each request answered as it comes."""
+
+    def __init__(self, router: GrpcRouter, stream: Http2Stream) -> None:
+        self._stream = stream
+        self._messages = _Messages(router, stream)
+        self._started = False
+
+    def data_received(self, data: bytes) -> None:
+        for request in self._messages.read(data):
+            try:
+                response = reflection.answer(request)
+            except GrpcCallError as error:
+                self._messages.refuse(error, started=self._started)
+                return
+            if not self._started:
+                self._started = True
+                self._stream.respond_head(200, [(b"content-type", GRPC_CONTENT_TYPE)])
+            self._stream.send_body(encode_message(response))
+
+    def request_ended(self) -> None:
+        if self._messages.close():
+            self._messages.finish(OK, started=self._started)
+
+    def stream_reset(self) -> None:
+        self._messages.done = True
+        self._stream.exchange_finished(None)
+
+
+class HealthWatch:
+    """``Watch``: the status now, then each change, while the call lasts."""
+
+    def __init__(self, router: GrpcRouter, stream: Http2Stream) -> None:
+        self._router = router
+        self._stream = stream
+        self._messages = _Messages(router, stream)
+        self._watcher: health.Watcher | None = None
+
+    def data_received(self, data: bytes) -> None:
+        for request in self._messages.read(data):
+            if self._watcher is not None:
+                self._messages.refuse(GrpcCallError(GrpcStatus.UNIMPLEMENTED,
+                                                    "expected one request message"), started=True)
+                self._router.watches.discard(self)
+                return
+            try:
+                service = health.parse_request(request)
+            except GrpcCallError as error:
+                self._messages.refuse(error, started=False)
+                return
+            self._watcher = health.Watcher(service)
+            self._router.watches.add(self)
+            self._stream.respond_head(200, [(b"content-type", GRPC_CONTENT_TYPE)])
+            self._send_update()
+
+    def request_ended(self) -> None:
+        if self._watcher is None and self._messages.close():
+            self._messages.refuse(GrpcCallError(GrpcStatus.INTERNAL, "no request message"),
+                                  started=False)
+
+    def drain_started(self) -> None:
+        self._send_update()
+        self._router.watches.discard(self)
+        # The drain closes connections once their streams end: this one ends now.
+        self._messages.finish(CallStatus(GrpcStatus.UNAVAILABLE, "the server is shutting down"),
+                              started=True)
+
+    def stream_reset(self) -> None:
+        self._router.watches.discard(self)
+        self._messages.done = True
+        self._stream.exchange_finished(None)
+
+    def _send_update(self) -> None:
+        if self._watcher is None or self._messages.done:
+            return
+        update = self._watcher.update(draining=self._router.context.draining)
+        if update is not None:
+            self._stream.send_body(encode_message(update))
+
+
+class StreamCall:
+    """A ``tokenwire.v1`` call, proxied through an exchange (see the module docstring)."""
+
+    def __init__(self, router: GrpcRouter, head: RequestHead, stream: Http2Stream,
+                 method: StreamMethod) -> None:
+        self._router = router
+        self._context = router.context
+        self._head = head
+        self._stream = stream
+        self._method = method
+        self._messages = _Messages(router, stream)
+        self._requests: list[bytes] = []
+        self._loop = asyncio.get_running_loop()
+        self._exchange: Exchange | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self.transcoder = ResponseTranscoder(
+            method, metadata_headers=(self._context.config.request_id_header.encode(),))
+        deadline = Deadline.from_headers(head.headers, self._loop.time())  # GrpcCallError if malformed
+        if deadline is not None:
+            self._timer = self._loop.call_at(deadline.at, self._deadline_passed)
+
+    # ------------------------------------------------------------ StreamHandler
+
+    def data_received(self, data: bytes) -> None:
+        self._requests += self._messages.read(data)
+        if len(self._requests) > 1:
+            self._refuse(GrpcCallError(GrpcStatus.UNIMPLEMENTED,
+                                       "a server-streaming method takes one request message"))
+
+    def request_ended(self) -> None:
+        if not self._messages.close():
+            self._cancel_timer()
+            return
+        if len(self._requests) != 1:
+            self._refuse(GrpcCallError(GrpcStatus.INTERNAL,
+                                       f"expected one request message, got {len(self._requests)}"))
+            return
+        try:
+            request = decode_request(self._method.request_type, self._requests[0])
+            body = self._method.to_body(request)
+        except GrpcCallError as error:
+            self._refuse(error)
+            return
+        self._start(_json_bytes(body))
+
+    def stream_reset(self) -> None:
+        # Only before the exchange started (after, the stream tells the exchange itself).
+        self._cancel_timer()
+        self._messages.done = True
+        self._stream.exchange_finished(None)
+
+    # ------------------------------------------------------------ Downstream (for the exchange)
+
+    def send_headers(self, status: int, headers: Sequence[Header]) -> None:
+        initial = self.transcoder.on_headers(status, headers)
+        if initial is not None:
+            self._stream.respond_head(200, initial)
+
+    def send_body(self, data: bytes) -> None:
+        out = self.transcoder.on_body(data)
+        if out:
+            self._stream.send_body(out)
+
+    def end_response(self, *, abrupt: bool, reset: bool) -> None:
+        stream = self._stream
+        code = self._exchange.stream.error_code if self._exchange is not None else None
+        ending = self.transcoder.on_end(abrupt=abrupt, reset=reset, code=code)
+        if ending.data:
+            stream.send_body(ending.data)
+        # A reset (the client stopped reading): what waits is dropped, the
+        # trailers (not flow-controlled) say why.
+        _end(stream, ending.status, started=not ending.trailers_only, drop_waiting=reset)
+
+    def exchange_finished(self, exchange: Exchange | None) -> None:
+        self._cancel_timer()
+        self._stream.exchange_finished(exchange)
+
+    # ------------------------------------------------------------ helpers
+
+    def _start(self, body: bytes) -> None:
+        head = self._head
+        headers: list[Header] = []
+        if head.authority is not None and head.header(b"host") is None:
+            headers.append((b"host", head.authority))
+        headers += [(name, value) for name, value in head.headers
+                    if name not in _GRPC_ONLY and not name.endswith(b"-bin")]
+        headers += [(b"content-type", b"application/json"), (b"accept", b"text/event-stream")]
+        exchange = new_exchange(self._context, self, method=b"POST", target=self._method.upstream_target,
+                                headers=headers, body=body, peer=self._peer(), http_version="2")
+        self._exchange = exchange
+        self._stream.exchange = exchange  # the stream tells it of resets and send windows
+        exchange.start()
+        self._stream.update_paused()
+
+    def _peer(self) -> Peer:
+        return self._stream.connection.peer
+
+    def _refuse(self, error: GrpcCallError) -> None:
+        self._cancel_timer()
+        self._messages.refuse(error, started=False)
+
+    def _deadline_passed(self) -> None:
+        self._timer = None
+        if self._exchange is None:
+            self._messages.finish(CallStatus(GrpcStatus.DEADLINE_EXCEEDED, "the call's deadline passed"),
+                                  started=False)
+            return
+        self.transcoder.deadline_passed()
+        self._exchange.feed(StopRequested(EndReason.CANCELLED))
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+def _json_bytes(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()

@@ -1,0 +1,176 @@
+"""Messages ⇄ OpenAI JSON: the request going up, each chunk coming down.
+
+The request's typed fields become the OpenAI request's fields; ``extra_json``
+(a JSON object) is merged over them as is, so any field the proto does not
+type still reaches the engine; ``"stream": true`` is always set. Each chunk
+the wire core sends becomes one response message: its fields typed, its JSON
+kept whole in ``chunk_json``. Chunks the core merged under backpressure
+arrive here as one chunk, so they become one message with the exact text.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from google.protobuf.message import DecodeError, Message
+from tokenwire.middleware.errors import GrpcStatus
+
+from tokenwire.v1 import streaming_pb2 as pb
+
+from .framing import GrpcCallError
+
+JSONObject = dict[str, Any]
+
+
+def _extra(text: str, where: str) -> JSONObject:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise GrpcCallError(GrpcStatus.INVALID_ARGUMENT, f"{where}: not JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise GrpcCallError(GrpcStatus.INVALID_ARGUMENT, f"{where}: not a JSON object")
+    return value
+
+
+def _common(request: pb.ChatCompletionRequest | pb.CompletionRequest, body: JSONObject) -> None:
+    if request.model:
+        body["model"] = request.model
+    if request.HasField("max_tokens"):
+        body["max_tokens"] = request.max_tokens
+    if request.HasField("temperature"):
+        body["temperature"] = request.temperature
+    if request.HasField("top_p"):
+        body["top_p"] = request.top_p
+    if request.stop:
+        body["stop"] = list(request.stop)
+    if request.HasField("seed"):
+        body["seed"] = request.seed
+    if request.HasField("stream_options"):
+        body["stream_options"] = {"include_usage": request.stream_options.include_usage}
+
+
+def chat_request_body(request: pb.ChatCompletionRequest) -> JSONObject:
+    """The OpenAI ``/v1/chat/completions`` request for ``request``."""
+    body: JSONObject = {}
+    _common(request, body)
+    messages: list[JSONObject] = []
+    for i, message in enumerate(request.messages):
+        item: JSONObject = {"role": message.role, "content": message.content}
+        if message.HasField("name"):
+            item["name"] = message.name
+        item.update(_extra(message.extra_json, f"messages[{i}].extra_json"))
+        messages.append(item)
+    body["messages"] = messages
+    body.update(_extra(request.extra_json, "extra_json"))
+    body["stream"] = True
+    return body
+
+
+def completion_request_body(request: pb.CompletionRequest) -> JSONObject:
+    """The OpenAI ``/v1/completions`` request for ``request``."""
+    body: JSONObject = {}
+    _common(request, body)
+    body["prompt"] = request.prompt
+    body.update(_extra(request.extra_json, "extra_json"))
+    body["stream"] = True
+    return body
+
+
+def decode_request(message_type: type[Message], data: bytes) -> Message:
+    """Parse one request message; a malformed one is INTERNAL, as gRPC servers answer it."""
+    request = message_type()
+    try:
+        request.ParseFromString(data)
+    except DecodeError as error:
+        raise GrpcCallError(GrpcStatus.INTERNAL, f"malformed request message: {error}") from None
+    return request
+
+
+def _int(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _str(value: object) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _usage(target: pb.Usage, usage: object) -> None:
+    if isinstance(usage, dict):
+        target.prompt_tokens = _int(usage.get("prompt_tokens"))
+        target.completion_tokens = _int(usage.get("completion_tokens"))
+        target.total_tokens = _int(usage.get("total_tokens"))
+
+
+def _head(chunk: pb.ChatCompletionChunk | pb.CompletionChunk, obj: JSONObject, data: str,
+          event_id: str | None) -> None:
+    chunk.id = _str(obj.get("id"))
+    chunk.model = _str(obj.get("model"))
+    chunk.created = _int(obj.get("created"))
+    chunk.chunk_json = data
+    if event_id:
+        chunk.event_id = event_id
+    if isinstance(obj.get("usage"), dict):
+        _usage(chunk.usage, obj["usage"])
+
+
+def chat_chunk(data: str, event_id: str | None = None) -> pb.ChatCompletionChunk:
+    """One ``chat.completion.chunk`` (or, from an engine that did not stream,
+    the whole ``chat.completion``) as a message."""
+    chunk = pb.ChatCompletionChunk()
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        obj = None
+    if not isinstance(obj, dict):
+        chunk.chunk_json = data
+        return chunk
+    _head(chunk, obj, data, event_id)
+    choices = obj.get("choices")
+    for choice in choices if isinstance(choices, list) else ():
+        if not isinstance(choice, dict):
+            continue
+        out = chunk.choices.add()
+        out.index = _int(choice.get("index"))
+        out.finish_reason = _str(choice.get("finish_reason"))
+        delta = choice.get("delta", choice.get("message"))
+        if not isinstance(delta, dict):
+            continue
+        out.role = _str(delta.get("role"))
+        out.content = _str(delta.get("content"))
+        calls = delta.get("tool_calls")
+        for call in calls if isinstance(calls, list) else ():
+            if not isinstance(call, dict):
+                continue
+            tool = out.tool_calls.add()
+            tool.index = _int(call.get("index"))
+            tool.id = _str(call.get("id"))
+            tool.type = _str(call.get("type"))
+            function = call.get("function")
+            if isinstance(function, dict):
+                tool.function_name = _str(function.get("name"))
+                tool.function_arguments = _str(function.get("arguments"))
+    return chunk
+
+
+def completion_chunk(data: str, event_id: str | None = None) -> pb.CompletionChunk:
+    """One ``text_completion`` chunk as a message."""
+    chunk = pb.CompletionChunk()
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        obj = None
+    if not isinstance(obj, dict):
+        chunk.chunk_json = data
+        return chunk
+    _head(chunk, obj, data, event_id)
+    choices = obj.get("choices")
+    for choice in choices if isinstance(choices, list) else ():
+        if isinstance(choice, dict):
+            out = chunk.choices.add()
+            out.index = _int(choice.get("index"))
+            out.text = _str(choice.get("text"))
+            out.finish_reason = _str(choice.get("finish_reason"))
+    return chunk
