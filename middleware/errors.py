@@ -268,6 +268,7 @@ _GRPC_STATUS_OF_CODE = {
     ErrorCode.IDEMPOTENCY_KEY_REUSED: GrpcStatus.FAILED_PRECONDITION,
     ErrorCode.RESUME_UNAVAILABLE: GrpcStatus.UNAVAILABLE,
     ErrorCode.INTERNAL: GrpcStatus.INTERNAL,
+    ErrorCode.UNAUTHORIZED: GrpcStatus.UNAUTHENTICATED,
 }
 
 # Before the first message an error has its HTTP status, which says more than
