@@ -18,10 +18,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from opentelemetry.context import Context
+from opentelemetry.trace import TracerProvider
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from tokenwire.engine.access_log import RECEIVED_KEY
 from tokenwire.engine.backend import (
     EngineBackend,
     GenerationRequest,
@@ -45,6 +48,8 @@ from tokenwire.engine.scheduler import ContinuousBatchingScheduler
 from tokenwire.engine.scheduler_process import LaunchedScheduler, SchedulerProcessRunner
 from tokenwire.engine.service import EngineService, RequestHandle
 from tokenwire.engine.streaming import EventStreamResponse
+from tokenwire.middleware.errors import ErrorCode, error_object
+from tokenwire.middleware.tracing import extract_text, get_tracer
 
 REQUEST_ID_HEADER = "x-request-id"
 _MAX_REQUEST_ID_CHARS = 128
@@ -67,12 +72,14 @@ class EngineApp:
 def build_app(
     loaded: LoadedModel, config: EngineConfig, *, backend: EngineBackend | None = None,
     launched: LaunchedScheduler | None = None,
+    tracer_provider: TracerProvider | None = None,
 ) -> Starlette:
     """The bare Starlette app; the engine starts and stops with its lifespan.
 
     The scheduler runs in a thread of this process over ``backend`` (default:
     a :class:`ContinuousBatchingScheduler` of ``loaded``), or, given
     ``launched``, in that scheduler process (``loaded`` is then its front).
+    ``tracer_provider``: where request spans go (``tokenwire.middleware.tracing``).
     """
     metrics = EngineMetrics()
     service_box: list[EngineService] = []
@@ -90,7 +97,7 @@ def build_app(
         scheduler = backend or ContinuousBatchingScheduler(loaded, config)
         max_model_len = getattr(scheduler, "max_model_len", loaded.max_model_len)
         runner = EngineRunner(scheduler, deliver, on_step=metrics.observe_step)
-    service = EngineService(runner, metrics)
+    service = EngineService(runner, metrics, get_tracer(tracer_provider))
     service_box.append(service)
     engine = EngineApp(
         service=service, runner=runner, backend=scheduler, metrics=metrics, loaded=loaded,
@@ -138,7 +145,9 @@ class _Handlers:
     async def _generate(self, request: Request, *, chat: bool) -> Response | EventStreamResponse:
         """Both completion endpoints: parse, check, tokenize, submit, then stream or answer whole."""
         request_id = _request_id(request)
-        received_s = time.monotonic()
+        # From the outermost wrapper (access_log.RECEIVED_KEY) when there is one: the
+        # time a client waits includes the middleware's and the framework's share.
+        received_s = request.scope.get(RECEIVED_KEY) or time.monotonic()
         parsed: CompletionRequest | ChatRequest
         try:
             body = await _json_body(request)
@@ -151,7 +160,8 @@ class _Handlers:
                 self._check_model(parsed.model)
                 prompt_ids = self._tokenize_prompt(parsed)
             handle = self._submit(request_id, prompt_ids, parsed.sampling,
-                                  "chat" if chat else "completions", parsed.user, received_s)
+                                  "chat" if chat else "completions", parsed.user, received_s,
+                                  extract_text(request.headers), streaming=parsed.stream)
         except (ProtocolError, RequestRejected) as error:
             return _error_response(error, request_id)
         stream = _ResponseStream(self._engine, handle, parsed, chat=chat)
@@ -175,9 +185,8 @@ class _Handlers:
         if self._engine.service.abort(request_id, "abort_endpoint"):
             return JSONResponse({"request_id": request_id, "aborted": True})
         return JSONResponse(
-            {"error": {"message": f"no request {request_id!r} in flight",
-                       "type": "invalid_request_error", "param": None,
-                       "code": "stream_not_found"}},
+            error_object(f"no request {request_id!r} in flight", "invalid_request_error",
+                         ErrorCode.STREAM_NOT_FOUND, param=None),
             status_code=404,
         )
 
@@ -223,13 +232,15 @@ class _Handlers:
 
     def _submit(
         self, request_id: str, prompt_ids: tuple[int, ...], sampling: SamplingFields,
-        endpoint: str, user: str | None, received_s: float,
+        endpoint: str, user: str | None, received_s: float, trace_context: Context | None = None,
+        *, streaming: bool = False,
     ) -> RequestHandle:
         params = _sampling_params(sampling, len(prompt_ids), self._engine.max_model_len,
                                   self._engine.loaded.default_temperature)
         return self._engine.service.submit(
             GenerationRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=params),
             endpoint=endpoint, model=self._engine.model_name, user=user, received_s=received_s,
+            trace_context=trace_context, streaming=streaming,
         )
 
 
@@ -269,6 +280,8 @@ class _ResponseStream:
                 text = "".join(output.text for output in batch)
                 if final.finished:
                     handle.finished = True
+                    if text and handle.first_token_sent_s is None:
+                        self._engine.service.first_token_sent(handle)
                     if final.finish_reason in ("abort", "error"):
                         if text:
                             yield self._chunk(text, None)
@@ -281,11 +294,14 @@ class _ResponseStream:
                     yield "data: [DONE]\n\n"
                     return
                 if text:
+                    if handle.first_token_sent_s is None:
+                        self._engine.service.first_token_sent(handle)
                     yield self._text_prefix + json.dumps(text, ensure_ascii=False) + self._text_suffix
         finally:
             if not handle.finished:
                 # Client gone (or the response was torn down): free the row now.
                 self._engine.service.abort(handle.request_id, "client_disconnect")
+            self._engine.service.response_done(handle)
 
     async def whole_response(self, request: Request) -> Response:
         """Wait for the end (or the client leaving) and answer in one JSON body."""
@@ -384,10 +400,8 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 def _finish_error(reason: str | None, message: str | None) -> dict[str, Any]:
     if reason == "abort":
-        return {"error": {"message": "the request was aborted", "type": "server_error",
-                          "param": None, "code": "cancelled"}}
-    return {"error": {"message": message or "generation failed", "type": "server_error",
-                      "param": None, "code": "internal_error"}}
+        return error_object("the request was aborted", "server_error", ErrorCode.CANCELLED, param=None)
+    return error_object(message or "generation failed", "server_error", ErrorCode.INTERNAL, param=None)
 
 
 def _sse(payload: dict[str, Any] | str) -> str:
@@ -399,14 +413,14 @@ def _sse(payload: dict[str, Any] | str) -> str:
 def _error_response(error: ProtocolError | RequestRejected, request_id: str) -> Response:
     """The one place a refused request becomes an HTTP error body."""
     status = error.http_status
-    if status == 404:
-        kind, code = "invalid_request_error", "model_not_found"
-    elif status == 503:
-        kind, code = "server_error", "upstream_unavailable"
+    if status == 503:
+        kind, ours = "server_error", ErrorCode.UPSTREAM_UNAVAILABLE
     else:
-        kind, code = "invalid_request_error", "bad_request"
-    body = {"error": {"message": error.message, "type": kind, "param": error.param,
-                      "code": code}}
+        kind, ours = "invalid_request_error", ErrorCode.BAD_REQUEST
+    body = error_object(error.message, kind, ours, param=error.param)
+    if status == 404:
+        # OpenAI's own code for an unknown model; tokenwire's stays bad_request.
+        body["error"]["code"] = "model_not_found"  # type: ignore[index]
     return JSONResponse(body, status_code=status, headers={REQUEST_ID_HEADER: request_id})
 
 

@@ -51,6 +51,9 @@ class RequestOutput:
     stop_reason: int | str | None = None
     """The stop token id or stop string that ended the output, if one did."""
     error: str | None = None
+    admitted_s: float | None = None
+    """On a request's first output: ``time.monotonic()`` when it was admitted
+    (left the waiting queue), for the queue-wait and prefill metrics."""
 
 
 @dataclass(frozen=True, slots=True)

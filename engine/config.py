@@ -32,6 +32,7 @@ from typing import Any
 
 from tokenwire.middleware import ConfigError, WireConfig
 from tokenwire.middleware.config_layers import ConfigKey, build_layered, config_keys
+from tokenwire.middleware.logs import LogFormat
 
 ENV_PREFIX = "TOKENWIRE_ENGINE_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
@@ -77,6 +78,8 @@ class EngineConfig:
     """``HOST:PORT`` or ``unix:PATH`` the API listens on."""
     log_level: str = "info"
     """uvicorn and engine log level: critical, error, warning, info, debug, trace."""
+    log_format: LogFormat = LogFormat.JSON
+    """Log lines as ``json`` (one object a line) or ``text`` (key=value, for a terminal)."""
     threads: int | None = None
     """torch intra-op threads; default: the CPUs this process may use, minus one for the event loop."""
     scheduler_process: bool = False

@@ -1,12 +1,22 @@
-"""Prometheus metrics for one engine app, on its own registry (no globals)."""
+"""Prometheus metrics for one engine app, on its own registry (no globals).
+
+The engine's side of the sidecar's figures, on the same buckets so the two can
+be compared: time to first token, inter-token gaps, queue wait and prefill
+time per request, tokens in and out, and the batch's load after every step.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import platform
+from importlib import metadata
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from tokenwire.engine.backend import BackendStats
+from tokenwire.middleware.meter import GAP_BUCKETS_S, LATENCY_BUCKETS_S
 
-_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_DURATION_BUCKETS_S = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -17,6 +27,14 @@ class EngineMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         registry = self.registry
+        ProcessCollector(registry=registry)
+        try:
+            version = metadata.version("tokenwire")
+        except metadata.PackageNotFoundError:
+            version = "unknown"
+        self.build_info = Gauge("tokenwire_build_info", "Always 1; the labels say what runs.",
+                                ["version", "python", "program"], registry=registry)
+        self.build_info.labels(version, platform.python_version(), "engine").set(1)
         self.running = Gauge("tokenwire_engine_running", "Sequences admitted (decoding or "
                              "prefilling).", registry=registry)
         self.waiting = Gauge("tokenwire_engine_waiting", "Requests queued for admission.",
@@ -31,11 +49,27 @@ class EngineMetrics:
                                         registry=registry)
         self.step_seconds = Histogram("tokenwire_engine_step_seconds",
                                       "Duration of one scheduler step.",
-                                      buckets=_LATENCY_BUCKETS_S, registry=registry)
+                                      buckets=_STEP_BUCKETS_S, registry=registry)
         self.time_to_first_token_seconds = Histogram(
             "tokenwire_engine_time_to_first_token_seconds",
             "Request received to first token handed to the response.",
-            buckets=_LATENCY_BUCKETS_S, registry=registry)
+            buckets=LATENCY_BUCKETS_S, registry=registry)
+        self.queue_wait_seconds = Histogram(
+            "tokenwire_engine_queue_wait_seconds",
+            "Request received to admitted into the batch (it left the waiting queue).",
+            buckets=LATENCY_BUCKETS_S, registry=registry)
+        self.prefill_seconds = Histogram(
+            "tokenwire_engine_prefill_seconds",
+            "Admitted to first token handed to the response: the prompt's prefill.",
+            buckets=LATENCY_BUCKETS_S, registry=registry)
+        self.inter_token_seconds = Histogram(
+            "tokenwire_engine_inter_token_seconds",
+            "Gaps between a request's successive token deliveries, from its first token on.",
+            buckets=GAP_BUCKETS_S, registry=registry)
+        self.request_duration_seconds = Histogram(
+            "tokenwire_engine_request_duration_seconds",
+            "Request received to its last output, by finish reason.",
+            ["finish_reason"], buckets=_DURATION_BUCKETS_S, registry=registry)
         self.generated_tokens = Counter("tokenwire_engine_generated_tokens",
                                         "Tokens generated, aborted requests included.",
                                         registry=registry)

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import enum
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,6 +103,8 @@ class _Sequence:
     prefill_cache: Any = None
     next_token_id: int = -1
     output_token_ids: list[int] = field(default_factory=list)
+    admitted_s: float | None = None
+    """``time.monotonic()`` when it left the waiting queue (engine metrics, traces)."""
 
     @property
     def request_id(self) -> str:
@@ -284,6 +287,7 @@ class ContinuousBatchingScheduler:
             self._waiting.popleft()
             self._reserved_tokens += head.reserved_tokens
             head.state = SequenceState.PREFILLING
+            head.admitted_s = time.monotonic()
             prompt = head.request.prompt_token_ids
             if not prompt or not 0 <= min(prompt) <= max(prompt) < self.vocab_size:
                 # Caught here, not by the forward: that forward is every row's.
@@ -462,6 +466,7 @@ class ContinuousBatchingScheduler:
                 token_ids=(token_id,),
                 prompt_tokens=len(sequence.request.prompt_token_ids),
                 completion_tokens=generated,
+                admitted_s=sequence.admitted_s if generated == 1 else None,
             )
         return self._finish(
             sequence, reason, text=text + sequence.text.finish(), token_ids=(token_id,),
@@ -498,6 +503,8 @@ class ContinuousBatchingScheduler:
             finish_reason=reason,
             stop_reason=stop_reason,
             error=error,
+            # Its first output (one token, or none): the admission time goes with it.
+            admitted_s=sequence.admitted_s if len(sequence.output_token_ids) <= 1 else None,
         )
 
 

@@ -9,11 +9,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from opentelemetry.trace import TracerProvider
 from starlette.types import ASGIApp
+from tokenwire.engine.access_log import AccessLog
 from tokenwire.engine.cli import build_parser, load_engine_config
 from tokenwire.engine.config import EngineConfig, engine_wire_defaults, torch_threads
 from tokenwire.middleware import WireConfig
 from tokenwire.middleware.asgi import listening_socket
+from tokenwire.middleware.logs import LogFormat, configure_logging
+from tokenwire.middleware.tracing import tracer_provider_from_env
 
 __all__ = ["ListenAddress", "build_asgi_app", "build_parser", "load_engine_config", "main"]
 
@@ -40,9 +44,9 @@ class ListenAddress:
         return cls(host=host.strip("[]") or "127.0.0.1", port=int(port))
 
 
-def build_asgi_app(config: EngineConfig) -> ASGIApp:
+def build_asgi_app(config: EngineConfig, tracer_provider: TracerProvider | None = None) -> ASGIApp:
     """Load the model (here or in the scheduler process), build the API, wrap it in
-    tokenwire's middleware."""
+    tokenwire's middleware and the access log."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from tokenwire.engine.api import build_app
@@ -50,8 +54,19 @@ def build_asgi_app(config: EngineConfig) -> ASGIApp:
     from tokenwire.engine.scheduler_process import SchedulerSpec, launch_scheduler
     from tokenwire.engine.tiny import ensure_tiny_model
 
+    # transformers writes progress bars and its warnings to stderr itself: as plain
+    # lines among the JSON ones. Its records go through our handler instead.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()
     if config.model == "tiny":
-        path: Path = ensure_tiny_model()
+        # Its build's progress bar is for a terminal: with JSON logs, one line instead.
+        text_logs = LogFormat(config.log_format) is LogFormat.TEXT
+        if not text_logs:
+            logging.getLogger("tokenwire.engine").info("loading the tiny model (built on first run)")
+        path: Path = ensure_tiny_model(log=text_logs)
         name = config.served_model_name or "tiny"
     else:
         path = Path(config.model).expanduser()
@@ -65,14 +80,15 @@ def build_asgi_app(config: EngineConfig) -> ASGIApp:
         launched = launch_scheduler(SchedulerSpec(
             model_path=str(path), name=name, device=config.device, dtype=config.dtype,
             threads=torch_threads(config), config=config, log_level=config.log_level))
-        app = build_app(launched.front_model(), config, launched=launched)
-        return _wrap_in_middleware(app, config.wire)
+        app = build_app(launched.front_model(), config, launched=launched,
+                        tracer_provider=tracer_provider)
+        return AccessLog(_wrap_in_middleware(app, config.wire))
     # Before the first torch op: the pool is sized once. One CPU is left to the
     # event loop, which encodes and writes while the engine thread computes.
     torch.set_num_threads(torch_threads(config))
     loaded = load_model(path, device=config.device, dtype=config.dtype, name=name)
-    app = build_app(loaded, config)
-    return _wrap_in_middleware(app, config.wire)
+    app = build_app(loaded, config, tracer_provider=tracer_provider)
+    return AccessLog(_wrap_in_middleware(app, config.wire))
 
 
 def _wrap_in_middleware(app: ASGIApp, wire: WireConfig | None = None) -> ASGIApp:
@@ -97,7 +113,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:  # ConfigError included: it names the key
         print(f"tokenwire engine: configuration error: {error}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=config.log_level.upper(), format="%(message)s", stream=sys.stderr)
+    # uvicorn's "trace" level is below debug; ours stops at debug.
+    configure_logging("debug" if config.log_level.lower() == "trace" else config.log_level,
+                      config.log_format)
     # Without a scheduler process, the engine thread gives up the GIL inside
     # every torch op and must take it back after; with the default 5 ms switch
     # interval, an event loop busy encoding chunks could hold it that long each
@@ -105,13 +123,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.setswitchinterval(_SWITCH_INTERVAL_S)
     import uvicorn
 
+    provider = tracer_provider_from_env(os.environ, "tokenwire-engine")
     try:
-        app = build_asgi_app(config)
+        app = build_asgi_app(config, provider)
     except (OSError, ValueError, RuntimeError) as error:  # SchedulerProcessError included
         print(f"tokenwire engine: {error}", file=sys.stderr)
         return 2
+    # log_config=None: uvicorn's loggers go through our handler (configure_logging);
+    # its access line lacks the request id, so AccessLog writes that one.
     uvicorn_config = uvicorn.Config(
-        app, uds=listen.unix_path, log_level=config.log_level.lower(), timeout_graceful_shutdown=5
+        app, uds=listen.unix_path, log_level=config.log_level.lower(), timeout_graceful_shutdown=5,
+        log_config=None, access_log=False,
     )
     server = uvicorn.Server(uvicorn_config)
     if listen.unix_path is not None:
@@ -122,6 +144,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         assert listen.host is not None and listen.port is not None
         sock = listening_socket(listen.host, listen.port, config.wire)
         server.run(sockets=[sock])
+    shutdown = getattr(provider, "shutdown", None)
+    if shutdown is not None:
+        shutdown()  # the SDK's: exports the spans still batched
     return 0
 
 if __name__ == "__main__":

@@ -46,9 +46,10 @@ from .events import (
     UpstreamHeaders,
     WriteCompleted,
 )
+from .meter import GAP_BUCKETS_S
 from .retry import RetryBudget
 from .sse import SSEEvent, SSEParser, encode
-from .stream import GAP_BUCKETS_S, StreamState, WireStream
+from .stream import StreamState, WireStream
 
 __all__ = [
     "GAP_BUCKETS_S",

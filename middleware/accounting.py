@@ -5,8 +5,9 @@ Theory of operation
 :class:`Accounting` has no states: it only counts, as the other parts of the
 core report what happened (an event in, bytes out, a heartbeat, a retry), and
 builds the one :class:`~tokenwire.middleware.events.StreamRecord` each
-response ends with. Time to first byte and the gaps between content writes
-are measured where the bytes are handed to the socket, not where they arrive.
+response ends with. Time to first byte, time to first token and the gaps
+between tokens are measured where the bytes are handed to the socket, not
+where they arrive; the token timing is its :class:`~tokenwire.middleware.meter.TokenMeter`'s.
 """
 
 from __future__ import annotations
@@ -16,17 +17,16 @@ from typing import Any, Generic, Protocol, TypeVar, overload
 from .chunks import usage_of
 from .errors import ErrorCode
 from .events import EndReason, StreamRecord
-
-GAP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, float("inf"))
-"""Upper bounds of the inter-event gap histogram carried in each record."""
+from .meter import GAP_BUCKETS_S as GAP_BUCKETS_S
+from .meter import TokenMeter
 
 
 class Accounting:
     """Counters of one response. See the module docstring."""
 
-    __slots__ = ("bytes_out", "events_in", "events_out", "gap_buckets", "heartbeats",
-                 "last_content_at", "max_gap_s", "pending_high_water_bytes", "refused_retries",
-                 "retries", "started_at", "ttfb_s", "upstream_comments", "usage")
+    __slots__ = ("bytes_out", "events_in", "events_out", "heartbeats", "meter",
+                 "pending_high_water_bytes", "refused_retries", "retries", "started_at", "ttfb_s",
+                 "upstream_comments", "usage")
 
     def __init__(self, now: float) -> None:
         self.started_at = now
@@ -39,9 +39,7 @@ class Accounting:
         self.upstream_comments = 0
         self.pending_high_water_bytes = 0
         self.ttfb_s: float | None = None
-        self.last_content_at: float | None = None
-        self.max_gap_s = 0.0
-        self.gap_buckets = [0] * len(GAP_BUCKETS_S)
+        self.meter = TokenMeter(now)
         self.usage: dict[str, Any] | None = None
 
     def content_written(self, events: int, now: float) -> None:
@@ -49,15 +47,7 @@ class Accounting:
         self.events_out += events
         if self.ttfb_s is None:
             self.ttfb_s = now - self.started_at
-        elif self.last_content_at is not None:
-            gap_s = now - self.last_content_at
-            if gap_s > self.max_gap_s:
-                self.max_gap_s = gap_s
-            for i, bound in enumerate(GAP_BUCKETS_S):
-                if gap_s <= bound:
-                    self.gap_buckets[i] += 1
-                    break
-        self.last_content_at = now
+        self.meter.wrote(events, now)
 
     def capture_usage(self, data: str) -> None:
         """Keep the chunk's usage block, if it has one (the last one wins)."""
@@ -67,7 +57,7 @@ class Accounting:
 
     def record(self, now: float, *, request_id: str, upstream: str, status: int,
                end_reason: EndReason, error_code: ErrorCode | None, coalesced_events: int,
-               dropped_events: int) -> StreamRecord:
+               dropped_events: int, stream_id: str | None = None) -> StreamRecord:
         """The record as of ``now``; the other parts say the rest."""
         return StreamRecord(
             request_id=request_id,
@@ -78,8 +68,8 @@ class Accounting:
             started_at=self.started_at,
             duration_s=now - self.started_at,
             ttfb_s=self.ttfb_s,
-            max_event_gap_s=self.max_gap_s,
-            event_gap_buckets=tuple(self.gap_buckets),
+            max_event_gap_s=self.meter.max_gap_s,
+            event_gap_buckets=tuple(self.meter.gap_buckets),
             events_in=self.events_in,
             events_out=self.events_out,
             bytes_out=self.bytes_out,
@@ -90,6 +80,10 @@ class Accounting:
             refused_retries=self.refused_retries,
             pending_high_water_bytes=self.pending_high_water_bytes,
             usage=self.usage,
+            ttft_s=self.meter.ttft_s,
+            event_gap_sum_s=self.meter.gap_sum_s,
+            content_events=self.meter.content_events,
+            stream_id=stream_id,
         )
 
 

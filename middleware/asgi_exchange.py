@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import logging
 import uuid
 from enum import Enum
@@ -404,7 +403,8 @@ class Exchange(ResponseWriter):
             except Exception:
                 logger.exception("on_finished hook failed for request %s", self.request_id)
         if logger.isEnabledFor(logging.INFO):
-            logger.info("%s", json.dumps(record.to_json(), separators=(",", ":")))
+            # Structured fields (tokenwire.middleware.logs formats them as JSON or text).
+            logger.info("stream ended", extra={"fields": record.to_json()})
 
     # ------------------------------------------------------------ timer
 

@@ -22,6 +22,9 @@ as opaque unless it asks this module:
   the shape tokenwire writes its own errors in (:func:`error_payload`), which
   the OpenAI SDKs raise on;
 * **usage**: the block accounting keeps (:func:`usage_of`);
+* **tokens**: whether an event carries one (:func:`carries_token`: text,
+  reasoning or a tool call, not the role-only chunk), for the time to first
+  token (``meter.py``);
 * the **keeps-up fast path**: which reads hold nothing but plain chunks that
   need no look inside (:func:`plain_event_count`);
 * the **client's view** of a chunk, for the tools (:func:`read_chunk`).
@@ -368,3 +371,24 @@ def read_chunk(data: str) -> ChunkFacts:
     joined = "".join(text)
     return ChunkFacts(joined, finish_reason, tokens if isinstance(tokens, int) else None,
                       carries_token=bool(joined) or tool_call)
+
+
+# ---------------------------------------------------------------- tokens
+
+
+# A non-empty text field, or the opening of a tool call's list.
+_TOKEN_RE = re.compile(rb'"(?:content|reasoning_content|reasoning|text)" ?: ?"[^"]'
+                       rb'|"tool_calls" ?: ?\[ ?\{')
+
+
+def carries_token(data: bytes) -> bool:
+    """Whether ``data`` (one or more events' data, or whole ``data:`` frames)
+    holds a token event: a non-empty text (content, reasoning, a completion's
+    text) or a tool call, found by a regex on the bytes, without parsing (the
+    core asks this of reads until the first token); non-JSON data counts as a
+    token. :func:`read_chunk`'s ``carries_token`` is the same fact, parsed."""
+    if _TOKEN_RE.search(data) is not None:
+        return True
+    # Non-JSON data is content: a plain event stream's first event is its text.
+    body = data[6:] if data.startswith(b"data: ") else data
+    return not body.lstrip().startswith((b"{", b"[", b"\"")) and bool(body.strip())

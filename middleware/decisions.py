@@ -129,7 +129,7 @@ class StreamDecisions:
             now, request_id=self.request_id, upstream=self._attempt.upstream, status=self._status,
             end_reason=self._end_reason or EndReason.COMPLETE, error_code=self._error_code,
             coalesced_events=self._pending.coalesced_events,
-            dropped_events=self._pending.dropped_events)
+            dropped_events=self._pending.dropped_events, stream_id=self._resume.resume_id or None)
 
     # The accounting counters, read-only (they are the Accounting part's).
     started_at = Counted[float]()
@@ -298,6 +298,7 @@ class StreamDecisions:
             # A reader's own ending (shutdown, cancel, the store lost the rest)
             # is not an event of the stream: numbering it would shadow the
             # stored event of that number on the next reconnect.
+            self._acct.meter.terminal_queued()
             self._queue_event(SSEEvent(data=error.sse_data()), droppable=False,
                               numbered=not self._resume.reader)
             self._end(reason, error.code, abrupt=True, trigger=Trigger.ABORT)

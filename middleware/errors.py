@@ -20,13 +20,13 @@ from .chunks import error_payload, message_of, status_of
 
 
 class ErrorCode(StrEnum):
-    """Stable error codes; the ``E73xx`` numbers follow the ThemisDB scheme."""
+    """Stable error codes; each has a stable number in :data:`ERROR_TABLE`."""
 
-    STREAM_NOT_FOUND = "stream_not_found"  # E7300
-    CANCELLED = "cancelled"  # E7301
-    BACKPRESSURE_EXCEEDED = "backpressure_exceeded"  # E7302
-    SEND_TIMEOUT = "send_timeout"  # E7303
-    INVALID_STREAM = "invalid_stream"  # E7304
+    STREAM_NOT_FOUND = "stream_not_found"
+    CANCELLED = "cancelled"
+    BACKPRESSURE_EXCEEDED = "backpressure_exceeded"
+    SEND_TIMEOUT = "send_timeout"
+    INVALID_STREAM = "invalid_stream"
     UPSTREAM_UNAVAILABLE = "upstream_unavailable"
     UPSTREAM_TIMEOUT = "upstream_timeout"
     UPSTREAM_FAILED = "upstream_failed"
@@ -36,20 +36,60 @@ class ErrorCode(StrEnum):
     IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"
     RESUME_UNAVAILABLE = "resume_unavailable"
     INTERNAL = "internal_error"
+    UNAUTHORIZED = "unauthorized"
 
     @property
-    def number(self) -> str | None:
-        """The numeric alias (``E7300``...) where the scheme defines one."""
-        return _NUMBERS.get(self)
+    def number(self) -> str:
+        """The stable number (``E7300``...), as listed in :data:`ERROR_TABLE`."""
+        return _NUMBERS[self]
+
+    @property
+    def label(self) -> str:
+        """Number and name together, ``E7302 backpressure_exceeded``: what logs and trailers show."""
+        return f"{_NUMBERS[self]} {self.value}"
 
 
-_NUMBERS = {
-    ErrorCode.STREAM_NOT_FOUND: "E7300",
-    ErrorCode.CANCELLED: "E7301",
-    ErrorCode.BACKPRESSURE_EXCEEDED: "E7302",
-    ErrorCode.SEND_TIMEOUT: "E7303",
-    ErrorCode.INVALID_STREAM: "E7304",
-}
+ERROR_TABLE: tuple[tuple[str, ErrorCode, str], ...] = (
+    # E7300-E7304 are the ThemisDB streaming codes, with the same meanings.
+    ("E7300", ErrorCode.STREAM_NOT_FOUND, "no such stream (a resume id or a cancel of an unknown request)"),
+    ("E7301", ErrorCode.CANCELLED, "the stream was cancelled: its client left, or an operator ended it"),
+    ("E7302", ErrorCode.BACKPRESSURE_EXCEEDED,
+     "the client read too slowly: what waited for it went past max_pending_bytes"),
+    ("E7303", ErrorCode.SEND_TIMEOUT, "the client took nothing for write_deadline_s"),
+    # ThemisDB's "invalid token sequence": here, an upstream answer that is not a
+    # valid sequence of events (malformed SSE, a line or event over the size
+    # limits, a compressed or non-event-stream body where a stream was due).
+    ("E7304", ErrorCode.INVALID_STREAM, "invalid token sequence: the upstream's event stream is malformed"),
+    # tokenwire's own, numbered on from the scheme.
+    ("E7305", ErrorCode.UPSTREAM_UNAVAILABLE, "no upstream could be connected to"),
+    ("E7306", ErrorCode.UPSTREAM_TIMEOUT, "the upstream did not answer (headers, or bytes) in time"),
+    ("E7307", ErrorCode.UPSTREAM_FAILED,
+     "the upstream failed: an error event or status, a broken or early-ended stream"),
+    ("E7308", ErrorCode.SHUTDOWN, "the server is shutting down"),
+    ("E7309", ErrorCode.BAD_REQUEST, "the request is malformed or over a limit"),
+    ("E7310", ErrorCode.INVALID_LAST_EVENT_ID, "a Last-Event-ID that names no stream of this server"),
+    ("E7311", ErrorCode.IDEMPOTENCY_KEY_REUSED, "an Idempotency-Key reused with a different request"),
+    ("E7312", ErrorCode.RESUME_UNAVAILABLE, "the replay store is unreachable or lost the stream"),
+    ("E7313", ErrorCode.INTERNAL, "a bug in tokenwire, or an engine's own failure to generate"),
+    ("E7314", ErrorCode.UNAUTHORIZED, "the admin API's bearer token was missing or wrong"),
+)
+"""Every error code: its stable number, its name, and what it means. The one
+table: the README lists it, logs and records carry ``number`` and ``code``,
+error objects carry both as ``"tokenwire": {"code", "number"}``."""
+
+_NUMBERS = {code: number for number, code, _ in ERROR_TABLE}
+
+
+def tokenwire_fields(code: ErrorCode) -> dict[str, str]:
+    """``{"code": ..., "number": ...}``: what rides as ``"tokenwire"`` in an error object."""
+    return {"code": code.value, "number": code.number}
+
+
+def error_object(message: str, error_type: str, code: ErrorCode, **fields: object) -> dict[str, object]:
+    """An OpenAI-shaped error body, ``{"error": {"message", "type", "code", ..., "tokenwire"}}``,
+    for answers that are not a raised :class:`WireError` (the admin API, the engine)."""
+    return {"error": {"message": message, "type": error_type, **fields, "code": code.value,
+                      "tokenwire": tokenwire_fields(code)}}
 
 
 class WireError(Exception):
@@ -78,16 +118,14 @@ class WireError(Exception):
 
     def to_json(self) -> dict[str, object]:
         """The OpenAI-shaped error object, ``{"error": {"message", "type", "code"}}``,
-        with tokenwire's own code (and its E73xx number, where it has one) beside
+        with tokenwire's own code and its E73xx number beside
         as ``"tokenwire"``: the same place as on a forwarded engine error."""
         return error_payload(self.message, self.error_type, self.code.value,
                              tokenwire=self.tokenwire_fields())
 
     def tokenwire_fields(self) -> dict[str, str]:
         """``{"code": ..., "number": ...}``: tokenwire's stable code of this error."""
-        number = self.code.number
-        return {"code": self.code.value} if number is None else {"code": self.code.value,
-                                                                  "number": number}
+        return tokenwire_fields(self.code)
 
     def body(self) -> bytes:
         """JSON body for a response whose status line is still ours to choose."""
@@ -230,6 +268,7 @@ _GRPC_STATUS_OF_CODE = {
     ErrorCode.IDEMPOTENCY_KEY_REUSED: GrpcStatus.FAILED_PRECONDITION,
     ErrorCode.RESUME_UNAVAILABLE: GrpcStatus.UNAVAILABLE,
     ErrorCode.INTERNAL: GrpcStatus.INTERNAL,
+    ErrorCode.UNAUTHORIZED: GrpcStatus.UNAUTHENTICATED,
 }
 
 # Before the first message an error has its HTTP status, which says more than

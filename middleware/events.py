@@ -270,10 +270,11 @@ class StreamRecord:
     started_at: float
     duration_s: float
     ttfb_s: float | None
-    """Start to the first content event handed to the socket."""
+    """Start to the first event (of any kind, the role-only chunk included) handed to the socket."""
     max_event_gap_s: float
+    """The longest gap between writes from the first token on (see ``meter.py``)."""
     event_gap_buckets: tuple[int, ...]
-    """Counts of gaps between content writes, per ``stream.GAP_BUCKETS_S`` bound."""
+    """Counts of those gaps, per ``meter.GAP_BUCKETS_S`` bound."""
     events_in: int
     events_out: int
     bytes_out: int
@@ -284,6 +285,25 @@ class StreamRecord:
     refused_retries: int
     pending_high_water_bytes: int
     usage: dict[str, Any] | None = field(default=None, compare=False)
+    ttft_s: float | None = None
+    """Start to the first event that carries a token (text, reasoning, a tool call)."""
+    event_gap_sum_s: float = 0.0
+    """The sum of the gaps counted in ``event_gap_buckets``."""
+    content_events: int = 0
+    """Events written from the first token on, the terminal marker excluded."""
+    stream_id: str | None = None
+    """The resume id of the stream (``config.resume``), else None."""
+
+    @property
+    def tokens_out(self) -> tuple[int, str]:
+        """(tokens, source): the upstream's ``usage.completion_tokens`` where it
+        sent one (source ``usage``), else ``content_events`` (source ``counted``)."""
+        usage = self.usage
+        if usage is not None:
+            completion = usage.get("completion_tokens", usage.get("output_tokens"))
+            if isinstance(completion, int) and not isinstance(completion, bool):
+                return completion, "usage"
+        return self.content_events, "counted"
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable dict (one log line)."""
@@ -293,11 +313,18 @@ class StreamRecord:
             "status": self.status,
             "end_reason": self.end_reason.value,
             "error_code": self.error_code.value if self.error_code else None,
+            "error_number": self.error_code.number if self.error_code else None,
             "started_at": self.started_at,
             "duration_s": round(self.duration_s, 6),
             "ttfb_s": None if self.ttfb_s is None else round(self.ttfb_s, 6),
+            "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 6),
             "max_event_gap_s": round(self.max_event_gap_s, 6),
             "event_gap_buckets": list(self.event_gap_buckets),
+            "event_gap_sum_s": round(self.event_gap_sum_s, 6),
+            "content_events": self.content_events,
+            "tokens_out": self.tokens_out[0],
+            "tokens_source": self.tokens_out[1],
+            "stream_id": self.stream_id,
             "events_in": self.events_in,
             "events_out": self.events_out,
             "bytes_out": self.bytes_out,

@@ -77,6 +77,7 @@ from .events import (
 from .headers import is_compressed, is_event_stream, passthrough_headers
 from .lifecycle import ENDED as _ENDED
 from .lifecycle import TRANSITIONS, StreamState, Trigger
+from .meter import TokenMeter
 from .sse import SSEEvent
 
 __all__ = ["GAP_BUCKETS_S", "HEARTBEAT", "TRANSITIONS", "StreamState", "WireStream"]
@@ -214,8 +215,15 @@ class WireStream(StreamDecisions):
             acct.pending_high_water_bytes = len(data)
         client.wrote_at_once(now)
         acct.bytes_out += len(data)
+        if acct.meter.awaiting_token:
+            acct.meter.queued(data)
         acct.content_written(count, now)
         return data
+
+    @property
+    def meter(self) -> TokenMeter:
+        """Time to first token and inter-token gaps (``meter.py``); drivers read it live."""
+        return self._acct.meter
 
     # The attempt's fields under the names the core's property tests look at.
 
@@ -294,6 +302,8 @@ class WireStream(StreamDecisions):
                 # The client keeps up and these are ordinary text chunks: they
                 # go out as they came, with nothing to merge them with, so
                 # parsing and re-encoding them would only cost time.
+                if self._acct.meter.awaiting_token:
+                    self._acct.meter.queued(event.data)
                 self._pending.add_bytes(self._resume.number_plain(event.data) if self.config.resume
                                         else event.data, count)
                 self._acct.events_in += count
@@ -339,6 +349,7 @@ class WireStream(StreamDecisions):
         if self._state is W:
             self._commit_sse(now)
         if error is not None:
+            self._acct.meter.terminal_queued()
             self._queue_event(SSEEvent(data=UpstreamErrorEvent(error).sse_data()), droppable=False)
             self._end(EndReason.UPSTREAM_ERROR, ErrorCode.UPSTREAM_FAILED, abrupt=True,
                       trigger=Trigger.ABORT)
@@ -346,12 +357,15 @@ class WireStream(StreamDecisions):
             return
         marker = self.config.terminal_marker
         if marker is not None and data == marker:
+            self._acct.meter.terminal_queued()
             self._queue_event(event, droppable=False)
             self._end(EndReason.COMPLETE, None, abrupt=False, trigger=Trigger.FINISH)
             self._enforce_cap(now)
             return
         if data is not None and '"usage"' in data:
             self._acct.capture_usage(data)
+        if data is not None and self._acct.meter.awaiting_token:
+            self._acct.meter.queued(data)
         self._queue_event(event)
         if self._state is C:
             self._transition(Trigger.SEND)

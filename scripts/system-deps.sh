@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the system packages the tests and benchmarks use, only when missing.
-# Usage: scripts/system-deps.sh PACKAGE...   (Debian names: redis-server nginx chromium nodejs npm curl nghttp2-client)
+# Usage: scripts/system-deps.sh PACKAGE...   (Debian names: redis-server nginx chromium nodejs npm curl nghttp2-client prometheus)
 set -euo pipefail
 missing=()
 for pkg in "$@"; do
@@ -10,6 +10,7 @@ for pkg in "$@"; do
         chromium) bin=chromium ;;
         nodejs) bin=node ;;
         nghttp2-client) bin=h2load ;;
+        prometheus) bin=promtool ;;  # promtool ships in the prometheus package
         *) bin="$pkg" ;;
     esac
     command -v "$bin" >/dev/null 2>&1 || [ -x "/usr/sbin/$bin" ] || missing+=("$pkg")

@@ -6,9 +6,10 @@ cd "$(dirname "$0")/.."
 scripts/setup-venv.sh dev,engine
 # Real Redis (resume store), headless Chromium (EventSource, playground),
 # nginx (the ingress example is checked with nginx -t), and Node, npm and curl
-# (clients of the compatibility suite, tests/compat/clients), and h2load and
-# nghttp (nghttp2-client: HTTP/2 clients of tests/sidecar/test_http2_clients.py).
-scripts/system-deps.sh redis-server chromium nginx nodejs npm curl nghttp2-client
+# (clients of the compatibility suite, tests/compat/clients), h2load and
+# nghttp (nghttp2-client: HTTP/2 clients of tests/sidecar/test_http2_clients.py),
+# and promtool (prometheus: /metrics checked by tests/sidecar/test_telemetry.py).
+scripts/system-deps.sh redis-server chromium nginx nodejs npm curl nghttp2-client prometheus
 # openai-node and eventsource for the compatibility suite, from its lock file.
 scripts/node-deps.sh
 py=.venv/bin/python

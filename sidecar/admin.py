@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import h11
 from prometheus_client import CONTENT_TYPE_LATEST
 from tokenwire.middleware import EndReason, ErrorCode
+from tokenwire.middleware.errors import error_object
 from tokenwire.middleware.headers import header_value
 
 from .context import SidecarContext
@@ -82,8 +83,8 @@ def route(context: SidecarContext, method: bytes, target: bytes, *,
     """The admin API's answer to one request (no I/O; easy to test)."""
     path = urllib.parse.unquote(target.split(b"?", 1)[0].decode("ascii", "replace"))
     if access is not None and not access.allows(path, authorization):
-        return _json(401, {"error": {"message": "the admin API needs Authorization: Bearer <admin token>",
-                                     "type": "invalid_request_error", "code": "unauthorized"}})
+        return _json(401, error_object("the admin API needs Authorization: Bearer <admin token>",
+                                       "invalid_request_error", ErrorCode.UNAUTHORIZED))
     if method in (b"GET", b"HEAD"):
         if path == "/" and playground is not None:
             return 200, b"text/html; charset=utf-8", playground.render(host_header)
@@ -104,22 +105,19 @@ def route(context: SidecarContext, method: bytes, target: bytes, *,
         request_id = path[len("/streams/"):]
         if context.registry.stop(request_id, EndReason.CANCELLED):
             return _json(200, {"cancelled": request_id})
-        return _json(404, {"error": {"message": f"no open stream {request_id!r}",
-                                     "type": "invalid_request_error",
-                                     "code": ErrorCode.STREAM_NOT_FOUND.value}})
+        return _json(404, error_object(f"no open stream {request_id!r}", "invalid_request_error",
+                                       ErrorCode.STREAM_NOT_FOUND))
     elif method == b"POST" and path.startswith("/upstreams/") and path.endswith(("/drain", "/undrain")):
         given, _, verb = path[len("/upstreams/"):].rpartition("/")
         address = context.pools.find(given)
         if address is None:
-            return _json(404, {"error": {"message": f"no upstream {given!r}", "type": "invalid_request_error",
-                                         "code": ErrorCode.BAD_REQUEST.value}})
+            return _json(404, error_object(f"no upstream {given!r}", "invalid_request_error",
+                                           ErrorCode.BAD_REQUEST))
         context.pools.drain(address, verb == "drain")
         return _json(200, {"upstream": address, "draining": verb == "drain"})
     else:
-        return _json(405, {"error": {"message": "method not allowed", "type": "invalid_request_error",
-                                     "code": ErrorCode.BAD_REQUEST.value}})
-    return _json(404, {"error": {"message": f"no route {path}", "type": "invalid_request_error",
-                                 "code": ErrorCode.BAD_REQUEST.value}})
+        return _json(405, error_object("method not allowed", "invalid_request_error", ErrorCode.BAD_REQUEST))
+    return _json(404, error_object(f"no route {path}", "invalid_request_error", ErrorCode.BAD_REQUEST))
 
 
 async def _read_request(reader: asyncio.StreamReader, conn: h11.Connection) -> h11.Request | None:

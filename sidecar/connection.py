@@ -164,4 +164,5 @@ def new_exchange(context: SidecarContext, downstream: Downstream, *, method: byt
     return Exchange(
         context, downstream, request_id=request_id, upstream_request_id=upstream_id, method=method,
         target=target, upstream_headers=upstream_headers, body=body,
-        expect_stream=wants_stream(headers, body), http_version=http_version)
+        expect_stream=wants_stream(headers, body), http_version=http_version,
+        client_address=peer.host or "")

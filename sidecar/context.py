@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from opentelemetry.trace import Tracer
 from tokenwire.middleware import RetryBudget
 from tokenwire.middleware.replay_store import ReplayStore
 from tokenwire.middleware.resume import CallerKey
@@ -36,6 +37,8 @@ class SidecarContext:
     admin_origins: tuple[str, ...] = ()
     """The admin port's own origins (its playground page), allowed by the proxy's CORS."""
     registry: StreamRegistry = field(default_factory=StreamRegistry)
+    tracer: Tracer | None = None
+    """Where each stream's span goes (``tokenwire.middleware.tracing``); None = tracing off."""
     connections: set[OpenConnection] = field(default_factory=set)
     buffered_body_bytes: int = 0
     """Request body bytes held by all connections now (``max_buffered_body_bytes``)."""

@@ -46,6 +46,7 @@ from tokenwire.middleware import (
     ReplayAppend,
     ResumeUpstream,
     RetryUpstream,
+    StreamRecord,
     Tick,
     UpstreamData,
     UpstreamError,
@@ -61,6 +62,8 @@ from tokenwire.middleware.retry import may_repeat
 from .balance import Refusal
 from .context import SidecarContext
 from .forwarding import client_response_headers
+from .metrics import REPLAY_UPSTREAM
+from .milestones import Milestones, open_span, request_fields, wall_clock
 from .upstream import Grant, run_attempt
 from .upstream_io import UpstreamStream
 
@@ -96,6 +99,7 @@ class Exchange:
         body: bytes,
         expect_stream: bool,
         http_version: str = "1.1",
+        client_address: str = "",
     ) -> None:
         self._context = context
         self._downstream = downstream
@@ -105,10 +109,13 @@ class Exchange:
         self.upstream_request_id = upstream_request_id or request_id
         """The upstream's id for this request, and the key of its abort call; never the client's."""
         self.http_version = http_version
-        """The client's protocol (``1.1``, ``2``), for the stream record."""
+        """The client's protocol (``1.1``, ``2``): a label of the stream's metrics, in its record."""
+        self.client_address = client_address
         self._method = method
         self._target = target
-        self._upstream_headers = list(upstream_headers)
+        self._log_fields = request_fields(method, target, client_address, http_version)
+        span, traced_headers = open_span(context.tracer, request_id, self._log_fields, upstream_headers)
+        self._upstream_headers = traced_headers
         self._body = body
         resume = context.config.wire.resume
         self.stream_id = new_stream_id() if resume else None
@@ -122,6 +129,8 @@ class Exchange:
             upstreams=("",), retry_budget=context.retry_budget,
             expect_stream=expect_stream, stream_id=self.stream_id,
             may_repeat=may_repeat(method, self._upstream_headers))
+        self._milestones = (Milestones(self.stream, self._log_fields, span)
+                           if span is not None or Milestones.wanted() else None)
         self._inbox: deque[tuple[Input, float | None]] = deque()
         self._busy = False
         self._done = False
@@ -144,6 +153,8 @@ class Exchange:
         """Register the stream and send the first upstream request."""
         self._context.registry.add(self)
         self._context.metrics.active_streams.inc()
+        if self._milestones is not None:
+            self._milestones.accepted(self.stream_id)
         if self._context.replay_store is None:
             self._start_attempt(0)
         else:
@@ -201,11 +212,24 @@ class Exchange:
             self.feed(UpstreamData(data))
         if batch:
             self._write_batch(batch)
+        if self._milestones is not None:
+            self._milestones.after((), self._loop.time())
 
     def _write_batch(self, batch: list[bytes]) -> None:
         # A write that fills the socket calls pause_writing → SocketPaused,
         # which the core takes now, before the next chunk, as it would have.
         self._downstream.send_body(batch[0] if len(batch) == 1 else b"".join(batch))
+
+    def live_record(self) -> tuple[StreamRecord, str]:
+        """The stream's record as of now and the client's HTTP version (live metrics)."""
+        return self._metered(self.stream.record(self._loop.time())), self.http_version
+
+    def _metered(self, record: StreamRecord) -> StreamRecord:
+        """The record as the metrics label it: the balancer's pod (the core knows
+        none), or ``replay``: a replay's first token comes from the store, and its
+        figures must not pass for an engine's."""
+        return dataclasses.replace(record, upstream=REPLAY_UPSTREAM if self.replaying
+                                   else self.upstream_address)
 
     def describe(self, now: float) -> dict[str, Any]:
         """The ``GET /streams`` entry for this stream."""
@@ -273,6 +297,8 @@ class Exchange:
                 self._reader_wait = self._loop.create_task(self._await_reader(action))
         if tell_engine:
             self._context.pools.send_abort(self.upstream_request_id, self.upstream_address)
+        if self._milestones is not None:
+            self._milestones.after(actions, self._loop.time())
 
     def _finish(self, action: Finished) -> None:
         self._done = True
@@ -281,12 +307,11 @@ class Exchange:
         context.metrics.active_streams.dec()
         self._release_pod()
         record = dataclasses.replace(action.record, upstream=self.upstream_address)
-        context.metrics.observe_record(record)
+        context.metrics.observe_record(self._metered(record), self.http_version)
+        extra = {**self._log_fields, "started_at": wall_clock(record.started_at, self._loop.time())}
         if self.upstream_request_id != self.request_id:
-            context.log.write(record, upstream_request_id=self.upstream_request_id,
-                              http_version=self.http_version)
-        else:
-            context.log.write(record, http_version=self.http_version)
+            extra["upstream_request_id"] = self.upstream_request_id
+        context.log.write(record, **extra)
         self._timer.cancel()
         if self._reader_wait is not None:
             self._reader_wait.cancel()

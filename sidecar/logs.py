@@ -1,49 +1,66 @@
-"""One JSON line per finished stream: the wire core's accounting record."""
+"""One log line per finished stream: the wire core's accounting record, through ``logging``.
+
+The line is a record of the ``tokenwire.streams`` logger at INFO, with the
+record's fields (request id, stream id, upstream, status, end reason, error
+code and number, bytes, tokens, TTFT, duration...) beside the standard ones
+(``ts``, ``level``, ``logger``, ``msg``; see ``tokenwire.middleware.logs``).
+With ``log_file = "-"`` it goes where every other log line goes (stderr, in
+the process's ``log_format``); with a file name, to that file, always as JSON
+lines; with ``""``, nowhere.
+"""
 
 from __future__ import annotations
 
-import json
-import sys
-from typing import TextIO
+import itertools
+import logging
 
 from tokenwire.middleware import StreamRecord
+from tokenwire.middleware.logs import JsonFormatter
+
+STREAMS_LOGGER = "tokenwire.streams"
+_file_loggers = itertools.count()
 
 
 class StreamLog:
-    """Writes each :class:`StreamRecord` as one JSON line to a text stream.
+    """Writes each :class:`StreamRecord` as one log line. ``logger=None`` discards records."""
 
-    ``stream=None`` discards records (``log_file = ""``).
-    """
-
-    def __init__(self, stream: TextIO | None) -> None:
-        self._stream = stream
-        self._owned = False
+    def __init__(self, logger: logging.Logger | None) -> None:
+        self._logger = logger
+        self._handler: logging.Handler | None = None
 
     @classmethod
     def open(cls, log_file: str) -> StreamLog:
-        """``-`` is stderr (stdout carries the ready line), empty is nowhere, else append to a file."""
+        """``-`` is the process's log (stderr; stdout carries the ready line), empty is
+        nowhere, else append JSON lines to a file."""
         if log_file == "":
             return cls(None)
         if log_file == "-":
-            return cls(sys.stderr)
-        log = cls(open(log_file, "a", encoding="utf-8", buffering=1))  # noqa: SIM115 - owned, closed in close()
-        log._owned = True
+            return cls(logging.getLogger(STREAMS_LOGGER))
+        # A logger of its own, so this file gets the records and nothing else.
+        logger = logging.getLogger(f"{STREAMS_LOGGER}.file{next(_file_loggers)}")
+        logger.propagate = False
+        logger.setLevel(logging.INFO)
+        handler = logging.FileHandler(log_file, encoding="utf-8")
+        handler.setFormatter(JsonFormatter())
+        logger.addHandler(handler)
+        log = cls(logger)
+        log._handler = handler
         return log
 
     def write(self, record: StreamRecord, **extra: object) -> None:
         """Log ``record`` (which carries the request id) plus any ``extra`` fields."""
-        if self._stream is None:
+        logger = self._logger
+        if logger is None or not logger.isEnabledFor(logging.INFO):
             return
-        line = record.to_json()
-        line.update(extra)
-        try:
-            self._stream.write(json.dumps(line, separators=(",", ":")) + "\n")
-            self._stream.flush()
-        except (OSError, ValueError):
-            # A closed or full log must never take a stream down with it.
-            pass
+        fields = record.to_json()
+        fields.update(extra)
+        # A closed or full log must never take a stream down with it: logging's
+        # handlers report their own errors (handleError) instead of raising.
+        logger.info("stream ended", extra={"fields": fields})
 
     def close(self) -> None:
-        if self._owned and self._stream is not None:
-            self._stream.close()
-        self._stream = None
+        if self._handler is not None and self._logger is not None:
+            self._logger.removeHandler(self._handler)
+            self._handler.close()
+        self._handler = None
+        self._logger = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from tokenwire.middleware import EndReason, StopRequested
+from tokenwire.middleware import EndReason, StopRequested, StreamRecord
 
 if TYPE_CHECKING:
     from .exchange import Exchange
@@ -32,6 +32,10 @@ class StreamRegistry:
     def describe(self, now: float) -> list[dict[str, Any]]:
         """One JSON-ready dict per open stream (``GET /streams``)."""
         return [exchange.describe(now) for exchange in self]
+
+    def live_records(self) -> list[tuple[StreamRecord, str]]:
+        """Each open stream's record as of now, with its client's HTTP version (live metrics)."""
+        return [exchange.live_record() for exchange in self._open.values()]
 
     def stop(self, request_id: str, reason: EndReason) -> int:
         """Feed ``StopRequested(reason)`` to every open stream with ``request_id``

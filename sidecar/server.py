@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import resource
 import signal
 import ssl
@@ -22,9 +23,11 @@ import sys
 from collections.abc import Callable
 from typing import TextIO
 
+from opentelemetry.trace import TracerProvider
 from tokenwire.middleware import ConfigError, EndReason, RetryBudget
 from tokenwire.middleware.replay_store import open_replay_store
 from tokenwire.middleware.resume import CallerKey
+from tokenwire.middleware.tracing import get_tracer, tracer_provider_from_env
 
 from .admin import AdminAccess, AdminHandler
 from .admin import handler as admin_handler
@@ -34,6 +37,7 @@ from .http2 import StreamRoute
 from .listener import ProtocolSelector
 from .logs import StreamLog
 from .metrics import SidecarMetrics
+from .registry import StreamRegistry
 from .settings import SidecarConfig, parse_host_port, read_admin_token
 from .tls import alerting_protocol_factory, load_certificates, server_context
 from .upstream import UpstreamPools
@@ -50,12 +54,16 @@ class Sidecar:
     """One sidecar: the proxy listener, the admin listener and what they share."""
 
     def __init__(self, config: SidecarConfig, *, log: StreamLog | None = None,
-                 reuse_port: bool = False, http2_route: StreamRoute | None = None) -> None:
+                 reuse_port: bool = False, http2_route: StreamRoute | None = None,
+                 tracer_provider: TracerProvider | None = None) -> None:
         """``reuse_port``: bind the proxy port with SO_REUSEPORT (a ``--workers`` worker).
         ``http2_route``: gives some HTTP/2 streams to another handler than the proxy's
-        exchange (see ``http2.StreamRoute``)."""
+        exchange (see ``http2.StreamRoute``).
+        ``tracer_provider``: where stream spans go (see ``tokenwire.middleware.tracing``);
+        None = no tracing."""
         self.config = config
         self._http2_route = http2_route
+        self._tracer_provider = tracer_provider
         self._log = log
         self._reuse_port = reuse_port
         self._server: asyncio.Server | None = None
@@ -86,12 +94,15 @@ class Sidecar:
             bound = self.admin_address
             assert bound is not None
             own_origins = tuple(admin_origins(*bound))
+        registry = StreamRegistry()
         context = SidecarContext(
             config=config,
             pools=UpstreamPools(config),
             retry_budget=RetryBudget(ratio=wire.retry_budget_ratio, min_per_s=wire.retry_budget_min_per_s,
                                      now=loop.time()),
-            metrics=SidecarMetrics(),
+            metrics=SidecarMetrics(live=registry.live_records),
+            registry=registry,
+            tracer=get_tracer(self._tracer_provider),
             log=self._log if self._log is not None else StreamLog.open(config.log_file),
             replay_store=open_replay_store(config.resume_store, wire) if wire.resume else None,
             caller_key=CallerKey.from_config(wire) if wire.resume else None,
@@ -251,7 +262,8 @@ def run(config: SidecarConfig, *, out: TextIO = sys.stdout, reuse_port: bool = F
 
 
 async def _serve(config: SidecarConfig, out: TextIO, reuse_port: bool) -> int:
-    sidecar = Sidecar(config, reuse_port=reuse_port)
+    provider = tracer_provider_from_env(os.environ, "tokenwire-sidecar")
+    sidecar = Sidecar(config, reuse_port=reuse_port, tracer_provider=provider)
     await sidecar.start()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, sidecar.request_stop)
@@ -266,4 +278,7 @@ async def _serve(config: SidecarConfig, out: TextIO, reuse_port: bool) -> int:
     print(ready, file=out, flush=True)
     await sidecar.wait_stopped()
     await sidecar.shutdown()
+    shutdown = getattr(provider, "shutdown", None)
+    if shutdown is not None:
+        shutdown()  # the SDK's: exports the spans still batched
     return 0

@@ -23,6 +23,7 @@ from typing import Any
 from tokenwire.middleware import ConfigError, WireConfig
 from tokenwire.middleware.config_layers import ConfigKey, build_layered, config_keys
 from tokenwire.middleware.keepalive import PingLimits
+from tokenwire.middleware.logs import LOG_LEVELS, LogFormat
 
 from .balance.load import PRESETS
 from .balance.members import parse_spec
@@ -103,7 +104,13 @@ class SidecarConfig:
     resume_store: str = "memory"
     """Replay store of resumable streams (``resume = true``): ``memory`` or ``redis://HOST:PORT/DB``."""
     log_file: str = "-"
-    """Where the JSON stream records go: ``-`` = stderr, empty = nowhere."""
+    """Where the stream records go (one line per stream): ``-`` = with the other logs on
+    stderr, empty = nowhere, else appended to this file."""
+    log_level: str = "info"
+    """Lowest level logged: critical, error, warning, info (one line per stream), debug
+    (also each stream's lifecycle: accepted, committed, first token, retry, paused, ended)."""
+    log_format: LogFormat = LogFormat.JSON
+    """Log lines as ``json`` (one object a line) or ``text`` (key=value, for a terminal)."""
     cors_allow_origins: tuple[str, ...] = ()
     """Browser origins (``http://host:port``, or ``*``) that may call the proxy; empty = no CORS."""
     workers: str = "1"
@@ -229,6 +236,8 @@ class SidecarConfig:
                     "FILE, TOKENWIRE_ADMIN_TOKEN or --admin-token) or listen on 127.0.0.1")
         if not self.upstream:
             raise ConfigError("upstream", "at least one upstream is required")
+        if not isinstance(self.log_level, str) or self.log_level.lower() not in LOG_LEVELS:
+            raise ConfigError("log_level", f"must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if isinstance(self.http2_header_table_bytes, bool) or not isinstance(
                 self.http2_header_table_bytes, int) or self.http2_header_table_bytes < 0:
             raise ConfigError("http2_header_table_bytes", "must be a whole number >= 0")

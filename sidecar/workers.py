@@ -102,9 +102,15 @@ async def _fetch(address: tuple[str, int], method: str, path: str, token: str = 
     return status, content_type, body
 
 
+_EARLIEST_SAMPLES = frozenset({b"process_start_time_seconds", b"tokenwire_start_time_seconds",
+                               b"process_max_fds"})
+
+
 def sum_metrics(texts: Sequence[bytes]) -> bytes:
     """Prometheus text exposition of several processes, summed sample by sample
-    (counters, gauges, histogram buckets, sums and counts all add up)."""
+    (counters, gauges, histogram buckets, sums and counts all add up), except
+    ``*_info`` samples (1 everywhere) and start times and limits (the earliest,
+    the lowest)."""
     order: list[bytes] = []
     comments: dict[bytes, bytes] = {}
     values: dict[bytes, float] = {}
@@ -123,9 +129,16 @@ def sum_metrics(texts: Sequence[bytes]) -> bytes:
             except ValueError:
                 continue
             if key not in values:
-                values[key] = 0.0
+                values[key] = number
                 order.append(key)
-            values[key] += number
+                continue
+            name = key.partition(b"{")[0]
+            if name.endswith(b"_info"):
+                values[key] = max(values[key], number)  # 1 in every worker: still 1
+            elif name in _EARLIEST_SAMPLES:
+                values[key] = min(values[key], number)
+            else:
+                values[key] += number
     out: list[bytes] = []
     for key in order:
         if key in comments:
@@ -167,7 +180,7 @@ class Supervisor:
                 for worker in self.workers.values():
                     with contextlib.suppress(ProcessLookupError):
                         worker.process.kill()
-                print(f"tokenwire sidecar: a worker did not start: {failed[0]}", file=sys.stderr)
+                logger.error("a worker did not start: %s", failed[0])
                 return 1
             loop = asyncio.get_running_loop()
             stopped = asyncio.Event()

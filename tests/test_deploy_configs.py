@@ -406,7 +406,7 @@ def test_alertRules_nameOnlyMetricsAndEndReasonsTheSidecarHas() -> None:
     names = sidecar_sample_names()
     reasons = {reason.value for reason in EndReason}
     alerts = [rule for group in rules["groups"] for rule in group["rules"]]
-    assert {"TokenwireSlowClientAborts", "TokenwireUpstreamErrors", "TokenwireTTFBp99High"} <= \
+    assert {"TokenwireSlowClientAborts", "TokenwireUpstreamErrors", "TokenwireTTFTp99High"} <= \
         {rule["alert"] for rule in alerts}
     for rule in alerts:
         for metric in re.findall(r"\btokenwire_[a-z_]+", rule["expr"]):

@@ -105,7 +105,9 @@ def test_extras_install_only_what_each_image_needs(wheel: Path) -> None:
                 if f'extra == "{name}"' in r}
 
     base = {r.split(";")[0].split(">")[0].strip() for r in requires if "extra ==" not in r}
-    assert base == {"h11", "h2", "httpcore", "uvloop", "prometheus-client"}
+    assert base == {"h11", "h2", "httpcore", "uvloop", "prometheus-client", "opentelemetry-api"}
+    # Traces: the API is in the base (no-op until configured), the SDK and exporter are not.
+    assert extra("otel") == {"opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-http"}
     assert "torch" in extra("engine") and "matplotlib" not in extra("engine")  # the engine image
     assert extra("demo") == {"matplotlib"}
     assert "torch" not in extra("asgi") | extra("redis") | extra("demo")

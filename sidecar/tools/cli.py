@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
-import logging
 import os
 import sys
 from collections.abc import Callable, Collection, Sequence
@@ -182,11 +181,12 @@ def sidecar_main(argv: Sequence[str]) -> int:
     except ConfigError as error:
         print(f"tokenwire sidecar: configuration error: {error}", file=sys.stderr)
         return 2
+    from tokenwire.middleware.logs import configure_logging
+
     from ..server import run
     from ..workers import WORKER_ENV, die_with_parent, supervise
 
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.log_level, config.log_format)
     worker = WORKER_ENV in os.environ
     if worker:
         die_with_parent()

@@ -34,7 +34,7 @@ def _finished_records(caplog: pytest.LogCaptureFixture) -> dict[str, dict[str, o
     records = {}
     for record in caplog.records:
         if record.name == "tokenwire.engine.requests":
-            payload = json.loads(record.getMessage())
+            payload = record.fields  # type: ignore[attr-defined]
             records[payload["request_id"]] = payload
     return records
 

@@ -71,6 +71,6 @@ def test_openaiSDK_whenAppRaisesAfter10Events_thenRaisesAPIError(server: str) ->
     assert "".join(received) == "".join(f"w{i} " for i in range(10))
     assert raised.value.body == {"message": "upstream failed: the application raised RuntimeError",
                                  "type": "upstream_error", "code": "upstream_failed",
-                                 "tokenwire": {"code": "upstream_failed"}}
+                                 "tokenwire": {"code": "upstream_failed", "number": "E7307"}}
     record = hooks.wait_record()
     assert record.end_reason == "upstream_error" and record.events_in == 10

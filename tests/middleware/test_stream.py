@@ -68,6 +68,8 @@ def error_of(data: str | None) -> dict[str, Any]:
     obj = json.loads(data)
     assert set(obj) == {"error"} and set(obj["error"]) == {"message", "type", "code", "tokenwire"}, obj
     assert obj["error"]["tokenwire"]["code"] == obj["error"]["code"], obj
+    # Every error carries its stable number beside its name, as errors.ERROR_TABLE lists it.
+    assert obj["error"]["tokenwire"]["number"] == ErrorCode(obj["error"]["code"]).number, obj
     return obj["error"]  # type: ignore[no-any-return]
 
 
@@ -254,7 +256,7 @@ def test_errorEventFirst_thenEnginesStatusAndBodyNeverRetried(payload: dict[str,
     body = json.loads(d.written)
     if isinstance(payload["error"], dict):
         # Forwarded as it came; tokenwire's own code beside the engine's fields.
-        assert body == {**payload, "error": {**payload["error"], "tokenwire": {"code": "upstream_failed"}}}
+        assert body == {**payload, "error": {**payload["error"], **OURS}}
     else:
         assert body["error"]["message"] == payload["error"]
     assert d.of(AbortUpstream) == [AbortUpstream(EndReason.UPSTREAM_ERROR)]
@@ -290,10 +292,10 @@ def test_retry_whenCommittedByDeadline_thenNeverRetriedButInBandError(name: str)
 @pytest.mark.parametrize(("body", "expected"), [
     (b'{"error":{"message":"The server is overloaded","type":"server_error","code":"overloaded"}}',
      {"message": "The server is overloaded", "type": "server_error", "code": "overloaded",
-      "tokenwire": {"code": "upstream_failed"}}),
+      "tokenwire": {"code": "upstream_failed", "number": "E7307"}}),
     (b"<html>\n  Service Unavailable\n</html>",
      {"message": "upstream answered 503: <html> Service Unavailable </html>", "type": "upstream_error",
-      "code": "upstream_failed", "tokenwire": {"code": "upstream_failed"}}),
+      "code": "upstream_failed", "tokenwire": {"code": "upstream_failed", "number": "E7307"}}),
 ], ids=["error_object", "text"])
 def test_errorStatusAfterTheCommit_thenItsBodyIsTheInBandError(body: bytes, expected: dict[str, Any]) -> None:
     """Retries that outlast commit_deadline_s: the upstream's last answer, an
@@ -953,7 +955,7 @@ def test_terminal_whenNoTerminalMarkerConfigured_thenCleanEofCompletes() -> None
     assert d.finished.record.end_reason is EndReason.COMPLETE
 
 
-OURS = {"tokenwire": {"code": "upstream_failed"}}
+OURS = {"tokenwire": {"code": "upstream_failed", "number": "E7307"}}
 
 
 @pytest.mark.parametrize(("payload", "expected"), [
@@ -1120,8 +1122,15 @@ def test_record_whenCompleteStream_thenCountsEverything() -> None:
     assert (record.heartbeats, record.retries, record.dropped_events) == (1, 0, 0)
     assert record.bytes_out == len(d.written)
     assert record.usage == usage
+    # The role-only chunk is the first byte, not the first token: "a" (merged
+    # with "b") is, and the gaps run from it: to the finish chunk, the usage, [DONE].
+    assert record.ttft_s == pytest.approx(1.2)
     assert record.max_event_gap_s == pytest.approx(107.0 - 101.2)
-    assert sum(record.event_gap_buckets) == 4
+    assert sum(record.event_gap_buckets) == 3
+    assert record.event_gap_sum_s == pytest.approx(107.2 - 101.2)
+    # a+b (merged: one event out), the finish chunk and the usage chunk; [DONE] is no token.
+    assert record.content_events == 3
+    assert record.tokens_out == (2, "usage")
     assert json.loads(json.dumps(record.to_json()))["end_reason"] == "complete"
 
 

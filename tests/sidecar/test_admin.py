@@ -6,30 +6,40 @@ import json
 
 import httpx
 from clients import ResponseReader, chat_body, connect, exchange, request_bytes, wait_for
+from prometheus_client.parser import text_string_to_metric_families
 from upstreams import FakeUpstream
 
 
-def _metric(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in metrics")
+def _metric(text: str, name: str, **labels: str) -> float:
+    """The value of sample ``name`` whose labels include ``labels`` (the first one)."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and labels.items() <= sample.labels.items():
+                return float(sample.value)
+    raise AssertionError(f"{name} {labels} not in metrics")
 
 
-def test_metrics_count_finished_streams(start_sidecar) -> None:
+def test_metrics_count_finished_streams(start_sidecar, upstream: FakeUpstream) -> None:
     sidecar = start_sidecar(heartbeat_s=0.05)
     exchange(sidecar.port, "POST", "/silent/v1/chat/completions", body=chat_body(),
              headers={"x-fake-silence-s": "0.2", "X-Request-Id": "m-1"})
     sidecar.record("m-1")
     text = httpx.get(sidecar.admin_url + "/metrics").text
-    assert _metric(text, 'tokenwire_streams_ended_total{reason="complete"}') == 1
-    assert _metric(text, "tokenwire_heartbeats_total") >= 2
-    assert _metric(text, "tokenwire_ttfb_seconds_count") == 1
-    assert _metric(text, "tokenwire_bytes_out_total") > 0
-    assert _metric(text, "tokenwire_events_in_total") == 9
-    assert _metric(text, 'tokenwire_event_gap_seconds_bucket{le="+Inf"}') >= 7
+    labels = {"upstream": upstream.url, "status_class": "2xx", "http_version": "1.1"}
+    assert _metric(text, "tokenwire_streams_ended_total", reason="complete", **labels) == 1
+    assert _metric(text, "tokenwire_heartbeats_total", **labels) >= 2
+    assert _metric(text, "tokenwire_time_to_first_token_seconds_count", **labels) == 1
+    assert _metric(text, "tokenwire_time_to_first_byte_seconds_count", **labels) == 1
+    assert _metric(text, "tokenwire_bytes_out_total", **labels) > 0
+    assert _metric(text, "tokenwire_events_in_total", **labels) == 9
+    # Gaps from the first token on: token 0 to 1 (the silence), 1..4, finish, usage, [DONE].
+    assert _metric(text, "tokenwire_inter_token_seconds_bucket", le="+Inf", **labels) == 7
+    assert _metric(text, "tokenwire_inter_token_seconds_sum", **labels) >= 0.19  # the loop clock is in ms
+    assert _metric(text, "tokenwire_tokens_out_total", upstream=upstream.url, source="usage") == 5
     for name in ("tokenwire_active_streams", "tokenwire_retries_total", "tokenwire_refused_retries_total",
-                 "tokenwire_coalesced_events_total", "tokenwire_abort_propagation_seconds_count"):
+                 "tokenwire_coalesced_events_total", "tokenwire_abort_propagation_seconds_count",
+                 "tokenwire_build_info", "process_cpu_seconds_total", "process_resident_memory_bytes",
+                 "tokenwire_stream_duration_seconds_count"):
         _metric(text, name)
 
 

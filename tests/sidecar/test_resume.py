@@ -140,6 +140,13 @@ def test_idempotency_key_repeat_replays_the_same_answer_with_one_upstream_reques
     assert len(upstream.requests_with("idem-a")) == 1 and upstream.requests_with("idem-b") == []
     metrics = exchange(sidecar.admin_port or 0, "GET", "/metrics").body.decode()
     assert 'tokenwire_replays_total{kind="idempotent"} 1.0' in metrics
+    # The repeat's first token came from the replay store: counted apart from the engine's.
+    sidecar.record("idem-b")
+    metrics = exchange(sidecar.admin_port or 0, "GET", "/metrics").body.decode()
+    assert ('tokenwire_time_to_first_token_seconds_count{http_version="1.1",status_class="2xx",'
+            'upstream="replay"} 1.0') in metrics
+    assert (f'tokenwire_time_to_first_token_seconds_count{{http_version="1.1",status_class="2xx",'
+            f'upstream="{upstream.url}"}} 1.0') in metrics
     # Same key, different body: refused, still nothing sent upstream.
     other = exchange(sidecar.port, "POST", PATH, body=chat_body(temperature=0.5),
                      headers={**headers, "x-request-id": "idem-c"})

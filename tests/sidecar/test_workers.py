@@ -26,6 +26,7 @@ import pytest
 import trustme
 from clients import ResponseReader, chat_body, connect, read_response, request_bytes, wait_for
 from processes import SidecarProcess, spawn
+from prometheus_client.parser import text_string_to_metric_families
 from upstreams import FakeUpstream
 
 _STREAMS = 20
@@ -85,10 +86,11 @@ def test_adminPort_listsSumsAndCancels_acrossWorkers(workers: tuple[SidecarProce
     assert set(by_worker) == {0, 1}
     # /metrics: each worker's samples summed.
     _, metrics = _admin(process, "/metrics")
-    samples = dict(line.rsplit(" ", 1) for line in metrics.decode().splitlines()
-                   if line and not line.startswith("#"))
-    assert float(samples['tokenwire_streams_ended_total{reason="complete"}']) == 6
-    assert float(samples["tokenwire_active_streams"]) == _STREAMS
+    samples = {(sample.name, sample.labels.get("reason")): sample.value
+               for family in text_string_to_metric_families(metrics.decode())
+               for sample in family.samples}
+    assert samples[("tokenwire_streams_ended_total", "complete")] == 6
+    assert samples[("tokenwire_active_streams", None)] == _STREAMS
     # DELETE finds the stream whichever worker holds it.
     for worker_streams in by_worker.values():
         status, _ = _admin(process, f"/streams/{worker_streams[0]}", method="DELETE")

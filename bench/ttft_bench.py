@@ -1,0 +1,125 @@
+"""The sidecar's and the engine's time to first token, request by request, through ``tokenwire up``.
+
+Method (figures in bench/README.md, "Telemetry"):
+
+* ``tokenwire up --verbose`` (engine on a Unix socket, sidecar in front, as a
+  user runs it) with a quickly trained tiny model built into a temp cache;
+  ``--verbose`` echoes both children's JSON log lines, which is where the
+  figures come from: the sidecar's ``stream ended`` line (``ttft_s``: its
+  request start to the first token written to the client) and the engine's
+  ``request finished`` line (``ttft_s``: arrival to the first token handed to
+  the response), matched by the id the sidecar sent the engine.
+* One warm-up request, then ``--requests`` streamed chat completions (8 tokens),
+  one after the other, ``--rounds`` times; per round the median, min and max
+  of sidecar minus engine.
+
+Usage: ``python bench/ttft_bench.py [--requests N] [--rounds R]``; writes
+``bench/results/ttft.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def build_tiny(cache_dir: Path) -> Path:
+    script = ("import sys; from pathlib import Path; "
+              "from tokenwire.engine.tiny import TinySpec, ensure_tiny_model; "
+              "print(ensure_tiny_model(TinySpec(train_steps=30, batch_size=4, "
+              "sequence_length_tokens=64), Path(sys.argv[1]), log=False))")
+    built = subprocess.run([sys.executable, "-c", script, str(cache_dir)], capture_output=True,
+                           text=True, timeout=600, check=True)
+    return Path(built.stdout.strip().splitlines()[-1])
+
+
+def child_records(text: str, child: str) -> list[dict[str, Any]]:
+    prefix = f"[{child}] {{"
+    return [json.loads(line[len(prefix) - 1:]) for line in text.splitlines() if line.startswith(prefix)]
+
+
+def one_round(model_dir: Path, cache_dir: Path, requests: int, work: Path) -> dict[str, Any]:
+    port, admin_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TOKENWIRE_", "OTEL_"))}
+    env["TOKENWIRE_CACHE_DIR"] = str(cache_dir)
+    log_path = work / "up.log"
+    with log_path.open("w") as log:
+        up = subprocess.Popen([sys.executable, "-m", "tokenwire.sidecar", "up", "--listen",
+                               f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{admin_port}",
+                               "--model", str(model_dir), "--verbose"],
+                              stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    try:
+        assert up.stdout is not None
+        deadline = time.monotonic() + 300
+        for line in up.stdout:
+            if "tokenwire is up" in line or time.monotonic() > deadline:
+                break
+        with httpx.Client(timeout=60) as client:
+            for i in range(requests + 1):
+                body = {"stream": True, "max_tokens": 8, "temperature": 0,
+                        "messages": [{"role": "user", "content": f"Tell me about the sea, {i}"}]}
+                with client.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body,
+                                   headers={"X-Request-Id": f"ttft-{i}"}) as response:
+                    for _ in response.iter_lines():
+                        pass
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(60)
+    text = log_path.read_text()
+    streams = {r["request_id"]: r for r in child_records(text, "sidecar") if r["msg"] == "stream ended"}
+    finished = {r["request_id"]: r for r in child_records(text, "engine") if r["msg"] == "request finished"}
+    pairs = []
+    for i in range(1, requests + 1):
+        stream = streams[f"ttft-{i}"]
+        engine = finished[stream.get("upstream_request_id", stream["request_id"])]
+        pairs.append((stream["ttft_s"], engine["ttft_s"]))
+    differences_ms = [(s - e) * 1e3 for s, e in pairs]
+    return {"sidecar_ttft_ms_median": round(statistics.median(s for s, _ in pairs) * 1e3, 2),
+            "engine_ttft_ms_median": round(statistics.median(e for _, e in pairs) * 1e3, 2),
+            "difference_ms": {"median": round(statistics.median(differences_ms), 2),
+                              "min": round(min(differences_ms), 2), "max": round(max(differences_ms), 2)}}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        cache_dir = Path(tmp) / "cache"
+        cache_dir.mkdir()
+        model_dir = build_tiny(cache_dir)
+        rounds = []
+        for index in range(args.rounds):
+            result = one_round(model_dir, cache_dir, args.requests, Path(tmp))
+            print(f"[round {index}] {json.dumps(result)}", flush=True)
+            rounds.append(result)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    summary = {"requests": args.requests, "rounds": rounds}
+    (RESULTS / "ttft.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

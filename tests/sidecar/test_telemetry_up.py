@@ -1,0 +1,132 @@
+"""``tokenwire up`` as a user runs it: the sidecar's and the engine's time to first
+token agree, every log line of both is one JSON object, and no secret reaches a log.
+
+The engine sends its role chunk at once and its first token after the prefill;
+the sidecar used to time the role chunk (0.1 s against the engine's 0.8 s).
+Now both time the first token, each at its own end of the Unix socket between
+them, so on the same request they differ by the hop alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+_REQUESTS = 20
+# The target is 5 ms at the median (bench/README.md, "Telemetry": ~2 ms on an idle
+# machine). What separates the two clocks is two socket hops between processes, and
+# on a machine with a run queue of 6 per core each hop can take several ms to be
+# scheduled; the bound here holds there too and still fails the old 700 ms by far.
+_AGREEMENT_S = 0.025
+_SECRETS = ("Bearer sk-SECRET-TOKEN-6f1d2", "session=COOKIE-SECRET-93a1", "PROMPT-SECRET-7c2e")
+
+
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(cache dir, model folder): a quickly trained tiny model, built once for this module."""
+    pytest.importorskip("torch")
+    cache_dir = tmp_path_factory.mktemp("tokenwire-cache")
+    script = ("import sys; from pathlib import Path; "
+              "from tokenwire.engine.tiny import TinySpec, ensure_tiny_model; "
+              "print(ensure_tiny_model(TinySpec(train_steps=30, batch_size=4, "
+              "sequence_length_tokens=64), Path(sys.argv[1]), log=False))")
+    built = subprocess.run([sys.executable, "-c", script, str(cache_dir)], capture_output=True,
+                           text=True, timeout=300, check=True)
+    return cache_dir, Path(built.stdout.strip().splitlines()[-1])
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _child_lines(text: str, child: str) -> list[str]:
+    prefix = f"[{child}] "
+    return [line[len(prefix):] for line in text.splitlines() if line.startswith(prefix)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_up_sidecarAndEngineTtftAgree_logsAreJson_andHoldNoSecrets(
+        tiny_cache: tuple[Path, Path], tmp_path: Path) -> None:
+    cache_dir, model_dir = tiny_cache
+    port, admin_port = _free_port(), _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TOKENWIRE_", "OTEL_"))}
+    env["TOKENWIRE_CACHE_DIR"] = str(cache_dir)
+    # Debug shows every lifecycle line, which must be as free of secrets as the rest.
+    env["TOKENWIRE_LOG_LEVEL"] = "debug"
+    env["TOKENWIRE_ENGINE_LOG_LEVEL"] = "debug"
+    log_path = tmp_path / "up.log"
+    with log_path.open("w") as log:
+        up = subprocess.Popen([sys.executable, "-m", "tokenwire.sidecar", "up", "--listen",
+                               f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{admin_port}",
+                               "--model", str(model_dir), "--verbose"],
+                              stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    try:
+        assert up.stdout is not None
+        deadline = time.monotonic() + 300
+        for line in up.stdout:  # the banner comes once both children are ready
+            if "tokenwire is up" in line or time.monotonic() > deadline:
+                break
+        assert up.poll() is None, log_path.read_text()[-3000:]
+        base = f"http://127.0.0.1:{port}/v1"
+        headers = {"Authorization": _SECRETS[0], "Cookie": _SECRETS[1]}
+        completions: list[str] = []
+        with httpx.Client(timeout=60) as client:
+            for i in range(_REQUESTS + 1):  # the first one warms both up, and is not counted
+                body = {"stream": True, "max_tokens": 8, "temperature": 0,
+                        "messages": [{"role": "user", "content": f"{_SECRETS[2]} number {i}"}]}
+                text: list[str] = []
+                with client.stream("POST", f"{base}/chat/completions", json=body,
+                                   headers={**headers, "X-Request-Id": f"ttft-{i}"}) as response:
+                    assert response.status_code == 200
+                    for line in response.iter_lines():
+                        if line.startswith("data: {"):
+                            delta = json.loads(line[6:])["choices"][0]["delta"]
+                            text.append(delta.get("content") or "")
+                completions.append("".join(text))
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(60)
+    logged = log_path.read_text()
+    sidecar_lines = _child_lines(logged, "sidecar")
+    engine_lines = _child_lines(logged, "engine")
+    not_json = [line for line in sidecar_lines + engine_lines
+                if not line.startswith("{") and not line.startswith("ready ")]
+    assert not not_json, not_json  # every line of both is one JSON object (but the ready line)
+    sidecar = [json.loads(line) for line in sidecar_lines if not line.startswith("ready ")]
+    engine = [json.loads(line) for line in engine_lines]
+    for entry in sidecar + engine:
+        assert entry["ts"].endswith("Z") and entry["level"] in ("debug", "info", "warning", "error")
+    streams: dict[str, dict[str, Any]] = {e["request_id"]: e for e in sidecar if e["msg"] == "stream ended"}
+    finished = {e["request_id"]: e for e in engine if e["msg"] == "request finished"}
+    lifecycle = {e["msg"] for e in sidecar if e["logger"] == "tokenwire.lifecycle"}
+    assert {"accepted", "committed", "first token", "ended"} <= lifecycle
+    differences_s: list[float] = []
+    for i in range(1, _REQUESTS + 1):
+        stream = streams[f"ttft-{i}"]
+        assert stream["method"] == "POST" and stream["path"] == "/v1/chat/completions"
+        assert stream["client"] == "127.0.0.1" and stream["started_at"].endswith("Z")
+        engine_side = finished[stream.get("upstream_request_id", stream["request_id"])]
+        differences_s.append(stream["ttft_s"] - engine_side["ttft_s"])
+    median_s = statistics.median(differences_s)
+    print(f"sidecar TTFT - engine TTFT over {_REQUESTS} requests: median {median_s * 1e3:.2f} ms, "
+          f"min {min(differences_s) * 1e3:.2f} ms, max {max(differences_s) * 1e3:.2f} ms")
+    assert abs(median_s) <= _AGREEMENT_S, differences_s
+    for secret in (*_SECRETS, "sk-SECRET", "COOKIE-SECRET"):
+        assert secret not in logged
+    for completion in completions:
+        if len(completion) >= 8:  # long enough not to be a field name by chance
+            assert completion not in logged
