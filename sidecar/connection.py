@@ -101,6 +101,10 @@ class BodyReservation:
         self.reserved_bytes = 0
 
 
+# How long a refused or closed connection may keep sending before it is cut off
+# (the lingering close of both protocols: the client reads its answer, not a reset).
+LINGER_S = 2.0
+
 BUSY_BODIES = "too many request bodies are being received; try again shortly"
 """The refusal when :meth:`BodyReservation.reserve` fails: many large uploads at
 once would hold the loop and memory hostage; each one is fine again shortly, so

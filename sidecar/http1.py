@@ -48,6 +48,7 @@ from tokenwire.middleware.headers import header_value
 
 from .connection import (
     BUSY_BODIES,
+    LINGER_S,
     BodyReservation,
     Peer,
     new_exchange,
@@ -65,8 +66,6 @@ logger = logging.getLogger("tokenwire.sidecar")
 
 Header = tuple[bytes, bytes]
 
-# How long a refused connection may keep sending before it is cut off.
-_LINGER_S = 2.0
 # Pipelined requests buffered beyond this pause reading until the current response ends.
 _PIPELINE_BUFFER_BYTES = 64 * 1024
 # How a response head h11 wrote declares a chunked body (the lowered head is searched).
@@ -483,7 +482,7 @@ class ClientConnection(asyncio.Protocol):
             transport.resume_reading()
         if transport.can_write_eof():
             transport.write_eof()
-            self._arm_timer(_LINGER_S, transport.abort)
+            self._arm_timer(LINGER_S, transport.abort)
         else:
             # TLS cannot half-close; close_notify after the response is the best there is.
             transport.close()

@@ -46,7 +46,7 @@ import h2.settings
 from hyperframe.frame import GoAwayFrame
 from tokenwire.middleware.keepalive import TOO_MANY_PINGS, PingPolicy
 
-from .connection import BUSY_BODIES, Peer, new_exchange, preflight, refusal, set_up_transport
+from .connection import BUSY_BODIES, LINGER_S, Peer, new_exchange, preflight, refusal, set_up_transport
 from .context import SidecarContext
 from .http2_guard import Flood, FloodGuard
 from .http2_stream import Http2Stream, RequestHead, StreamHandler
@@ -67,8 +67,6 @@ _DEFAULT_WINDOW_BYTES = 65_535
 # What HPACK counts per header field beyond its name and value (RFC 7541 section 4.1).
 _FIELD_OVERHEAD_BYTES = 32
 _ErrorCodes = h2.errors.ErrorCodes
-# How long a closed connection's client may keep sending before it is cut off.
-_LINGER_S = 2.0
 
 
 class Http2Connection(asyncio.Protocol):
@@ -471,7 +469,7 @@ class Http2Connection(asyncio.Protocol):
             return
         if transport.can_write_eof():
             transport.write_eof()
-            self.loop.call_later(_LINGER_S, transport.abort)
+            self.loop.call_later(LINGER_S, transport.abort)
         else:
             transport.close()
             # A client that stopped reading would hold the flush forever.
