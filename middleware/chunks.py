@@ -232,16 +232,22 @@ def same_shape(slot: Slot, data: str) -> str | None:
 # ---------------------------------------------------------------- errors and usage
 
 
+def chunk_object(data: str) -> dict[str, Any] | None:
+    """An SSE ``data`` payload parsed, when it is a JSON object; else None."""
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
 def error_object(data: str) -> dict[str, Any] | None:
     """The parsed payload if ``data`` is an upstream error event
     (``{"error": ...}`` and no ``choices``)."""
     if '"error"' not in data:
         return None
-    try:
-        obj = json.loads(data)
-    except ValueError:
-        return None
-    if isinstance(obj, dict) and obj.get("error") is not None and "choices" not in obj:
+    obj = chunk_object(data)
+    if obj is not None and obj.get("error") is not None and "choices" not in obj:
         return obj
     return None
 
@@ -285,11 +291,8 @@ def message_of(error: object) -> str:
 
 def usage_of(data: str) -> dict[str, Any] | None:
     """The chunk's ``usage`` block, if it carries one."""
-    try:
-        obj = json.loads(data)
-    except ValueError:
-        return None
-    if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+    obj = chunk_object(data)
+    if obj is not None and isinstance(obj.get("usage"), dict):
         usage: dict[str, Any] = obj["usage"]
         return usage
     return None

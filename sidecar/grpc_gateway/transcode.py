@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 from google.protobuf.message import DecodeError, Message
+from tokenwire.middleware.chunks import chunk_object
 from tokenwire.middleware.errors import GrpcStatus
 
 from tokenwire.v1 import streaming_pb2 as pb
@@ -120,11 +121,8 @@ def chat_chunk(data: str, event_id: str | None = None) -> pb.ChatCompletionChunk
     """One ``chat.completion.chunk`` (or, from an engine that did not stream,
     the whole ``chat.completion``) as a message."""
     chunk = pb.ChatCompletionChunk()
-    try:
-        obj = json.loads(data)
-    except ValueError:
-        obj = None
-    if not isinstance(obj, dict):
+    obj = chunk_object(data)
+    if obj is None:
         chunk.chunk_json = data
         return chunk
     _head(chunk, obj, data, event_id)
@@ -158,11 +156,8 @@ def chat_chunk(data: str, event_id: str | None = None) -> pb.ChatCompletionChunk
 def completion_chunk(data: str, event_id: str | None = None) -> pb.CompletionChunk:
     """One ``text_completion`` chunk as a message."""
     chunk = pb.CompletionChunk()
-    try:
-        obj = json.loads(data)
-    except ValueError:
-        obj = None
-    if not isinstance(obj, dict):
+    obj = chunk_object(data)
+    if obj is None:
         chunk.chunk_json = data
         return chunk
     _head(chunk, obj, data, event_id)
