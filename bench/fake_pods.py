@@ -2,9 +2,9 @@
 speed, health and prefix cache, each on its own port.
 
 One launcher for the balancing benchmark (``balance_bench.py``) and the
-balancing tests (``tests/sidecar/test_balance_processes.py``, through
-``tests/sidecar/pods.py``): it lives beside the fake engine it starts, and the
-tests import it from here.
+balancing tests (``tests/sidecar/test_balance_processes.py``): it lives beside
+the fake engine it starts, and the tests import it from here (``tests/conftest.py``
+puts ``bench/`` on their path).
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """The processes a benchmark runs against, started one way for every bench: the
 fake upstream (``sse_load.py upstream``), the tokenwire sidecar, nginx
-(plaintext, or TLS with HTTP/2), a throw-away certificate; and what a bench
+(plaintext, or TLS with HTTP/2), a throw-away certificate, the tiny model; and what a bench
 reads of a running process (``/proc``: RSS, CPU time).
 
 Each start is a context manager that waits until the process is ready and ends
 it (its whole session: a supervisor's workers, nginx's master and workers) when
-the block ends. ``tests/sidecar`` starts its processes with :func:`read_line`
-too, so a bench and a test read a ready line the same way.
+the block ends. The tests use :func:`read_line` and :func:`tiny_model` too
+(``tests/conftest.py`` puts ``bench/`` on their path).
 """
 
 from __future__ import annotations
@@ -221,6 +221,18 @@ def certificate(directory: Path) -> tuple[str, str]:
     cert_path.write_bytes(b"".join(blob.bytes() for blob in cert.cert_chain_pems))
     cert.private_key_pem.write_to_path(str(key_path))
     return str(cert_path), str(key_path)
+
+
+def tiny_model(cache_dir: Path, timeout_s: float = 600) -> Path:
+    """A quickly trained tiny model (``tokenwire.engine.tiny``) under ``cache_dir``;
+    its folder. Built in a child process, so the caller never loads torch itself."""
+    script = ("import sys; from pathlib import Path; "
+              "from tokenwire.engine.tiny import TinySpec, ensure_tiny_model; "
+              "print(ensure_tiny_model(TinySpec(train_steps=30, batch_size=4, "
+              "sequence_length_tokens=64), Path(sys.argv[1]), log=False))")
+    built = subprocess.run([PY, "-c", script, str(cache_dir)], capture_output=True, text=True,
+                           timeout=timeout_s, check=True)
+    return Path(built.stdout.strip().splitlines()[-1])
 
 
 # ---------------------------------------------------------------- /proc

@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,24 +33,11 @@ from typing import Any
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from targets import free_port, tiny_model
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def build_tiny(cache_dir: Path) -> Path:
-    script = ("import sys; from pathlib import Path; "
-              "from tokenwire.engine.tiny import TinySpec, ensure_tiny_model; "
-              "print(ensure_tiny_model(TinySpec(train_steps=30, batch_size=4, "
-              "sequence_length_tokens=64), Path(sys.argv[1]), log=False))")
-    built = subprocess.run([sys.executable, "-c", script, str(cache_dir)], capture_output=True,
-                           text=True, timeout=600, check=True)
-    return Path(built.stdout.strip().splitlines()[-1])
 
 
 def child_records(text: str, child: str) -> list[dict[str, Any]]:
@@ -109,7 +95,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         cache_dir = Path(tmp) / "cache"
         cache_dir.mkdir()
-        model_dir = build_tiny(cache_dir)
+        model_dir = tiny_model(cache_dir)
         rounds = []
         for index in range(args.rounds):
             result = one_round(model_dir, cache_dir, args.requests, Path(tmp))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +13,10 @@ from typing import Any
 
 import pytest
 from chromium import launched
+
+# bench/ last on the path: the tests start processes with the benches' helpers
+# (bench/targets.py, bench/fake_pods.py), so both start them one way.
+sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
 
 
 def _free_port() -> int:

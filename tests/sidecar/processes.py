@@ -7,11 +7,8 @@ import signal
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-# The ready line is read as the benchmarks read it (bench/targets.py).
-sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))
-from targets import read_line
+from targets import read_line  # bench/targets.py: the ready line read as the benchmarks read it
 
 
 @dataclass

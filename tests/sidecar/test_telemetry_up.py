@@ -32,20 +32,6 @@ _AGREEMENT_S = 0.025
 _SECRETS = ("Bearer sk-SECRET-TOKEN-6f1d2", "session=COOKIE-SECRET-93a1", "PROMPT-SECRET-7c2e")
 
 
-@pytest.fixture(scope="module")
-def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(cache dir, model folder): a quickly trained tiny model, built once for this module."""
-    pytest.importorskip("torch")
-    cache_dir = tmp_path_factory.mktemp("tokenwire-cache")
-    script = ("import sys; from pathlib import Path; "
-              "from tokenwire.engine.tiny import TinySpec, ensure_tiny_model; "
-              "print(ensure_tiny_model(TinySpec(train_steps=30, batch_size=4, "
-              "sequence_length_tokens=64), Path(sys.argv[1]), log=False))")
-    built = subprocess.run([sys.executable, "-c", script, str(cache_dir)], capture_output=True,
-                           text=True, timeout=300, check=True)
-    return cache_dir, Path(built.stdout.strip().splitlines()[-1])
-
-
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
