@@ -1,12 +1,13 @@
 """The processes a benchmark runs against, started one way for every bench: the
 fake upstream (``sse_load.py upstream``), the tokenwire sidecar, nginx
-(plaintext, or TLS with HTTP/2), a throw-away certificate, the tiny model; and what a bench
-reads of a running process (``/proc``: RSS, CPU time).
+(plaintext, or TLS with HTTP/2), a throw-away certificate, the tiny model and
+``tokenwire up`` serving it; and what a bench reads of a running process
+(``/proc``: RSS, CPU time).
 
 Each start is a context manager that waits until the process is ready and ends
 it (its whole session: a supervisor's workers, nginx's master and workers) when
-the block ends. The tests use :func:`read_line` and :func:`tiny_model` too
-(``tests/conftest.py`` puts ``bench/`` on their path).
+the block ends. The tests use :func:`read_line`, :func:`tiny_model` and
+:func:`tokenwire_up` too (``tests/conftest.py`` puts ``bench/`` on their path).
 """
 
 from __future__ import annotations
@@ -233,6 +234,42 @@ def tiny_model(cache_dir: Path, timeout_s: float = 600) -> Path:
     built = subprocess.run([PY, "-c", script, str(cache_dir)], capture_output=True, text=True,
                            timeout=timeout_s, check=True)
     return Path(built.stdout.strip().splitlines()[-1])
+
+
+@contextlib.contextmanager
+def tokenwire_up(model_dir: Path, cache_dir: Path, log_path: Path, *, env: dict[str, str] | None = None,
+                 timeout_s: float = 300) -> Iterator[RunningSidecar]:
+    """``tokenwire up --verbose`` as a user runs it (the engine on a Unix socket,
+    the sidecar in front) serving ``model_dir``, once its banner says it is up;
+    stopped with SIGTERM at the end. Both children's log lines go to ``log_path``
+    (:func:`child_lines` reads them). The environment is this one without
+    ``TOKENWIRE_*`` and ``OTEL_*``, with ``TOKENWIRE_CACHE_DIR`` and ``env``."""
+    port, admin_port = free_port(), free_port()
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("TOKENWIRE_", "OTEL_"))}
+    environment.update({"TOKENWIRE_CACHE_DIR": str(cache_dir), **(env or {})})
+    with log_path.open("w") as log:
+        up = subprocess.Popen([PY, "-m", "tokenwire.sidecar", "up", "--listen", f"127.0.0.1:{port}",
+                               "--admin-listen", f"127.0.0.1:{admin_port}", "--model", str(model_dir),
+                               "--verbose"], stdout=subprocess.PIPE, stderr=log, text=True, env=environment)
+    try:
+        assert up.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        for line in up.stdout:  # the banner comes once both children are ready
+            if "tokenwire is up" in line or time.monotonic() > deadline:
+                break
+        if up.poll() is not None:
+            raise RuntimeError(f"tokenwire up exited ({up.returncode}): {log_path.read_text()[-3000:]}")
+        yield RunningSidecar(up, port, admin_port)
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(60)
+
+
+def child_lines(text: str, child: str) -> list[str]:
+    """The lines ``tokenwire up --verbose`` echoed from ``child`` (``sidecar``,
+    ``engine``), its ``[child] `` prefix taken off."""
+    prefix = f"[{child}] "
+    return [line[len(prefix):] for line in text.splitlines() if line.startswith(prefix)]
 
 
 # ---------------------------------------------------------------- /proc
