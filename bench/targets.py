@@ -84,15 +84,15 @@ def wait_ready(proc: subprocess.Popen[Any], what: str, timeout_s: float = 60) ->
 
 
 @contextlib.contextmanager
-def process(cmd: list[str], what: str, *, ready_line: bool = True,
-            env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[str]]:
+def process(cmd: list[str], what: str, *, ready_line: bool = True, env: dict[str, str] | None = None,
+            cwd: str | None = None, ready_timeout_s: float = 60) -> Iterator[subprocess.Popen[str]]:
     """``cmd`` in a session of its own, ready (``ready_line``: once it printed a
     line saying ``ready``), ended with its whole session."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            start_new_session=True, env=env)
+                            start_new_session=True, env=env, cwd=cwd)
     try:
         if ready_line:
-            wait_ready(proc, what)
+            wait_ready(proc, what, ready_timeout_s)
         yield proc
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -130,24 +130,29 @@ class RunningSidecar:
 
 @contextlib.contextmanager
 def sidecar(listen_port: int, upstream: int | Sequence[str], workers: int = 1, code: str | None = None, *,
-            flags: Sequence[str] = (), admin: bool = True, what: str = "sidecar") -> Iterator[RunningSidecar]:
+            flags: Sequence[str] = (), admin: bool = True, what: str = "sidecar", wrapper: Sequence[str] = (),
+            cwd: str | None = None, ready_timeout_s: float = 60) -> Iterator[RunningSidecar]:
     """``tokenwire sidecar`` on ``listen_port`` (0: a port it picks, read from its
     ready line) in front of ``upstream`` (a local port, or upstream URLs), with
     an admin port when ``admin``, ``SIDECAR_DEFAULTS`` and ``flags``.
 
     ``code``: a directory holding another ``tokenwire`` package (an older
-    checkout, for a before/after comparison in one run), put first on the path."""
+    checkout, for a before/after comparison in one run), put first on the path
+    and run from (``python -m`` puts the working directory first on the path: a
+    checkout's own ``tokenwire/`` would win over ``PYTHONPATH``); else ``cwd``.
+    ``wrapper``: a command the sidecar runs under (``valgrind ...``)."""
     urls = [f"http://127.0.0.1:{upstream}"] if isinstance(upstream, int) else list(upstream)
-    cmd = [PY, "-m", "tokenwire.sidecar", "sidecar", "--listen", f"127.0.0.1:{listen_port}",
+    cmd = [*wrapper, PY, "-m", "tokenwire.sidecar", "sidecar", "--listen", f"127.0.0.1:{listen_port}",
            *(part for url in urls for part in ("--upstream", url)),
            *(["--admin-listen", "127.0.0.1:0"] if admin else []),
            *(["--workers", str(workers)] if workers > 1 else []),
            *(part for flag, value in SIDECAR_DEFAULTS.items() if flag not in flags for part in (flag, value)),
            *flags]
-    with process(cmd, what, ready_line=False, env=own_env(**({} if code is None else {"PYTHONPATH": code}))) \
-            as proc:
+    with process(cmd, what, ready_line=False, env=own_env(**({} if code is None else {"PYTHONPATH": code})),
+                 cwd=code or cwd) as proc:
         # "ready listen=HOST:PORT admin=HOST:PORT ...": the ports it really bound.
-        fields = dict(part.split("=", 1) for part in wait_ready(proc, what).split()[1:] if "=" in part)
+        ready = wait_ready(proc, what, ready_timeout_s)
+        fields = dict(part.split("=", 1) for part in ready.split()[1:] if "=" in part)
         yield RunningSidecar(proc, int(fields["listen"].rsplit(":", 1)[1]),
                              int(fields["admin"].rsplit(":", 1)[1]) if "admin" in fields else None)
 
@@ -162,10 +167,13 @@ def nginx_binary() -> str:
 
 @contextlib.contextmanager
 def nginx(listen_port: int, upstream_port: int, workers: int = 1, *, tls: tuple[str, str] | None = None,
-          max_streams: int | None = None) -> Iterator[subprocess.Popen[str]]:
+          max_streams: int | None = None, wrapper: Sequence[str] = (), master_process: bool = True,
+          ready_timeout_s: float = 30) -> Iterator[subprocess.Popen[str]]:
     """nginx as a streaming proxy (``proxy_buffering off``, upstream keepalive);
     with ``tls`` (certificate and key files) it listens with TLS and HTTP/2,
-    allowing ``max_streams`` concurrent streams per connection."""
+    allowing ``max_streams`` concurrent streams per connection. Under
+    ``wrapper`` (``valgrind ...``) with ``master_process`` off, the one process
+    is the one that serves."""
     prefix = Path(tempfile.mkdtemp(prefix="tokenwire-nginx-"))
     (prefix / "logs").mkdir()
     listen = f"127.0.0.1:{listen_port}{' ssl http2' if tls else ''} backlog=8192"
@@ -177,6 +185,7 @@ def nginx(listen_port: int, upstream_port: int, workers: int = 1, *, tls: tuple[
     conf.write_text(f"""
 worker_processes {workers};
 daemon off;
+master_process {"on" if master_process else "off"};
 pid {prefix}/nginx.pid;
 error_log {prefix}/logs/error.log warn;
 worker_rlimit_nofile 65536;
@@ -201,8 +210,9 @@ http {{
 }}
 """)
     try:
-        with process([nginx_binary(), "-p", str(prefix), "-c", str(conf)], "nginx", ready_line=False) as proc:
-            wait_port(listen_port)
+        with process([*wrapper, nginx_binary(), "-p", str(prefix), "-c", str(conf)], "nginx",
+                     ready_line=False) as proc:
+            wait_port(listen_port, ready_timeout_s)
             yield proc
     finally:
         shutil.rmtree(prefix, ignore_errors=True)
