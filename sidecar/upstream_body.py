@@ -65,6 +65,14 @@ class ChunkedBodyReader:
         if self._state == self._DONE:
             self.leftover += data
             return []
+        if self._state == self._SIZE and not self._buffer:
+            # The usual read of a streaming upstream: exactly one whole chunk.
+            line_end = data.find(b"\r\n", 0, 18)
+            if line_end > 0 and not data[:line_end].strip(_HEX_DIGITS):
+                start = line_end + 2
+                size = int(data[:line_end], 16)
+                if size and len(data) == start + size + 2 and data.endswith(b"\r\n"):
+                    return [data[start:-2]]
         buffer = self._buffer + data if self._buffer else data
         self._buffer = b""
         out: list[bytes] = []
