@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sidecar_bench import LOAD, PY, RESULTS, ROOT, free_port, nginx_binary, process, wait_port  # noqa: E402
+from sidecar_bench import LOAD, PY, RESULTS, ROOT, free_port, nginx_binary, process, wait_port
 
 _TOTALS = re.compile(r"^totals: (\d+)", re.MULTILINE)
 
@@ -175,7 +175,7 @@ def main() -> int:
                   flush=True)
     if "nginx" in results["targets"]:
         ngx = results["targets"]["nginx"]
-        for name, row in results["targets"].items():
+        for row in results["targets"].values():
             row["per_event_vs_nginx"] = round(row["per_event"] / ngx["per_event"], 2)
             row["per_stream_vs_nginx"] = round(row["per_stream"] / ngx["per_stream"], 2)
     RESULTS.mkdir(parents=True, exist_ok=True)
