@@ -89,13 +89,21 @@ def hold(target_port: int, upstream_port: int, pid_of: Any, streams: int) -> dic
             "kib_per_stream": round((during - before) / max(held, 1), 2)}
 
 
+# The fake upstream stamps each chunk's send time into ``system_fingerprint``
+# (a real engine's is one value per stream). Listed as volatile, it does not
+# stop a slow reader's chunks from merging, as a constant fingerprint would not;
+# unlisted, no two chunks could merge and the slow-reader scenario would
+# measure the stamp, not the sidecar (51 s late, like nginx).
+STAMP_FLAGS = ("--volatile-chunk-fields", "obfuscation", "--volatile-chunk-fields", "system_fingerprint")
+
+
 def run(quick: bool) -> dict[str, Any]:
     streams, events = (50, 200) if quick else (200, 500)
     hold_streams = 500 if quick else 5000
     upstream_port, sidecar_port, nginx_port = free_port(), free_port(), free_port()
     results: dict[str, Any] = {"machine": {"cores": os.cpu_count()}, "targets": {}}
     with process([PY, LOAD, "upstream", "--port", str(upstream_port)], "upstream"), \
-            sidecar(sidecar_port, upstream_port) as side, \
+            sidecar(sidecar_port, upstream_port, flags=STAMP_FLAGS) as side, \
             nginx(nginx_port, upstream_port) as ngx:
         targets = {"direct": (upstream_port, None),
                    "tokenwire": (sidecar_port, lambda: side.pid),
@@ -146,11 +154,11 @@ def cpu_per_event(rounds: int, streams: int, events: int, interval_ms: float,
     rows: dict[str, list[dict[str, Any]]] = {"tokenwire": [], "nginx": []}
     with contextlib.ExitStack() as stack:
         stack.enter_context(process([PY, LOAD, "upstream", "--port", str(upstream_port)], "upstream"))
-        side = stack.enter_context(sidecar(sidecar_port, upstream_port))
+        side = stack.enter_context(sidecar(sidecar_port, upstream_port, flags=STAMP_FLAGS))
         ngx = stack.enter_context(nginx(nginx_port, upstream_port))
         targets = {"tokenwire": (sidecar_port, side.pid), "nginx": (nginx_port, nginx_worker_pid(ngx))}
         if base_code is not None:
-            base = stack.enter_context(sidecar(base_port, upstream_port, code=base_code))
+            base = stack.enter_context(sidecar(base_port, upstream_port, code=base_code, flags=STAMP_FLAGS))
             targets["base"] = (base_port, base.pid)
             rows["base"] = []
         for round_index in range(rounds + 1):  # round 0 warms up
@@ -209,7 +217,8 @@ def sweep(rounds: int, rates: tuple[int, ...] = SWEEP_RATES,
                 started = stack.enter_context(nginx(port, upstream_port, int(workers)))
             else:
                 started = stack.enter_context(sidecar(port, upstream_port, int(workers),
-                                                      base_code if kind == "base" else None))
+                                                      base_code if kind == "base" else None,
+                                                      flags=STAMP_FLAGS))
             pids[name] = started.pid
         targets = {"direct": upstream_port, **ports}  # direct first: the others' reference
         # Warm-up: every target once at the lowest rate.
