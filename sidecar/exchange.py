@@ -34,6 +34,7 @@ from tokenwire.middleware import (
     AbortUpstream,
     Action,
     AwaitReader,
+    ClientGone,
     CloseClient,
     CommitHeaders,
     EndReason,
@@ -146,6 +147,8 @@ class Exchange:
         self._grant_reported = False
         self._tried: set[str] = set()
         self._waiting_for_pod = False
+        # When _abort_first closed the upstream socket ahead of the other actions.
+        self._aborted_at: float | None = None
 
     # ------------------------------------------------------------ public
 
@@ -169,18 +172,51 @@ class Exchange:
         if self._busy:
             return
         self._busy = True
+        self._run_inbox()
+
+    def _run_inbox(self) -> None:
+        """Hand the core what the inbox holds, in order (``_busy`` is set)."""
         try:
             while self._inbox and not self._done:
                 queued, at = self._inbox.popleft()
                 at = self._loop.time() if at is None else at
-                self._execute(self.stream.handle(queued, at))
+                actions = self.stream.handle(queued, at)
+                if isinstance(queued, ClientGone) and self._abort_first(actions, at):
+                    # Still busy: what arrives meanwhile queues behind the rest.
+                    self._loop.call_soon(self._after_abort, actions)
+                    return
+                self._execute(actions)
                 self._flush()
         except Exception:
             logger.exception("stream %s: driver failure; resetting the client", self.request_id)
             self._crash()
-        finally:
-            self._busy = False
+        self._busy = False
         self._reschedule()
+
+    def _abort_first(self, actions: Sequence[Action], now: float) -> bool:
+        """The client left and the core aborts the upstream: close the
+        upstream's socket now, before anything else the actions ask for. The
+        rest (the record, metrics, log, the pod's release) runs on the loop's
+        next turn, so when many clients leave at once every upstream is closed
+        before any of their bookkeeping runs. False if the core does not abort
+        (e.g. a resumable stream held for a reconnect)."""
+        if not any(isinstance(action, AbortUpstream) for action in actions):
+            return False
+        connection, attempt = self._attempt_connection, self._attempt
+        if isinstance(connection, UpstreamStream) and attempt is not None and not attempt.done():
+            connection.abort()
+            self._aborted_at = now
+        return True
+
+    def _after_abort(self, actions: Sequence[Action]) -> None:
+        """The rest of a departed client's actions, then whatever queued meanwhile."""
+        try:
+            self._execute(actions)
+            self._flush()
+        except Exception:
+            logger.exception("stream %s: driver failure; resetting the client", self.request_id)
+            self._crash()
+        self._run_inbox()
 
     def feed_chunks(self, chunks: list[bytes]) -> None:
         """The upstream body chunks of one socket read, in order. Each is one
@@ -467,7 +503,7 @@ class Exchange:
         # next await, which is where httpcore closes the connection.
         if attempt is None or attempt.done():
             return
-        started_at = self._loop.time()
+        started_at = self._loop.time() if self._aborted_at is None else self._aborted_at
         histogram = self._context.metrics.abort_propagation
 
         def closed(task: asyncio.Task[None]) -> None:
