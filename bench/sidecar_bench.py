@@ -94,9 +94,9 @@ def wait_port(port: int, timeout_s: float = 30) -> None:
 
 @contextlib.contextmanager
 def process(cmd: list[str], what: str, *, ready_line: bool = True,
-            env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[str]]:
+            env: dict[str, str] | None = None, cwd: str | None = None) -> Iterator[subprocess.Popen[str]]:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            start_new_session=True, env=env)
+                            start_new_session=True, env=env, cwd=cwd)
     try:
         if ready_line:
             wait_ready(proc, what)
@@ -181,7 +181,10 @@ def sidecar(listen_port: int, upstream_port: int, workers: int = 1,
            "--listen", f"127.0.0.1:{listen_port}", "--upstream", f"http://127.0.0.1:{upstream_port}",
            "--admin-listen", f"127.0.0.1:{admin_port}", "--max-connections", "20000",
            "--log-file", "", *(["--workers", str(workers)] if workers > 1 else [])]
-    with process(cmd, "sidecar", env=None if code is None else {**os.environ, "PYTHONPATH": code}) as proc:
+    # Run from ``code`` itself: from the repository root, its ``tokenwire``
+    # package directory would come first on the path and pull in this checkout.
+    with process(cmd, "sidecar", env=None if code is None else {**os.environ, "PYTHONPATH": code},
+                 cwd=code) as proc:
         yield proc
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 from collections import deque
 from collections.abc import Sequence
@@ -183,7 +184,7 @@ class Exchange:
                 actions = self.stream.handle(queued, at)
                 if isinstance(queued, ClientGone) and self._abort_first(actions, at):
                     # Still busy: what arrives meanwhile queues behind the rest.
-                    self._loop.call_soon(self._after_abort, actions)
+                    self._context.departures.defer(functools.partial(self._after_abort, actions))
                     return
                 self._execute(actions)
                 self._flush()
@@ -196,10 +197,11 @@ class Exchange:
     def _abort_first(self, actions: Sequence[Action], now: float) -> bool:
         """The client left and the core aborts the upstream: close the
         upstream's socket now, before anything else the actions ask for. The
-        rest (the record, metrics, log, the pod's release) runs on the loop's
-        next turn, so when many clients leave at once every upstream is closed
-        before any of their bookkeeping runs. False if the core does not abort
-        (e.g. a resumable stream held for a reconnect)."""
+        rest (the record, metrics, log, the pod's release, the attempt's
+        cancellation) waits in :class:`~tokenwire.sidecar.departures.Departures`,
+        so when many clients leave at once every upstream is closed before any
+        of their bookkeeping runs. False if the core does not abort (e.g. a
+        resumable stream held for a reconnect)."""
         if not any(isinstance(action, AbortUpstream) for action in actions):
             return False
         connection, attempt = self._attempt_connection, self._attempt
