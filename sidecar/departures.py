@@ -7,9 +7,12 @@ leave together (a load balancer drops its connections, a front end crashes),
 and their resets reach the sidecar over a few loop turns, not one: were each
 turn's bookkeeping run on the next turn, the resets read on that turn would
 wait behind it. So the bookkeeping waits until a loop turn brings no new
-departure, and then runs in the order the clients left. It never waits
-longer than :data:`MAX_WAIT_TURNS` turns or past :data:`MAX_HELD` departures,
-so a steady trickle of departures cannot postpone it for ever.
+departure, and then runs in the order the clients left, in slices of at most
+:data:`SLICE_S` of loop time: a reset read meanwhile (its client's process was
+descheduled halfway through the burst, say) waits for one slice, not for all
+of them. It never waits longer than :data:`MAX_WAIT_TURNS` turns or past
+:data:`MAX_HELD` departures, so a steady trickle of departures cannot
+postpone it for ever.
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ MAX_WAIT_TURNS = 8
 """Loop turns the bookkeeping may wait for a burst of departures to end."""
 
 MAX_HELD = 1024
-"""Departures whose bookkeeping may wait at once; one more runs them all."""
+"""Departures whose bookkeeping may wait at once; past it, it runs without waiting."""
+
+SLICE_S = 0.0005
+"""Loop time the bookkeeping may take before the loop reads its sockets again."""
 
 
 class Departures:
@@ -60,12 +66,20 @@ class Departures:
             self._waited += 1
             asyncio.get_running_loop().call_soon(self._check)
             return
-        self._scheduled = False
-        self._seen = -1
-        self._waited = 0
-        queue, self._queue = self._queue, deque()
-        for bookkeeping in queue:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + SLICE_S
+        queue = self._queue
+        while queue:
+            bookkeeping = queue.popleft()
             try:
                 bookkeeping()
             except Exception:
                 logger.exception("a departed client's bookkeeping failed")
+            if queue and loop.time() >= deadline:
+                # The rest on a later turn; a departure read before then goes first.
+                self._seen = self._added
+                loop.call_soon(self._check)
+                return
+        self._scheduled = False
+        self._seen = -1
+        self._waited = 0

@@ -148,8 +148,8 @@ class Exchange:
         self._grant_reported = False
         self._tried: set[str] = set()
         self._waiting_for_pod = False
-        # When _abort_first closed the upstream socket ahead of the other actions.
-        self._aborted_at: float | None = None
+        # An attempt _cut_attempt dropped and _abort_attempt has yet to cancel.
+        self._cut: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------ public
 
@@ -182,7 +182,7 @@ class Exchange:
                 queued, at = self._inbox.popleft()
                 at = self._loop.time() if at is None else at
                 actions = self.stream.handle(queued, at)
-                if isinstance(queued, ClientGone) and self._abort_first(actions, at):
+                if isinstance(queued, ClientGone) and self._abort_first(actions):
                     # Still busy: what arrives meanwhile queues behind the rest.
                     self._context.departures.defer(functools.partial(self._after_abort, actions))
                     return
@@ -194,7 +194,7 @@ class Exchange:
         self._busy = False
         self._reschedule()
 
-    def _abort_first(self, actions: Sequence[Action], now: float) -> bool:
+    def _abort_first(self, actions: Sequence[Action]) -> bool:
         """The client left and the core aborts the upstream: close the
         upstream's socket now, before anything else the actions ask for. The
         rest (the record, metrics, log, the pod's release, the attempt's
@@ -204,10 +204,7 @@ class Exchange:
         resumable stream held for a reconnect)."""
         if not any(isinstance(action, AbortUpstream) for action in actions):
             return False
-        connection, attempt = self._attempt_connection, self._attempt
-        if isinstance(connection, UpstreamStream) and attempt is not None and not attempt.done():
-            connection.abort()
-            self._aborted_at = now
+        self._cut_attempt()
         return True
 
     def _after_abort(self, actions: Sequence[Action]) -> None:
@@ -496,20 +493,31 @@ class Exchange:
 
     def _abort_attempt(self) -> None:
         self._release_pod()
-        attempt, self._attempt = self._attempt, None
-        connection, self._attempt_connection = self._attempt_connection, None
-        if isinstance(connection, UpstreamStream) and attempt is not None and not attempt.done():
-            connection.abort()
+        self._cut_attempt()
+        attempt, self._cut = self._cut, None
         # The attempt may be the task running this very code (the input that
         # made the core abort came from it): cancel() still works then, at its
         # next await, which is where httpcore closes the connection.
-        if attempt is None or attempt.done():
+        if attempt is not None and not attempt.done():
+            attempt.cancel()
+
+    def _cut_attempt(self) -> None:
+        """Drop the current attempt: its reports no longer reach the core, its
+        upstream socket is closed now; its task is left for
+        :meth:`_abort_attempt` to cancel."""
+        attempt, self._attempt = self._attempt, None
+        connection, self._attempt_connection = self._attempt_connection, None
+        if attempt is None:
             return
-        started_at = self._loop.time() if self._aborted_at is None else self._aborted_at
+        self._cut = attempt
+        if attempt.done():
+            return
+        if isinstance(connection, UpstreamStream):
+            connection.abort()
+        started_at = self._loop.time()
         histogram = self._context.metrics.abort_propagation
 
         def closed(task: asyncio.Task[None]) -> None:
             histogram.observe(self._loop.time() - started_at)
 
         attempt.add_done_callback(closed)
-        attempt.cancel()
