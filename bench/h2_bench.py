@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -116,7 +117,10 @@ http {{
 
 
 @contextlib.contextmanager
-def sidecar_tls(listen_port: int, upstream_port: int, cert: str, key: str) -> Iterator[subprocess.Popen[str]]:
+def sidecar_tls(listen_port: int, upstream_port: int, cert: str, key: str,
+                code: str | None = None) -> Iterator[subprocess.Popen[str]]:
+    """``code``: a directory holding another ``tokenwire`` package (an older
+    checkout), run from there for a before/after comparison in one run."""
     cmd = [PY, "-m", "tokenwire.sidecar", "sidecar", "--listen", f"127.0.0.1:{listen_port}",
            "--upstream", f"http://127.0.0.1:{upstream_port}", "--max-connections", "20000",
            "--tls-cert", cert, "--tls-key", key, "--log-file", "",
@@ -124,7 +128,8 @@ def sidecar_tls(listen_port: int, upstream_port: int, cert: str, key: str) -> It
            # nginx's client_header_timeout (60 s): 200 TLS handshakes from one
            # Python client on a busy box can take longer than the sidecar's 10 s.
            "--header-read-timeout-s", "60"]
-    with process(cmd, "sidecar") as proc:
+    env = None if code is None else {**os.environ, "PYTHONPATH": code}
+    with process(cmd, "sidecar", env=env, cwd=code) as proc:
         yield proc
 
 
@@ -213,10 +218,60 @@ def run(quick: bool) -> dict[str, Any]:
     return results
 
 
+def stuck_rounds(rounds: int, streams: int, code: str | None = None) -> dict[str, Any]:
+    """Only the stuck-stream scenario, tokenwire and nginx alternating (and the
+    checkout in ``code`` as ``base``), ``rounds`` rounds after a warm-up, at
+    events every 50 ms and 10 ms; per cell the median over rounds of the other
+    streams' longest gap and gap p99, as multiples of the upstream's gap."""
+    tmp = Path(tempfile.mkdtemp(prefix="tokenwire-h2-stuck-"))
+    cert, key = certificate(tmp)
+    upstream_port = free_port()
+    ports = {"tokenwire": free_port(), "nginx": free_port(), **({"base": free_port()} if code else {})}
+    rows: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(process([PY, LOAD, "upstream", "--port", str(upstream_port)], "upstream"))
+        stack.enter_context(sidecar_tls(ports["tokenwire"], upstream_port, cert, key))
+        stack.enter_context(nginx_h2(ports["nginx"], upstream_port, cert, key))
+        if code is not None:
+            stack.enter_context(sidecar_tls(ports["base"], upstream_port, cert, key, code=code))
+        for round_index in range(rounds + 1):  # round 0 warms up
+            for interval_ms in (50, 10):
+                for name, port in ports.items():
+                    result = load("stuck", port, "--streams", str(streams),
+                                  "--events", str(3000 // interval_ms), "--interval-ms", str(interval_ms))
+                    print(f"[round {round_index}] {name} every {interval_ms} ms: {json.dumps(result)}",
+                          flush=True)
+                    if round_index and "error" not in result:
+                        rows.setdefault(f"{interval_ms}ms", {}).setdefault(name, []).append(result)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    def median(values: list[float]) -> float:
+        ordered = sorted(values)
+        return ordered[len(ordered) // 2]
+
+    summary = {cell: {name: {
+        "others_complete_min": min(r["others_complete"] for r in runs),
+        "longest_gap_ms": median([r["others_longest_gap_ms"] for r in runs]),
+        "longest_gap_x_upstream": round(median([r["others_longest_gap_ms"] for r in runs])
+                                        / runs[0]["upstream_gap_ms"], 2),
+        "gap_p99_ms": median([r["others_gap_p99_ms"] for r in runs])}
+        for name, runs in by_name.items()} for cell, by_name in rows.items()}
+    return {"rounds": rounds, "streams": streams, "load_average_after": list(os.getloadavg()),
+            "summary": summary, "runs": rows}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="50 streams x 200 events, 20,000 pairs")
+    parser.add_argument("--stuck", type=int, metavar="ROUNDS", default=0,
+                        help="only the stuck-stream scenario (200 streams on one connection), "
+                             "tokenwire and nginx alternating, ROUNDS rounds; prints")
+    parser.add_argument("--base", metavar="DIR", default=None,
+                        help="--stuck: also run the tokenwire package in DIR/tokenwire as base")
     args = parser.parse_args()
+    if args.stuck:
+        print(json.dumps(stuck_rounds(args.stuck, 200, args.base)["summary"], indent=2))
+        return 0
     results = run(args.quick)
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / ("h2_quick.json" if args.quick else "h2.json")
