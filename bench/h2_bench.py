@@ -22,6 +22,8 @@ Method (figures in bench/README.md, "HTTP/2"):
   upstream.
 
 Usage: ``python bench/h2_bench.py [--quick]``; writes ``bench/results/h2.json``.
+``--stuck ROUNDS`` / ``--resets ROUNDS`` run one scenario alone, tokenwire and
+nginx alternating (``--base DIR``: an older checkout beside them); they print.
 """
 
 from __future__ import annotations
@@ -260,15 +262,59 @@ def stuck_rounds(rounds: int, streams: int, code: str | None = None) -> dict[str
             "summary": summary, "runs": rows}
 
 
+def reset_rounds(rounds: int, streams: int, code: str | None = None) -> dict[str, Any]:
+    """Only the reset scenario (``streams`` streams one at a time, cancelled
+    after 3 events: RST_STREAM over HTTP/2, a TCP reset over HTTP/1.1), tokenwire
+    and nginx alternating (and ``code`` as ``base``), ``rounds`` rounds after a
+    warm-up; per cell the median over rounds of p50 and of p99."""
+    tmp = Path(tempfile.mkdtemp(prefix="tokenwire-h2-reset-"))
+    cert, key = certificate(tmp)
+    upstream_port = free_port()
+    ports = {"tokenwire": free_port(), "nginx": free_port(), **({"base": free_port()} if code else {})}
+    rows: dict[str, dict[str, list[dict[str, float]]]] = {}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(process([PY, LOAD, "upstream", "--port", str(upstream_port)], "upstream"))
+        stack.enter_context(sidecar_tls(ports["tokenwire"], upstream_port, cert, key))
+        stack.enter_context(nginx_h2(ports["nginx"], upstream_port, cert, key))
+        if code is not None:
+            stack.enter_context(sidecar_tls(ports["base"], upstream_port, cert, key, code=code))
+        for round_index in range(rounds + 1):  # round 0 warms up
+            for proto in ("h2", "h1"):
+                for name, port in ports.items():
+                    result = load("reset", port, "--upstream-port", str(upstream_port), "--streams",
+                                  str(streams), *(["--h1"] if proto == "h1" else []))
+                    print(f"[round {round_index}] {name} {proto}: {json.dumps(result)}", flush=True)
+                    if round_index and "error" not in result:
+                        rows.setdefault(proto, {}).setdefault(name, []).append(
+                            result["reset_to_upstream_close"])
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    def median(values: list[float]) -> float:
+        ordered = sorted(values)
+        return ordered[len(ordered) // 2]
+
+    summary = {proto: {name: {"p50_ms": median([r["p50_ms"] for r in runs]),
+                              "p99_ms": median([r["p99_ms"] for r in runs])}
+                       for name, runs in by_name.items()} for proto, by_name in rows.items()}
+    return {"rounds": rounds, "streams": streams, "load_average_after": list(os.getloadavg()),
+            "summary": summary}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="50 streams x 200 events, 20,000 pairs")
     parser.add_argument("--stuck", type=int, metavar="ROUNDS", default=0,
                         help="only the stuck-stream scenario (200 streams on one connection), "
                              "tokenwire and nginx alternating, ROUNDS rounds; prints")
+    parser.add_argument("--resets", type=int, metavar="ROUNDS", default=0,
+                        help="only the reset scenario (100 streams one at a time, HTTP/2 and "
+                             "HTTP/1.1), tokenwire and nginx alternating, ROUNDS rounds; prints")
     parser.add_argument("--base", metavar="DIR", default=None,
-                        help="--stuck: also run the tokenwire package in DIR/tokenwire as base")
+                        help="--stuck/--resets: also run the tokenwire package in DIR/tokenwire as base")
     args = parser.parse_args()
+    if args.resets:
+        print(json.dumps(reset_rounds(args.resets, 100, args.base), indent=2))
+        return 0
     if args.stuck:
         print(json.dumps(stuck_rounds(args.stuck, 200, args.base)["summary"], indent=2))
         return 0

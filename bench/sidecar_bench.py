@@ -25,8 +25,12 @@ Method (see bench/README.md for the figures):
   proxy's whole process tree, added latency p50/p99, delivered/direct, and
   50 clients resetting at once (``sidecar_sweep.json``/``.png``).
 
-Usage: ``python bench/sidecar_bench.py [--quick | --cpu ROUNDS | --sweep ROUNDS]``; writes
-``bench/results/sidecar.json`` and ``bench/results/sidecar.png``.
+* ``--resets ROUNDS``: only 50 clients resetting in one burst (each has read
+  3 events, then all reset back to back), tokenwire and nginx alternating;
+  pooled p50/p99 over the rounds (``--base DIR``: an older checkout beside them).
+
+Usage: ``python bench/sidecar_bench.py [--quick | --cpu ROUNDS | --sweep ROUNDS | --resets ROUNDS]``;
+writes ``bench/results/sidecar.json`` and ``bench/results/sidecar.png``.
 """
 
 from __future__ import annotations
