@@ -148,8 +148,8 @@ class Exchange:
         self._grant_reported = False
         self._tried: set[str] = set()
         self._waiting_for_pod = False
-        # An attempt _cut_attempt dropped and _abort_attempt has yet to cancel.
-        self._cut: asyncio.Task[None] | None = None
+        # An attempt _cut_attempt dropped, and its connection, for _abort_attempt to end.
+        self._cut: tuple[asyncio.Task[None] | None, object | None] = (None, None)
 
     # ------------------------------------------------------------ public
 
@@ -494,7 +494,10 @@ class Exchange:
     def _abort_attempt(self) -> None:
         self._release_pod()
         self._cut_attempt()
-        attempt, self._cut = self._cut, None
+        attempt, connection = self._cut
+        self._cut = (None, None)
+        if isinstance(connection, UpstreamStream):
+            connection.abort()
         # The attempt may be the task running this very code (the input that
         # made the core abort came from it): cancel() still works then, at its
         # next await, which is where httpcore closes the connection.
@@ -502,18 +505,20 @@ class Exchange:
             attempt.cancel()
 
     def _cut_attempt(self) -> None:
-        """Drop the current attempt: its reports no longer reach the core, its
-        upstream socket is closed now; its task is left for
-        :meth:`_abort_attempt` to cancel."""
+        """Drop the current attempt: its reports no longer reach the core, and
+        the upstream sees its socket closed now (``UpstreamStream.cut``); the
+        transport's close and the task's cancellation are left to
+        :meth:`_abort_attempt`."""
         attempt, self._attempt = self._attempt, None
         connection, self._attempt_connection = self._attempt_connection, None
         if attempt is None:
             return
-        self._cut = attempt
         if attempt.done():
+            self._cut = (attempt, None)
             return
+        self._cut = (attempt, connection)
         if isinstance(connection, UpstreamStream):
-            connection.abort()
+            connection.cut()
         started_at = self._loop.time()
         histogram = self._context.metrics.abort_propagation
 

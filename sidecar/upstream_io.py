@@ -183,6 +183,7 @@ class UpstreamStream(httpcore.AsyncNetworkStream):
         self._replay = b""
         self._held: list[bytes] = []  # small writes not sent yet (see write)
         self._aborted = False
+        self._cut = False
 
     @property
     def buffered(self) -> bool:
@@ -389,9 +390,23 @@ class UpstreamStream(httpcore.AsyncNetworkStream):
         transport = self._transport
         # Once closing, the descriptor may be closed already, its number
         # reused by another connection: only an open one is shut down.
-        sock = None if transport.is_closing() else transport.get_extra_info("socket")
+        sock = None if self._cut or transport.is_closing() else transport.get_extra_info("socket")
         transport.abort()
         shutdown_now(sock)
+
+    def cut(self) -> None:
+        """The upstream sees the close now (``shutdown(2)``); nothing more is
+        read, so nothing wakes the task reading this connection. The transport
+        is closed by :meth:`abort`, later: a burst of departing clients closes
+        all their upstreams before any of their tasks unwinds."""
+        if self._cut or self._aborted:
+            return
+        self._cut = True
+        transport = self._transport
+        if transport.is_closing():
+            return
+        transport.pause_reading()
+        shutdown_now(transport.get_extra_info("socket"))
 
     async def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,
                         timeout: float | None = None) -> httpcore.AsyncNetworkStream:
