@@ -148,6 +148,8 @@ class Exchange:
         self._grant_reported = False
         self._tried: set[str] = set()
         self._waiting_for_pod = False
+        # The client left and the upstream was cut; the rest is pending (_abort_first).
+        self._departed = False
         # An attempt _cut_attempt dropped, and its connection, for _abort_attempt to end.
         self._cut: tuple[asyncio.Task[None] | None, object | None] = (None, None)
 
@@ -204,6 +206,7 @@ class Exchange:
         resumable stream held for a reconnect)."""
         if not any(isinstance(action, AbortUpstream) for action in actions):
             return False
+        self._departed = True
         self._cut_attempt()
         return True
 
@@ -437,7 +440,7 @@ class Exchange:
             self.feed(Rejected(UpstreamError(answer.message, ErrorCode.UPSTREAM_UNAVAILABLE,
                                              http_status=503, retry_after_s=answer.retry_after_s)))
             return
-        if self._done:
+        if self._done or self._departed:
             self._context.pools.release(answer)
             return
         self._grant = answer
@@ -519,6 +522,10 @@ class Exchange:
         self._cut = (attempt, connection)
         if isinstance(connection, UpstreamStream):
             connection.cut()
+        else:
+            # Still connecting (or not started): cancelled now, before it can
+            # reach the upstream (a stream reset in the read that opened it).
+            attempt.cancel()
         started_at = self._loop.time()
         histogram = self._context.metrics.abort_propagation
 

@@ -154,3 +154,31 @@ def test_departures_one_failure_does_not_stop_the_others(loop_thread: LoopThread
         return ran
 
     assert loop_thread.run(scenario()) == [2]
+
+
+def test_clients_leaving_while_queued_for_a_pod_never_reach_it(
+        start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
+    """Queued for a busy pod, a client that leaves is dropped from the queue:
+    when the pod frees up, nothing is sent for it."""
+    sidecar = start_sidecar(max_streams_per_upstream=1, queue_timeout_s=30.0)
+    holder = connect(sidecar.port)
+    holder.sendall(request_bytes("POST", SILENT_PATH, body=chat_body(),
+                                 headers={"x-fake-silence-s": "60", "X-Request-Id": "queue-holder"}))
+    assert read_response(holder, head_only=True).status == 200
+    context = sidecar.sidecar.context
+    assert context is not None
+    queued = []
+    for i in range(5):
+        sock = connect(sidecar.port)
+        sock.sendall(request_bytes("POST", SILENT_PATH, body=chat_body(),
+                                   headers={"x-fake-silence-s": "60", "X-Request-Id": f"queued-{i}"}))
+        queued.append(sock)
+    wait_for(lambda: len(context.registry) == 6)
+    for sock in queued:
+        reset(sock)
+    for i in range(5):
+        assert sidecar.record(f"queued-{i}").end_reason.value == "client_gone"
+    reset(holder)  # the pod frees up: the queue must be empty by now
+    assert sidecar.record("queue-holder").end_reason.value == "client_gone"
+    wait_for(lambda: _settled(sidecar), timeout_s=10)
+    assert not any(upstream.requests_with(f"queued-{i}") for i in range(5))
