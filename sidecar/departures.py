@@ -57,6 +57,12 @@ class Departures:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._check)
 
+    def run_all(self) -> None:
+        """Run every held bookkeeping now (shutdown: before the log closes)."""
+        queue = self._queue
+        while queue:
+            self._run(queue.popleft())
+
     def _check(self) -> None:
         # A turn's new resets are read after this turn's callbacks were queued,
         # so a departure since the last look means another turn may bring more.
@@ -70,11 +76,7 @@ class Departures:
         deadline = loop.time() + SLICE_S
         queue = self._queue
         while queue:
-            bookkeeping = queue.popleft()
-            try:
-                bookkeeping()
-            except Exception:
-                logger.exception("a departed client's bookkeeping failed")
+            self._run(queue.popleft())
             if queue and loop.time() >= deadline:
                 # The rest on a later turn; a departure read before then goes first.
                 self._seen = self._added
@@ -83,3 +85,10 @@ class Departures:
         self._scheduled = False
         self._seen = -1
         self._waited = 0
+
+    @staticmethod
+    def _run(bookkeeping: Callable[[], None]) -> None:
+        try:
+            bookkeeping()
+        except Exception:
+            logger.exception("a departed client's bookkeeping failed")

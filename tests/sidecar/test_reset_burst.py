@@ -139,6 +139,18 @@ def test_departures_never_wait_past_their_bounds(loop_thread: LoopThread) -> Non
     assert total == MAX_HELD
 
 
+def test_departures_run_all_now_on_shutdown(loop_thread: LoopThread) -> None:
+    async def scenario() -> tuple[list[int], int]:
+        departures = Departures()
+        ran: list[int] = []
+        for i in range(3):
+            departures.defer(lambda i=i: ran.append(i))
+        departures.run_all()  # no loop turn in between
+        return ran, len(departures)
+
+    assert loop_thread.run(scenario()) == ([0, 1, 2], 0)
+
+
 def test_departures_one_failure_does_not_stop_the_others(loop_thread: LoopThread) -> None:
     async def scenario() -> list[int]:
         departures = Departures()
