@@ -22,12 +22,16 @@ Method (figures in bench/README.md, "HTTP/2"):
   upstream.
 
 Usage: ``python bench/h2_bench.py [--quick]``; writes ``bench/results/h2.json``.
+``--stuck ROUNDS`` / ``--resets ROUNDS`` run one scenario alone, tokenwire and
+nginx alternating (``--base DIR``: an older checkout beside them); they print.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -39,13 +43,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sidecar_bench import client
 from targets import (
+    LOAD,
     PY,
+    RunningSidecar,
     certificate,
     cpu_seconds,
     fake_upstream,
     free_port,
     nginx,
     nginx_worker_pid,
+    process,
     rss_kib,
     sidecar,
 )
@@ -63,6 +70,22 @@ def fetch_closes(upstream_port: int) -> dict[str, Any]:
     with urllib.request.urlopen(f"http://127.0.0.1:{upstream_port}/closes", timeout=10) as response:
         seen: dict[str, Any] = json.loads(response.read())
     return seen
+
+
+def sidecar_tls(listen_port: int, upstream_port: int, cert: str, key: str,
+                code: str | None = None) -> contextlib.AbstractContextManager[RunningSidecar]:
+    """The sidecar with TLS and HTTP/2 as this bench runs it; ``code``: another
+    ``tokenwire`` package (an older checkout) for a before/after comparison."""
+    return sidecar(listen_port, upstream_port, code=code, admin=False, flags=(
+        "--tls-cert", cert, "--tls-key", key, "--http2-max-concurrent-streams", str(MAX_STREAMS),
+        # nginx's client_header_timeout (60 s): 200 TLS handshakes from one
+        # Python client on a busy box can take longer than the sidecar's 10 s.
+        "--header-read-timeout-s", "60"))
+
+
+def nginx_h2(listen_port: int, upstream_port: int, cert: str,
+             key: str) -> contextlib.AbstractContextManager[subprocess.Popen[str]]:
+    return nginx(listen_port, upstream_port, tls=(cert, key), max_streams=MAX_STREAMS)
 
 
 def load(scenario: str, port: int, *args: str, timeout_s: float = 600) -> dict[str, Any]:
@@ -99,12 +122,8 @@ def run(quick: bool) -> dict[str, Any]:
     upstream_port, sidecar_port, nginx_port = free_port(), free_port(), free_port()
     results: dict[str, Any] = {"targets": {}}
     with fake_upstream(upstream_port), \
-            sidecar(sidecar_port, upstream_port, admin=False, flags=(
-                "--tls-cert", cert, "--tls-key", key, "--http2-max-concurrent-streams", str(MAX_STREAMS),
-                # nginx's client_header_timeout (60 s): 200 TLS handshakes from one
-                # Python client on a busy box can take longer than the sidecar's 10 s.
-                "--header-read-timeout-s", "60")) as side, \
-            nginx(nginx_port, upstream_port, tls=(cert, key), max_streams=MAX_STREAMS) as ngx:
+            sidecar_tls(sidecar_port, upstream_port, cert, key) as side, \
+            nginx_h2(nginx_port, upstream_port, cert, key) as ngx:
         print("[direct] throughput", flush=True)
         direct = client("throughput", upstream_port, upstream_port, "--streams", str(streams),
                         "--events", str(events), "--interval-ms", "10")
@@ -147,10 +166,104 @@ def run(quick: bool) -> dict[str, Any]:
     return results
 
 
+def stuck_rounds(rounds: int, streams: int, code: str | None = None) -> dict[str, Any]:
+    """Only the stuck-stream scenario, tokenwire and nginx alternating (and the
+    checkout in ``code`` as ``base``), ``rounds`` rounds after a warm-up, at
+    events every 50 ms and 10 ms; per cell the median over rounds of the other
+    streams' longest gap and gap p99, as multiples of the upstream's gap."""
+    tmp = Path(tempfile.mkdtemp(prefix="tokenwire-h2-stuck-"))
+    cert, key = certificate(tmp)
+    upstream_port = free_port()
+    ports = {"tokenwire": free_port(), "nginx": free_port(), **({"base": free_port()} if code else {})}
+    rows: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(process([PY, LOAD, "upstream", "--port", str(upstream_port)], "upstream"))
+        stack.enter_context(sidecar_tls(ports["tokenwire"], upstream_port, cert, key))
+        stack.enter_context(nginx_h2(ports["nginx"], upstream_port, cert, key))
+        if code is not None:
+            stack.enter_context(sidecar_tls(ports["base"], upstream_port, cert, key, code=code))
+        for round_index in range(rounds + 1):  # round 0 warms up
+            for interval_ms in (50, 10):
+                for name, port in ports.items():
+                    result = load("stuck", port, "--streams", str(streams),
+                                  "--events", str(3000 // interval_ms), "--interval-ms", str(interval_ms))
+                    print(f"[round {round_index}] {name} every {interval_ms} ms: {json.dumps(result)}",
+                          flush=True)
+                    if round_index and "error" not in result:
+                        rows.setdefault(f"{interval_ms}ms", {}).setdefault(name, []).append(result)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    def median(values: list[float]) -> float:
+        ordered = sorted(values)
+        return ordered[len(ordered) // 2]
+
+    summary = {cell: {name: {
+        "others_complete_min": min(r["others_complete"] for r in runs),
+        "longest_gap_ms": median([r["others_longest_gap_ms"] for r in runs]),
+        "longest_gap_x_upstream": round(median([r["others_longest_gap_ms"] for r in runs])
+                                        / runs[0]["upstream_gap_ms"], 2),
+        "gap_p99_ms": median([r["others_gap_p99_ms"] for r in runs])}
+        for name, runs in by_name.items()} for cell, by_name in rows.items()}
+    return {"rounds": rounds, "streams": streams, "load_average_after": list(os.getloadavg()),
+            "summary": summary, "runs": rows}
+
+
+def reset_rounds(rounds: int, streams: int, code: str | None = None) -> dict[str, Any]:
+    """Only the reset scenario (``streams`` streams one at a time, cancelled
+    after 3 events: RST_STREAM over HTTP/2, a TCP reset over HTTP/1.1), tokenwire
+    and nginx alternating (and ``code`` as ``base``), ``rounds`` rounds after a
+    warm-up; per cell the median over rounds of p50 and of p99."""
+    tmp = Path(tempfile.mkdtemp(prefix="tokenwire-h2-reset-"))
+    cert, key = certificate(tmp)
+    upstream_port = free_port()
+    ports = {"tokenwire": free_port(), "nginx": free_port(), **({"base": free_port()} if code else {})}
+    rows: dict[str, dict[str, list[dict[str, float]]]] = {}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(process([PY, LOAD, "upstream", "--port", str(upstream_port)], "upstream"))
+        stack.enter_context(sidecar_tls(ports["tokenwire"], upstream_port, cert, key))
+        stack.enter_context(nginx_h2(ports["nginx"], upstream_port, cert, key))
+        if code is not None:
+            stack.enter_context(sidecar_tls(ports["base"], upstream_port, cert, key, code=code))
+        for round_index in range(rounds + 1):  # round 0 warms up
+            for proto in ("h2", "h1"):
+                for name, port in ports.items():
+                    result = load("reset", port, "--upstream-port", str(upstream_port), "--streams",
+                                  str(streams), *(["--h1"] if proto == "h1" else []))
+                    print(f"[round {round_index}] {name} {proto}: {json.dumps(result)}", flush=True)
+                    if round_index and "error" not in result:
+                        rows.setdefault(proto, {}).setdefault(name, []).append(
+                            result["reset_to_upstream_close"])
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    def median(values: list[float]) -> float:
+        ordered = sorted(values)
+        return ordered[len(ordered) // 2]
+
+    summary = {proto: {name: {"p50_ms": median([r["p50_ms"] for r in runs]),
+                              "p99_ms": median([r["p99_ms"] for r in runs])}
+                       for name, runs in by_name.items()} for proto, by_name in rows.items()}
+    return {"rounds": rounds, "streams": streams, "load_average_after": list(os.getloadavg()),
+            "summary": summary}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="50 streams x 200 events, 20,000 pairs")
+    parser.add_argument("--stuck", type=int, metavar="ROUNDS", default=0,
+                        help="only the stuck-stream scenario (200 streams on one connection), "
+                             "tokenwire and nginx alternating, ROUNDS rounds; prints")
+    parser.add_argument("--resets", type=int, metavar="ROUNDS", default=0,
+                        help="only the reset scenario (100 streams one at a time, HTTP/2 and "
+                             "HTTP/1.1), tokenwire and nginx alternating, ROUNDS rounds; prints")
+    parser.add_argument("--base", metavar="DIR", default=None,
+                        help="--stuck/--resets: also run the tokenwire package in DIR/tokenwire as base")
     args = parser.parse_args()
+    if args.resets:
+        print(json.dumps(reset_rounds(args.resets, 100, args.base), indent=2))
+        return 0
+    if args.stuck:
+        print(json.dumps(stuck_rounds(args.stuck, 200, args.base)["summary"], indent=2))
+        return 0
     results = run(args.quick)
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / ("h2_quick.json" if args.quick else "h2.json")

@@ -25,8 +25,12 @@ Method (see bench/README.md for the figures):
   proxy's whole process tree, added latency p50/p99, delivered/direct, and
   50 clients resetting at once (``sidecar_sweep.json``/``.png``).
 
-Usage: ``python bench/sidecar_bench.py [--quick | --cpu ROUNDS | --sweep ROUNDS]``; writes
-``bench/results/sidecar.json`` and ``bench/results/sidecar.png``.
+* ``--resets ROUNDS``: only 50 clients resetting in one burst (each has read
+  3 events, then all reset back to back), tokenwire and nginx alternating;
+  pooled p50/p99 over the rounds (``--base DIR``: an older checkout beside them).
+
+Usage: ``python bench/sidecar_bench.py [--quick | --cpu ROUNDS | --sweep ROUNDS | --resets ROUNDS]``;
+writes ``bench/results/sidecar.json`` and ``bench/results/sidecar.png``.
 """
 
 from __future__ import annotations
@@ -178,6 +182,47 @@ def cpu_per_event(rounds: int, streams: int, events: int, interval_ms: float,
                for name, runs in rows.items()}
     return {"streams": streams, "events": events, "interval_ms": interval_ms, "rounds": rows,
             "median_us_per_event": medians}
+
+
+def resets_at_once(rounds: int, clients: int = 50, code: str | None = None) -> dict[str, Any]:
+    """``clients`` clients reset at once, tokenwire and nginx alternating, ``rounds`` each.
+
+    Each round opens ``clients`` streams (10 ms events), lets each read 3
+    events, then resets them all back to back (SO_LINGER 0); the upstream
+    stamps when it sees each connection close. Per target: p50/p99 of the
+    delays pooled over all rounds, and the median of the rounds' own p99s.
+    ``code``: run that tokenwire checkout as ``base`` beside them.
+    """
+    upstream_port = free_port()
+    names = ["tokenwire", "nginx", *(["base"] if code is not None else [])]
+    ports = {name: free_port() for name in names}
+    delays: dict[str, list[float]] = {name: [] for name in names}
+    round_p99: dict[str, list[float]] = {name: [] for name in names}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(process([PY, LOAD, "upstream", "--port", str(upstream_port)], "upstream"))
+        stack.enter_context(sidecar(ports["tokenwire"], upstream_port))
+        stack.enter_context(nginx(ports["nginx"], upstream_port))
+        if code is not None:
+            stack.enter_context(sidecar(ports["base"], upstream_port, code=code))
+        for round_index in range(rounds + 1):  # round 0 warms up
+            for name, port in ports.items():
+                result = client("reset", port, upstream_port, "--streams", str(clients),
+                                "--concurrency", str(clients), "--at-once")
+                summary = result["reset_to_upstream_close"]
+                print(f"[round {round_index}] {name}: {json.dumps(summary)}", flush=True)
+                if round_index:
+                    delays[name].extend(result["delays_ms"])
+                    round_p99[name].append(summary["p99_ms"])
+
+    def pick(values: list[float], q: float) -> float:
+        ordered = sorted(values)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+    return {"rounds": rounds, "clients": clients, "load_average_after": list(os.getloadavg()),
+            "targets": {name: {"p50_ms": pick(values, 0.5), "p99_ms": pick(values, 0.99),
+                               "max_ms": pick(values, 1.0), "n": len(values),
+                               "median_round_p99_ms": pick(round_p99[name], 0.5)}
+                        for name, values in delays.items()}}
 
 
 SWEEP_RATES = (5_000, 10_000, 20_000)
@@ -349,7 +394,13 @@ def main() -> int:
     parser.add_argument("--base", metavar="DIR", default=None,
                         help="--sweep, --cpu: also run the tokenwire package in DIR/tokenwire (e.g. "
                              "`git archive OLD middleware sidecar` unpacked there) as base-1")
+    parser.add_argument("--resets", type=int, metavar="ROUNDS", default=0,
+                        help="only 50 clients resetting at once, tokenwire and nginx alternating, "
+                             "ROUNDS rounds after a warm-up (with --base: that checkout too); prints")
     args = parser.parse_args()
+    if args.resets:
+        print(json.dumps(resets_at_once(args.resets, code=args.base), indent=2))
+        return 0
     if args.sweep:
         RESULTS.mkdir(parents=True, exist_ok=True)
         sweep_results = sweep(args.sweep, names=tuple(args.targets.split(",")), base_code=args.base)

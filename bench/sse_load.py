@@ -547,10 +547,14 @@ async def scenario_throughput(host: str, port: int, streams: int, events: int,
 
 
 async def scenario_reset(host: str, port: int, upstream_port: int, streams: int,
-                         concurrency: int) -> dict[str, Any]:
-    """Read a few events, reset, and see how long until the upstream's connection closes."""
+                         concurrency: int, at_once: bool = False) -> dict[str, Any]:
+    """Read a few events, reset, and see how long until the upstream's connection closes.
+
+    ``at_once``: every stream first reads its 3 events, then all reset in one
+    burst (back to back, no await between), so the proxy sees them together."""
     reset_at: dict[str, int] = {}
     gate = asyncio.Semaphore(concurrency)
+    opened: dict[str, RawConn] = {}
 
     async def one(i: int) -> None:
         async with gate:
@@ -558,16 +562,22 @@ async def scenario_reset(host: str, port: int, upstream_port: int, streams: int,
             conn = await open_stream(host, port, {"id": request_id, "events": 100000,
                                                   "interval_ms": 10})
             await read_stream(conn, StreamResult(), stop_after_events=3)
+            if at_once:
+                opened[request_id] = conn
+                return
             reset_at[request_id] = conn.reset()
             await asyncio.sleep(0.05)
 
     await asyncio.gather(*(one(i) for i in range(streams)))
+    for request_id, conn in opened.items():
+        reset_at[request_id] = conn.reset()
     await asyncio.sleep(0.5)
     seen = await fetch_json("127.0.0.1", upstream_port, "/closes")
     closes: dict[str, int] = seen["closes"]
     delays = [closes[k] - v for k, v in reset_at.items() if k in closes]
     return {"streams": streams, "upstream_closed": len(delays),
-            "reset_to_upstream_close": summarize_ms(delays)}
+            "reset_to_upstream_close": summarize_ms(delays),
+            "delays_ms": sorted(round(d / 1e6, 3) for d in delays)}
 
 
 async def scenario_hold(host: str, port: int, streams: int, hold_s: float) -> dict[str, Any]:
@@ -655,6 +665,8 @@ def main(argv: list[str] | None = None) -> int:
     client.add_argument("--read-bytes", type=int, default=2048)
     client.add_argument("--read-pause-ms", type=float, default=100)
     client.add_argument("--rcvbuf", type=int, default=4096)
+    client.add_argument("--at-once", action="store_true",
+                        help="reset: all streams reset in one burst once each has read 3 events")
     client.add_argument("--obfuscate", action="store_true",
                         help="slow: chunks carry obfuscation padding instead of a per-chunk stamp")
     args = parser.parse_args(argv)
@@ -667,7 +679,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.scenario == "throughput":
         coro = scenario_throughput(host, port, args.streams, args.events, args.interval_ms)
     elif args.scenario == "reset":
-        coro = scenario_reset(host, port, args.upstream_port, args.streams, args.concurrency)
+        coro = scenario_reset(host, port, args.upstream_port, args.streams, args.concurrency,
+                              args.at_once)
     elif args.scenario == "hold":
         coro = scenario_hold(host, port, args.streams, args.hold_s)
     else:

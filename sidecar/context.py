@@ -11,6 +11,7 @@ from tokenwire.middleware import RetryBudget
 from tokenwire.middleware.replay_store import ReplayStore
 from tokenwire.middleware.resume import CallerKey
 
+from .departures import Departures
 from .logs import StreamLog
 from .metrics import SidecarMetrics
 from .registry import StreamRegistry
@@ -46,3 +47,5 @@ class SidecarContext:
     """Set on shutdown: no new requests; connections close after their current response."""
     on_drain: list[Callable[[], None]] = field(default_factory=list)
     """Called once when shutdown begins (``draining`` is set): gRPC health watches."""
+    departures: Departures = field(default_factory=Departures)
+    """The bookkeeping of departed clients, run after their upstreams are closed."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 from collections import deque
 from collections.abc import Sequence
@@ -34,6 +35,7 @@ from tokenwire.middleware import (
     AbortUpstream,
     Action,
     AwaitReader,
+    ClientGone,
     CloseClient,
     CommitHeaders,
     EndReason,
@@ -147,6 +149,10 @@ class Exchange:
         self._grant_reported = False
         self._tried: set[str] = set()
         self._waiting_for_pod = False
+        # The client left and the upstream was cut; the rest is pending (_abort_first).
+        self._departed = False
+        # An attempt _cut_attempt dropped, and its connection, for _abort_attempt to end.
+        self._cut: tuple[asyncio.Task[None] | None, object | None] = (None, None)
 
     # ------------------------------------------------------------ public
 
@@ -170,18 +176,50 @@ class Exchange:
         if self._busy:
             return
         self._busy = True
+        self._run_inbox()
+
+    def _run_inbox(self) -> None:
+        """Hand the core what the inbox holds, in order (``_busy`` is set)."""
         try:
             while self._inbox and not self._done:
                 queued, at = self._inbox.popleft()
                 at = self._loop.time() if at is None else at
-                self._execute(self.stream.handle(queued, at))
+                actions = self.stream.handle(queued, at)
+                if isinstance(queued, ClientGone) and self._abort_first(actions):
+                    # Still busy: what arrives meanwhile queues behind the rest.
+                    self._context.departures.defer(functools.partial(self._after_abort, actions))
+                    return
+                self._execute(actions)
                 self._flush()
         except Exception:
             logger.exception("stream %s: driver failure; resetting the client", self.request_id)
             self._crash()
-        finally:
-            self._busy = False
+        self._busy = False
         self._reschedule()
+
+    def _abort_first(self, actions: Sequence[Action]) -> bool:
+        """The client left and the core aborts the upstream: close the
+        upstream's socket now, before anything else the actions ask for. The
+        rest (the record, metrics, log, the pod's release, the attempt's
+        cancellation) waits in :class:`~tokenwire.sidecar.departures.Departures`,
+        so when many clients leave at once every upstream is closed before any
+        of their bookkeeping runs. False if the core does not abort (e.g. a
+        resumable stream held for a reconnect)."""
+        if not any(isinstance(action, AbortUpstream) for action in actions):
+            return False
+        self._departed = True
+        self._cut_attempt()
+        return True
+
+    def _after_abort(self, actions: Sequence[Action]) -> None:
+        """The rest of a departed client's actions, then whatever queued meanwhile."""
+        try:
+            self._execute(actions)
+            self._flush()
+        except Exception:
+            logger.exception("stream %s: driver failure; resetting the client", self.request_id)
+            self._crash()
+        self._run_inbox()
 
     def feed_chunks(self, chunks: list[bytes]) -> None:
         """The upstream body chunks of one socket read, in order. Each is one
@@ -403,7 +441,7 @@ class Exchange:
             self.feed(Rejected(UpstreamError(answer.message, ErrorCode.UPSTREAM_UNAVAILABLE,
                                              http_status=503, retry_after_s=answer.retry_after_s)))
             return
-        if self._done:
+        if self._done or self._departed:
             self._context.pools.release(answer)
             return
         self._grant = answer
@@ -459,15 +497,36 @@ class Exchange:
 
     def _abort_attempt(self) -> None:
         self._release_pod()
-        attempt, self._attempt = self._attempt, None
-        connection, self._attempt_connection = self._attempt_connection, None
-        if isinstance(connection, UpstreamStream) and attempt is not None and not attempt.done():
+        self._cut_attempt()
+        attempt, connection = self._cut
+        self._cut = (None, None)
+        if isinstance(connection, UpstreamStream):
             connection.abort()
         # The attempt may be the task running this very code (the input that
         # made the core abort came from it): cancel() still works then, at its
         # next await, which is where httpcore closes the connection.
-        if attempt is None or attempt.done():
+        if attempt is not None and not attempt.done():
+            attempt.cancel()
+
+    def _cut_attempt(self) -> None:
+        """Drop the current attempt: its reports no longer reach the core, and
+        the upstream sees its socket closed now (``UpstreamStream.cut``); the
+        transport's close and the task's cancellation are left to
+        :meth:`_abort_attempt`."""
+        attempt, self._attempt = self._attempt, None
+        connection, self._attempt_connection = self._attempt_connection, None
+        if attempt is None:
             return
+        if attempt.done():
+            self._cut = (attempt, None)
+            return
+        self._cut = (attempt, connection)
+        if isinstance(connection, UpstreamStream):
+            connection.cut()
+        else:
+            # Still connecting (or not started): cancelled now, before it can
+            # reach the upstream (a stream reset in the read that opened it).
+            attempt.cancel()
         started_at = self._loop.time()
         histogram = self._context.metrics.abort_propagation
 
@@ -475,4 +534,3 @@ class Exchange:
             histogram.observe(self._loop.time() - started_at)
 
         attempt.add_done_callback(closed)
-        attempt.cancel()

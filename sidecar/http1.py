@@ -168,6 +168,10 @@ class ClientConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
+        exchange = self._exchange
+        if exchange is not None:
+            # First: the exchange closes the upstream before any bookkeeping.
+            exchange.feed(ClientGone())
         self._cancel_timer()
         if self._exchange is None:
             self._release_body()
@@ -175,9 +179,6 @@ class ClientConnection(asyncio.Protocol):
         if self in context.connections:
             context.connections.discard(self)
             context.metrics.active_connections.dec()
-        exchange = self._exchange
-        if exchange is not None:
-            exchange.feed(ClientGone())
 
     def pause_writing(self) -> None:
         self._write_paused = True

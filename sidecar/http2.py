@@ -236,6 +236,7 @@ class Http2Connection(asyncio.Protocol):
         head = _request_head(stream_id, event.headers or [])
         stream = Http2Stream(self, head)
         self.streams[stream_id] = stream
+        self._fit_write_limits()
         if self._streams_opened >= self._config.http2_max_streams_per_connection:
             self._send_goaway(stream_id, _ErrorCodes.NO_ERROR)
         problem = self._problem(head, event.headers or [])
@@ -351,6 +352,7 @@ class Http2Connection(asyncio.Protocol):
         """A stream's answer is over: forget it; close if draining and it was the last."""
         if self.streams.get(stream.stream_id) is stream:
             del self.streams[stream.stream_id]
+            self._fit_write_limits()
         # Its last bytes may still wait for a window (it stays in self.blocked).
         if self.closing:
             return
@@ -390,6 +392,20 @@ class Http2Connection(asyncio.Protocol):
             self._transport.abort()
 
     # ------------------------------------------------------------ helpers
+
+    def _fit_write_limits(self) -> None:
+        """The socket's write high-water mark, ``write_high_water_bytes`` per
+        open stream. Sized for one stream, as an HTTP/1.1 connection's is, it
+        paused the socket at the first burst of a busy connection, and a
+        paused socket pauses every stream on it (each core then takes the
+        slower paused path). Per stream, the socket pauses when the client
+        reads less than the streams bring, as one HTTP/1.1 connection per
+        stream would; a stream whose own window is shut waits in its own
+        buffer and pauses alone (http2_stream.py)."""
+        transport = self._transport
+        if transport is not None and not self._lost:
+            transport.set_write_buffer_limits(
+                high=self._config.wire.write_high_water_bytes * max(1, len(self.streams)))
 
     def _refuse(self, stream: Http2Stream, status: int, message: str,
                 retry_after_s: int | None = None) -> None:

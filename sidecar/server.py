@@ -209,6 +209,7 @@ class Sidecar:
             await asyncio.sleep(_POLL_S)
         for connection in list(context.connections):
             connection.abort()
+        context.departures.run_all()  # the records of clients that just left, before the log closes
         if self._admin is not None:
             self._admin.close()
         await context.pools.aclose()

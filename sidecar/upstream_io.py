@@ -182,6 +182,8 @@ class UpstreamStream(httpcore.AsyncNetworkStream):
         self._read_limit: int | None = None
         self._replay = b""
         self._held: list[bytes] = []  # small writes not sent yet (see write)
+        self._aborted = False
+        self._cut = False
 
     @property
     def buffered(self) -> bool:
@@ -376,8 +378,35 @@ class UpstreamStream(httpcore.AsyncNetworkStream):
 
     def abort(self) -> None:
         """Drop the connection now (no await): an aborted stream's upstream sees
-        the close at once instead of after the task's cancellation unwinds."""
-        self._transport.abort()
+        the close at once instead of after the task's cancellation unwinds.
+
+        A transport's ``abort()`` only closes the descriptor from a callback on
+        the loop's next turn (uvloop's and asyncio's alike), behind everything
+        else that turn runs: with 50 clients gone at once, behind 50 streams'
+        bookkeeping. A ``shutdown(2)`` sends the FIN now."""
+        if self._aborted:
+            return
+        self._aborted = True
+        transport = self._transport
+        # Once closing, the descriptor may be closed already, its number
+        # reused by another connection: only an open one is shut down.
+        sock = None if self._cut or transport.is_closing() else transport.get_extra_info("socket")
+        transport.abort()
+        shutdown_now(sock)
+
+    def cut(self) -> None:
+        """The upstream sees the close now (``shutdown(2)``); nothing more is
+        read, so nothing wakes the task reading this connection. The transport
+        is closed by :meth:`abort`, later: a burst of departing clients closes
+        all their upstreams before any of their tasks unwinds."""
+        if self._cut or self._aborted:
+            return
+        self._cut = True
+        transport = self._transport
+        if transport.is_closing():
+            return
+        transport.pause_reading()
+        shutdown_now(transport.get_extra_info("socket"))
 
     async def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,
                         timeout: float | None = None) -> httpcore.AsyncNetworkStream:
@@ -409,6 +438,28 @@ class UpstreamStream(httpcore.AsyncNetworkStream):
         if info == "socket":
             return self._transport.get_extra_info("socket")
         return None
+
+
+def shutdown_now(sock: typing.Any) -> None:
+    """``shutdown(SHUT_RDWR)`` of a transport's socket: the peer sees the
+    close now, whatever the loop does next. The transport's own socket object
+    refuses ``shutdown()`` (uvloop's stand-in does); a second socket object
+    on the same descriptor does it and is detached, never closing it."""
+    if sock is None:
+        return
+    try:
+        fd = sock.fileno()
+        if fd < 0:
+            return
+        twin = socket.socket(sock.family, sock.type, fileno=fd)
+    except OSError:
+        return
+    try:
+        twin.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed by the peer, or not connected: nothing to send
+    finally:
+        twin.detach()
 
 
 class UpstreamBackend(httpcore.AsyncNetworkBackend):
