@@ -4,8 +4,10 @@
 compiler and Python's headers are present) compiles the hot modules of the
 sans-IO core, and the sidecar's chunked-body reader, with mypyc and puts each
 extension beside its ``.py``; Python's importer prefers the extension. Without
-them (or with ``TOKENWIRE_PURE_PYTHON=1``) the same modules run as plain
-Python: the behaviour is the same on both paths, only the CPU per event differs.
+them the same modules run as plain Python, and so they do, extensions or not,
+when ``TOKENWIRE_PURE_PYTHON=1`` is set as tokenwire is first imported
+(``tokenwire/pure_python.py``): the behaviour is the same on both paths, only
+the CPU per event differs.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import importlib.util
 from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 
-# The packages that may hold compiled modules.
-_PACKAGES = ("tokenwire.middleware", "tokenwire.sidecar")
+from tokenwire.pure_python import PACKAGES, active
+
 # The library the compiled modules share: not a module of tokenwire.
 _SHARED_LIBRARY = "_core__mypyc"
 
@@ -31,8 +33,10 @@ def _folder(package: str) -> Path | None:
 def compiled_modules() -> tuple[str, ...]:
     """The modules (full names) this interpreter imports as compiled
     extensions; ``()`` when tokenwire runs as pure Python."""
+    if active():
+        return ()
     found: set[str] = set()
-    for package in _PACKAGES:
+    for package in PACKAGES:
         folder = _folder(package)
         if folder is None:
             continue

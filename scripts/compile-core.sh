@@ -47,7 +47,7 @@ fi
 # there; those it only reads types from are linked, as scripts/typecheck.sh does.
 rm -rf "$tree/tokenwire"
 mkdir -p "$tree/tokenwire" "$work"
-cp tokenwire/__init__.py "$tree/tokenwire/"
+cp tokenwire/*.py "$tree/tokenwire/"
 for pkg in middleware sidecar; do
     cp -r "$pkg" "$tree/tokenwire/$pkg"
     find "$tree/tokenwire/$pkg" \( -name '*.so' -o -name __pycache__ -prune \) -exec rm -rf {} +
