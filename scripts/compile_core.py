@@ -24,9 +24,12 @@ from setuptools import setup
 # pending, meter, the sidecar's chunked-body reader), and the decisions each
 # input takes live in the rest of the core. The drivers (asgi*, the rest of
 # the sidecar) stay Python; config.py reads TOML and signatures.
-MODULES = tuple(f"middleware/{name}" for name in (
-    "accounting", "attempt", "chunks", "client_socket", "decisions", "errors", "events", "headers",
-    "lifecycle", "meter", "pending", "recording", "retry", "sse", "stream")) + ("sidecar/upstream_body",)
+MODULES = (
+    *(f"middleware/{name}" for name in (
+        "accounting", "attempt", "chunks", "client_socket", "decisions", "errors", "events", "headers",
+        "lifecycle", "meter", "pending", "recording", "retry", "sse", "stream")),
+    "sidecar/upstream_body",
+)
 
 
 def main() -> None:
