@@ -47,6 +47,7 @@ from .events import (
     WriteCompleted,
 )
 from .meter import GAP_BUCKETS_S
+from .native import compiled_modules
 from .retry import RetryBudget
 from .sse import SSEEvent, SSEParser, encode
 from .stream import StreamState, WireStream
@@ -97,5 +98,6 @@ __all__ = [
     "WireError",
     "WireStream",
     "WriteCompleted",
+    "compiled_modules",
     "encode",
 ]

@@ -12,7 +12,7 @@ where they arrive; the token timing is its :class:`~tokenwire.middleware.meter.T
 
 from __future__ import annotations
 
-from typing import Any, Generic, Protocol, TypeVar, overload
+from typing import Any, NoReturn
 
 from .chunks import usage_of
 from .errors import ErrorCode
@@ -87,33 +87,6 @@ class Accounting:
         )
 
 
-_T = TypeVar("_T")
-
-
-class _Accounted(Protocol):
-    _acct: Accounting
-
-
-class Counted(Generic[_T]):
-    """A read-only attribute that reads the same-named field of its owner's
-    ``_acct`` (an :class:`Accounting`): how ``WireStream`` shows its counters."""
-
-    __slots__ = ("_name",)
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self._name = name
-
-    @overload
-    def __get__(self, obj: None, objtype: type | None = None) -> Counted[_T]: ...
-
-    @overload
-    def __get__(self, obj: _Accounted, objtype: type | None = None) -> _T: ...
-
-    def __get__(self, obj: _Accounted | None, objtype: type | None = None) -> _T | Counted[_T]:
-        if obj is None:
-            return self
-        value: _T = getattr(obj._acct, self._name)
-        return value
-
-    def __set__(self, obj: _Accounted, value: _T) -> None:
-        raise AttributeError(f"{self._name} is read-only: the Accounting part counts it")
+def read_only(name: str) -> NoReturn:
+    """Refuses an assignment to one of ``WireStream``'s counters."""
+    raise AttributeError(f"{name} is read-only: the Accounting part counts it")

@@ -16,3 +16,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     .venv/bin/python -m pip install -q -e ".[${extras}]"
     touch "$stamp"
 fi
+# The hot modules of the wire core, compiled with mypyc where a C compiler and
+# Python's headers are present (skipped with TOKENWIRE_PURE_PYTHON=1; reruns
+# only when their sources change). A failed build leaves the pure-Python core,
+# which behaves the same.
+scripts/compile-core.sh || echo "setup-venv: the core stays pure Python" >&2

@@ -11,6 +11,7 @@ ln -sfn "$root/middleware" "$tree/tokenwire/middleware"
 ln -sfn "$root/sidecar" "$tree/tokenwire/sidecar"
 ln -sfn "$root/engine" "$tree/tokenwire/engine"
 ln -sfn "$root/tokenwire/v1" "$tree/tokenwire/v1"  # the generated gRPC messages (their .pyi)
+ln -sfn "$root/tokenwire/pure_python.py" "$tree/tokenwire/pure_python.py"  # TOKENWIRE_PURE_PYTHON
 cd "$tree"
 MYPYPATH="$tree" exec "$root/.venv/bin/python" -m mypy --strict --config-file "$root/pyproject.toml" \
-    --cache-dir "$root/.mypy_cache" -p tokenwire.middleware -p tokenwire.sidecar -p tokenwire.engine
+    --cache-dir "$root/.mypy_cache" -p tokenwire.middleware -p tokenwire.sidecar -p tokenwire.engine -m tokenwire.pure_python

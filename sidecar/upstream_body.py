@@ -28,6 +28,7 @@ upstream cannot make the buffer grow without limit.
 from __future__ import annotations
 
 import re
+from typing import Final
 
 import httpcore
 
@@ -36,6 +37,12 @@ _MAX_SIZE_LINE_BYTES = 4096
 _MAX_TRAILER_BYTES = 64 * 1024
 # A chunk-size line: hex digits, then optional extensions (";" onwards, no CR/LF/NUL).
 _HEX_DIGITS = b"0123456789abcdefABCDEF"
+# The reader's states (module constants: mypyc compiles them to literals).
+_SIZE: Final = 0
+_DATA: Final = 1
+_DATA_END: Final = 2
+_TRAILER: Final = 3
+_DONE: Final = 4
 _SIZE_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[^\r\n\x00]*)?\Z")
 
 
@@ -44,12 +51,10 @@ class ChunkedBodyReader:
 
     __slots__ = ("_buffer", "_remaining", "_state", "_trailer_bytes", "done", "leftover")
 
-    _SIZE, _DATA, _DATA_END, _TRAILER, _DONE = range(5)
-
     def __init__(self) -> None:
         self._buffer = b""
         self._remaining = 0
-        self._state = self._SIZE
+        self._state = _SIZE
         self._trailer_bytes = 0
         self.leftover = b""
         """Bytes that came after the body's end (never part of the body)."""
@@ -60,10 +65,10 @@ class ChunkedBodyReader:
     def feed(self, data: bytes) -> list[bytes]:
         """The body bytes in ``data``, one piece per chunk (or part of one);
         raises :class:`httpcore.RemoteProtocolError` on a malformed body."""
-        if self._state == self._DONE:
+        if self._state == _DONE:
             self.leftover += data
             return []
-        if self._state == self._SIZE and not self._buffer:
+        if self._state == _SIZE and not self._buffer:
             # The usual read of a streaming upstream: exactly one whole chunk.
             line_end = data.find(b"\r\n", 0, 18)
             if line_end > 0 and not data[:line_end].strip(_HEX_DIGITS):
@@ -78,15 +83,15 @@ class ChunkedBodyReader:
         end = len(buffer)
         state = self._state
         while pos < end:
-            if state == self._DATA:
+            if state == _DATA:
                 take = min(self._remaining, end - pos)
                 out.append(buffer[pos:pos + take])
                 pos += take
                 self._remaining -= take
                 if self._remaining:
                     break
-                state = self._DATA_END
-            elif state == self._SIZE:
+                state = _DATA_END
+            elif state == _SIZE:
                 line_end = buffer.find(b"\r\n", pos, pos + _MAX_SIZE_LINE_BYTES)
                 if line_end == -1:
                     if end - pos >= _MAX_SIZE_LINE_BYTES or b"\n" in buffer[pos:]:
@@ -103,17 +108,17 @@ class ChunkedBodyReader:
                 pos = line_end + 2
                 if size:
                     self._remaining = size
-                    state = self._DATA
+                    state = _DATA
                 else:
-                    state = self._TRAILER
-            elif state == self._DATA_END:
+                    state = _TRAILER
+            elif state == _DATA_END:
                 if end - pos < 2:
                     break
                 if buffer[pos:pos + 2] != b"\r\n":
                     raise httpcore.RemoteProtocolError("chunk data not followed by CRLF")
                 pos += 2
-                state = self._SIZE
-            elif state == self._TRAILER:
+                state = _SIZE
+            elif state == _TRAILER:
                 line_end = buffer.find(b"\r\n", pos)
                 if line_end == -1:
                     if self._trailer_bytes + end - pos > _MAX_TRAILER_BYTES:
@@ -124,7 +129,7 @@ class ChunkedBodyReader:
                     raise httpcore.RemoteProtocolError("trailer section too large")
                 if line_end == pos:
                     pos += 2
-                    state = self._DONE
+                    state = _DONE
                     self.done = True
                     self.leftover = buffer[pos:]
                     pos = end

@@ -63,3 +63,21 @@ def browser() -> Iterator[Any]:
     every ``asyncio.run()`` there fails, so it must not outlive the module."""
     with launched() as browser:
         yield browser
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Refuses to test a stale compiled core: Python imports a module's extension
+    (``scripts/compile-core.sh``) over its ``.py``, so an edit to a compiled
+    module's source would otherwise go untested."""
+    import importlib.machinery
+
+    root = Path(__file__).resolve().parents[1]
+    stale = sorted(
+        f"{folder}/{source.name}" for folder in ("middleware", "sidecar")
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES
+        for built in (root / folder).glob(f"*{suffix}")
+        if (source := root / folder / (built.name[: -len(suffix)] + ".py")).exists()
+        and source.stat().st_mtime > built.stat().st_mtime)
+    if stale:
+        pytest.exit(f"the compiled core is older than {', '.join(stale)}: run scripts/compile-core.sh "
+                    "(or scripts/compile-core.sh --clean for the pure-Python core)", returncode=4)

@@ -11,3 +11,8 @@ This package only holds them together (and ``python -m tokenwire``); it
 imports none of them, so importing one never drags in another.
 docs/architecture.md in the repository says what lives where.
 """
+
+from . import pure_python as _pure_python
+
+if _pure_python.wanted():  # TOKENWIRE_PURE_PYTHON=1: skip the compiled modules (scripts/compile-core.sh)
+    _pure_python.install()

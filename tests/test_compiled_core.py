@@ -1,0 +1,95 @@
+"""The wire core on both of its paths: compiled by mypyc and pure Python.
+
+``scripts/compile-core.sh`` compiles the hot core modules in place when it
+can; the pure modules are the fallback. The whole suite runs on whichever
+path is installed here; this file runs the core's own tests, the behaviour
+suite and the chunked-body reader's tests on the *other* path, in a
+subprocess, so neither path can rot unseen: with ``TOKENWIRE_PURE_PYTHON=1``
+when this checkout is compiled, on a compiled build of a copy
+(``compile-core.sh --out``) imported first when it is not.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tokenwire.middleware
+import tokenwire.sidecar
+from tokenwire.middleware import compiled_modules
+
+ROOT = Path(__file__).resolve().parents[1]
+OTHER_PATH_TESTS = ["tests/middleware", "tests/behaviour", "tests/sidecar/test_upstream_body.py"]
+# Runs in the subprocess: a compiled copy (if any) first on the path and
+# imported before pytest starts (pytest then puts the checkout first, but the
+# packages are in sys.modules by then), the path checked, then the tests.
+BOOT = """
+import sys
+tree, want = sys.argv[1], sys.argv[2]
+if tree:
+    sys.path.insert(0, tree)
+import tokenwire.middleware as core
+import tokenwire.sidecar as sidecar
+import tokenwire.middleware.stream as stream
+assert not tree or core.__file__.startswith(tree) and sidecar.__file__.startswith(tree), (core, sidecar)
+got = "compiled" if core.compiled_modules() else "pure"
+assert got == want and stream.__file__.endswith(".py") == (want == "pure"), (want, core.compiled_modules())
+print("core path:", got, core.compiled_modules(), flush=True)
+import pytest
+sys.exit(pytest.main(sys.argv[3:]))
+"""
+SUFFIXES = tuple(importlib.machinery.EXTENSION_SUFFIXES)
+
+
+def _is_extension(path: str) -> bool:
+    return path.endswith(SUFFIXES)
+
+
+def test_compiledModules_whenImported_thenNamesExactlyTheModulesLoadedAsExtensions() -> None:
+    compiled = set(compiled_modules())
+    for package in (tokenwire.middleware, tokenwire.sidecar):
+        for source in Path(package.__file__ or "").parent.glob("*.py"):
+            if source.stem in ("__init__", "__main__"):
+                continue
+            name = f"{package.__name__}.{source.stem}"
+            module = importlib.import_module(name)
+            assert _is_extension(module.__file__ or "") == (name in compiled), (name, module.__file__)
+
+
+def test_pureSwitch_whenSet_thenEveryModuleComesFromItsSource() -> None:
+    probe = ("import sys, tokenwire.middleware as m, tokenwire.sidecar.upstream_body; "
+             "print(m.compiled_modules(), sorted(n for n, mod in sys.modules.items() "
+             "if n.startswith('tokenwire.') and (getattr(mod, '__file__', '') or '').endswith("
+             f"{SUFFIXES!r})))")
+    env = {**os.environ, "TOKENWIRE_PURE_PYTHON": "1"}
+    run = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "() []"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_coreTests_whenRunOnTheOtherPath_thenPass(tmp_path: Path) -> None:
+    """The core's tests and the behaviour suite, on the path this checkout does not use."""
+    env = dict(os.environ)
+    if compiled_modules():
+        want, tree = "pure", ""
+        env["TOKENWIRE_PURE_PYTHON"] = "1"
+    else:
+        want, tree = "compiled", str(tmp_path / "tree")
+        env.pop("TOKENWIRE_PURE_PYTHON", None)
+        build = subprocess.run([str(ROOT / "scripts" / "compile-core.sh"), "--out", tree],
+                               capture_output=True, text=True, timeout=900)
+        if build.returncode == 3:
+            pytest.skip("no C compiler, Python headers or mypyc here: the compiled path cannot be built")
+        assert build.returncode == 0, build.stdout + build.stderr
+    run = subprocess.run([sys.executable, "-c", BOOT, tree, want, "-q", "-p", "no:cacheprovider",
+                          *OTHER_PATH_TESTS], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1100)
+    assert f"core path: {want}" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
