@@ -6,7 +6,10 @@
    ``--streams`` concurrent streams and reads them to the end. The server
    reports its own CPU time (``resource.getrusage``) before and after; CPU per
    event = delta / events delivered. Bare and wrapped runs alternate, repeated
-   ``--repeats`` times; medians are reported.
+   ``--repeats`` times; medians are reported. ``--base DIR``: also run the
+   middleware from another ``tokenwire`` package (``DIR/tokenwire``, e.g. an
+   older commit's ``git archive``) as a third server in the same rotation, so
+   before and after are measured side by side.
 2. Disconnect propagation. The server's app sits in a silent 60 s "prefill";
    the client sends a request, waits 30 ms, then resets the connection
    (SO_LINGER 0). The app records when it sees ``CancelledError`` and the
@@ -14,7 +17,8 @@
    processes); latency = that time - the client's time just before the reset.
 
 Run: ``.venv/bin/python bench/middleware_bench.py`` (writes
-``bench/results/middleware.json``).
+``bench/results/middleware.json``; ``--servers httptools`` for one server,
+``--out FILE`` to write elsewhere).
 """
 
 from __future__ import annotations
@@ -106,12 +110,16 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, mode: str, http: str, loop: str, events: int) -> None:
+    def __init__(self, mode: str, http: str, loop: str, events: int, code: str | None = None) -> None:
+        """``code``: a directory holding another ``tokenwire`` package to serve
+        the middleware from (``--base``)."""
         self.port = free_port()
+        path = [code] if code is not None else []
         self.process = subprocess.Popen(
             [sys.executable, __file__, "serve", "--mode", mode, "--http", http, "--loop", loop,
              "--port", str(self.port), "--events", str(events)],
-            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+            env={**os.environ,
+                 "PYTHONPATH": os.pathsep.join([*path, str(Path(__file__).resolve().parent.parent)])})
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -163,7 +171,11 @@ def cpu_run(server: Server, streams: int, events: int) -> dict[str, float]:
 
 def cpu_benchmark(args: argparse.Namespace, http: str) -> dict[str, Any]:
     runs: dict[str, list[dict[str, float]]] = {"bare": [], "middleware": []}
-    servers = {mode: Server(mode, http, args.loop, args.events) for mode in runs}
+    if args.base is not None:
+        runs["base"] = []
+    servers = {mode: Server("middleware" if mode == "base" else mode, http, args.loop, args.events,
+                            code=args.base if mode == "base" else None)
+               for mode in runs}
     try:
         for server in servers.values():  # warm up both
             cpu_run(server, args.streams, args.events)
@@ -174,14 +186,27 @@ def cpu_benchmark(args: argparse.Namespace, http: str) -> dict[str, Any]:
         for server in servers.values():
             server.close()
     medians = {mode: statistics.median(r["cpu_us_per_event"] for r in rs) for mode, rs in runs.items()}
-    return {
+    result: dict[str, Any] = {
         "http": http, "loop": args.loop, "streams": args.streams, "events_per_stream": args.events,
         "repeats": args.repeats,
         "cpu_us_per_event_bare": round(medians["bare"], 3),
         "cpu_us_per_event_middleware": round(medians["middleware"], 3),
+        "added_us_per_event": round(medians["middleware"] - medians["bare"], 3),
         "overhead_pct": round((medians["middleware"] / medians["bare"] - 1) * 100, 1),
-        "runs": runs,
     }
+    if "base" in medians:
+        result["base"] = args.base
+        result["cpu_us_per_event_base"] = round(medians["base"], 3)
+        result["added_us_per_event_base"] = round(medians["base"] - medians["bare"], 3)
+    # Each round's added cost against the bare run just before it: the
+    # machine's load moves both alike, so this is steadier than the medians.
+    for mode in ("middleware", "base"):
+        if mode in runs:
+            added = [w["cpu_us_per_event"] - b["cpu_us_per_event"]
+                     for b, w in zip(runs["bare"], runs[mode], strict=True)]
+            result[f"added_us_per_event_{mode}_paired_median"] = round(statistics.median(added), 3)
+    result["runs"] = runs
+    return result
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -189,8 +214,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def disconnect_benchmark(args: argparse.Namespace, http: str) -> dict[str, Any]:
-    server = Server("middleware", http, args.loop, 10)
+def disconnect_benchmark(args: argparse.Namespace, http: str, code: str | None = None) -> dict[str, Any]:
+    server = Server("middleware", http, args.loop, 10, code=code)
     linger = struct.pack("ii", 1, 0)
     reset_at: list[float] = []
     try:
@@ -231,6 +256,13 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--resets", type=int, default=200)
+    parser.add_argument("--servers", default="httptools,h11",
+                        help="bench: the uvicorn HTTP implementations to run, comma-separated")
+    parser.add_argument("--base", metavar="DIR", default=None,
+                        help="bench: also run the middleware of the tokenwire package in DIR/tokenwire "
+                             "(e.g. `git archive OLD tokenwire middleware sidecar engine` unpacked "
+                             "into DIR/tokenwire) side by side")
+    parser.add_argument("--out", default=str(RESULTS), help="bench: where to write the results")
     args = parser.parse_args()
     if args.command == "serve":
         serve(args)
@@ -245,17 +277,27 @@ def main() -> None:
         "cpu_per_event": [],
         "disconnect": [],
     }
-    for http in ("httptools", "h11"):
+    for http in args.servers.split(","):
         cpu = cpu_benchmark(args, http)
+        base = "" if args.base is None else (f", base {cpu['cpu_us_per_event_base']} us "
+                                             f"(+{cpu['added_us_per_event_base']})")
         print(f"cpu/event {http}: bare {cpu['cpu_us_per_event_bare']} us, middleware "
-              f"{cpu['cpu_us_per_event_middleware']} us, overhead {cpu['overhead_pct']}%", flush=True)
+              f"{cpu['cpu_us_per_event_middleware']} us (+{cpu['added_us_per_event']}, "
+              f"{cpu['overhead_pct']}%){base}", flush=True)
         result["cpu_per_event"].append(cpu)
-        disconnect = disconnect_benchmark(args, http)
-        print(f"disconnect {http}: app cancelled p50 {disconnect['app_cancelled_ms']['p50']} ms, "
-              f"p99 {disconnect['app_cancelled_ms']['p99']} ms", flush=True)
-        result["disconnect"].append(disconnect)
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+        for code in (None, args.base) if args.base is not None else (None,):
+            if args.resets <= 0:
+                break
+            disconnect = disconnect_benchmark(args, http, code)
+            if code is not None:
+                disconnect["base"] = code
+            print(f"disconnect {http}{'' if code is None else ' (base)'}: app cancelled p50 "
+                  f"{disconnect['app_cancelled_ms']['p50']} ms, "
+                  f"p99 {disconnect['app_cancelled_ms']['p99']} ms", flush=True)
+            result["disconnect"].append(disconnect)
+    out = Path(args.out)
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -282,11 +282,23 @@ class Exchange(ResponseWriter):
             raise RuntimeError("ASGI message after the response body ended")
         now = self.loop.time()
         body = message.get("body", b"")
-        if body and not self.forward_inline(stream, bytes(body), now):
-            self.apply(stream.handle(UpstreamData(bytes(body)), now), wake=False)
-            if not self.write_inline(stream):
-                self.wake_writer()
-        if not message.get("more_body", False):
+        more_body = message.get("more_body", False)
+        if body:
+            if type(body) is not bytes:
+                body = bytes(body)
+            forwarded = self.forward_inline(stream, body, now)
+            if forwarded is None:
+                self.apply(stream.handle(UpstreamData(body), now), wake=False)
+                if not self.write_inline(stream):
+                    self.wake_writer()
+            elif forwarded and more_body:
+                # The usual event: written at once, nothing pending (below
+                # the high-water mark) and nothing changed since forward_read.
+                resumed = self.upstream_resumed
+                if resumed is not None and not resumed.is_set():
+                    await resumed.wait()
+                return
+        if not more_body:
             self.app_ended = True
             self.apply(stream.handle(UpstreamEnded(), now))
         resumed = self.upstream_resumed

@@ -24,7 +24,6 @@ The core's actions are executed by the subclass (``asgi_exchange.Exchange.apply`
 from __future__ import annotations
 
 import asyncio
-import inspect
 import types
 from collections.abc import Awaitable, Generator
 from typing import TYPE_CHECKING, Any
@@ -68,28 +67,32 @@ class ResponseWriter:
         return (self.wake is not None and not self.writer_sending and self.start_message is None
                 and self.close is None and self.pending_send is None)
 
-    def forward_inline(self, stream: WireStream, body: bytes, now: float) -> bool:
+    def forward_inline(self, stream: WireStream, body: bytes, now: float) -> bool | None:
         """The keeps-up path: the core's one call (``forward_read``) gives the
         bytes to write and the server's ``send`` takes them at once. A send
         that suspends instead means the socket is full: the core is told it
-        is paused until the writer has finished that send. False (and
-        nothing done) when the core says this body needs its usual way."""
-        if not self.writer_idle():
-            return False
+        is paused until the writer has finished that send. None (and nothing
+        done) when the writer is busy or the core says this body needs its
+        usual way; else what :meth:`start_send` says."""
+        # writer_idle(), written out: this runs once per event.
+        if (self.wake is None or self.writer_sending or self.start_message is not None
+                or self.close is not None or self.pending_send is not None):
+            return None
         out = stream.forward_read(body, now)
         if out is None:
-            return False
-        self.start_send(stream, out, paused=True)
-        return True
+            return None
+        return self.start_send(stream, out, paused=True)
 
-    def start_send(self, stream: WireStream, data: bytes, *, paused: bool) -> None:
+    def start_send(self, stream: WireStream, data: bytes, *, paused: bool) -> bool:
         """Run the server's ``send`` of ``data`` here until it completes or
         suspends; a suspended one is handed to the writer (``pending_send``),
         which finishes it. ``paused``: the core counted the write as done, so
         a suspension is reported as ``SocketPaused`` (resumed when it ends);
-        otherwise the write is in flight and ends with ``WriteCompleted``."""
+        otherwise the write is in flight and ends with ``WriteCompleted``.
+        True when the send completed at once (with ``paused``, the core was
+        then told nothing: its state is what ``forward_read`` left)."""
         sending = self.send({"type": "http.response.body", "body": data, "more_body": True})
-        if inspect.iscoroutine(sending):
+        if type(sending) is types.CoroutineType:  # inspect.iscoroutine, without the call
             try:
                 yielded = sending.send(None)
             except StopIteration:
@@ -98,14 +101,14 @@ class ResponseWriter:
                     if (self.start_message is not None or self.close is not None or stream.finished
                             or stream.pending_bytes):
                         self.wake_writer()
-                return
+                return True
             except Exception as error:
                 # As the writer does when the server's send fails.
                 if not isinstance(error, OSError):
                     self.writer_error = error
                 self.client_gone = True
                 self.apply(stream.handle(ClientGone(), self.loop.time()))
-                return
+                return False
             self.pending_send = _finish(sending, yielded)
         else:
             self.pending_send = sending  # some other awaitable: the writer awaits it
@@ -115,6 +118,7 @@ class ResponseWriter:
         if paused:
             self.apply(stream.handle(SocketPaused(), self.loop.time()), wake=False)
         self.wake_writer()
+        return False
 
     def write_inline(self, stream: WireStream) -> bool:
         """Write from the app's ``send`` itself when the writer is idle: the
