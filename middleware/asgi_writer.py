@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import types
 from collections.abc import Awaitable, Generator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from .events import Action, ClientGone, CloseClient, SocketPaused, SocketResumed, WriteCompleted
 from .stream import WireStream
@@ -50,6 +50,7 @@ class ResponseWriter:
         self.writer_sending = False
         self.pending_send: Awaitable[None] | None = None  # an inline send that suspended
         self.pending_paused = False  # ... after forward_read: the core was told SocketPaused
+        self.pump: Generator[Any, Any, None] | None = None  # steps inline sends (_pump)
         self.writer_error: Exception | None = None
 
     def apply(self, actions: list[Action], *, wake: bool = True) -> None:
@@ -93,23 +94,33 @@ class ResponseWriter:
         then told nothing: its state is what ``forward_read`` left)."""
         sending = self.send({"type": "http.response.body", "body": data, "more_body": True})
         if type(sending) is types.CoroutineType:  # inspect.iscoroutine, without the call
+            pump = self.pump
+            if pump is None:
+                pump = self.pump = _pump()
+                pump.send(None)
             try:
-                yielded = sending.send(None)
-            except StopIteration:
-                if not paused:
-                    self.apply(stream.handle(WriteCompleted(), self.loop.time()), wake=False)
-                    if (self.start_message is not None or self.close is not None or stream.finished
-                            or stream.pending_bytes):
-                        self.wake_writer()
-                return True
-            except Exception as error:
+                yielded = pump.send(sending)
+            except BaseException as error:
+                self.pump = None  # the send's error ended the pump too
+                if not isinstance(error, Exception):
+                    raise
                 # As the writer does when the server's send fails.
                 if not isinstance(error, OSError):
                     self.writer_error = error
                 self.client_gone = True
                 self.apply(stream.handle(ClientGone(), self.loop.time()))
                 return False
-            self.pending_send = _finish(sending, yielded)
+            if yielded is _DONE:
+                if not paused:
+                    self.apply(stream.handle(WriteCompleted(), self.loop.time()), wake=False)
+                    if (self.start_message is not None or self.close is not None or stream.finished
+                            or stream.pending_bytes):
+                        self.wake_writer()
+                return True
+            # The pump goes with the send it is in the middle of; the next
+            # inline send starts a fresh one.
+            self.pump = None
+            self.pending_send = _finish(pump, yielded)
         else:
             self.pending_send = sending  # some other awaitable: the writer awaits it
         # Outstanding: the writer owns it now.
@@ -196,21 +207,35 @@ class ResponseWriter:
             self.writer_sending = False
 
 
+_DONE: Final = object()
+"""What :func:`_pump` answers when the send it was given has completed."""
+
+
 @types.coroutine
-def _finish(coroutine: Any, yielded: Any) -> Generator[Any, Any, None]:
-    """The rest of a coroutine that was started by hand and suspended on
+def _pump() -> Generator[Any, Any, None]:
+    """Runs each coroutine sent to it (after a first ``send(None)``) until it
+    completes, then answers :data:`_DONE`; a coroutine that suspends makes it
+    answer what that one yielded instead. Stepping the server's ``send`` this
+    way instead of by its own ``send(None)`` spares the ``StopIteration`` that
+    a completing coroutine raises there, once per event."""
+    coroutine = yield _DONE
+    while True:
+        yield from coroutine
+        coroutine = yield _DONE
+
+
+@types.coroutine
+def _finish(pump: Generator[Any, Any, None], yielded: Any) -> Generator[Any, Any, None]:
+    """The rest of a send that :func:`_pump` started and that suspended on
     ``yielded``: awaited by a task, it runs on exactly as if the task had
-    started it (what the task sends or throws in goes to the coroutine)."""
+    started it (what the task sends or throws in goes to the send), and ends
+    when the pump says the send completed (or raises what the send raised)."""
     while True:
         try:
             value = yield yielded
         except BaseException as error:
-            try:
-                yielded = coroutine.throw(error)
-            except StopIteration:
-                return
-            continue
-        try:
-            yielded = coroutine.send(value)
-        except StopIteration:
+            yielded = pump.throw(error)
+        else:
+            yielded = pump.send(value)
+        if yielded is _DONE:
             return
