@@ -15,6 +15,10 @@
    (SO_LINGER 0). The app records when it sees ``CancelledError`` and the
    ``on_abort`` hook when it is called (CLOCK_MONOTONIC, shared by both
    processes); latency = that time - the client's time just before the reset.
+3. ``--instructions EVENTS``: user-space instructions per event, bare and
+   wrapped, counted by valgrind (cachegrind) on the same servers: a figure
+   that other processes on a shared machine cannot move
+   (:func:`instructions_benchmark`). Needs ``valgrind``.
 
 Run: ``.venv/bin/python bench/middleware_bench.py`` (writes
 ``bench/results/middleware.json``; ``--servers httptools`` for one server,
@@ -28,12 +32,14 @@ import asyncio
 import json
 import os
 import platform
+import re
 import resource
 import socket
 import statistics
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -110,17 +116,19 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, mode: str, http: str, loop: str, events: int, code: str | None = None) -> None:
+    def __init__(self, mode: str, http: str, loop: str, events: int, code: str | None = None,
+                 wrapper: list[str] | None = None) -> None:
         """``code``: a directory holding another ``tokenwire`` package to serve
-        the middleware from (``--base``)."""
+        the middleware from (``--base``); ``wrapper``: a command to run the
+        server under (valgrind)."""
         self.port = free_port()
         path = [code] if code is not None else []
         self.process = subprocess.Popen(
-            [sys.executable, __file__, "serve", "--mode", mode, "--http", http, "--loop", loop,
-             "--port", str(self.port), "--events", str(events)],
+            [*(wrapper or []), sys.executable, __file__, "serve", "--mode", mode, "--http", http,
+             "--loop", loop, "--port", str(self.port), "--events", str(events)],
             env={**os.environ,
                  "PYTHONPATH": os.pathsep.join([*path, str(Path(__file__).resolve().parent.parent)])})
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + (30 if wrapper is None else 300)
         while True:
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
@@ -138,9 +146,9 @@ class Server:
                 data += chunk
         return json.loads(data.split(b"\r\n\r\n", 1)[1])
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 10) -> None:
         self.process.terminate()
-        self.process.wait(10)
+        self.process.wait(timeout_s)
 
 
 async def read_stream(port: int) -> int:
@@ -194,6 +202,9 @@ def cpu_benchmark(args: argparse.Namespace, http: str) -> dict[str, Any]:
         "added_us_per_event": round(medians["middleware"] - medians["bare"], 3),
         "overhead_pct": round((medians["middleware"] / medians["bare"] - 1) * 100, 1),
     }
+    for mode, rs in runs.items():
+        # The least-disturbed round: other processes only ever add CPU time.
+        result[f"cpu_us_per_event_{mode}_min"] = round(min(r["cpu_us_per_event"] for r in rs), 3)
     if "base" in medians:
         result["base"] = args.base
         result["cpu_us_per_event_base"] = round(medians["base"], 3)
@@ -206,6 +217,45 @@ def cpu_benchmark(args: argparse.Namespace, http: str) -> dict[str, Any]:
                      for b, w in zip(runs["bare"], runs[mode], strict=True)]
             result[f"added_us_per_event_{mode}_paired_median"] = round(statistics.median(added), 3)
     result["runs"] = runs
+    return result
+
+
+def instructions_benchmark(args: argparse.Namespace, http: str) -> dict[str, Any]:
+    """User-space instructions per event (valgrind's cachegrind): free of the
+    noise CPU time picks up from other processes on a shared machine. Each
+    server (bare, middleware, ``--base``) serves ``--streams`` streams of E1
+    and then E2 events in two runs under cachegrind; instructions per event =
+    the difference of the two runs' totals / (streams x (E2 - E1)), so start-up
+    and per-stream costs cancel. The kernel's share (the socket writes) is the
+    same bare and wrapped and is not counted."""
+    low, high = 100, 100 + args.instructions
+    modes = ["bare", "middleware", *(["base"] if args.base is not None else [])]
+    per_event: dict[str, float] = {}
+    for mode in modes:
+        totals = []
+        for events in (low, high):
+            log = Path(tempfile.mkdtemp(prefix="tokenwire-cachegrind-")) / "log"
+            wrapper = ["valgrind", "--tool=cachegrind", "--cache-sim=no",
+                       "--cachegrind-out-file=/dev/null", f"--log-file={log}"]
+            server = Server("middleware" if mode == "base" else mode, http, args.loop, events,
+                            code=args.base if mode == "base" else None, wrapper=wrapper)
+            try:
+                async def read_all(port: int = server.port) -> list[int]:
+                    return await asyncio.gather(*(read_stream(port) for _ in range(args.instr_streams)))
+                asyncio.run(read_all())
+                # A server that could not bind its port (taken meanwhile) has
+                # exited, and the streams were read from someone else's.
+                assert server.process.poll() is None, "the server exited early"
+            finally:
+                server.close(timeout_s=120)
+            refs = re.search(r"I\s+refs:\s+([\d,]+)", log.read_text())
+            assert refs is not None, log.read_text()
+            totals.append(int(refs.group(1).replace(",", "")))
+        per_event[mode] = (totals[1] - totals[0]) / (args.instr_streams * (high - low))
+    result: dict[str, Any] = {"http": http, "streams": args.instr_streams, "events": [low, high],
+                              "instructions_per_event": {m: round(v) for m, v in per_event.items()}}
+    for mode in modes[1:]:
+        result[f"added_instructions_per_event_{mode}"] = round(per_event[mode] - per_event["bare"])
     return result
 
 
@@ -263,6 +313,11 @@ def main() -> None:
                              "(e.g. `git archive OLD tokenwire middleware sidecar engine` unpacked "
                              "into DIR/tokenwire) side by side")
     parser.add_argument("--out", default=str(RESULTS), help="bench: where to write the results")
+    parser.add_argument("--instructions", type=int, default=0, metavar="EVENTS",
+                        help="bench: also count user-space instructions per event under valgrind "
+                             "(cachegrind), from runs of 100 and 100+EVENTS events per stream")
+    parser.add_argument("--instr-streams", type=int, default=16,
+                        help="bench: concurrent streams of the --instructions runs")
     args = parser.parse_args()
     if args.command == "serve":
         serve(args)
@@ -276,8 +331,13 @@ def main() -> None:
                     "uvicorn": uvicorn.__version__},
         "cpu_per_event": [],
         "disconnect": [],
+        "instructions": [],
     }
     for http in args.servers.split(","):
+        if args.instructions > 0:
+            counted = instructions_benchmark(args, http)
+            print(f"instructions/event {http}: {counted['instructions_per_event']}", flush=True)
+            result["instructions"].append(counted)
         cpu = cpu_benchmark(args, http)
         base = "" if args.base is None else (f", base {cpu['cpu_us_per_event_base']} us "
                                              f"(+{cpu['added_us_per_event_base']})")
