@@ -9,8 +9,11 @@ goes. An :class:`Exchange` runs the app in a child task and, beside it, the
 not an event stream is passed through; an event stream is *driven* by a
 :class:`WireStream`, whose bytes a *writer* task sends (or the app's own
 ``send`` call, inline, when the writer is idle: ``write_inline``,
-``forward_inline``). The sidecar's per-request object has the same name and
-role (``sidecar/exchange.py``); what they do alike is ``driver.py``.
+``forward_inline``). The usual event (a body chunk the core's keeps-up path
+takes, written at once) is done in ``app_send`` itself, a plain function
+that answers with an already-done future, so an event costs no coroutine of
+ours; the rest is ``send_message``. The sidecar's per-request object has the
+same name and role (``sidecar/exchange.py``); what they do alike is ``driver.py``.
 """
 
 from __future__ import annotations

@@ -12,7 +12,10 @@ outstanding write; meanwhile events queue and coalesce in the core.
 Most sends complete without suspending (the bytes go to the transport), so
 when the writer is idle the app's own ``send`` call writes inline
 (``write_inline``; ``forward_inline`` with the core's one-call keeps-up path)
-and no writer wake-up or loop iteration is paid per event. A send that does
+and no writer wake-up or loop iteration is paid per event. The server's
+``send`` is stepped by hand through a *pump* generator (``_pump``), which
+reports a completed send by what it yields rather than by the
+``StopIteration`` a coroutine's own ``send(None)`` raises. A send that does
 suspend is handed to the writer (``pending_send``), which finishes it as if
 it had started it. ``CloseClient`` ends the response: cleanly with the final
 empty body, or abruptly by returning without it, so the server closes the
