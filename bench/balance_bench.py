@@ -34,87 +34,28 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
-import select
 import signal
 import statistics
-import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-FAKE_ENGINE = HERE / "fake_engine.py"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fake_pods import FakePod, running_pods
+from targets import sidecar
+
 PATH = "/v1/chat/completions"
 
 
-def _read_ready(process: subprocess.Popen[bytes], what: str, timeout_s: float = 30.0) -> str:
-    assert process.stdout is not None
-    deadline = time.monotonic() + timeout_s
-    line = b""
-    while not line.endswith(b"\n"):
-        ready, _, _ = select.select([process.stdout], [], [], max(0.0, deadline - time.monotonic()))
-        if not ready or process.poll() is not None:
-            process.kill()
-            raise RuntimeError(f"{what} did not start")
-        line += os.read(process.stdout.fileno(), 1)
-    return line.decode()
-
-
-@dataclass
-class Pod:
-    name: str
-    process: subprocess.Popen[bytes]
-    port: int
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stats(self) -> dict[str, Any]:
-        with urllib.request.urlopen(self.url + "/stats", timeout=10) as response:
-            result: dict[str, Any] = json.loads(response.read())
-        return result
-
-
-def start_pod(name: str, *args: str) -> Pod:
-    process = subprocess.Popen([sys.executable, str(FAKE_ENGINE), "--name", name, *args],
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    line = _read_ready(process, f"pod {name}")
-    return Pod(name, process, int(line.strip().split("=", 1)[1]))
-
-
 @contextlib.contextmanager
-def pods(specs: list[list[str]]) -> Iterator[list[Pod]]:
-    started = [start_pod(f"pod{i}", *args) for i, args in enumerate(specs)]
-    try:
-        yield started
-    finally:
-        for pod in started:
-            if pod.process.poll() is None:
-                pod.process.terminate()
-                pod.process.wait(10)
-
-
-@contextlib.contextmanager
-def sidecar(upstreams: list[str], *args: str) -> Iterator[int]:
-    flags = [part for url in upstreams for part in ("--upstream", url)]
-    command = [sys.executable, "-m", "tokenwire.sidecar", "sidecar", "--listen", "127.0.0.1:0",
-               "--admin-listen", "", "--log-file", "", "--drain-s", "0", *flags, *args]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENWIRE_")}
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
-    line = _read_ready(process, "sidecar")
-    fields = dict(part.split("=", 1) for part in line.split()[1:])
-    try:
-        yield int(fields["listen"].rsplit(":", 1)[1])
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(15)
+def balancer(pods: list[FakePod], *args: str) -> Iterator[int]:
+    """One ``tokenwire sidecar`` in front of ``pods`` with ``args``; its port."""
+    with sidecar(0, [pod.url for pod in pods], admin=False, flags=("--drain-s", "0", *args)) as side:
+        yield side.port
 
 
 @dataclass
@@ -202,7 +143,7 @@ def summary(values: list[float]) -> dict[str, float]:
             "max_ms": round(1000 * ordered[-1], 1)}
 
 
-def wait_idle(all_pods: list[Pod], timeout_s: float = 60.0) -> None:
+def wait_idle(all_pods: list[FakePod], timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if all(p.stats()["running"] == 0 and p.stats()["waiting"] == 0 for p in all_pods):
@@ -216,14 +157,14 @@ def scenario_speeds(quick: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"duration_s": duration_s,
                            "pods": "3 x (4 slots, 50 ms prefill, 20 tokens at 10 ms) + 1 the same x3 slower "
                                    "(capacity: 16/s per fast pod, 5.3/s for the slow one)"}
-    with pods([common, common, common, [*common, "--slowdown", "3"]]) as four:
+    with running_pods([common, common, common, [*common, "--slowdown", "3"]]) as four:
         for rate in (16.0, 24.0):
             schedule = [(t, chat("", f"q{i}", 20, f"s{i}"), f"s{i}")
                         for i, t in enumerate(arrivals(rate, duration_s, 1))]
             level: dict[str, Any] = {"requests": len(schedule)}
             for policy in ("round-robin", "least-outstanding", "queue-aware"):
                 extra = ["--load-poll-s", "0.25"] if policy == "queue-aware" else []
-                with sidecar([p.url for p in four], "--balance", policy, *extra) as port:
+                with balancer(four, "--balance", policy, *extra) as port:
                     results = asyncio.run(open_loop(port, schedule))
                 wait_idle(four)
                 ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
@@ -255,7 +196,7 @@ def scenario_prefix(quick: bool) -> dict[str, Any]:
         round_result: dict[str, Any] = {}
         for policy in ("least-outstanding", "prefix-affinity"):
             # Fresh pods per policy: neither run inherits the other's warm caches.
-            with pods([args] * 4) as four, sidecar([p.url for p in four], "--balance", policy) as port:
+            with running_pods([args] * 4) as four, balancer(four, "--balance", policy) as port:
                 results = asyncio.run(open_loop(port, schedule))
                 hits = sum(p.stats()["cache_hits"] for p in four)
             ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
@@ -275,8 +216,8 @@ def scenario_kill(quick: bool) -> dict[str, Any]:
     args = ["--concurrency", "8", "--prefill-s", "0.05", "--token-s", "0.05", "--tokens", "30"]
     schedule = [(t, chat("", f"k{i}", 30, f"k{i}"), f"k{i}")
                 for i, t in enumerate(arrivals(rate, duration_s, 4))]
-    with pods([args] * 4) as four, sidecar(
-            [p.url for p in four], "--health-path", "/health", "--health-interval-s", str(health_interval_s),
+    with running_pods([args] * 4) as four, balancer(
+            four, "--health-path", "/health", "--health-interval-s", str(health_interval_s),
             "--health-timeout-s", "0.5", "--upstream-connect-timeout-s", str(connect_timeout_s)) as port:
         victim = four[1]
 
@@ -319,7 +260,7 @@ def main() -> int:
     for name in chosen:
         results[name] = scenarios[name](args.quick)
         print(json.dumps({name: results[name]}, indent=1), flush=True)
-    out = HERE / "results" / "balance.json"
+    out = Path(__file__).resolve().parent / "results" / "balance.json"
     out.parent.mkdir(exist_ok=True)
     if args.only and out.exists():
         # Part of the scenarios: the others keep their last figures.

@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sidecar_bench import PY, RESULTS, free_port, process, rss_kib
+from sidecar_bench import RESULTS
+from targets import PY, free_port, process, rss_kib, sidecar
 
 UPLOADS = 32
 UPLOAD_BYTES = 15 << 20
@@ -137,10 +138,8 @@ def _upload(port: int, statuses: list[str]) -> None:
 
 def one_round(cap_bytes: int, upstream_port: int) -> dict[str, Any]:
     port = free_port()
-    cmd = [PY, "-m", "tokenwire.sidecar", "sidecar", "--listen", f"127.0.0.1:{port}",
-           "--upstream", f"http://127.0.0.1:{upstream_port}", "--log-file", "",
-           "--max-body-bytes", str(16 << 20), "--max-buffered-body-bytes", str(cap_bytes)]
-    with process(cmd, "sidecar") as proc:
+    with sidecar(port, upstream_port, admin=False, flags=(
+            "--max-body-bytes", str(16 << 20), "--max-buffered-body-bytes", str(cap_bytes))) as proc:
         rss_before = rss_kib(proc.pid)
         peak = [rss_before]
         arrivals: list[float] = []

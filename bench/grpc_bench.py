@@ -41,6 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sidecar_bench as sb
 import sse_load
+import targets
 
 METHOD = "/tokenwire.v1.ChatCompletions/Create"
 _STAMP_RE = re.compile(rb'"system_fingerprint":"t(\d+)"')
@@ -323,7 +324,7 @@ async def grpc_cancel(target: str, upstream_port: int, streams: int, concurrency
 
 
 def grpc_client(scenario: str, target_port: int, upstream_port: int, args: list[str]) -> dict[str, Any]:
-    cmd = [sb.PY, __file__, "client", scenario, "--target", f"127.0.0.1:{target_port}",
+    cmd = [targets.PY, __file__, "client", scenario, "--target", f"127.0.0.1:{target_port}",
            "--upstream-port", str(upstream_port), *args]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True).stdout
     for line in out.splitlines():
@@ -334,17 +335,16 @@ def grpc_client(scenario: str, target_port: int, upstream_port: int, args: list[
 
 
 def run(rounds: int, streams: int, events: int, interval_ms: float) -> dict[str, Any]:
-    upstream_port, sidecar_port = sb.free_port(), sb.free_port()
+    upstream_port, sidecar_port = targets.free_port(), targets.free_port()
     load = ["--streams", str(streams), "--events", str(events), "--interval-ms", str(interval_ms)]
     runs: dict[str, list[dict[str, Any]]] = {"direct": [], "sse": [], "h2_sse": [], "grpc": [], "grpcio": []}
-    with sb.process([sb.PY, sb.LOAD, "upstream", "--port", str(upstream_port)], "upstream"), \
-            sb.sidecar(sidecar_port, upstream_port) as side:
+    with targets.fake_upstream(upstream_port), targets.sidecar(sidecar_port, upstream_port) as side:
 
         def measured(result_of: Any) -> dict[str, Any]:
             """One run, with the sidecar's CPU seconds per delivered event."""
-            before = sb.cpu_seconds(side.pid)
+            before = targets.cpu_seconds(side.pid)
             result: dict[str, Any] = result_of()
-            used_s = sb.cpu_seconds(side.pid) - before
+            used_s = targets.cpu_seconds(side.pid) - before
             result["sidecar_cpu_us_per_event"] = round(used_s / max(result["delivered_events"], 1) * 1e6, 2)
             return result
 

@@ -27,32 +27,31 @@ Usage: ``python bench/h2_bench.py [--quick]``; writes ``bench/results/h2.json``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import shutil
 import subprocess
 import sys
 import tempfile
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sidecar_bench import (
+from sidecar_bench import client
+from targets import (
+    PY,
+    certificate,
     cpu_seconds,
+    fake_upstream,
     free_port,
-    nginx_binary,
+    nginx,
     nginx_worker_pid,
-    process,
     rss_kib,
-    wait_port,
+    sidecar,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-PY = sys.executable
-LOAD = str(ROOT / "bench" / "sse_load.py")
 H2LOAD = str(ROOT / "bench" / "h2_load.py")
 # The stuck-stream scenario holds 200 streams on one connection: both proxies
 # allow 256 (their default, 128, would refuse the last 72).
@@ -66,68 +65,6 @@ def fetch_closes(upstream_port: int) -> dict[str, Any]:
     return seen
 
 
-def certificate(directory: Path) -> tuple[str, str]:
-    import trustme
-
-    cert = trustme.CA().issue_cert("localhost", "127.0.0.1")
-    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
-    cert_path.write_bytes(b"".join(blob.bytes() for blob in cert.cert_chain_pems))
-    cert.private_key_pem.write_to_path(str(key_path))
-    return str(cert_path), str(key_path)
-
-
-@contextlib.contextmanager
-def nginx_h2(listen_port: int, upstream_port: int, cert: str, key: str) -> Iterator[subprocess.Popen[str]]:
-    prefix = Path(tempfile.mkdtemp(prefix="tokenwire-nginx-h2-"))
-    (prefix / "logs").mkdir()
-    conf = prefix / "nginx.conf"
-    conf.write_text(f"""
-worker_processes 1;
-daemon off;
-pid {prefix}/nginx.pid;
-error_log {prefix}/logs/error.log warn;
-worker_rlimit_nofile 65536;
-events {{ worker_connections 32768; }}
-http {{
-    access_log off;
-    client_body_temp_path {prefix}/body;
-    proxy_temp_path {prefix}/proxy;
-    upstream engine {{ server 127.0.0.1:{upstream_port}; keepalive 256; }}
-    server {{
-        listen 127.0.0.1:{listen_port} ssl http2 backlog=8192;
-        http2_max_concurrent_streams {MAX_STREAMS};
-        ssl_certificate {cert};
-        ssl_certificate_key {key};
-        location / {{
-            proxy_pass http://engine;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_buffering off;
-            proxy_cache off;
-            proxy_read_timeout 3600s;
-        }}
-    }}
-}}
-""")
-    with process([nginx_binary(), "-p", str(prefix), "-c", str(conf)], "nginx", ready_line=False) as proc:
-        wait_port(listen_port)
-        yield proc
-    shutil.rmtree(prefix, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def sidecar_tls(listen_port: int, upstream_port: int, cert: str, key: str) -> Iterator[subprocess.Popen[str]]:
-    cmd = [PY, "-m", "tokenwire.sidecar", "sidecar", "--listen", f"127.0.0.1:{listen_port}",
-           "--upstream", f"http://127.0.0.1:{upstream_port}", "--max-connections", "20000",
-           "--tls-cert", cert, "--tls-key", key, "--log-file", "",
-           "--http2-max-concurrent-streams", str(MAX_STREAMS),
-           # nginx's client_header_timeout (60 s): 200 TLS handshakes from one
-           # Python client on a busy box can take longer than the sidecar's 10 s.
-           "--header-read-timeout-s", "60"]
-    with process(cmd, "sidecar") as proc:
-        yield proc
-
-
 def load(scenario: str, port: int, *args: str, timeout_s: float = 600) -> dict[str, Any]:
     cmd = [PY, H2LOAD, scenario, "--target", f"127.0.0.1:{port}", *args]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
@@ -136,14 +73,6 @@ def load(scenario: str, port: int, *args: str, timeout_s: float = 600) -> dict[s
             result: dict[str, Any] = json.loads(line)["result"]
             return result
     return {"error": f"{scenario}: exit {run.returncode}: {run.stderr[-800:]}"}
-
-
-def direct_throughput(upstream_port: int, streams: int, events: int) -> dict[str, Any]:
-    cmd = [PY, LOAD, "client", "throughput", "--target", f"127.0.0.1:{upstream_port}",
-           "--upstream-port", str(upstream_port), "--streams", str(streams), "--events", str(events),
-           "--interval-ms", "10"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True).stdout
-    return dict(json.loads(next(line for line in out.splitlines() if line.startswith('{"result"')))["result"])
 
 
 def rapid_reset(port: int, upstream_port: int, pid: int, pairs: int) -> dict[str, Any]:
@@ -169,11 +98,16 @@ def run(quick: bool) -> dict[str, Any]:
     cert, key = certificate(tmp)
     upstream_port, sidecar_port, nginx_port = free_port(), free_port(), free_port()
     results: dict[str, Any] = {"targets": {}}
-    with process([PY, LOAD, "upstream", "--port", str(upstream_port)], "upstream"), \
-            sidecar_tls(sidecar_port, upstream_port, cert, key) as side, \
-            nginx_h2(nginx_port, upstream_port, cert, key) as ngx:
+    with fake_upstream(upstream_port), \
+            sidecar(sidecar_port, upstream_port, admin=False, flags=(
+                "--tls-cert", cert, "--tls-key", key, "--http2-max-concurrent-streams", str(MAX_STREAMS),
+                # nginx's client_header_timeout (60 s): 200 TLS handshakes from one
+                # Python client on a busy box can take longer than the sidecar's 10 s.
+                "--header-read-timeout-s", "60")) as side, \
+            nginx(nginx_port, upstream_port, tls=(cert, key), max_streams=MAX_STREAMS) as ngx:
         print("[direct] throughput", flush=True)
-        direct = direct_throughput(upstream_port, streams, events)
+        direct = client("throughput", upstream_port, upstream_port, "--streams", str(streams),
+                        "--events", str(events), "--interval-ms", "10")
         results["direct"] = direct
         pids = {"tokenwire": side.pid, "nginx": nginx_worker_pid(ngx)}
         ports = {"tokenwire": sidecar_port, "nginx": nginx_port}

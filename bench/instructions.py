@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -47,7 +46,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sidecar_bench import LOAD, PY, RESULTS, ROOT, free_port, nginx_binary, process, wait_port
+from sidecar_bench import RESULTS, ROOT, client
+from targets import fake_upstream, free_port, nginx, sidecar
 
 _TOTALS = re.compile(r"^totals: (\d+)", re.MULTILINE)
 
@@ -58,17 +58,11 @@ def _ensure_valgrind() -> None:
 
 
 def _load(port: int, upstream_port: int, streams: int, events: int) -> int:
-    out = subprocess.run([PY, LOAD, "client", "throughput", "--target", f"127.0.0.1:{port}",
-                          "--upstream-port", str(upstream_port), "--streams", str(streams),
-                          "--events", str(events), "--interval-ms", "40"],
-                         capture_output=True, text=True, timeout=1800, check=True).stdout
-    for line in out.splitlines():
-        if line.startswith('{"result"'):
-            result = json.loads(line)["result"]
-            if result["exact_text"] != streams:
-                raise RuntimeError(f"inexact text through the proxy: {result}")
-            return int(result["delivered_tokens"])
-    raise RuntimeError(f"no result from the load client: {out[-300:]}")
+    result = client("throughput", port, upstream_port, "--streams", str(streams), "--events", str(events),
+                    "--interval-ms", "40", timeout_s=1800)
+    if result["exact_text"] != streams:
+        raise RuntimeError(f"inexact text through the proxy: {result}")
+    return int(result["delivered_tokens"])
 
 
 def _control(pid: int, *args: str) -> None:
@@ -90,47 +84,19 @@ def _dumped_totals(out_prefix: Path, before: set[Path]) -> int:
 @contextlib.contextmanager
 def _proxy(name: str, port: int, upstream_port: int, out_prefix: Path,
            base: str | None) -> Iterator[int]:
+    """The proxy ``name`` under callgrind (instrumentation off until asked): its pid."""
     valgrind = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
                 f"--callgrind-out-file={out_prefix}.%p"]
     if name == "nginx":
-        prefix = Path(tempfile.mkdtemp(prefix="tokenwire-nginx-vg-"))
-        (prefix / "logs").mkdir()
-        conf = prefix / "nginx.conf"
-        conf.write_text(f"""
-daemon off;
-master_process off;
-pid {prefix}/nginx.pid;
-error_log {prefix}/logs/error.log warn;
-events {{ worker_connections 1024; }}
-http {{
-    access_log off;
-    client_body_temp_path {prefix}/body;
-    proxy_temp_path {prefix}/proxy;
-    upstream engine {{ server 127.0.0.1:{upstream_port}; keepalive 64; }}
-    server {{
-        listen 127.0.0.1:{port};
-        location / {{
-            proxy_pass http://engine;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_buffering off;
-        }}
-    }}
-}}
-""")
-        cmd = [*valgrind, nginx_binary(), "-p", str(prefix), "-c", str(conf)]
-        env = None
-    else:
-        cmd = [*valgrind, PY, "-m", "tokenwire.sidecar", "sidecar", "--listen", f"127.0.0.1:{port}",
-               "--upstream", f"http://127.0.0.1:{upstream_port}",
-               "--admin-listen", f"127.0.0.1:{free_port()}", "--log-file", ""]
-        env = {**os.environ, "PYTHONPATH": base} if name == "base" and base else None
-    # ``python -m`` puts the working directory first on the path: run the base
-    # from its own directory, or a checkout's ``tokenwire/`` would shadow it.
-    cwd = base if name == "base" else str(out_prefix.parent)
-    with process(cmd, name, ready_line=False, env=env, cwd=cwd) as proc:
-        wait_port(port, timeout_s=600)
-        yield proc.pid
+        # No master process: the one process valgrind runs is the one that serves.
+        with nginx(port, upstream_port, wrapper=valgrind, master_process=False, ready_timeout_s=600) as proc:
+            yield proc.pid
+        return
+    # The base runs from its own directory (targets.sidecar's ``code``), this
+    # checkout's from the scratch one: ``python -m`` puts the working directory first.
+    with sidecar(port, upstream_port, code=base if name == "base" else None, wrapper=valgrind,
+                 cwd=str(out_prefix.parent), ready_timeout_s=600) as side:
+        yield side.pid
 
 
 def measure(name: str, upstream_port: int, streams: int, events: tuple[int, int],
@@ -167,7 +133,7 @@ def main() -> int:
     results: dict[str, Any] = {"streams": args.streams, "events": list(args.events), "targets": {}}
     upstream_port = free_port()
     with tempfile.TemporaryDirectory(prefix="tokenwire-callgrind-") as scratch, \
-            process([PY, LOAD, "upstream", "--port", str(upstream_port)], "upstream"):
+            fake_upstream(upstream_port):
         for name in targets:
             row = measure(name, upstream_port, args.streams, tuple(args.events), args.base, Path(scratch))
             results["targets"][name] = row

@@ -52,8 +52,8 @@ from typing import Any
 
 import redis
 from core_bench import SSE_HEADERS, make_stream
-from sidecar_bench import PY, free_port, process, rss_kib, wait_port
 from sse_load import chunk_bytes
+from targets import RunningSidecar, fake_upstream, free_port, process, rss_kib, sidecar, wait_port
 from tokenwire.middleware import (
     ReplayAppend,
     Tick,
@@ -69,7 +69,6 @@ from tokenwire.sidecar.tools.sse_client import parse_response
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-LOAD = str(ROOT / "bench" / "sse_load.py")
 CHUNK_BYTES = 250
 # Far above the 1.4 MB answers measured here (the default is 8 MiB), so no
 # replay is ever cut short by the per-stream cap. The first run of this bench
@@ -98,15 +97,10 @@ def redis_server() -> Iterator[int]:
     shutil.rmtree(directory, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def resumable_sidecar(upstream_port: int, store: str) -> Iterator[tuple[int, subprocess.Popen[str]]]:
-    port, admin_port = free_port(), free_port()
-    cmd = [PY, "-m", "tokenwire.sidecar", "sidecar", "--listen", f"127.0.0.1:{port}",
-           "--upstream", f"http://127.0.0.1:{upstream_port}", "--admin-listen", f"127.0.0.1:{admin_port}",
-           "--resume", "--resume-store", store, "--resume-max-bytes", str(MAX_STREAM_BYTES),
-           "--resume-ttl-s", "3600", "--resume-owner-secret", "bench", "--log-file", ""]
-    with process(cmd, f"sidecar ({store})") as proc:
-        yield port, proc
+def resumable_sidecar(upstream_port: int, store: str) -> contextlib.AbstractContextManager[RunningSidecar]:
+    return sidecar(free_port(), upstream_port, what=f"sidecar ({store})", flags=(
+        "--resume", "--resume-store", store, "--resume-max-bytes", str(MAX_STREAM_BYTES),
+        "--resume-ttl-s", "3600", "--resume-owner-secret", "bench"))
 
 
 # ---------------------------------------------------------------- client
@@ -332,9 +326,10 @@ def run(streams: int, events: int, replays: int) -> dict[str, Any]:
     results["tracemalloc_memory_store"] = tracemalloc_cost(streams, events)
     upstream_port = free_port()
     with redis_server() as redis_port, \
-            process([PY, LOAD, "upstream", "--port", str(upstream_port)], "upstream"), \
-            resumable_sidecar(upstream_port, "memory") as (memory_port, memory_proc), \
-            resumable_sidecar(upstream_port, f"redis://127.0.0.1:{redis_port}/0") as (redis_sidecar, _):
+            fake_upstream(upstream_port), \
+            resumable_sidecar(upstream_port, "memory") as on_memory, \
+            resumable_sidecar(upstream_port, f"redis://127.0.0.1:{redis_port}/0") as on_redis_sidecar:
+        memory_port, memory_proc, redis_sidecar = on_memory.port, on_memory.process, on_redis_sidecar.port
         client = redis.Redis(port=redis_port)
         # Both sidecars warm (imports, first connections, a first stored answer) before measuring.
         for port in (memory_port, redis_sidecar):

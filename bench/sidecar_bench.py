@@ -35,157 +35,27 @@ import argparse
 import contextlib
 import json
 import os
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from targets import (
+    LOAD,
+    PY,
+    cpu_seconds,
+    free_port,
+    nginx,
+    nginx_worker_pid,
+    process,
+    rss_kib,
+    sidecar,
+    tree_cpu_seconds,
+)
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-PY = sys.executable
-LOAD = str(ROOT / "bench" / "sse_load.py")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError("no VmRSS")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (``/proc/PID/stat``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def wait_ready(proc: subprocess.Popen[str], what: str, timeout_s: float = 60) -> None:
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{what} exited: rc={proc.poll()}")
-        if "ready" in line.lower():
-            return
-    raise RuntimeError(f"{what} not ready in {timeout_s} s")
-
-
-def wait_port(port: int, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-            return
-        time.sleep(0.05)
-    raise RuntimeError(f"port {port} not listening")
-
-
-@contextlib.contextmanager
-def process(cmd: list[str], what: str, *, ready_line: bool = True,
-            env: dict[str, str] | None = None, cwd: str | None = None) -> Iterator[subprocess.Popen[str]]:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            start_new_session=True, env=env, cwd=cwd)
-    try:
-        if ready_line:
-            wait_ready(proc, what)
-        yield proc
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
-def nginx_binary() -> str:
-    found = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
-    if found is None:
-        subprocess.run([str(ROOT / "scripts" / "system-deps.sh"), "nginx"], check=True)
-        found = shutil.which("nginx") or "/usr/sbin/nginx"
-    return found
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    """CPU time of a process and all its descendants (a supervisor and its
-    workers, nginx's master and workers)."""
-    total = cpu_seconds(pid)
-    with contextlib.suppress(OSError):
-        for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
-            with contextlib.suppress(OSError):
-                total += tree_cpu_seconds(int(child))
-    return total
-
-
-@contextlib.contextmanager
-def nginx(listen_port: int, upstream_port: int, workers: int = 1) -> Iterator[subprocess.Popen[str]]:
-    prefix = Path(tempfile.mkdtemp(prefix="tokenwire-nginx-"))
-    (prefix / "logs").mkdir()
-    conf = prefix / "nginx.conf"
-    conf.write_text(f"""
-worker_processes {workers};
-daemon off;
-pid {prefix}/nginx.pid;
-error_log {prefix}/logs/error.log warn;
-worker_rlimit_nofile 65536;
-events {{ worker_connections 32768; }}
-http {{
-    access_log off;
-    client_body_temp_path {prefix}/body;
-    proxy_temp_path {prefix}/proxy;
-    upstream engine {{ server 127.0.0.1:{upstream_port}; keepalive 256; }}
-    server {{
-        listen 127.0.0.1:{listen_port} backlog=8192{" reuseport" if workers > 1 else ""};
-        location / {{
-            proxy_pass http://engine;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_buffering off;
-            proxy_cache off;
-            proxy_read_timeout 3600s;
-        }}
-    }}
-}}
-""")
-    with process([nginx_binary(), "-p", str(prefix), "-c", str(conf)], "nginx",
-                 ready_line=False) as proc:
-        wait_port(listen_port)
-        yield proc
-    shutil.rmtree(prefix, ignore_errors=True)
-
-
-def nginx_worker_pid(master: subprocess.Popen[str]) -> int:
-    children = Path(f"/proc/{master.pid}/task/{master.pid}/children").read_text().split()
-    return int(children[0]) if children else master.pid
-
-
-@contextlib.contextmanager
-def sidecar(listen_port: int, upstream_port: int, workers: int = 1,
-            code: str | None = None) -> Iterator[subprocess.Popen[str]]:
-    """``code``: a directory holding another ``tokenwire`` package (an older
-    checkout, for a before/after comparison in one run), put first on the path."""
-    admin_port = free_port()
-    cmd = [PY, "-m", "tokenwire.sidecar", "sidecar",
-           "--listen", f"127.0.0.1:{listen_port}", "--upstream", f"http://127.0.0.1:{upstream_port}",
-           "--admin-listen", f"127.0.0.1:{admin_port}", "--max-connections", "20000",
-           "--log-file", "", *(["--workers", str(workers)] if workers > 1 else [])]
-    # Run from ``code`` itself: ``python -m`` puts the working directory first
-    # on the path, and a checkout's own ``tokenwire/`` would win over PYTHONPATH.
-    with process(cmd, "sidecar", env=None if code is None else {**os.environ, "PYTHONPATH": code},
-                 cwd=code) as proc:
-        yield proc
 
 
 def client(scenario: str, target_port: int, upstream_port: int, *args: str,
@@ -219,13 +89,21 @@ def hold(target_port: int, upstream_port: int, pid_of: Any, streams: int) -> dic
             "kib_per_stream": round((during - before) / max(held, 1), 2)}
 
 
+# The fake upstream stamps each chunk's send time into ``system_fingerprint``
+# (a real engine's is one value per stream). Listed as volatile, it does not
+# stop a slow reader's chunks from merging, as a constant fingerprint would not;
+# unlisted, no two chunks could merge and the slow-reader scenario would
+# measure the stamp, not the sidecar (51 s late, like nginx).
+STAMP_FLAGS = ("--volatile-chunk-fields", "obfuscation", "--volatile-chunk-fields", "system_fingerprint")
+
+
 def run(quick: bool) -> dict[str, Any]:
     streams, events = (50, 200) if quick else (200, 500)
     hold_streams = 500 if quick else 5000
     upstream_port, sidecar_port, nginx_port = free_port(), free_port(), free_port()
     results: dict[str, Any] = {"machine": {"cores": os.cpu_count()}, "targets": {}}
     with process([PY, LOAD, "upstream", "--port", str(upstream_port)], "upstream"), \
-            sidecar(sidecar_port, upstream_port) as side, \
+            sidecar(sidecar_port, upstream_port, flags=STAMP_FLAGS) as side, \
             nginx(nginx_port, upstream_port) as ngx:
         targets = {"direct": (upstream_port, None),
                    "tokenwire": (sidecar_port, lambda: side.pid),
@@ -276,11 +154,11 @@ def cpu_per_event(rounds: int, streams: int, events: int, interval_ms: float,
     rows: dict[str, list[dict[str, Any]]] = {"tokenwire": [], "nginx": []}
     with contextlib.ExitStack() as stack:
         stack.enter_context(process([PY, LOAD, "upstream", "--port", str(upstream_port)], "upstream"))
-        side = stack.enter_context(sidecar(sidecar_port, upstream_port))
+        side = stack.enter_context(sidecar(sidecar_port, upstream_port, flags=STAMP_FLAGS))
         ngx = stack.enter_context(nginx(nginx_port, upstream_port))
         targets = {"tokenwire": (sidecar_port, side.pid), "nginx": (nginx_port, nginx_worker_pid(ngx))}
         if base_code is not None:
-            base = stack.enter_context(sidecar(base_port, upstream_port, code=base_code))
+            base = stack.enter_context(sidecar(base_port, upstream_port, code=base_code, flags=STAMP_FLAGS))
             targets["base"] = (base_port, base.pid)
             rows["base"] = []
         for round_index in range(rounds + 1):  # round 0 warms up
@@ -339,7 +217,8 @@ def sweep(rounds: int, rates: tuple[int, ...] = SWEEP_RATES,
                 started = stack.enter_context(nginx(port, upstream_port, int(workers)))
             else:
                 started = stack.enter_context(sidecar(port, upstream_port, int(workers),
-                                                      base_code if kind == "base" else None))
+                                                      base_code if kind == "base" else None,
+                                                      flags=STAMP_FLAGS))
             pids[name] = started.pid
         targets = {"direct": upstream_port, **ports}  # direct first: the others' reference
         # Warm-up: every target once at the lowest rate.

@@ -20,26 +20,16 @@ figures go to bench/README.md ("Slow readers and volatile chunk fields").
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sidecar_bench import LOAD, PY, client, free_port, nginx, process
-
-
-@contextlib.contextmanager
-def tokenwire(listen_port: int, upstream_port: int, volatile: str) -> Iterator[None]:
-    cmd = [PY, "-m", "tokenwire.sidecar", "sidecar", "--listen", f"127.0.0.1:{listen_port}",
-           "--upstream", f"http://127.0.0.1:{upstream_port}", "--log-file", "",
-           "--volatile-chunk-fields", volatile]
-    with process(cmd, "sidecar"):
-        yield
+from sidecar_bench import client
+from targets import fake_upstream, free_port, nginx, sidecar
 
 
 def slow(port: int, upstream_port: int, events: int, *extra: str) -> dict[str, Any]:
@@ -61,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     upstream_port = free_port()
     results: dict[str, Any] = {}
-    with process([PY, LOAD, "upstream", "--port", str(upstream_port)], "upstream"):
+    with fake_upstream(upstream_port):
         port = free_port()
         with nginx(port, upstream_port):
             results["nginx_stamped"] = slow(port, upstream_port, args.events)
@@ -70,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                 ("tokenwire_stamp_listed", "system_fingerprint,obfuscation", ()),
                 ("tokenwire_obfuscation_default", "obfuscation", ("--obfuscate",))):
             port = free_port()
-            with tokenwire(port, upstream_port, volatile):
+            with sidecar(port, upstream_port, admin=False, flags=("--volatile-chunk-fields", volatile)):
                 results[name] = slow(port, upstream_port, args.events, *extra)
             print(name, json.dumps(results[name]), flush=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")

@@ -49,12 +49,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from targets import PY, free_port, process, rss_kib, sidecar
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-PY = sys.executable
 
 # behaviour: (weight, the end reasons its record may carry)
 BEHAVIOURS: dict[str, tuple[int, tuple[str, ...]]] = {
@@ -133,43 +136,16 @@ async def _run_upstream(port: int) -> None:
 # ---------------------------------------------------------------- processes
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait_line(proc: subprocess.Popen[str], prefix: str) -> str:
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line.startswith(prefix):
-        raise RuntimeError(f"process did not start: {line!r}")
-    return line
-
-
-def _start(log_file: Path, max_connections: int = 2_000, *,
-           extra_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen[str], subprocess.Popen[str], int]:
-    upstream_port = _free_port()
-    upstream = subprocess.Popen([PY, __file__, "upstream", "--port", str(upstream_port)],
-                                stdout=subprocess.PIPE, text=True)
-    _wait_line(upstream, "ready")
-    sidecar = subprocess.Popen(
-        [PY, "-m", "tokenwire.sidecar", "sidecar", "--listen", "127.0.0.1:0",
-         "--upstream", f"http://127.0.0.1:{upstream_port}", "--log-file", str(log_file),
-         "--max-connections", str(max_connections), "--write-deadline-s", str(_WRITE_DEADLINE_S),
-         "--drain-s", "5", *extra_args],
-        stdout=subprocess.PIPE, text=True,
-        env={k: v for k, v in os.environ.items() if not k.startswith("TOKENWIRE_")})
-    ready = _wait_line(sidecar, "ready ")
-    port = int(ready.split("listen=")[1].split()[0].rsplit(":", 1)[1])
-    return upstream, sidecar, port
-
-
-def _rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError("no VmRSS")
+@contextlib.contextmanager
+def _started(log_file: Path, max_connections: int = 2_000, *,
+             extra_args: tuple[str, ...] = ()) -> Iterator[tuple[subprocess.Popen[str], int]]:
+    """This file's upstream and a sidecar in front of it: (the sidecar's process, its port)."""
+    upstream_port = free_port()
+    with process([PY, __file__, "upstream", "--port", str(upstream_port)], "upstream"), \
+            sidecar(0, upstream_port, admin=False, flags=(
+                "--log-file", str(log_file), "--max-connections", str(max_connections),
+                "--write-deadline-s", str(_WRITE_DEADLINE_S), "--drain-s", "5", *extra_args)) as side:
+        yield side.process, side.port
 
 
 def _open_fds(pid: int) -> int:
@@ -327,7 +303,7 @@ async def _load(port: int, streams: int, until: float, seed: int, behaviours: di
 async def _sample(pid: int, every_s: float, until: float, started: float,
                   samples: list[dict[str, float]], sent: dict[str, str]) -> None:
     while time.monotonic() < until:
-        samples.append({"t_s": round(time.monotonic() - started, 1), "rss_kib": _rss_kib(pid),
+        samples.append({"t_s": round(time.monotonic() - started, 1), "rss_kib": rss_kib(pid),
                         "fds": _open_fds(pid), "requests": len(sent)})
         await asyncio.sleep(every_s)
 
@@ -367,10 +343,11 @@ def _account(log_file: Path, sent: dict[str, str],
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     _raise_own_fd_limit()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         log_file = Path(tmp) / "streams.jsonl"
         behaviours = {**BEHAVIOURS, **(RESUME_BEHAVIOURS if args.resume else {})}
-        upstream, sidecar, port = _start(log_file, extra_args=_RESUME_ARGS if args.resume else ())
+        extra_args = _RESUME_ARGS if args.resume else ()
+        sidecar, port = stack.enter_context(_started(log_file, extra_args=extra_args))
         sent: dict[str, str] = {}
         seen: collections.Counter[str] = collections.Counter()
         samples: list[dict[str, float]] = []
@@ -384,18 +361,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # Load over, everything in flight finished: one last sample of the quiet process.
             await asyncio.sleep(1)
             sampler.cancel()
-            samples.append({"t_s": round(time.monotonic() - started, 1), "rss_kib": _rss_kib(sidecar.pid),
+            samples.append({"t_s": round(time.monotonic() - started, 1), "rss_kib": rss_kib(sidecar.pid),
                             "fds": _open_fds(sidecar.pid), "requests": len(sent)})
 
-        try:
-            asyncio.run(main())
-            sidecar.send_signal(signal.SIGTERM)
-            exit_code = sidecar.wait(30)
-        finally:
-            for proc in (sidecar, upstream):
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait(5)
+        asyncio.run(main())
+        # A graceful stop, while both still run: its exit code is part of the result.
+        sidecar.send_signal(signal.SIGTERM)
+        exit_code = sidecar.wait(30)
         steady = [s for s in samples if s["t_s"] >= min(_WARM_UP_S, args.minutes * 60 / 4)]
         window = max(1, len(steady) // 10)
         result = {
@@ -462,35 +434,26 @@ async def _open_idle(port: int, count: int, batch: int) -> list[asyncio.StreamWr
 
 def idle(args: argparse.Namespace) -> dict[str, Any]:
     _raise_own_fd_limit()
-    with tempfile.TemporaryDirectory() as tmp:
-        upstream, sidecar, port = _start(Path(tmp) / "streams.jsonl",
-                                         max_connections=args.connections + 100)
-        try:
-            async def main() -> dict[str, Any]:
-                warm = await _open_idle(port, args.warm_up, 100)
-                before = _rss_kib(sidecar.pid), _open_fds(sidecar.pid)
-                started = time.monotonic()
-                rest = await _open_idle(port, args.connections - args.warm_up, 200)
-                opened_s = time.monotonic() - started
-                await asyncio.sleep(2)
-                after = _rss_kib(sidecar.pid), _open_fds(sidecar.pid)
-                for writer in warm + rest:
-                    writer.transport.abort()
-                measured = args.connections - args.warm_up
-                return {"connections": args.connections, "warm_up": args.warm_up,
-                        "rss_kib_before": before[0], "rss_kib_after": after[0],
-                        "fds_before": before[1], "fds_after": after[1],
-                        "kib_per_connection": round((after[0] - before[0]) / measured, 2),
-                        "open_s": round(opened_s, 2)}
+    with tempfile.TemporaryDirectory() as tmp, \
+            _started(Path(tmp) / "streams.jsonl", max_connections=args.connections + 100) as (sidecar, port):
+        async def main() -> dict[str, Any]:
+            warm = await _open_idle(port, args.warm_up, 100)
+            before = rss_kib(sidecar.pid), _open_fds(sidecar.pid)
+            started = time.monotonic()
+            rest = await _open_idle(port, args.connections - args.warm_up, 200)
+            opened_s = time.monotonic() - started
+            await asyncio.sleep(2)
+            after = rss_kib(sidecar.pid), _open_fds(sidecar.pid)
+            for writer in warm + rest:
+                writer.transport.abort()
+            measured = args.connections - args.warm_up
+            return {"connections": args.connections, "warm_up": args.warm_up,
+                    "rss_kib_before": before[0], "rss_kib_after": after[0],
+                    "fds_before": before[1], "fds_after": after[1],
+                    "kib_per_connection": round((after[0] - before[0]) / measured, 2),
+                    "open_s": round(opened_s, 2)}
 
-            return asyncio.run(main())
-        finally:
-            for proc in (sidecar, upstream):
-                proc.send_signal(signal.SIGTERM)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(30)
-                if proc.poll() is None:
-                    proc.kill()
+        return asyncio.run(main())
 
 
 def main(argv: list[str] | None = None) -> int:

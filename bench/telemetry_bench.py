@@ -45,23 +45,19 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sidecar_bench import LOAD, PY, RESULTS, client, cpu_seconds, free_port, process
+from sidecar_bench import RESULTS, client
+from targets import RunningSidecar, cpu_seconds, fake_upstream, free_port, sidecar
 
 MODES = ("off", "on", "debug")
 
 
-@contextlib.contextmanager
-def sidecar(mode: str, upstream_port: int, log_dir: Path) -> Iterator[tuple[int, int, int]]:
-    """A sidecar with ``mode``'s telemetry; (proxy port, admin port, pid)."""
-    port, admin_port = free_port(), free_port()
+def telemetry_sidecar(mode: str, upstream_port: int,
+                      log_dir: Path) -> contextlib.AbstractContextManager[RunningSidecar]:
+    """A sidecar with ``mode``'s telemetry (its admin port serves ``/metrics``)."""
     logs = (["--log-file", "", "--log-level", "warning"] if mode == "off"
             else ["--log-file", str(log_dir / f"{mode}.jsonl"), "--log-level",
                   "debug" if mode == "debug" else "info"])
-    cmd = [PY, "-m", "tokenwire.sidecar", "sidecar", "--listen", f"127.0.0.1:{port}",
-           "--upstream", f"http://127.0.0.1:{upstream_port}", "--admin-listen", f"127.0.0.1:{admin_port}",
-           "--max-connections", "20000", *logs]
-    with process(cmd, f"sidecar ({mode})") as proc:
-        yield port, admin_port, proc.pid
+    return sidecar(free_port(), upstream_port, flags=logs, what=f"sidecar ({mode})")
 
 
 @contextlib.contextmanager
@@ -88,9 +84,11 @@ def run(rounds: int, streams: int, events: int, interval_ms: float) -> dict[str,
     upstream_port = free_port()
     rows: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     with tempfile.TemporaryDirectory() as tmp, \
-            process([PY, LOAD, "upstream", "--port", str(upstream_port)], "upstream"), \
+            fake_upstream(upstream_port), \
             contextlib.ExitStack() as stack:
-        targets = {mode: stack.enter_context(sidecar(mode, upstream_port, Path(tmp))) for mode in MODES}
+        started = {mode: stack.enter_context(telemetry_sidecar(mode, upstream_port, Path(tmp)))
+                   for mode in MODES}
+        targets = {mode: (side.port, side.admin_port, side.pid) for mode, side in started.items()}
         for round_index in range(rounds + 1):
             for mode, (port, admin_port, pid) in targets.items():
                 with contextlib.ExitStack() as scrape:

@@ -21,71 +21,35 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from targets import child_lines, tiny_model, tokenwire_up
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def build_tiny(cache_dir: Path) -> Path:
-    script = ("import sys; from pathlib import Path; "
-              "from tokenwire.engine.tiny import TinySpec, ensure_tiny_model; "
-              "print(ensure_tiny_model(TinySpec(train_steps=30, batch_size=4, "
-              "sequence_length_tokens=64), Path(sys.argv[1]), log=False))")
-    built = subprocess.run([sys.executable, "-c", script, str(cache_dir)], capture_output=True,
-                           text=True, timeout=600, check=True)
-    return Path(built.stdout.strip().splitlines()[-1])
-
-
 def child_records(text: str, child: str) -> list[dict[str, Any]]:
-    prefix = f"[{child}] {{"
-    return [json.loads(line[len(prefix) - 1:]) for line in text.splitlines() if line.startswith(prefix)]
+    return [json.loads(line) for line in child_lines(text, child) if line.startswith("{")]
 
 
 def one_round(model_dir: Path, cache_dir: Path, requests: int, work: Path) -> dict[str, Any]:
-    port, admin_port = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TOKENWIRE_", "OTEL_"))}
-    env["TOKENWIRE_CACHE_DIR"] = str(cache_dir)
     log_path = work / "up.log"
-    with log_path.open("w") as log:
-        up = subprocess.Popen([sys.executable, "-m", "tokenwire.sidecar", "up", "--listen",
-                               f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{admin_port}",
-                               "--model", str(model_dir), "--verbose"],
-                              stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-    try:
-        assert up.stdout is not None
-        deadline = time.monotonic() + 300
-        for line in up.stdout:
-            if "tokenwire is up" in line or time.monotonic() > deadline:
-                break
-        with httpx.Client(timeout=60) as client:
-            for i in range(requests + 1):
-                body = {"stream": True, "max_tokens": 8, "temperature": 0,
-                        "messages": [{"role": "user", "content": f"Tell me about the sea, {i}"}]}
-                with client.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body,
-                                   headers={"X-Request-Id": f"ttft-{i}"}) as response:
-                    for _ in response.iter_lines():
-                        pass
-    finally:
-        up.send_signal(signal.SIGTERM)
-        up.wait(60)
+    with tokenwire_up(model_dir, cache_dir, log_path) as up, httpx.Client(timeout=60) as client:
+        for i in range(requests + 1):
+            body = {"stream": True, "max_tokens": 8, "temperature": 0,
+                    "messages": [{"role": "user", "content": f"Tell me about the sea, {i}"}]}
+            with client.stream("POST", f"http://127.0.0.1:{up.port}/v1/chat/completions", json=body,
+                               headers={"X-Request-Id": f"ttft-{i}"}) as response:
+                for _ in response.iter_lines():
+                    pass
     text = log_path.read_text()
     streams = {r["request_id"]: r for r in child_records(text, "sidecar") if r["msg"] == "stream ended"}
     finished = {r["request_id"]: r for r in child_records(text, "engine") if r["msg"] == "request finished"}
@@ -109,7 +73,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         cache_dir = Path(tmp) / "cache"
         cache_dir.mkdir()
-        model_dir = build_tiny(cache_dir)
+        model_dir = tiny_model(cache_dir)
         rounds = []
         for index in range(args.rounds):
             result = one_round(model_dir, cache_dir, args.requests, Path(tmp))

@@ -8,6 +8,7 @@ time per request, tokens in and out, and the batch's load after every step.
 from __future__ import annotations
 
 import platform
+from functools import partial
 from importlib import metadata
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
@@ -19,6 +20,12 @@ _STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 _DURATION_BUCKETS_S = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+def _histogram(registry: CollectorRegistry, name: str, documentation: str, buckets_s: tuple[float, ...],
+               labels: tuple[str, ...] = ()) -> Histogram:
+    """One of the engine's latency histograms: ``tokenwire_engine_<name>`` on ``registry``."""
+    return Histogram(f"tokenwire_engine_{name}", documentation, labels, buckets=buckets_s, registry=registry)
 
 
 class EngineMetrics:
@@ -47,29 +54,23 @@ class EngineMetrics:
         self.kv_tokens_reserved = Gauge("tokenwire_engine_kv_tokens_reserved",
                                         "Admission reservations (prompt + max_tokens).",
                                         registry=registry)
-        self.step_seconds = Histogram("tokenwire_engine_step_seconds",
-                                      "Duration of one scheduler step.",
-                                      buckets=_STEP_BUCKETS_S, registry=registry)
-        self.time_to_first_token_seconds = Histogram(
-            "tokenwire_engine_time_to_first_token_seconds",
-            "Request received to first token handed to the response.",
-            buckets=LATENCY_BUCKETS_S, registry=registry)
-        self.queue_wait_seconds = Histogram(
-            "tokenwire_engine_queue_wait_seconds",
-            "Request received to admitted into the batch (it left the waiting queue).",
-            buckets=LATENCY_BUCKETS_S, registry=registry)
-        self.prefill_seconds = Histogram(
-            "tokenwire_engine_prefill_seconds",
-            "Admitted to first token handed to the response: the prompt's prefill.",
-            buckets=LATENCY_BUCKETS_S, registry=registry)
-        self.inter_token_seconds = Histogram(
-            "tokenwire_engine_inter_token_seconds",
-            "Gaps between a request's successive token deliveries, from its first token on.",
-            buckets=GAP_BUCKETS_S, registry=registry)
-        self.request_duration_seconds = Histogram(
-            "tokenwire_engine_request_duration_seconds",
-            "Request received to its last output, by finish reason.",
-            ["finish_reason"], buckets=_DURATION_BUCKETS_S, registry=registry)
+        histogram = partial(_histogram, registry)
+        self.step_seconds = histogram("step_seconds", "Duration of one scheduler step.", _STEP_BUCKETS_S)
+        self.time_to_first_token_seconds = histogram(
+            "time_to_first_token_seconds", "Request received to first token handed to the response.",
+            LATENCY_BUCKETS_S)
+        self.queue_wait_seconds = histogram(
+            "queue_wait_seconds", "Request received to admitted into the batch (it left the waiting queue).",
+            LATENCY_BUCKETS_S)
+        self.prefill_seconds = histogram(
+            "prefill_seconds", "Admitted to first token handed to the response: the prompt's prefill.",
+            LATENCY_BUCKETS_S)
+        self.inter_token_seconds = histogram(
+            "inter_token_seconds", "Gaps between a request's successive token deliveries, from its first "
+            "token on.", GAP_BUCKETS_S)
+        self.request_duration_seconds = histogram(
+            "request_duration_seconds", "Request received to its last output, by finish reason.",
+            _DURATION_BUCKETS_S, labels=("finish_reason",))
         self.generated_tokens = Counter("tokenwire_engine_generated_tokens",
                                         "Tokens generated, aborted requests included.",
                                         registry=registry)

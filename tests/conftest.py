@@ -5,16 +5,18 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from chromium import launched
 
-# Debian's chromium, as root, with nothing reaching for the network (which is closed here).
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+# bench/ last on the path: the tests start processes with the benches' helpers
+# (bench/targets.py, bench/fake_pods.py), so both start them one way.
+sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
 
 
 def _free_port() -> int:
@@ -56,24 +58,8 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    """Headless Debian chromium driven by Playwright (never a downloaded browser).
+    """Headless Debian chromium driven by Playwright (``chromium.launched``).
     Module scope: while it lives, Playwright's loop runs in the main thread and
     every ``asyncio.run()`` there fails, so it must not outlive the module."""
-    # Fail, never skip: a missing browser would otherwise hide a broken page.
-    try:
-        from playwright.sync_api import Error, sync_playwright
-    except ImportError:
-        pytest.fail("playwright is not installed in this venv (scripts/setup-venv.sh dev installs it)",
-                    pytrace=False)
-    chromium = shutil.which("chromium") or "/usr/bin/chromium"
-    if not Path(chromium).exists():
-        pytest.fail("no chromium: install Debian's package (scripts/system-deps.sh chromium); "
-                    "a downloaded browser is not used", pytrace=False)
-    with sync_playwright() as playwright:
-        try:
-            launched = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
-        except Error as error:
-            pytest.fail(f"chromium at {chromium} did not start: {error}", pytrace=False)
-        yield launched
-        launched.close()
-
+    with launched() as browser:
+        yield browser

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 import h2.config
@@ -110,16 +110,18 @@ async def through_middleware(app: Any, scenario: Scenario) -> bytes:
         return await fetch(port, scenario)
 
 
-async def through_sidecar(app: Any, scenario: Scenario) -> bytes:
+async def through_sidecar(app: Any, scenario: Scenario,
+                          client: Callable[[int, Scenario], Awaitable[bytes]] | None = None) -> bytes:
     """``app`` served bare by uvicorn as the upstream of an in-process
-    :class:`Sidecar` (same loop); what a client of ``scenario`` got."""
+    :class:`Sidecar` (same loop); what ``client`` (HTTP/1.1 :func:`fetch` by
+    default) got as a client of ``scenario``."""
     async with serve(app) as upstream_port:
         config = SidecarConfig(wire=scenario.config, upstream=(f"http://127.0.0.1:{upstream_port}",),
                                listen="127.0.0.1:0", admin_listen="", drain_s=0.0, log_file="")
         sidecar = Sidecar(config, log=StreamLog(None))
         await sidecar.start()
         try:
-            return await fetch(sidecar.address[1], scenario)
+            return await (client or fetch)(sidecar.address[1], scenario)
         finally:
             await sidecar.shutdown()
 
@@ -216,12 +218,4 @@ class SidecarHttp2Driver:
     name = "sidecar-h2"
 
     async def run(self, scenario: Scenario) -> bytes:
-        async with serve(scenario_app) as upstream_port:
-            config = SidecarConfig(wire=scenario.config, upstream=(f"http://127.0.0.1:{upstream_port}",),
-                                   listen="127.0.0.1:0", admin_listen="", drain_s=0.0, log_file="")
-            sidecar = Sidecar(config, log=StreamLog(None))
-            await sidecar.start()
-            try:
-                return await fetch_h2(sidecar.address[1], scenario)
-            finally:
-                await sidecar.shutdown()
+        return await through_sidecar(scenario_app, scenario, fetch_h2)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,6 +159,21 @@ def mark_played(name: str) -> None:
         event.set()
 
 
+async def play_steps(steps: Iterable[Step], send: Callable[[Message], Awaitable[None]],
+                     failure: Callable[[], Exception]) -> None:
+    """An ASGI upstream's body, step by step: each ``Send`` as a body part and
+    its pause after, each ``Silence`` waited out; a ``Fail`` raises ``failure()``
+    (the server then cuts the body). Does not end the body."""
+    for step in steps:
+        if isinstance(step, Send):
+            await send({"type": "http.response.body", "body": step.data, "more_body": True})
+            await asyncio.sleep(step.gap_s)
+        elif isinstance(step, Silence):
+            await asyncio.sleep(step.seconds)
+        else:
+            raise failure()
+
+
 async def scenario_app(scope: Scope, receive: Callable[[], Awaitable[Message]],
                        send: Callable[[Message], Awaitable[None]]) -> None:
     """Plays ``/<scenario name>`` as an upstream would."""
@@ -168,14 +183,7 @@ async def scenario_app(scope: Scope, receive: Callable[[], Awaitable[Message]],
     try:
         await send({"type": "http.response.start", "status": scenario.status,
                     "headers": list(scenario.headers)})
-        for step in scenario.steps:
-            if isinstance(step, Send):
-                await send({"type": "http.response.body", "body": step.data, "more_body": True})
-                await asyncio.sleep(step.gap_s)
-            elif isinstance(step, Silence):
-                await asyncio.sleep(step.seconds)
-            else:
-                raise ScenarioFailure(scenario.name)
+        await play_steps(scenario.steps, send, lambda: ScenarioFailure(scenario.name))
         await send({"type": "http.response.body", "body": b"", "more_body": False})
     finally:
         mark_played(scenario.name)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from behaviour.drivers import through_middleware, through_sidecar
-from behaviour.scenarios import SEND_GAP_S, Scenario, Send, Silence, mark_played
+from behaviour.scenarios import SEND_GAP_S, Scenario, Send, Silence, mark_played, play_steps
 from behaviour.test_behaviour import parse
 from tokenwire.middleware import WireConfig
 from tokenwire.middleware.sse import SSEParser
@@ -274,7 +274,6 @@ def replay_app(scenario: Scenario) -> Callable[[Scope, Callable[[], Awaitable[Me
                                                 Callable[[Message], Awaitable[None]]], Awaitable[None]]:
     """An ASGI app that plays ``scenario``'s upstream bytes (the scenario app of
     the behaviour suite, for one scenario that is not in its table)."""
-    import asyncio
 
     async def app(scope: Scope, receive: Callable[[], Awaitable[Message]],
                   send: Callable[[Message], Awaitable[None]]) -> None:
@@ -283,10 +282,7 @@ def replay_app(scenario: Scenario) -> Callable[[Scope, Callable[[], Awaitable[Me
         try:
             await send({"type": "http.response.start", "status": scenario.status,
                         "headers": list(scenario.headers)})
-            for step in scenario.steps:
-                assert isinstance(step, Send)
-                await send({"type": "http.response.body", "body": step.data, "more_body": True})
-                await asyncio.sleep(step.gap_s)
+            await play_steps(scenario.steps, send, lambda: AssertionError("a transcript has no Fail step"))
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             mark_played(scenario.name)

@@ -9,9 +9,11 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from targets import tiny_model
 from tokenwire.middleware import StreamRecord, WireConfig
 from tokenwire.sidecar import Sidecar, SidecarConfig, StreamLog
 from tokenwire.sidecar.settings import SIDECAR_WIRE_DEFAULTS
@@ -147,3 +149,12 @@ def start_sidecar(loop_thread: LoopThread, upstream: FakeUpstream) -> Iterator[C
     yield start
     for running in started:
         loop_thread.run(running.sidecar.shutdown())
+
+
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(cache dir, model folder): a quickly trained tiny model, built once per module
+    (``targets.tiny_model``: in a child process, so this one never loads torch)."""
+    pytest.importorskip("torch")
+    cache_dir = tmp_path_factory.mktemp("tokenwire-cache")
+    return cache_dir, tiny_model(cache_dir, timeout_s=300)

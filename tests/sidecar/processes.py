@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import select
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
+
+from targets import read_line  # bench/targets.py: the ready line read as the benchmarks read it
 
 
 @dataclass
@@ -38,18 +38,13 @@ def spawn(args: list[str], timeout_s: float = 15.0) -> SidecarProcess:
                "--admin-listen", "127.0.0.1:0", "--log-file", "", *args]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENWIRE_")}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    assert process.stdout is not None
-    deadline = time.monotonic() + timeout_s
-    line = b""
-    while not line.endswith(b"\n"):
-        ready, _, _ = select.select([process.stdout], [], [], max(0.0, deadline - time.monotonic()))
-        if not ready or process.poll() is not None:
-            process.kill()
-            _, err = process.communicate(timeout=5)
-            raise AssertionError(f"sidecar did not start: {err.decode()[-2000:]}")
-        line += os.read(process.stdout.fileno(), 1)
-    fields = dict(part.split("=", 1) for part in line.decode().split()[1:])
-    assert line.startswith(b"ready "), line
+    try:
+        line = read_line(process, "sidecar", timeout_s)
+    except RuntimeError as error:
+        _, err = process.communicate(timeout=5)
+        raise AssertionError(f"{error}: {err.decode()[-2000:]}") from None
+    fields = dict(part.split("=", 1) for part in line.split()[1:])
+    assert line.startswith("ready "), line
     host, port = fields["listen"].rsplit(":", 1)
     admin_port = int(fields["admin"].rsplit(":", 1)[1]) if "admin" in fields else None
     return SidecarProcess(process, host, int(port), admin_port)

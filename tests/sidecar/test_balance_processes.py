@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from clients import RawResponse, exchange, wait_for
-from pods import FakePod, spawn_pod
+from fake_pods import FakePod, spawn_pod  # bench/fake_pods.py
 from processes import SidecarProcess, spawn
 
 PATH = "/v1/chat/completions"

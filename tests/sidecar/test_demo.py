@@ -20,21 +20,6 @@ from tokenwire.sidecar.tools.demo_sections import split_wire
 _DEMO_TIMEOUT_S = 420  # a loaded two-core machine; the tour itself takes ~20 s
 
 
-@pytest.fixture(scope="module")
-def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(cache dir, model folder): a quickly trained tiny model, built once for this module."""
-    pytest.importorskip("torch")
-    cache_dir = tmp_path_factory.mktemp("tokenwire-cache")
-    # Built in a child process so this test process never loads torch itself.
-    script = ("import sys; from pathlib import Path; "
-              "from tokenwire.engine.tiny import TinySpec, ensure_tiny_model; "
-              "print(ensure_tiny_model(TinySpec(train_steps=30, batch_size=4, "
-              "sequence_length_tokens=64), Path(sys.argv[1]), log=False))")
-    built = subprocess.run([sys.executable, "-c", script, str(cache_dir)], capture_output=True,
-                           text=True, timeout=300, check=True)
-    return cache_dir, Path(built.stdout.strip().splitlines()[-1])
-
-
 def _run_demo(args: list[str], cache_dir: Path | None = None,
               timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENWIRE_")}

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import http.server
 import json
 import re
 import shutil
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,6 +20,7 @@ import httpx
 import openai
 import pytest
 import trustme
+from chromium import new_page, served_page
 from clients import sse_datas, tls_server_files
 from conftest import LoopThread, RunningSidecar
 from upstreams import expected_text
@@ -130,25 +129,10 @@ window.open_all = (base, count) => {
 """
 
 
-class _PageHandler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "text/html; charset=utf-8")
-        self.send_header("Content-Length", str(len(PAGE)))
-        self.end_headers()
-        self.wfile.write(PAGE)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture
 def page_origin() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _PageHandler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with served_page(PAGE) as origin:
+        yield origin
 
 
 class _TickerUpstream:
@@ -203,9 +187,7 @@ def test_chromium_whenTwentyEventSourcesOverTls_thenAllFlowAtOnceAndAClosedOneAb
                                 tls_key=tls_files["tls_key"], cors_allow_origins=(page_origin,),
                                 terminal_marker="", heartbeat_s=0.0)
         # The certificate is trustme's, which Chromium does not know: the test's own CA.
-        context = browser.new_context(ignore_https_errors=True)
-        try:
-            page = context.new_page()
+        with new_page(browser, ignore_https_errors=True) as page:
             page.goto(page_origin + "/")
             page.evaluate("([base, n]) => window.open_all(base, n)",
                           [f"https://localhost:{sidecar.port}", _STREAMS])
@@ -229,8 +211,6 @@ def test_chromium_whenTwentyEventSourcesOverTls_thenAllFlowAtOnceAndAClosedOneAb
             later = [entry["count"] for entry in page.evaluate("window.seen")]
             assert all(b > a for a, b in zip(counts[1:], later[1:], strict=True))
             assert len([p for p in ticker.closed if p != closed_path]) == 0
-        finally:
-            context.close()
         metrics = httpx.get(sidecar.admin_url + "/metrics").text
         assert f'tokenwire_client_requests_total{{protocol="h2"}} {_STREAMS}.0' in metrics
     finally:

@@ -9,15 +9,12 @@ one (no ``cors_allow_origins``): the admin port's own origin is allowed by defau
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import http.server
 import importlib.resources
 import json
 import os
 import re
 import shutil
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
+from chromium import new_page, served_page
 from conftest import LoopThread, RunningSidecar
 from tokenwire.sidecar.cors import admin_origins
 from tokenwire.sidecar.tools.playground import Playground
@@ -66,10 +64,8 @@ def page_upstream(loop_thread: LoopThread) -> Iterator[PageUpstream]:
 
 @pytest.fixture
 def page(browser: Any) -> Iterator[Any]:
-    context = browser.new_context(viewport={"width": 1280, "height": 900})
-    opened = context.new_page()
-    yield opened
-    context.close()
+    with new_page(browser, viewport={"width": 1280, "height": 900}) as opened:
+        yield opened
 
 
 def _free_port() -> int:
@@ -245,9 +241,7 @@ def test_narrowPage_at400px_fitsWithoutSideScrolling_andStillStreams(
         start_sidecar, page_upstream: PageUpstream, browser: Any, tmp_path: Path) -> None:
     page_upstream.tokens, page_upstream.delay_s = 30, 0.005
     sidecar = _playground(start_sidecar, page_upstream)
-    context = browser.new_context(viewport={"width": NARROW_PX, "height": 900})
-    try:
-        page = context.new_page()
+    with new_page(browser, viewport={"width": NARROW_PX, "height": 900}) as page:
         _open(page, sidecar)
         _send(page, "Tell me about the sea.")
         page.wait_for_selector("#status[data-state=done]", timeout=15_000)
@@ -267,8 +261,6 @@ def test_narrowPage_at400px_fitsWithoutSideScrolling_andStillStreams(
         assert shot.read_bytes().startswith(PNG_SIGNATURE)
         if os.environ.get("TOKENWIRE_UPDATE_SCREENSHOT"):
             shutil.copyfile(shot, NARROW_SCREENSHOT)
-    finally:
-        context.close()
 
 
 def test_minTokens_isSentAsTheEnginesMinTokens_andRaisesMaxTokensToMatch(
@@ -289,36 +281,10 @@ def test_minTokens_isSentAsTheEnginesMinTokens_andRaisesMaxTokensToMatch(
     assert "min_tokens" not in sent and sent["max_tokens"] == 50
 
 
-@contextlib.contextmanager
-def _served_elsewhere(html: str) -> Iterator[str]:
-    """``html`` served from another loopback origin than the admin port's; its URL."""
-    body = html.encode()
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/html; charset=utf-8")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
 def test_aPageFromAnotherOrigin_isToldWhichFlagLetsItIn(
         start_sidecar, page_upstream: PageUpstream, page: Any) -> None:
     sidecar = _playground(start_sidecar, page_upstream)
-    with _served_elsewhere(httpx.get(sidecar.admin_url + "/").text) as origin:
+    with served_page(httpx.get(sidecar.admin_url + "/").content) as origin:
         page.goto(origin + "/")
         page.wait_for_selector("#model[data-loaded=true]", state="attached")
         # Already on load, the model list says why it failed.
@@ -333,7 +299,7 @@ def test_aPageFromAnotherOrigin_isToldWhichFlagLetsItIn(
 def test_nothingListening_saysSoInWords(page: Any) -> None:
     dead = f"http://127.0.0.1:{_free_port()}"
     template = importlib.resources.files("tokenwire.sidecar.tools").joinpath("static/playground.html")
-    with _served_elsewhere(template.read_text("utf-8").replace("{{PROXY_URL}}", dead)) as origin:
+    with served_page(template.read_text("utf-8").replace("{{PROXY_URL}}", dead).encode()) as origin:
         page.goto(origin + "/")
         page.wait_for_selector("#model[data-loaded=true]", state="attached")
         _send(page, "hello")

@@ -12,9 +12,7 @@ which no real deployment has.
 
 from __future__ import annotations
 
-import http.server
 import json
-import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -22,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from chromium import new_page, served_page
 from clients import chat_body
 from conftest import RunningSidecar
 from resume_client import open_stream
@@ -82,27 +81,11 @@ window.follow = (url) => {
 """
 
 
-class _PageHandler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "text/html; charset=utf-8")
-        self.send_header("Content-Length", str(len(PAGE)))
-        self.end_headers()
-        self.wfile.write(PAGE)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass  # keep pytest's output for failures
-
-
 @pytest.fixture(scope="module")
 def page_origin() -> Iterator[str]:
     """``http://127.0.0.1:<port>``: where the page is served, another origin than the sidecar."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _PageHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with served_page(PAGE) as origin:
+        yield origin
 
 
 def _admin(sidecar: RunningSidecar, method: str, path: str) -> Any:
@@ -146,10 +129,8 @@ def test_eventSource_droppedByTheServer_reconnectsWithLastEventId_andShowsTheWho
                             resume_store=resume_store, cors_allow_origins=(page_origin,),
                             resume_owner_secret="browser-test")
 
-    context = browser.new_context(viewport={"width": 900, "height": 700})
-    try:
+    with new_page(browser, viewport={"width": 900, "height": 700}) as page:
         # The page is loaded first, so a slow browser start cannot eat the answer's time.
-        page = context.new_page()
         stream_requests: list[Any] = []
         page.on("request", lambda req: stream_requests.append(req) if "/v1/streams/" in req.url else None)
         page.goto(page_origin + "/")
@@ -173,8 +154,6 @@ def test_eventSource_droppedByTheServer_reconnectsWithLastEventId_andShowsTheWho
         shot = tmp_path / "resume.png"
         page.screenshot(path=str(shot), full_page=True)
         headers = [req.all_headers() for req in stream_requests]
-    finally:
-        context.close()
 
     # The whole answer, exactly once, as if nothing had happened.
     assert seen["text"] == expected_text(TOKENS)

@@ -21,8 +21,8 @@ from .scripts import DEATH_AFTER_WORDS, ERROR_FIRST, ERROR_MID, WORDS
 EVENT_CLIENTS = frozenset({"httpx-sse", "httpx-sse-h2", "curl", "eventsource", "browser-eventsource",
                            "browser-fetch"})
 """Clients that hand the application SSE events, not parsed chunks."""
-RETRYING_CLIENTS = frozenset({"openai-sync", "openai-sync-h2", "openai-async", "openai-stream-helper",
-                              "langchain", "openai-node"})
+RETRYING_CLIENTS = frozenset({"openai-sync", "openai-sync-h2", "openai-async", "openai-async-h2",
+                              "openai-stream-helper", "langchain", "langchain-h2", "openai-node"})
 """Clients that retry a 5xx themselves (and honour ``x-should-retry``)."""
 CUT_BODY_ERRORS = frozenset({"RemoteProtocolError", "curl exit 18", "TypeError"})
 """How httpx-sse, curl and a fetch reader report a body cut without its terminator."""

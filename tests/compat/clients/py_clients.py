@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import httpx
@@ -61,6 +62,11 @@ def _http2_client(base_url: str) -> httpx.Client:
     return httpx.Client(http2=True, http1=not speaks_h2(base_url), timeout=TIMEOUT_S)
 
 
+def _http2_async_client(base_url: str) -> httpx.AsyncClient:
+    """:func:`_http2_client`'s asyncio twin."""
+    return httpx.AsyncClient(http2=True, http1=not speaks_h2(base_url), timeout=TIMEOUT_S)
+
+
 def openai_sync(base_url: str, stall: Stall | None, *, http2: bool = False) -> Outcome:
     import openai
 
@@ -82,12 +88,13 @@ def openai_sync(base_url: str, stall: Stall | None, *, http2: bool = False) -> O
     return out
 
 
-def openai_async(base_url: str, stall: Stall | None) -> Outcome:
+def openai_async(base_url: str, stall: Stall | None, *, http2: bool = False) -> Outcome:
     import openai
 
     async def main() -> Outcome:
         out = Outcome()
-        async with openai.AsyncOpenAI(base_url=base_url, api_key="compat", timeout=TIMEOUT_S) as client:
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="compat", timeout=TIMEOUT_S,
+                                      http_client=_http2_async_client(base_url) if http2 else None) as client:
             try:
                 stream = await client.chat.completions.create(
                     model=MODEL, messages=MESSAGES, stream=True)  # type: ignore[arg-type]
@@ -126,16 +133,19 @@ def openai_stream_helper(base_url: str, stall: Stall | None) -> Outcome:
     return out
 
 
-def langchain(base_url: str, stall: Stall | None) -> Outcome:
+def langchain(base_url: str, stall: Stall | None, *, http2: bool = False) -> Outcome:
     """LangChain's ``ChatOpenAI.stream``, the chunks added up in one go
     (``full = full + chunk`` re-parses the tool-call arguments each time:
-    quadratic, minutes for a long tool call; the sum is the same)."""
+    quadratic, minutes for a long tool call; the sum is the same). With
+    ``http2``, over the httpx client LangChain documents for that
+    (``http_client=httpx.Client(http2=True)``; ``.stream`` uses the sync one)."""
     from langchain_core.messages.ai import add_ai_message_chunks
     from langchain_openai import ChatOpenAI
 
     out = Outcome()
+    http_client = _http2_client(base_url) if http2 else None
     llm = ChatOpenAI(model=MODEL, base_url=base_url, api_key="compat",  # type: ignore[arg-type]
-                     timeout=TIMEOUT_S, logprobs=True)
+                     timeout=TIMEOUT_S, logprobs=True, http_client=http_client)
     pieces: list[Any] = []
     try:
         for piece in llm.stream("Write the file."):
@@ -144,6 +154,9 @@ def langchain(base_url: str, stall: Stall | None) -> Outcome:
                 stall()
     except Exception as error:
         out.error = _sdk_error(error)
+    finally:
+        if http_client is not None:
+            http_client.close()
     if pieces:
         merged = add_ai_message_chunks(pieces[0], *pieces[1:])
         out.final = jsonable({
@@ -153,21 +166,32 @@ def langchain(base_url: str, stall: Stall | None) -> Outcome:
     return out
 
 
-def litellm_client(base_url: str, stall: Stall | None) -> Outcome:
-    """litellm as a client: ``completion(..., stream=True, api_base=...)``."""
+def litellm_client(base_url: str, stall: Stall | None, *, http2: bool = False) -> Outcome:
+    """litellm as a client: ``completion(..., stream=True, api_base=...)``. With
+    ``http2``, through the per-call ``client=`` litellm accepts for its OpenAI
+    provider: an ``openai.OpenAI`` over an httpx client with ``http2=True``
+    (litellm's global ``litellm.client_session`` would do too, but it is one
+    for the whole process, and the cases here run in parallel threads)."""
     import litellm
+    import openai
 
     litellm.telemetry = False
     out = Outcome()
+    client = (openai.OpenAI(base_url=base_url, api_key="compat", timeout=TIMEOUT_S,
+                            http_client=_http2_client(base_url)) if http2 else None)
     try:
         response = litellm.completion(model=f"openai/{MODEL}", messages=MESSAGES, stream=True,
-                                      api_base=base_url, api_key="compat", timeout=TIMEOUT_S)
+                                      api_base=base_url, api_key="compat", timeout=TIMEOUT_S,
+                                      client=client)
         for chunk in response:
             out.chunks.append(jsonable(chunk.model_dump()))
             if stall is not None and len(out.chunks) == 1:
                 stall()
     except Exception as error:
         out.error = _sdk_error(error)
+    finally:
+        if client is not None:
+            client.close()
     return out
 
 
@@ -224,6 +248,11 @@ PY_CLIENTS: dict[str, Callable[[str, Stall | None], Outcome]] = {
     "httpx-sse": httpx_sse_client,
     "curl": curl,
     # HTTP/2 to the sidecar (prior knowledge), HTTP/1.1 to the rest.
-    "openai-sync-h2": lambda base_url, stall: openai_sync(base_url, stall, http2=True),
-    "httpx-sse-h2": lambda base_url, stall: httpx_sse_client(base_url, stall, http2=True),
+    "openai-sync-h2": partial(openai_sync, http2=True),
+    "openai-async-h2": partial(openai_async, http2=True),
+    "langchain-h2": partial(langchain, http2=True),
+    "litellm-h2": partial(litellm_client, http2=True),
+    "httpx-sse-h2": partial(httpx_sse_client, http2=True),
 }
+H2_CLIENTS = frozenset(name for name in PY_CLIENTS if name.endswith("-h2"))
+"""The rows that speak HTTP/2 to the sidecar."""

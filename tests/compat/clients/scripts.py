@@ -18,7 +18,6 @@ connection without the chunked terminator; the middleware sees the exception).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 from collections import defaultdict
@@ -27,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from behaviour.scenarios import Fail, Send, Silence, Step
+from behaviour.scenarios import Fail, Send, Silence, Step, play_steps
 
 from ..replay import Transcript
 
@@ -279,13 +278,6 @@ class ScriptedUpstream:
             return
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
-        for step in script.steps:
-            if isinstance(step, Send):
-                await send({"type": "http.response.body", "body": step.data, "more_body": True})
-                await asyncio.sleep(step.gap_s)
-            elif isinstance(step, Silence):
-                await asyncio.sleep(step.seconds)
-            else:
-                raise UpstreamFailure(f"{case}: the upstream dies mid-body")
+        await play_steps(script.steps, send, lambda: UpstreamFailure(f"{case}: the upstream dies mid-body"))
         self.finished.add(case)
         await send({"type": "http.response.body", "body": b"", "more_body": False})

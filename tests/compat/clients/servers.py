@@ -72,13 +72,16 @@ THROUGH_STALL_MAX_S = 10.0
 
 
 class _Records(StreamLog):
-    """Keeps the sidecar's records in memory instead of writing JSON lines."""
+    """Keeps the sidecar's records in memory instead of writing JSON lines, and
+    the HTTP version each request came in (``"1.1"`` or ``"2"``) by request id."""
 
-    def __init__(self, into: list[StreamRecord]) -> None:
+    def __init__(self, into: list[StreamRecord], http_versions: dict[str, object]) -> None:
         super().__init__(None)
         self.into = into
+        self.http_versions = http_versions
 
     def write(self, record: StreamRecord, **extra: object) -> None:
+        self.http_versions[record.request_id] = extra.get("http_version")
         self.into.append(record)
 
 
@@ -91,6 +94,8 @@ class Servers:
     broken: dict[tuple[str, str], Exception] = field(default_factory=dict)
     """A target that could not be built as a user would build it: its cases fail with this."""
     records: list[StreamRecord] = field(default_factory=list)
+    http_versions: dict[str, object] = field(default_factory=dict)
+    """The sidecar's request id → the HTTP version the client spoke (its access log's ``http_version``)."""
     sidecar_retries: int = 0
 
     def url(self, target: str, profile: str) -> str:
@@ -208,7 +213,7 @@ async def _start(servers: Servers, stack: contextlib.AsyncExitStack) -> None:
             ["--upstream", direct, "--listen", "127.0.0.1:0", "--admin-listen", "", "--drain-s", "0",
              *SIDECAR_FLAGS[profile]], {})
         servers.sidecar_retries = sidecar_config.wire.retry_attempts
-        sidecar = Sidecar(sidecar_config, log=_Records(servers.records))
+        sidecar = Sidecar(sidecar_config, log=_Records(servers.records, servers.http_versions))
         await sidecar.start()
         stack.push_async_callback(sidecar.shutdown)
         servers.urls[("sidecar", profile)] = f"http://127.0.0.1:{sidecar.address[1]}"

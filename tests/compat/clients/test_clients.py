@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from .outcome import Outcome, compare
-from .py_clients import PY_CLIENTS, speaks_h2
+from .py_clients import H2_CLIENTS, PY_CLIENTS, speaks_h2
 from .scripts import FEATURES, PROFILE, SLOW_FEATURES
 from .servers import DRIVERS, TARGETS, Servers, stall_max_s
 
@@ -299,3 +299,17 @@ def test_h2_rows_speak_http2_to_the_sidecar_only(servers: Servers) -> None:
     assert speaks_h2(servers.url("sidecar", "plain"))
     assert not speaks_h2(servers.url("direct", "plain"))
     assert not speaks_h2(servers.url("middleware", "plain"))
+
+
+@pytest.mark.parametrize("client", sorted(H2_CLIENTS))
+def test_h2_row_reached_the_sidecar_over_http2(client: str, servers: Servers,
+                                               outcome_of: Callable[[str, str, str], Outcome]) -> None:
+    """Each ``-h2`` row's client really spoke HTTP/2 to the sidecar (a client
+    that quietly fell back to HTTP/1.1 would make its row a copy of the plain
+    one), and its plain row's HTTP/1.1 twin did not."""
+    outcome_of(client, "plain", "sidecar")  # runs the batch
+    spoken = {}
+    for name in (client, client.removesuffix("-h2")):
+        record = servers.record_of(case_id(name, "plain", "sidecar"))
+        spoken[name] = servers.http_versions[record.request_id]
+    assert spoken == {client: "2", client.removesuffix("-h2"): "1.1"}

@@ -1,21 +1,28 @@
-"""Fake engine pods as real processes (``bench/fake_engine.py``): controllable
-queue, speed, health and prefix cache, each on its own port."""
+"""Fake engine pods as real processes (``fake_engine.py``): controllable queue,
+speed, health and prefix cache, each on its own port.
+
+One launcher for the balancing benchmark (``balance_bench.py``) and the
+balancing tests (``tests/sidecar/test_balance_processes.py``): it lives beside
+the fake engine it starts, and the tests import it from here (``tests/conftest.py``
+puts ``bench/`` on their path).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
-import select
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-FAKE_ENGINE = Path(__file__).resolve().parents[2] / "bench" / "fake_engine.py"
+from targets import read_line
+
+FAKE_ENGINE = Path(__file__).resolve().parent / "fake_engine.py"
 
 
 @dataclass
@@ -59,16 +66,24 @@ class FakePod:
 
 
 def spawn_pod(name: str, *args: str, timeout_s: float = 15.0) -> FakePod:
+    """``fake_engine.py --name NAME ARGS``, once it printed ``ready port=N``."""
     process = subprocess.Popen([sys.executable, str(FAKE_ENGINE), "--name", name, *args],
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    assert process.stdout is not None
-    deadline = time.monotonic() + timeout_s
-    line = b""
-    while not line.endswith(b"\n"):
-        ready, _, _ = select.select([process.stdout], [], [], max(0.0, deadline - time.monotonic()))
-        if not ready or process.poll() is not None:
-            process.kill()
-            raise AssertionError(f"fake engine {name} did not start")
-        line += os.read(process.stdout.fileno(), 1)
-    assert line.startswith(b"ready port="), line
-    return FakePod(name, process, int(line.split(b"=", 1)[1]))
+    line = read_line(process, f"fake engine {name}", timeout_s)
+    if not line.startswith("ready port="):
+        process.kill()
+        raise RuntimeError(f"fake engine {name} said {line!r}, not its ready line")
+    return FakePod(name, process, int(line.split("=", 1)[1]))
+
+
+@contextlib.contextmanager
+def running_pods(specs: Sequence[Sequence[str]]) -> Iterator[list[FakePod]]:
+    """One pod per spec (its arguments), ``pod0``, ``pod1``...; stopped at the end."""
+    started: list[FakePod] = []
+    try:
+        for index, args in enumerate(specs):
+            started.append(spawn_pod(f"pod{index}", *args))
+        yield started
+    finally:
+        for pod in started:
+            pod.stop()
