@@ -6,15 +6,23 @@
    ``--streams`` concurrent streams and reads them to the end. The server
    reports its own CPU time (``resource.getrusage``) before and after; CPU per
    event = delta / events delivered. Bare and wrapped runs alternate, repeated
-   ``--repeats`` times; medians are reported.
+   ``--repeats`` times; medians are reported. ``--base DIR``: also run the
+   middleware from another ``tokenwire`` package (``DIR/tokenwire``, e.g. an
+   older commit's ``git archive``) as a third server in the same rotation, so
+   before and after are measured side by side.
 2. Disconnect propagation. The server's app sits in a silent 60 s "prefill";
    the client sends a request, waits 30 ms, then resets the connection
    (SO_LINGER 0). The app records when it sees ``CancelledError`` and the
    ``on_abort`` hook when it is called (CLOCK_MONOTONIC, shared by both
    processes); latency = that time - the client's time just before the reset.
+3. ``--instructions EVENTS``: user-space instructions per event, bare and
+   wrapped, counted by valgrind (cachegrind) on the same servers: a figure
+   that other processes on a shared machine cannot move
+   (:func:`instructions_benchmark`). Needs ``valgrind``.
 
 Run: ``.venv/bin/python bench/middleware_bench.py`` (writes
-``bench/results/middleware.json``).
+``bench/results/middleware.json``; ``--servers httptools`` for one server,
+``--out FILE`` to write elsewhere).
 """
 
 from __future__ import annotations
@@ -24,12 +32,14 @@ import asyncio
 import json
 import os
 import platform
+import re
 import resource
 import socket
 import statistics
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -106,13 +116,19 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, mode: str, http: str, loop: str, events: int) -> None:
+    def __init__(self, mode: str, http: str, loop: str, events: int, code: str | None = None,
+                 wrapper: list[str] | None = None) -> None:
+        """``code``: a directory holding another ``tokenwire`` package to serve
+        the middleware from (``--base``); ``wrapper``: a command to run the
+        server under (valgrind)."""
         self.port = free_port()
+        path = [code] if code is not None else []
         self.process = subprocess.Popen(
-            [sys.executable, __file__, "serve", "--mode", mode, "--http", http, "--loop", loop,
-             "--port", str(self.port), "--events", str(events)],
-            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
-        deadline = time.monotonic() + 30
+            [*(wrapper or []), sys.executable, __file__, "serve", "--mode", mode, "--http", http,
+             "--loop", loop, "--port", str(self.port), "--events", str(events)],
+            env={**os.environ,
+                 "PYTHONPATH": os.pathsep.join([*path, str(Path(__file__).resolve().parent.parent)])})
+        deadline = time.monotonic() + (30 if wrapper is None else 300)
         while True:
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
@@ -130,9 +146,9 @@ class Server:
                 data += chunk
         return json.loads(data.split(b"\r\n\r\n", 1)[1])
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 10) -> None:
         self.process.terminate()
-        self.process.wait(10)
+        self.process.wait(timeout_s)
 
 
 async def read_stream(port: int) -> int:
@@ -163,7 +179,11 @@ def cpu_run(server: Server, streams: int, events: int) -> dict[str, float]:
 
 def cpu_benchmark(args: argparse.Namespace, http: str) -> dict[str, Any]:
     runs: dict[str, list[dict[str, float]]] = {"bare": [], "middleware": []}
-    servers = {mode: Server(mode, http, args.loop, args.events) for mode in runs}
+    if args.base is not None:
+        runs["base"] = []
+    servers = {mode: Server("middleware" if mode == "base" else mode, http, args.loop, args.events,
+                            code=args.base if mode == "base" else None)
+               for mode in runs}
     try:
         for server in servers.values():  # warm up both
             cpu_run(server, args.streams, args.events)
@@ -174,14 +194,69 @@ def cpu_benchmark(args: argparse.Namespace, http: str) -> dict[str, Any]:
         for server in servers.values():
             server.close()
     medians = {mode: statistics.median(r["cpu_us_per_event"] for r in rs) for mode, rs in runs.items()}
-    return {
+    result: dict[str, Any] = {
         "http": http, "loop": args.loop, "streams": args.streams, "events_per_stream": args.events,
         "repeats": args.repeats,
         "cpu_us_per_event_bare": round(medians["bare"], 3),
         "cpu_us_per_event_middleware": round(medians["middleware"], 3),
+        "added_us_per_event": round(medians["middleware"] - medians["bare"], 3),
         "overhead_pct": round((medians["middleware"] / medians["bare"] - 1) * 100, 1),
-        "runs": runs,
     }
+    for mode, rs in runs.items():
+        # The least-disturbed round: other processes only ever add CPU time.
+        result[f"cpu_us_per_event_{mode}_min"] = round(min(r["cpu_us_per_event"] for r in rs), 3)
+    if "base" in medians:
+        result["base"] = args.base
+        result["cpu_us_per_event_base"] = round(medians["base"], 3)
+        result["added_us_per_event_base"] = round(medians["base"] - medians["bare"], 3)
+    # Each round's added cost against the bare run just before it: the
+    # machine's load moves both alike, so this is steadier than the medians.
+    for mode in ("middleware", "base"):
+        if mode in runs:
+            added = [w["cpu_us_per_event"] - b["cpu_us_per_event"]
+                     for b, w in zip(runs["bare"], runs[mode], strict=True)]
+            result[f"added_us_per_event_{mode}_paired_median"] = round(statistics.median(added), 3)
+    result["runs"] = runs
+    return result
+
+
+def instructions_benchmark(args: argparse.Namespace, http: str) -> dict[str, Any]:
+    """User-space instructions per event (valgrind's cachegrind): free of the
+    noise CPU time picks up from other processes on a shared machine. Each
+    server (bare, middleware, ``--base``) serves ``--streams`` streams of E1
+    and then E2 events in two runs under cachegrind; instructions per event =
+    the difference of the two runs' totals / (streams x (E2 - E1)), so start-up
+    and per-stream costs cancel. The kernel's share (the socket writes) is the
+    same bare and wrapped and is not counted."""
+    low, high = 100, 100 + args.instructions
+    modes = ["bare", "middleware", *(["base"] if args.base is not None else [])]
+    per_event: dict[str, float] = {}
+    for mode in modes:
+        totals = []
+        for events in (low, high):
+            log = Path(tempfile.mkdtemp(prefix="tokenwire-cachegrind-")) / "log"
+            wrapper = ["valgrind", "--tool=cachegrind", "--cache-sim=no",
+                       "--cachegrind-out-file=/dev/null", f"--log-file={log}"]
+            server = Server("middleware" if mode == "base" else mode, http, args.loop, events,
+                            code=args.base if mode == "base" else None, wrapper=wrapper)
+            try:
+                async def read_all(port: int = server.port) -> list[int]:
+                    return await asyncio.gather(*(read_stream(port) for _ in range(args.instr_streams)))
+                asyncio.run(read_all())
+                # A server that could not bind its port (taken meanwhile) has
+                # exited, and the streams were read from someone else's.
+                assert server.process.poll() is None, "the server exited early"
+            finally:
+                server.close(timeout_s=120)
+            refs = re.search(r"I\s+refs:\s+([\d,]+)", log.read_text())
+            assert refs is not None, log.read_text()
+            totals.append(int(refs.group(1).replace(",", "")))
+        per_event[mode] = (totals[1] - totals[0]) / (args.instr_streams * (high - low))
+    result: dict[str, Any] = {"http": http, "streams": args.instr_streams, "events": [low, high],
+                              "instructions_per_event": {m: round(v) for m, v in per_event.items()}}
+    for mode in modes[1:]:
+        result[f"added_instructions_per_event_{mode}"] = round(per_event[mode] - per_event["bare"])
+    return result
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -189,8 +264,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def disconnect_benchmark(args: argparse.Namespace, http: str) -> dict[str, Any]:
-    server = Server("middleware", http, args.loop, 10)
+def disconnect_benchmark(args: argparse.Namespace, http: str, code: str | None = None) -> dict[str, Any]:
+    server = Server("middleware", http, args.loop, 10, code=code)
     linger = struct.pack("ii", 1, 0)
     reset_at: list[float] = []
     try:
@@ -231,6 +306,18 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--resets", type=int, default=200)
+    parser.add_argument("--servers", default="httptools,h11",
+                        help="bench: the uvicorn HTTP implementations to run, comma-separated")
+    parser.add_argument("--base", metavar="DIR", default=None,
+                        help="bench: also run the middleware of the tokenwire package in DIR/tokenwire "
+                             "(e.g. `git archive OLD tokenwire middleware sidecar engine` unpacked "
+                             "into DIR/tokenwire) side by side")
+    parser.add_argument("--out", default=str(RESULTS), help="bench: where to write the results")
+    parser.add_argument("--instructions", type=int, default=0, metavar="EVENTS",
+                        help="bench: also count user-space instructions per event under valgrind "
+                             "(cachegrind), from runs of 100 and 100+EVENTS events per stream")
+    parser.add_argument("--instr-streams", type=int, default=16,
+                        help="bench: concurrent streams of the --instructions runs")
     args = parser.parse_args()
     if args.command == "serve":
         serve(args)
@@ -244,18 +331,33 @@ def main() -> None:
                     "uvicorn": uvicorn.__version__},
         "cpu_per_event": [],
         "disconnect": [],
+        "instructions": [],
     }
-    for http in ("httptools", "h11"):
+    for http in args.servers.split(","):
+        if args.instructions > 0:
+            counted = instructions_benchmark(args, http)
+            print(f"instructions/event {http}: {counted['instructions_per_event']}", flush=True)
+            result["instructions"].append(counted)
         cpu = cpu_benchmark(args, http)
+        base = "" if args.base is None else (f", base {cpu['cpu_us_per_event_base']} us "
+                                             f"(+{cpu['added_us_per_event_base']})")
         print(f"cpu/event {http}: bare {cpu['cpu_us_per_event_bare']} us, middleware "
-              f"{cpu['cpu_us_per_event_middleware']} us, overhead {cpu['overhead_pct']}%", flush=True)
+              f"{cpu['cpu_us_per_event_middleware']} us (+{cpu['added_us_per_event']}, "
+              f"{cpu['overhead_pct']}%){base}", flush=True)
         result["cpu_per_event"].append(cpu)
-        disconnect = disconnect_benchmark(args, http)
-        print(f"disconnect {http}: app cancelled p50 {disconnect['app_cancelled_ms']['p50']} ms, "
-              f"p99 {disconnect['app_cancelled_ms']['p99']} ms", flush=True)
-        result["disconnect"].append(disconnect)
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+        for code in (None, args.base) if args.base is not None else (None,):
+            if args.resets <= 0:
+                break
+            disconnect = disconnect_benchmark(args, http, code)
+            if code is not None:
+                disconnect["base"] = code
+            print(f"disconnect {http}{'' if code is None else ' (base)'}: app cancelled p50 "
+                  f"{disconnect['app_cancelled_ms']['p50']} ms, "
+                  f"p99 {disconnect['app_cancelled_ms']['p99']} ms", flush=True)
+            result["disconnect"].append(disconnect)
+    out = Path(args.out)
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

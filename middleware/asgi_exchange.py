@@ -9,8 +9,11 @@ goes. An :class:`Exchange` runs the app in a child task and, beside it, the
 not an event stream is passed through; an event stream is *driven* by a
 :class:`WireStream`, whose bytes a *writer* task sends (or the app's own
 ``send`` call, inline, when the writer is idle: ``write_inline``,
-``forward_inline``). The sidecar's per-request object has the same name and
-role (``sidecar/exchange.py``); what they do alike is ``driver.py``.
+``forward_inline``). The usual event (a body chunk the core's keeps-up path
+takes, written at once) is done in ``app_send`` itself, a plain function
+that answers with an already-done future, so an event costs no coroutine of
+ours; the rest is ``send_message``. The sidecar's per-request object has the
+same name and role (``sidecar/exchange.py``); what they do alike is ``driver.py``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import asyncio
 import inspect
 import logging
 import uuid
+from collections.abc import Awaitable
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
@@ -135,6 +139,8 @@ class Exchange(ResponseWriter):
         self.upstream_resumed: asyncio.Event | None = None
         self.timer = DeadlineTimer(self.loop, self.on_timer)
         self.hook_tasks: list[asyncio.Future[Any]] = []
+        self.sent: asyncio.Future[None] = self.loop.create_future()  # app_send's usual answer
+        self.sent.set_result(None)
         # Resume.
         self.stream_id = new_stream_id() if self.config.resume else None
         self.resume_opened = False  # the store has it (opened before its first append)
@@ -247,7 +253,30 @@ class Exchange(ResponseWriter):
 
     # ------------------------------------------------------------ the app's send
 
-    async def app_send(self, message: Message) -> None:
+    def app_send(self, message: Message) -> Awaitable[None]:
+        """The app's ``send``. The usual event of an event stream (a body
+        chunk the core's keeps-up path takes, written by the server's ``send``
+        without suspending) is done here and answered with a future that is
+        already done, so no coroutine is made per event; anything else is
+        :meth:`send_message`, awaited as the app awaits this."""
+        stream = self.stream
+        if (stream is not None and self.wake is not None and not self.writer_sending
+                and self.start_message is None and self.close is None and self.pending_send is None
+                and not self.app_ended and message.get("type") == "http.response.body"
+                and message.get("more_body", False)):
+            body = message.get("body", b"")
+            if body and type(body) is bytes:
+                out = stream.forward_read(body, self.loop.time())
+                if out is not None:
+                    if self.start_send(stream, out, paused=True):
+                        # Nothing is pending, and forward_read held: the core
+                        # has not paused the app (the `block` policy).
+                        return self.sent
+                    return self.after_body(stream)  # the send suspended, or failed
+        return self.send_message(message)
+
+    async def send_message(self, message: Message) -> None:
+        """The app's ``send``, all but the usual event (:meth:`app_send`)."""
         stream = self.stream
         if stream is None:
             if self.mode is _Mode.PASSTHROUGH:
@@ -282,13 +311,20 @@ class Exchange(ResponseWriter):
             raise RuntimeError("ASGI message after the response body ended")
         now = self.loop.time()
         body = message.get("body", b"")
-        if body and not self.forward_inline(stream, bytes(body), now):
-            self.apply(stream.handle(UpstreamData(bytes(body)), now), wake=False)
-            if not self.write_inline(stream):
-                self.wake_writer()
+        if body:
+            if type(body) is not bytes:
+                body = bytes(body)
+            if self.forward_inline(stream, body, now) is None:
+                self.apply(stream.handle(UpstreamData(body), now), wake=False)
+                if not self.write_inline(stream):
+                    self.wake_writer()
         if not message.get("more_body", False):
             self.app_ended = True
             self.apply(stream.handle(UpstreamEnded(), now))
+        await self.after_body(stream)
+
+    async def after_body(self, stream: WireStream) -> None:
+        """What the app's ``send`` waits for once the core has its body."""
         resumed = self.upstream_resumed
         if resumed is not None and not resumed.is_set():
             await resumed.wait()  # the `block` policy: TCP backpressure reaches the app

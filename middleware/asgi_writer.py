@@ -12,7 +12,10 @@ outstanding write; meanwhile events queue and coalesce in the core.
 Most sends complete without suspending (the bytes go to the transport), so
 when the writer is idle the app's own ``send`` call writes inline
 (``write_inline``; ``forward_inline`` with the core's one-call keeps-up path)
-and no writer wake-up or loop iteration is paid per event. A send that does
+and no writer wake-up or loop iteration is paid per event. The server's
+``send`` is stepped by hand through a *pump* generator (``_pump``), which
+reports a completed send by what it yields rather than by the
+``StopIteration`` a coroutine's own ``send(None)`` raises. A send that does
 suspend is handed to the writer (``pending_send``), which finishes it as if
 it had started it. ``CloseClient`` ends the response: cleanly with the final
 empty body, or abruptly by returning without it, so the server closes the
@@ -24,10 +27,9 @@ The core's actions are executed by the subclass (``asgi_exchange.Exchange.apply`
 from __future__ import annotations
 
 import asyncio
-import inspect
 import types
 from collections.abc import Awaitable, Generator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from .events import Action, ClientGone, CloseClient, SocketPaused, SocketResumed, WriteCompleted
 from .stream import WireStream
@@ -51,6 +53,7 @@ class ResponseWriter:
         self.writer_sending = False
         self.pending_send: Awaitable[None] | None = None  # an inline send that suspended
         self.pending_paused = False  # ... after forward_read: the core was told SocketPaused
+        self.pump: Generator[Any, Any, None] | None = None  # steps inline sends (_pump)
         self.writer_error: Exception | None = None
 
     def apply(self, actions: list[Action], *, wake: bool = True) -> None:
@@ -68,45 +71,59 @@ class ResponseWriter:
         return (self.wake is not None and not self.writer_sending and self.start_message is None
                 and self.close is None and self.pending_send is None)
 
-    def forward_inline(self, stream: WireStream, body: bytes, now: float) -> bool:
+    def forward_inline(self, stream: WireStream, body: bytes, now: float) -> bool | None:
         """The keeps-up path: the core's one call (``forward_read``) gives the
         bytes to write and the server's ``send`` takes them at once. A send
         that suspends instead means the socket is full: the core is told it
-        is paused until the writer has finished that send. False (and
-        nothing done) when the core says this body needs its usual way."""
-        if not self.writer_idle():
-            return False
+        is paused until the writer has finished that send. None (and nothing
+        done) when the writer is busy or the core says this body needs its
+        usual way; else what :meth:`start_send` says."""
+        # writer_idle(), written out: this runs once per event.
+        if (self.wake is None or self.writer_sending or self.start_message is not None
+                or self.close is not None or self.pending_send is not None):
+            return None
         out = stream.forward_read(body, now)
         if out is None:
-            return False
-        self.start_send(stream, out, paused=True)
-        return True
+            return None
+        return self.start_send(stream, out, paused=True)
 
-    def start_send(self, stream: WireStream, data: bytes, *, paused: bool) -> None:
+    def start_send(self, stream: WireStream, data: bytes, *, paused: bool) -> bool:
         """Run the server's ``send`` of ``data`` here until it completes or
         suspends; a suspended one is handed to the writer (``pending_send``),
         which finishes it. ``paused``: the core counted the write as done, so
         a suspension is reported as ``SocketPaused`` (resumed when it ends);
-        otherwise the write is in flight and ends with ``WriteCompleted``."""
+        otherwise the write is in flight and ends with ``WriteCompleted``.
+        True when the send completed at once (with ``paused``, the core was
+        then told nothing: its state is what ``forward_read`` left)."""
         sending = self.send({"type": "http.response.body", "body": data, "more_body": True})
-        if inspect.iscoroutine(sending):
+        if type(sending) is types.CoroutineType:  # inspect.iscoroutine, without the call
+            pump = self.pump
+            if pump is None:
+                pump = self.pump = _pump()
+                pump.send(None)
             try:
-                yielded = sending.send(None)
-            except StopIteration:
-                if not paused:
-                    self.apply(stream.handle(WriteCompleted(), self.loop.time()), wake=False)
-                    if (self.start_message is not None or self.close is not None or stream.finished
-                            or stream.pending_bytes):
-                        self.wake_writer()
-                return
-            except Exception as error:
+                yielded = pump.send(sending)
+            except BaseException as error:
+                self.pump = None  # the send's error ended the pump too
+                if not isinstance(error, Exception):
+                    raise
                 # As the writer does when the server's send fails.
                 if not isinstance(error, OSError):
                     self.writer_error = error
                 self.client_gone = True
                 self.apply(stream.handle(ClientGone(), self.loop.time()))
-                return
-            self.pending_send = _finish(sending, yielded)
+                return False
+            if yielded is _DONE:
+                if not paused:
+                    self.apply(stream.handle(WriteCompleted(), self.loop.time()), wake=False)
+                    if (self.start_message is not None or self.close is not None or stream.finished
+                            or stream.pending_bytes):
+                        self.wake_writer()
+                return True
+            # The pump goes with the send it is in the middle of; the next
+            # inline send starts a fresh one.
+            self.pump = None
+            self.pending_send = _finish(pump, yielded)
         else:
             self.pending_send = sending  # some other awaitable: the writer awaits it
         # Outstanding: the writer owns it now.
@@ -115,6 +132,7 @@ class ResponseWriter:
         if paused:
             self.apply(stream.handle(SocketPaused(), self.loop.time()), wake=False)
         self.wake_writer()
+        return False
 
     def write_inline(self, stream: WireStream) -> bool:
         """Write from the app's ``send`` itself when the writer is idle: the
@@ -192,21 +210,35 @@ class ResponseWriter:
             self.writer_sending = False
 
 
+_DONE: Final = object()
+"""What :func:`_pump` answers when the send it was given has completed."""
+
+
 @types.coroutine
-def _finish(coroutine: Any, yielded: Any) -> Generator[Any, Any, None]:
-    """The rest of a coroutine that was started by hand and suspended on
+def _pump() -> Generator[Any, Any, None]:
+    """Runs each coroutine sent to it (after a first ``send(None)``) until it
+    completes, then answers :data:`_DONE`; a coroutine that suspends makes it
+    answer what that one yielded instead. Stepping the server's ``send`` this
+    way instead of by its own ``send(None)`` spares the ``StopIteration`` that
+    a completing coroutine raises there, once per event."""
+    coroutine = yield _DONE
+    while True:
+        yield from coroutine
+        coroutine = yield _DONE
+
+
+@types.coroutine
+def _finish(pump: Generator[Any, Any, None], yielded: Any) -> Generator[Any, Any, None]:
+    """The rest of a send that :func:`_pump` started and that suspended on
     ``yielded``: awaited by a task, it runs on exactly as if the task had
-    started it (what the task sends or throws in goes to the coroutine)."""
+    started it (what the task sends or throws in goes to the send), and ends
+    when the pump says the send completed (or raises what the send raised)."""
     while True:
         try:
             value = yield yielded
         except BaseException as error:
-            try:
-                yielded = coroutine.throw(error)
-            except StopIteration:
-                return
-            continue
-        try:
-            yielded = coroutine.send(value)
-        except StopIteration:
+            yielded = pump.throw(error)
+        else:
+            yielded = pump.send(value)
+        if yielded is _DONE:
             return
