@@ -22,6 +22,14 @@ from typing import Protocol
 
 from tokenwire.engine.backend import BackendStats, EngineBackend, GenerationRequest, RequestOutput
 
+GIL_SWITCH_INTERVAL_S = 0.001
+"""``sys.setswitchinterval`` of a process where the engine thread shares the GIL with
+another busy thread (the event loop; in the scheduler process, its pipe reader):
+the engine thread gives up the GIL inside every torch op and must take it back,
+and the other thread, asking for it, waits for the interval each time. Python's
+default 5 ms lets the loop hold up a step for that long per op, or keeps a
+request waiting in the pipe that long per message."""
+
 DeliverOutputs = Callable[[list[RequestOutput]], None]
 """Runs on the event loop with one step's outputs."""
 StepObserver = Callable[[float, BackendStats], None]

@@ -45,6 +45,7 @@ import contextlib
 import logging
 import multiprocessing
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -61,7 +62,13 @@ from tokenwire.engine.backend import (
 )
 from tokenwire.engine.config import EngineConfig
 from tokenwire.engine.loader import LoadedModel, load_front
-from tokenwire.engine.runner import AddRequest, CancelRequest, DeliverOutputs, StepObserver
+from tokenwire.engine.runner import (
+    GIL_SWITCH_INTERVAL_S,
+    AddRequest,
+    CancelRequest,
+    DeliverOutputs,
+    StepObserver,
+)
 
 log = logging.getLogger("tokenwire.engine.scheduler_process")
 
@@ -342,6 +349,9 @@ def scheduler_main(spec: SchedulerSpec, down: Connection, up: Connection) -> Non
     # generating for them meanwhile), and its death is our pipe's end of file.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # This thread reads the down pipe while the engine thread steps: each request
+    # or cancellation waits for the GIL, at most this long, not Python's 5 ms.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     logging.basicConfig(level=spec.log_level.upper(), format="%(message)s")
     import torch
     from tokenwire.engine.loader import load_model
