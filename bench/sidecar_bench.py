@@ -94,9 +94,9 @@ def wait_port(port: int, timeout_s: float = 30) -> None:
 
 @contextlib.contextmanager
 def process(cmd: list[str], what: str, *, ready_line: bool = True,
-            env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[str]]:
+            env: dict[str, str] | None = None, cwd: str | None = None) -> Iterator[subprocess.Popen[str]]:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            start_new_session=True, env=env)
+                            start_new_session=True, env=env, cwd=cwd)
     try:
         if ready_line:
             wait_ready(proc, what)
@@ -181,7 +181,10 @@ def sidecar(listen_port: int, upstream_port: int, workers: int = 1,
            "--listen", f"127.0.0.1:{listen_port}", "--upstream", f"http://127.0.0.1:{upstream_port}",
            "--admin-listen", f"127.0.0.1:{admin_port}", "--max-connections", "20000",
            "--log-file", "", *(["--workers", str(workers)] if workers > 1 else [])]
-    with process(cmd, "sidecar", env=None if code is None else {**os.environ, "PYTHONPATH": code}) as proc:
+    # Run from ``code`` itself: ``python -m`` puts the working directory first
+    # on the path, and a checkout's own ``tokenwire/`` would win over PYTHONPATH.
+    with process(cmd, "sidecar", env=None if code is None else {**os.environ, "PYTHONPATH": code},
+                 cwd=code) as proc:
         yield proc
 
 
@@ -260,18 +263,26 @@ def run(quick: bool) -> dict[str, Any]:
     return results
 
 
-def cpu_per_event(rounds: int, streams: int, events: int, interval_ms: float) -> dict[str, Any]:
+def cpu_per_event(rounds: int, streams: int, events: int, interval_ms: float,
+                  base_code: str | None = None) -> dict[str, Any]:
     """Proxy CPU per delivered event, tokenwire and nginx alternating, ``rounds`` each.
 
     CPU = the proxy process's user + system time (``/proc/PID/stat``) over a
     throughput run; events = tokens the client received (exact text checked).
+    ``base_code``: also a ``base`` sidecar run from that directory (the code
+    before a change), in the same rotation.
     """
-    upstream_port, sidecar_port, nginx_port = free_port(), free_port(), free_port()
+    upstream_port, sidecar_port, nginx_port, base_port = free_port(), free_port(), free_port(), free_port()
     rows: dict[str, list[dict[str, Any]]] = {"tokenwire": [], "nginx": []}
-    with process([PY, LOAD, "upstream", "--port", str(upstream_port)], "upstream"), \
-            sidecar(sidecar_port, upstream_port) as side, \
-            nginx(nginx_port, upstream_port) as ngx:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(process([PY, LOAD, "upstream", "--port", str(upstream_port)], "upstream"))
+        side = stack.enter_context(sidecar(sidecar_port, upstream_port))
+        ngx = stack.enter_context(nginx(nginx_port, upstream_port))
         targets = {"tokenwire": (sidecar_port, side.pid), "nginx": (nginx_port, nginx_worker_pid(ngx))}
+        if base_code is not None:
+            base = stack.enter_context(sidecar(base_port, upstream_port, code=base_code))
+            targets["base"] = (base_port, base.pid)
+            rows["base"] = []
         for round_index in range(rounds + 1):  # round 0 warms up
             for name, (port, pid) in targets.items():
                 before = cpu_seconds(pid)
@@ -457,7 +468,7 @@ def main() -> int:
                         help="--sweep: which targets (direct must come first)")
     parser.add_argument("--out", default="sidecar_sweep", help="--sweep: results file name")
     parser.add_argument("--base", metavar="DIR", default=None,
-                        help="--sweep: also run the tokenwire package in DIR/tokenwire (e.g. "
+                        help="--sweep, --cpu: also run the tokenwire package in DIR/tokenwire (e.g. "
                              "`git archive OLD middleware sidecar` unpacked there) as base-1")
     args = parser.parse_args()
     if args.sweep:
@@ -469,7 +480,7 @@ def main() -> int:
         print(json.dumps(sweep_results["reset_50_at_once"], indent=2))
         return 0
     if args.cpu:
-        print(json.dumps(cpu_per_event(args.cpu, 40, 500, 5), indent=2))
+        print(json.dumps(cpu_per_event(args.cpu, 40, 500, 5, base_code=args.base), indent=2))
         return 0
     RESULTS.mkdir(parents=True, exist_ok=True)
     results = run(args.quick)

@@ -310,13 +310,21 @@ def plain_event_count(data: bytes, limit_bytes: int, marker: bytes | None) -> in
     might need the full algorithm (even the marker's text inside a chunk)
     answers 0 and takes the parser.
     """
-    if (len(data) > limit_bytes or not data.startswith(b"data: ") or not data.endswith(b"\n\n")
-            or b"\r" in data or b'"error"' in data or (marker is not None and marker in data)):
+    # ``find``, not ``in``: CPython's ``bytes.__contains__`` first tries its
+    # operand as an integer and formats a TypeError message on every call,
+    # which made these three tests a tenth of the sidecar's instructions per event.
+    size = len(data)
+    if (size > limit_bytes or not data.startswith(b"data: ") or not data.endswith(b"\n\n")
+            or data.find(b"\r") >= 0 or data.find(b'"error"') >= 0
+            or (marker is not None and data.find(marker) >= 0)):
         return 0
-    count = data.count(b"\n\n")
-    if (data.count(b"\n") != 2 * count or data.count(b"data: ") != count
-            or data.count(b"\n\ndata: ") != count - 1):
-        return 0
+    if data.find(b"\n") == size - 2:
+        count = 1  # one line, one event: the usual read of a streaming engine
+    else:
+        count = data.count(b"\n\n")
+        if (data.count(b"\n") != 2 * count or data.count(b"data: ") != count
+                or data.count(b"\n\ndata: ") != count - 1):
+            return 0
     usage = data.count(b'"usage"')
     if usage and usage != data.count(b'"usage":null') + data.count(b'"usage": null'):
         return 0

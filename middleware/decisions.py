@@ -113,6 +113,9 @@ class StreamDecisions:
         self._block_policy = policy is SlowClientPolicy.BLOCK
         self._max_pending_bytes = config.max_pending_bytes
         self._one_call_path = not config.resume and not config.coalesce_ms
+        # next_deadline() as of the last input (inf: none), None once an input
+        # may have changed it: the one-call path's timer check (forward_read).
+        self._deadline_bound: float | None = None
         # The response as a whole.
         self._commit_at: float | None = now + config.commit_deadline_s if expect_stream else None
         self._finished = False

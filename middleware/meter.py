@@ -29,6 +29,8 @@ tokens when the upstream reports no ``usage``.
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 from .chunks import carries_token
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -92,9 +94,7 @@ class TokenMeter:
             self.gap_count += 1
             if gap_s > self.max_gap_s:
                 self.max_gap_s = gap_s
-            for i, bound in enumerate(GAP_BUCKETS_S):
-                if gap_s <= bound:
-                    self.gap_buckets[i] += 1
-                    break
+            # The first bound >= the gap (the last is inf, so there always is one).
+            self.gap_buckets[bisect_left(GAP_BUCKETS_S, gap_s)] += 1
         self.content_events += events
         self.last_write_at = now

@@ -159,7 +159,7 @@ class SSEParser:
             self._at_start = False
             if buffer.startswith(_BOM):
                 buffer = buffer[3:]
-        if b"\r" in buffer:
+        if buffer.find(b"\r") >= 0:  # not ``in``: see chunks.plain_event_count
             # A final CR ends a line; a LF opening the next feed belongs to it.
             # (Checked before replacing: turning it into LF first would make a
             # preceding CR and it one CRLF, losing a line end.)

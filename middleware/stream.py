@@ -83,6 +83,7 @@ from .sse import SSEEvent
 __all__ = ["GAP_BUCKETS_S", "HEARTBEAT", "TRANSITIONS", "StreamState", "WireStream"]
 
 W, C, S = StreamState.WAITING, StreamState.COMMITTED, StreamState.STREAMING
+_NO_DEADLINE = float("inf")
 
 
 class WireStream(StreamDecisions):
@@ -151,6 +152,7 @@ class WireStream(StreamDecisions):
             if isinstance(event, WriteCompleted) and client.write_in_flight:
                 client.write_in_flight = False
             return []
+        self._deadline_bound = None
         handler(event, now)
         self._fire_timers(now)
         resume = self._resume
@@ -172,6 +174,7 @@ class WireStream(StreamDecisions):
                 and now < client.pending_since + window_s):
             return b""
         data, events = self._pending.take()
+        self._deadline_bound = None
         client.started_write(now)
         acct = self._acct
         acct.bytes_out += len(data)
@@ -202,8 +205,16 @@ class WireStream(StreamDecisions):
                 or attempt.passthrough or self._finished or not self._one_call_path
                 or not attempt.parser.at_boundary or len(data) > self._max_pending_bytes):
             return None
-        deadline = self.next_deadline()
-        if deadline is not None and now >= deadline:
+        # next_deadline() only moves later on this path (it sets the times the
+        # heartbeat and idle timers run from to ``now``), so the value computed
+        # after the last input is a lower bound until the next one: one float
+        # comparison per read instead of walking every timer. A bound already
+        # passed takes the usual way, whose input recomputes it.
+        due_at = self._deadline_bound
+        if due_at is None:
+            deadline = self.next_deadline()
+            due_at = self._deadline_bound = _NO_DEADLINE if deadline is None else deadline
+        if now >= due_at:
             return None
         count = plain_event_count(data, self._plain_limit_bytes, self._marker_bytes)
         if not count:
@@ -211,12 +222,14 @@ class WireStream(StreamDecisions):
         acct = self._acct
         acct.events_in += count
         attempt.seen_at = now
-        if len(data) > acct.pending_high_water_bytes:
-            acct.pending_high_water_bytes = len(data)
+        size = len(data)
+        if size > acct.pending_high_water_bytes:
+            acct.pending_high_water_bytes = size
         client.wrote_at_once(now)
-        acct.bytes_out += len(data)
-        if acct.meter.awaiting_token:
-            acct.meter.queued(data)
+        acct.bytes_out += size
+        meter = acct.meter
+        if not meter.token_queued:
+            meter.queued(data)
         acct.content_written(count, now)
         return data
 

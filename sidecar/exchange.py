@@ -131,6 +131,7 @@ class Exchange:
             may_repeat=may_repeat(method, self._upstream_headers))
         self._milestones = (Milestones(self.stream, self._log_fields, span)
                            if span is not None or Milestones.wanted() else None)
+        self._write_high_water_bytes = context.config.wire.write_high_water_bytes
         self._inbox: deque[tuple[Input, float | None]] = deque()
         self._busy = False
         self._done = False
@@ -190,7 +191,7 @@ class Exchange:
         high-water mark, so the socket still pauses where it would have)."""
         batch: list[bytes] = []
         batched = 0
-        high_water = self._context.config.wire.write_high_water_bytes
+        high_water = self._write_high_water_bytes
         for data in chunks:
             if not self._busy and not self._done and not self._inbox and not self._response_ended:
                 try:

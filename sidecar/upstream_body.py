@@ -42,7 +42,7 @@ _SIZE_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[^\r\n\x00]*)?\Z")
 class ChunkedBodyReader:
     """Decodes one ``Transfer-Encoding: chunked`` body, a read at a time."""
 
-    __slots__ = ("_buffer", "_remaining", "_state", "_trailer_bytes", "leftover")
+    __slots__ = ("_buffer", "_remaining", "_state", "_trailer_bytes", "done", "leftover")
 
     _SIZE, _DATA, _DATA_END, _TRAILER, _DONE = range(5)
 
@@ -53,11 +53,9 @@ class ChunkedBodyReader:
         self._trailer_bytes = 0
         self.leftover = b""
         """Bytes that came after the body's end (never part of the body)."""
-
-    @property
-    def done(self) -> bool:
-        """The last chunk and the trailer section have been read."""
-        return self._state == self._DONE
+        self.done = False
+        """The last chunk and the trailer section have been read (an attribute,
+        not a property: it is read after every socket read)."""
 
     def feed(self, data: bytes) -> list[bytes]:
         """The body bytes in ``data``, one piece per chunk (or part of one);
@@ -65,6 +63,14 @@ class ChunkedBodyReader:
         if self._state == self._DONE:
             self.leftover += data
             return []
+        if self._state == self._SIZE and not self._buffer:
+            # The usual read of a streaming upstream: exactly one whole chunk.
+            line_end = data.find(b"\r\n", 0, 18)
+            if line_end > 0 and not data[:line_end].strip(_HEX_DIGITS):
+                start = line_end + 2
+                size = int(data[:line_end], 16)
+                if size and len(data) == start + size + 2 and data.endswith(b"\r\n"):
+                    return [data[start:-2]]
         buffer = self._buffer + data if self._buffer else data
         self._buffer = b""
         out: list[bytes] = []
@@ -119,6 +125,7 @@ class ChunkedBodyReader:
                 if line_end == pos:
                     pos += 2
                     state = self._DONE
+                    self.done = True
                     self.leftover = buffer[pos:]
                     pos = end
                     break

@@ -444,6 +444,41 @@ def test_upstreamIdle_whenBytesTakeTheKeepsUpPath_thenTheyCountToo() -> None:
     assert d.finished.record.end_reason is EndReason.UPSTREAM_TIMEOUT
 
 
+@settings(deadline=None, max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(["read", "read", "read", "tick", "pause", "resume"]),
+                          st.sampled_from([0.0, 0.1, 0.4, 0.9, 1.0, 2.5])), max_size=60))
+def test_property_keepsUpPath_neverTakesAReadOnceATimerIsDue(ops: list[tuple[str, float]]) -> None:
+    # forward_read checks a bound on next_deadline() kept from the last input
+    # (only later deadlines can follow on its own path): whatever the
+    # interleaving, a read it takes must be one no timer was due before.
+    config = proxy_config(heartbeat_s=1.0, upstream_idle_timeout_s=2.0, write_deadline_s=1.5)
+    stream = WireStream(config, now=0.0, request_id="bound")
+    stream.handle(UpstreamHeaders(200, SSE_HEADERS), 0.0)
+    now = 0.0
+    taken = 0
+    for op, step_s in ops:
+        now += step_s
+        if stream.finished:
+            break
+        if op == "read":
+            due = stream.next_deadline()
+            data = f"data: {chunk('t')}\n\n".encode()
+            out = stream.forward_read(data, now)
+            if out is not None:
+                assert due is None or now < due, (due, now)
+                assert out == data
+                taken += 1
+                continue
+            stream.handle(UpstreamData(data), now)
+            if stream.data_to_send(now):
+                stream.handle(WriteCompleted(), now)
+            continue
+        event = Tick() if op == "tick" else SocketPaused() if op == "pause" else SocketResumed()
+        if any(isinstance(action, AbortUpstream) for action in stream.handle(event, now)):
+            break  # the upstream is gone: no more reads come
+    assert taken <= sum(op == "read" for op, _ in ops)
+
+
 def test_upstreamIdle_whenCorePausedTheUpstream_thenSilenceNotCounted() -> None:
     config = proxy_config(upstream_idle_timeout_s=5.0, heartbeat_s=0,
                         slow_client_policy=SlowClientPolicy.BLOCK, max_pending_bytes=4096,

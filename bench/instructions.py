@@ -1,0 +1,188 @@
+"""Instructions per event and per stream: the sidecar (and nginx) under callgrind.
+
+Why: CPU time per event on a shared 2-core VM moves by 2x with the load of
+other jobs (a loaded machine batches reads and so *lowers* the figure), so a
+change worth 5-10 % cannot be seen in ``sidecar_bench.py --cpu`` without many
+rounds on a quiet machine. The number of user-space instructions a proxy
+executes for the same traffic does not depend on the load: valgrind counts
+them exactly, and two versions of the code compare in one run, on any machine.
+
+Method: one fake upstream (``sse_load.py upstream``) and, per target, one
+proxy process under ``valgrind --tool=callgrind --instr-atstart=no`` (the
+start-up runs uninstrumented). A warm-up run of the load client opens and
+reads a few streams; then counting is switched on (``callgrind_control -i
+on``) for a run of S streams x E1 events, the counters are dumped and zeroed,
+and a second run of S x E2 events is counted. Each event is its own upstream
+read and client write (E events at 40 ms a stream: valgrind slows the proxy
+~50x, and a loop that fell behind would merge reads and count fewer
+instructions per event). Per event = (I2 - I1) / (S x (E2 - E1)); per stream
+= what is left of I1 once its events are taken off, / S (parse the request,
+open the upstream request, build the core, end, record).
+
+Targets: ``tokenwire`` (this checkout), ``base`` (``--base DIR``: another
+copy of the package, e.g. ``git archive OLD tokenwire`` plus ``middleware``
+and ``sidecar`` under ``DIR/tokenwire``), ``nginx`` (one process,
+``master_process off``, ``proxy_buffering off``). What valgrind cannot count:
+the kernel (the ``read``/``write`` system calls, the same number per event
+for every target) and the cost of cache misses.
+
+Usage: ``python bench/instructions.py [--base DIR] [--streams 5] [--events 40 200]``;
+writes ``bench/results/instructions.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sidecar_bench import LOAD, PY, RESULTS, ROOT, free_port, nginx_binary, process, wait_port
+
+_TOTALS = re.compile(r"^totals: (\d+)", re.MULTILINE)
+
+
+def _ensure_valgrind() -> None:
+    if shutil.which("valgrind") is None:
+        subprocess.run([str(ROOT / "scripts" / "system-deps.sh"), "valgrind"], check=True)
+
+
+def _load(port: int, upstream_port: int, streams: int, events: int) -> int:
+    out = subprocess.run([PY, LOAD, "client", "throughput", "--target", f"127.0.0.1:{port}",
+                          "--upstream-port", str(upstream_port), "--streams", str(streams),
+                          "--events", str(events), "--interval-ms", "40"],
+                         capture_output=True, text=True, timeout=1800, check=True).stdout
+    for line in out.splitlines():
+        if line.startswith('{"result"'):
+            result = json.loads(line)["result"]
+            if result["exact_text"] != streams:
+                raise RuntimeError(f"inexact text through the proxy: {result}")
+            return int(result["delivered_tokens"])
+    raise RuntimeError(f"no result from the load client: {out[-300:]}")
+
+
+def _control(pid: int, *args: str) -> None:
+    subprocess.run(["callgrind_control", *args, str(pid)], check=True, capture_output=True)
+
+
+def _dumped_totals(out_prefix: Path, before: set[Path]) -> int:
+    """The instruction count of the dump ``callgrind_control -d`` just wrote."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for path in sorted(set(out_prefix.parent.glob(out_prefix.name + "*")) - before):
+            match = _TOTALS.search(path.read_text(errors="replace"))
+            if match:
+                return int(match.group(1))
+        time.sleep(0.2)
+    raise RuntimeError("callgrind wrote no dump")
+
+
+@contextlib.contextmanager
+def _proxy(name: str, port: int, upstream_port: int, out_prefix: Path,
+           base: str | None) -> Iterator[int]:
+    valgrind = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+                f"--callgrind-out-file={out_prefix}.%p"]
+    if name == "nginx":
+        prefix = Path(tempfile.mkdtemp(prefix="tokenwire-nginx-vg-"))
+        (prefix / "logs").mkdir()
+        conf = prefix / "nginx.conf"
+        conf.write_text(f"""
+daemon off;
+master_process off;
+pid {prefix}/nginx.pid;
+error_log {prefix}/logs/error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+    access_log off;
+    client_body_temp_path {prefix}/body;
+    proxy_temp_path {prefix}/proxy;
+    upstream engine {{ server 127.0.0.1:{upstream_port}; keepalive 64; }}
+    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+            proxy_pass http://engine;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+        }}
+    }}
+}}
+""")
+        cmd = [*valgrind, nginx_binary(), "-p", str(prefix), "-c", str(conf)]
+        env = None
+    else:
+        cmd = [*valgrind, PY, "-m", "tokenwire.sidecar", "sidecar", "--listen", f"127.0.0.1:{port}",
+               "--upstream", f"http://127.0.0.1:{upstream_port}",
+               "--admin-listen", f"127.0.0.1:{free_port()}", "--log-file", ""]
+        env = {**os.environ, "PYTHONPATH": base} if name == "base" and base else None
+    # ``python -m`` puts the working directory first on the path: run the base
+    # from its own directory, or a checkout's ``tokenwire/`` would shadow it.
+    cwd = base if name == "base" else str(out_prefix.parent)
+    with process(cmd, name, ready_line=False, env=env, cwd=cwd) as proc:
+        wait_port(port, timeout_s=600)
+        yield proc.pid
+
+
+def measure(name: str, upstream_port: int, streams: int, events: tuple[int, int],
+            base: str | None, scratch: Path) -> dict[str, Any]:
+    port = free_port()
+    out_prefix = scratch / f"callgrind.{name}"
+    with _proxy(name, port, upstream_port, out_prefix, base) as pid:
+        _load(port, upstream_port, 2, 5)  # warm-up: imports, pools, caches
+        counts = []
+        for n in events:
+            before = set(scratch.glob(out_prefix.name + "*"))
+            _control(pid, "-z")
+            _control(pid, "-i", "on")
+            delivered = _load(port, upstream_port, streams, n)
+            _control(pid, "-i", "off")
+            _control(pid, "-d")
+            counts.append((delivered, _dumped_totals(out_prefix, before)))
+    (e1, i1), (e2, i2) = counts
+    per_event = (i2 - i1) / (e2 - e1)
+    per_stream = (i1 - per_event * e1) / streams
+    return {"instructions": {str(e): i for e, i in counts},
+            "per_event": round(per_event), "per_stream": round(per_stream)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", metavar="DIR", help="also count the tokenwire package in DIR/tokenwire")
+    parser.add_argument("--streams", type=int, default=5)
+    parser.add_argument("--events", type=int, nargs=2, default=(40, 200), metavar=("E1", "E2"))
+    parser.add_argument("--targets", default="tokenwire,base,nginx")
+    args = parser.parse_args()
+    _ensure_valgrind()
+    targets = [t for t in args.targets.split(",") if t != "base" or args.base]
+    results: dict[str, Any] = {"streams": args.streams, "events": list(args.events), "targets": {}}
+    upstream_port = free_port()
+    with tempfile.TemporaryDirectory(prefix="tokenwire-callgrind-") as scratch, \
+            process([PY, LOAD, "upstream", "--port", str(upstream_port)], "upstream"):
+        for name in targets:
+            row = measure(name, upstream_port, args.streams, tuple(args.events), args.base, Path(scratch))
+            results["targets"][name] = row
+            print(f"{name:10} {row['per_event']:>8,} instructions/event {row['per_stream']:>11,} /stream",
+                  flush=True)
+    if "nginx" in results["targets"]:
+        ngx = results["targets"]["nginx"]
+        for row in results["targets"].values():
+            row["per_event_vs_nginx"] = round(row["per_event"] / ngx["per_event"], 2)
+            row["per_stream_vs_nginx"] = round(row["per_stream"] / ngx["per_stream"], 2)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "instructions.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
