@@ -18,10 +18,11 @@ same run (the machine may be shared)::
    value of ``max_prefill_tokens_per_step`` and 0 (no chunking), each beside a
    control (the same 16 streams, no long prompt) stepped in lockstep.
 3. **Served**: ``tokenwire engine`` in its own process, N raw-socket streaming
-   clients at once, with the scheduler in a process of its own (the default)
-   and in a thread of the server, against the scheduler alone in this
-   process; the three take turns. Tokens/s, and each stream's time to first
-   token and inter-token gaps (p50, p99).
+   clients at once, with the scheduler in a process of its own and in a
+   thread of the server (the default), against the scheduler alone in this
+   process; the three take turns. Tokens/s (medians, and the median of each
+   round's served / alone), each stream's time to first token and
+   inter-token gaps (p50, p99), the load average after each round.
 4. **Abort**: the engine served by uvicorn behind the middleware (scheduler
    thread, in this process, so the batch can be read), 16 streams running; a
    17th client reads its first token and then resets its TCP connection
@@ -303,7 +304,7 @@ def bench_served(model_path: Path, loaded: LoadedModel, stream_counts: list[int]
                  repeats: int = 3) -> dict[str, Any]:
     """``tokenwire engine`` in its own process (uvicorn, the middleware, JSON,
     detokenisation), N raw-socket streaming clients at once, twice (the scheduler in
-    its own process, the default; and in a thread of the server), against the
+    its own process; and in a thread of the server, the default), against the
     scheduler alone in this process on the same prompts. Tokens per second,
     side by side: the three take turns, ``repeats`` rounds, medians. Also each
     served stream's time to first token and inter-token gaps (p50 / p99)."""
@@ -347,22 +348,37 @@ def bench_served(model_path: Path, loaded: LoadedModel, stream_counts: list[int]
             runs: dict[str, list[float]] = {"process": [], "thread": [], "alone": []}
             ttft: dict[str, list[float]] = {"process": [], "thread": []}
             gaps: dict[str, list[float]] = {"process": [], "thread": []}
+            loads: list[float] = []
+            alone_cpu_s: list[float] = []
             for _ in range(repeats):
                 for kind in kinds:
                     tokens_per_s, first, between = served(kind, streams)
                     runs[kind].append(tokens_per_s)
                     ttft[kind].extend(first)
                     gaps[kind].extend(between)
+                cpu_before_s = time.process_time()
                 runs["alone"].append(scheduler_alone(loaded, prompts[:streams], output_tokens)[0])
+                alone_cpu_s.append(time.process_time() - cpu_before_s)
+                loads.append(os.getloadavg()[0])
             medians = {kind: statistics.median(values) for kind, values in runs.items()}
             row: dict[str, Any] = {
                 "scheduler_only_tokens_per_s": round(medians["alone"], 1),
                 "scheduler_runs": [round(x, 1) for x in runs["alone"]],
+                "scheduler_cpu_s": [round(x, 2) for x in alone_cpu_s],
+                # 1-minute load average after each round (the machine may be shared).
+                "load_avg": [round(x, 1) for x in loads],
             }
             for kind in kinds:
+                # Each served run against the scheduler-alone run of the same round: the
+                # median of these follows a load that drifts between rounds less than the
+                # ratio of the two medians does.
+                pairs = [served_s / alone_s for served_s, alone_s in zip(runs[kind], runs["alone"],
+                                                                           strict=True)]
                 row[kind] = {
                     "served_tokens_per_s": round(medians[kind], 1),
                     "served_over_scheduler": round(medians[kind] / medians["alone"], 3),
+                    "per_round_ratio": [round(x, 3) for x in pairs],
+                    "per_round_ratio_median": round(statistics.median(pairs), 3),
                     "runs": [round(x, 1) for x in runs[kind]],
                     "ttft_ms_p50": round(1000 * _percentile(ttft[kind], 0.5), 2),
                     "ttft_ms_p99": round(1000 * _percentile(ttft[kind], 0.99), 2),
@@ -374,12 +390,14 @@ def bench_served(model_path: Path, loaded: LoadedModel, stream_counts: list[int]
                     "clients_cpu_s": [round(x, 2) for x in cpu[kind][1::3]],
                     "events": [int(x) for x in cpu[kind][2::3]],
                 }
-            # The issue's figure: the default (scheduler process) against the scheduler alone.
-            row["served_over_scheduler"] = row["process"]["served_over_scheduler"]
+            # The issue's figure: the default (the scheduler thread) against the scheduler alone.
+            row["served_over_scheduler"] = row["thread"]["served_over_scheduler"]
             results["streams"][str(streams)] = row
-            print(f"served {streams:>3} streams: scheduler alone {medians['alone']:7.0f} tok/s; "
+            print(f"served {streams:>3} streams (load {min(loads):.1f}-{max(loads):.1f}): "
+                  f"scheduler alone {medians['alone']:7.0f} tok/s; "
                   + "; ".join(
                       f"{kind} {medians[kind]:7.0f} tok/s x{row[kind]['served_over_scheduler']:.2f}"
+                      f" (per round x{row[kind]['per_round_ratio_median']:.2f})"
                       f" (TTFT p50/p99 {row[kind]['ttft_ms_p50']}/{row[kind]['ttft_ms_p99']} ms,"
                       f" ITL p50/p99 {row[kind]['itl_ms_p50']}/{row[kind]['itl_ms_p99']} ms)"
                       for kind in kinds), flush=True)

@@ -14,8 +14,9 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from json.encoder import encode_basestring
 from typing import Any
 
 from opentelemetry.context import Context
@@ -47,11 +48,14 @@ from tokenwire.engine.sampling import SamplingParams
 from tokenwire.engine.scheduler import ContinuousBatchingScheduler
 from tokenwire.engine.scheduler_process import LaunchedScheduler, SchedulerProcessRunner
 from tokenwire.engine.service import EngineService, RequestHandle
-from tokenwire.engine.streaming import EventStreamResponse
+from tokenwire.engine.streaming import PushedEventStream
 from tokenwire.middleware.errors import ErrorCode, error_object
 from tokenwire.middleware.tracing import extract_text, get_tracer
 
 REQUEST_ID_HEADER = "x-request-id"
+_quote: Callable[[str], str] = encode_basestring
+"""``json.dumps(text, ensure_ascii=False)`` without building an encoder per call: the
+C function that call ends in (the same bytes; ``test_api`` compares)."""
 _MAX_REQUEST_ID_CHARS = 128
 
 
@@ -136,13 +140,13 @@ class _Handlers:
 
     # -- endpoints ----------------------------------------------------------------
 
-    async def completions(self, request: Request) -> Response | EventStreamResponse:
+    async def completions(self, request: Request) -> Response | PushedEventStream[RequestOutput]:
         return await self._generate(request, chat=False)
 
-    async def chat_completions(self, request: Request) -> Response | EventStreamResponse:
+    async def chat_completions(self, request: Request) -> Response | PushedEventStream[RequestOutput]:
         return await self._generate(request, chat=True)
 
-    async def _generate(self, request: Request, *, chat: bool) -> Response | EventStreamResponse:
+    async def _generate(self, request: Request, *, chat: bool) -> Response | PushedEventStream[RequestOutput]:
         """Both completion endpoints: parse, check, tokenize, submit, then stream or answer whole."""
         request_id = _request_id(request)
         # From the outermost wrapper (access_log.RECEIVED_KEY) when there is one: the
@@ -166,7 +170,7 @@ class _Handlers:
             return _error_response(error, request_id)
         stream = _ResponseStream(self._engine, handle, parsed, chat=chat)
         if parsed.stream:
-            return EventStreamResponse(stream.events(), {REQUEST_ID_HEADER: request_id})
+            return stream.response()
         return await stream.whole_response(request)
 
     async def models(self, request: Request) -> Response:
@@ -266,42 +270,45 @@ class _ResponseStream:
         quoted = json.dumps(marker, ensure_ascii=False)
         self._text_prefix, self._text_suffix = template.split(quoted, 1)
 
-    async def events(self) -> AsyncIterator[str]:
-        """SSE events, ending with ``[DONE]`` or an in-band error."""
+    def response(self) -> PushedEventStream[RequestOutput]:
+        """The streamed answer: the engine's hand-off pushes each output into it
+        (``RequestHandle.sink``), which writes it at once; see ``streaming.py``."""
+        first = self._chunk({"role": "assistant", "content": ""}, None) if self._chat else None
+        response = PushedEventStream(self._render, {REQUEST_ID_HEADER: self._handle.request_id},
+                                     first_event=first, on_close=self._closed)
+        self._engine.service.attach(self._handle, response.push)
+        return response
+
+    def _render(self, batch: list[RequestOutput]) -> tuple[list[str], bool]:
+        """SSE events for outputs delivered together (usually one), and whether the
+        stream ends with them (``[DONE]`` or an in-band error)."""
         handle = self._handle
-        try:
-            if self._chat:
-                yield self._chunk({"role": "assistant", "content": ""}, None)
-            while True:
-                batch = [await handle.outputs.get()]
-                while not handle.outputs.empty():
-                    batch.append(handle.outputs.get_nowait())
-                final = batch[-1]
-                text = "".join(output.text for output in batch)
-                if final.finished:
-                    handle.finished = True
-                    if text and handle.first_token_sent_s is None:
-                        self._engine.service.first_token_sent(handle)
-                    if final.finish_reason in ("abort", "error"):
-                        if text:
-                            yield self._chunk(text, None)
-                        yield _sse(_finish_error(final.finish_reason, final.error))
-                        return
-                    yield self._chunk(text, final.finish_reason, final.stop_reason)
-                    if self._parsed.include_usage:
-                        yield _sse(self._usage_chunk(final.prompt_tokens,
-                                                     final.completion_tokens))
-                    yield "data: [DONE]\n\n"
-                    return
-                if text:
-                    if handle.first_token_sent_s is None:
-                        self._engine.service.first_token_sent(handle)
-                    yield self._text_prefix + json.dumps(text, ensure_ascii=False) + self._text_suffix
-        finally:
-            if not handle.finished:
-                # Client gone (or the response was torn down): free the row now.
-                self._engine.service.abort(handle.request_id, "client_disconnect")
-            self._engine.service.response_done(handle)
+        final = batch[-1]
+        text = final.text if len(batch) == 1 else "".join(output.text for output in batch)
+        if final.finished:
+            handle.finished = True
+            if text and handle.first_token_sent_s is None:
+                self._engine.service.first_token_sent(handle)
+            if final.finish_reason in ("abort", "error"):
+                error = _sse(_finish_error(final.finish_reason, final.error))
+                return ([self._chunk(text, None), error] if text else [error]), True
+            events = [self._chunk(text, final.finish_reason, final.stop_reason)]
+            if self._parsed.include_usage:
+                events.append(_sse(self._usage_chunk(final.prompt_tokens, final.completion_tokens)))
+            events.append("data: [DONE]\n\n")
+            return events, True
+        if not text:
+            return [], False
+        if handle.first_token_sent_s is None:
+            self._engine.service.first_token_sent(handle)
+        return [self._text_prefix + _quote(text) + self._text_suffix], False
+
+    def _closed(self) -> None:
+        """The response is over, or torn down (client gone): free the row if it still runs."""
+        handle = self._handle
+        if not handle.finished:
+            self._engine.service.abort(handle.request_id, "client_disconnect")
+        self._engine.service.response_done(handle)
 
     async def whole_response(self, request: Request) -> Response:
         """Wait for the end (or the client leaving) and answer in one JSON body."""

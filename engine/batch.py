@@ -23,6 +23,8 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 _MIN_SPARE_COLUMNS = 64
+_MAX_ROW_RUNS = 8
+"""Kept rows in more runs than this are gathered (``index_select``) before the copy."""
 
 
 class AppendOnlyLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # (untyped base)
@@ -41,15 +43,33 @@ class AppendOnlyLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # (untype
 
     def replace(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Take ``keys``/``values`` (``[rows, heads, columns, head_dim]``) as the whole cache."""
-        columns = keys.shape[-2]
+        self.assemble([(keys, values)], keys.shape[-2])
+
+    def assemble(self, blocks: Sequence[tuple[torch.Tensor, torch.Tensor]], columns: int) -> None:
+        """Stack ``blocks`` of rows (``[rows, heads, their columns, head_dim]`` key and value
+        views, each at most ``columns`` wide) into a new buffer, each block right-aligned
+        at ``columns`` with zeros on its left: one copy of every block, where stacking
+        them first and then filling the buffer would copy everything twice."""
+        keys0, values0 = blocks[0]
+        rows = sum(block_keys.shape[0] for block_keys, _ in blocks)
         capacity = max(columns + max(_MIN_SPARE_COLUMNS, columns // 4), self._min_capacity_columns)
         self._min_capacity_columns = 0  # a first-allocation hint only
-        self._key_buffer = keys.new_empty((*keys.shape[:2], capacity, keys.shape[-1]))
-        self._value_buffer = values.new_empty((*values.shape[:2], capacity, values.shape[-1]))
-        self._key_buffer[:, :, :columns] = keys
-        self._value_buffer[:, :, :columns] = values
+        self._key_buffer = keys0.new_empty((rows, keys0.shape[1], capacity, keys0.shape[-1]))
+        self._value_buffer = values0.new_empty((rows, values0.shape[1], capacity, values0.shape[-1]))
+        row = 0
+        for block_keys, block_values in blocks:
+            count, width = block_keys.shape[0], block_keys.shape[-2]
+            pad = columns - width
+            if pad:
+                # Padding is masked out, but it must be zeros, not whatever the
+                # allocation held: a NaN there would survive a zero attention weight.
+                self._key_buffer[row : row + count, :, :pad] = 0
+                self._value_buffer[row : row + count, :, :pad] = 0
+            self._key_buffer[row : row + count, :, pad:columns] = block_keys
+            self._value_buffer[row : row + count, :, pad:columns] = block_values
+            row += count
         self._filled_columns = columns
-        self.device = keys.device
+        self.device = keys0.device
         self.is_initialized = True
         self._refresh_views()
 
@@ -165,27 +185,27 @@ class RunningBatch:
             self._adopt(*joining[0])
             return
         old_width = self.columns
-        index = torch.tensor(keep_rows, dtype=torch.long, device=self._device)
+        # Kept rows are right-aligned at old_width; keep their last `width` columns.
+        start = max(old_width - width, 0)
+        runs = _runs(keep_rows)
+        index = (torch.tensor(keep_rows, dtype=torch.long, device=self._device)
+                 if len(runs) > _MAX_ROW_RUNS else None)
         for layer_index in range(self._num_layers):
-            parts_k: list[torch.Tensor] = []
-            parts_v: list[torch.Tensor] = []
+            blocks: list[tuple[torch.Tensor, torch.Tensor]] = []
+            layer = self.cache.layer(layer_index)
             if keep_rows:
-                layer = self.cache.layer(layer_index)
                 assert layer.keys is not None and layer.values is not None
-                # Kept rows are right-aligned at old_width; keep the last `width` columns.
-                start = old_width - width
-                kept_k = layer.keys.index_select(0, index)
-                kept_v = layer.values.index_select(0, index)
-                parts_k.append(_fit_columns(kept_k, start, width))
-                parts_v.append(_fit_columns(kept_v, start, width))
+                kept_k, kept_v = layer.keys[:, :, start:], layer.values[:, :, start:]
+                if index is not None:
+                    blocks.append((kept_k.index_select(0, index), kept_v.index_select(0, index)))
+                else:
+                    # A few rows left: copy the runs between them, no gather first.
+                    blocks.extend((kept_k[first:end], kept_v[first:end]) for first, end in runs)
             for _, cache in joining:
                 joined = cache.layer(layer_index)
                 assert joined.keys is not None and joined.values is not None
-                pad = width - joined.keys.shape[-2]
-                parts_k.append(_fit_columns(joined.keys, -pad, width))
-                parts_v.append(_fit_columns(joined.values, -pad, width))
-            new_layer = self.cache.layer(layer_index)
-            new_layer.replace(torch.cat(parts_k, dim=0), torch.cat(parts_v, dim=0))
+                blocks.append((joined.keys, joined.values))
+            layer.assemble(blocks, width)
         counts = kept_counts + joining_counts
         columns = torch.arange(width, device=self._device).unsqueeze(0)
         first_real = torch.tensor([width - c for c in counts], device=self._device).unsqueeze(1)
@@ -218,9 +238,12 @@ class RunningBatch:
         self.attention_mask = torch.zeros((0, 0), dtype=torch.bool, device=self._device)
 
 
-def _fit_columns(tensor: torch.Tensor, start: int, width: int) -> torch.Tensor:
-    """Columns ``start .. start+width`` of ``tensor``; negative ``start`` pads zeros on the left."""
-    if start >= 0:
-        return tensor[:, :, start : start + width]
-    padding = tensor.new_zeros((*tensor.shape[:2], -start, tensor.shape[-1]))
-    return torch.cat([padding, tensor], dim=2)
+def _runs(rows: list[int]) -> list[tuple[int, int]]:
+    """Ascending row numbers as ``[first, end)`` runs of consecutive rows."""
+    runs: list[tuple[int, int]] = []
+    for row in rows:
+        if runs and runs[-1][1] == row:
+            runs[-1] = (runs[-1][0], row + 1)
+        else:
+            runs.append((row, row + 1))
+    return runs

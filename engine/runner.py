@@ -3,8 +3,9 @@
 The event loop never waits on the engine and the engine never waits on the
 event loop. Requests and cancellations cross into the engine thread through a
 lock-protected inbox; each step's outputs cross back with exactly one
-``loop.call_soon_threadsafe``, whose callback puts them on per-request queues
-without awaiting. A slow or vanished client can therefore never stall a step.
+``loop.call_soon_threadsafe``, whose callback hands each to its request
+without awaiting (``service.py``). A slow or vanished client can therefore
+never stall a step.
 
 The same thread runs inside the scheduler process (``scheduler_process.py``),
 started without a loop: there each step's outputs go straight to the pipe.
@@ -20,6 +21,14 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tokenwire.engine.backend import BackendStats, EngineBackend, GenerationRequest, RequestOutput
+
+GIL_SWITCH_INTERVAL_S = 0.001
+"""``sys.setswitchinterval`` of a process where the engine thread shares the GIL with
+another busy thread (the event loop; in the scheduler process, its pipe reader):
+the engine thread gives up the GIL inside every torch op and must take it back,
+and the other thread, asking for it, waits for the interval each time. Python's
+default 5 ms lets the loop hold up a step for that long per op, or keeps a
+request waiting in the pipe that long per message."""
 
 DeliverOutputs = Callable[[list[RequestOutput]], None]
 """Runs on the event loop with one step's outputs."""
@@ -53,12 +62,17 @@ class Runner(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class _Add:
+class AddRequest:
+    """Queue ``request``: a message of the engine thread's inbox and of the scheduler
+    process's down pipe."""
+
     request: GenerationRequest
 
 
 @dataclass(frozen=True, slots=True)
-class _Cancel:
+class CancelRequest:
+    """Take ``request_id`` out of the batch at the next step (inbox and down pipe)."""
+
     request_id: str
 
 
@@ -77,7 +91,7 @@ class EngineRunner:
         self._deliver = deliver
         self._on_step = on_step
         self._idle_poll_s = idle_poll_s
-        self._inbox: list[_Add | _Cancel] = []
+        self._inbox: list[AddRequest | CancelRequest] = []
         self._inbox_lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -109,17 +123,17 @@ class EngineRunner:
     def submit(self, request: GenerationRequest) -> None:
         """Check and queue a request; raises ``RequestRejected`` before queueing."""
         self._backend.check(request)
-        self._post(_Add(request))
+        self._post(AddRequest(request))
 
     def enqueue(self, request: GenerationRequest) -> None:
         """Queue a request checked elsewhere (by the front of the scheduler process). Any thread."""
-        self._post(_Add(request))
+        self._post(AddRequest(request))
 
     def cancel(self, request_id: str) -> None:
         """Ask for ``request_id`` to leave the batch at the next step. Any thread."""
-        self._post(_Cancel(request_id))
+        self._post(CancelRequest(request_id))
 
-    def _post(self, message: _Add | _Cancel) -> None:
+    def _post(self, message: AddRequest | CancelRequest) -> None:
         with self._inbox_lock:
             self._inbox.append(message)
         self._wake.set()
@@ -129,7 +143,7 @@ class EngineRunner:
             messages, self._inbox = self._inbox, []
         rejected: list[RequestOutput] = []
         for message in messages:
-            if isinstance(message, _Add):
+            if isinstance(message, AddRequest):
                 try:
                     self._backend.add(message.request)
                 except Exception as error:

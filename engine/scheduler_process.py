@@ -16,7 +16,7 @@ torch op gives it up and must take it back, and a loop busy writing 64
 streams' chunks makes each step wait for it. Here they share nothing but two
 one-way pipes::
 
-    front --down: _Add / _Cancel / _Stop------------------------> scheduler process
+    front --down: AddRequest / CancelRequest / _Stop-------------> scheduler process
     front <--up: _Ready | _Failed, then per step _Outputs, _Stepped-- scheduler process
 
 A step's outputs travel as plain tuples (a frozen dataclass costs ten times
@@ -45,6 +45,7 @@ import contextlib
 import logging
 import multiprocessing
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -61,7 +62,13 @@ from tokenwire.engine.backend import (
 )
 from tokenwire.engine.config import EngineConfig
 from tokenwire.engine.loader import LoadedModel, load_front
-from tokenwire.engine.runner import DeliverOutputs, StepObserver
+from tokenwire.engine.runner import (
+    GIL_SWITCH_INTERVAL_S,
+    AddRequest,
+    CancelRequest,
+    DeliverOutputs,
+    StepObserver,
+)
 
 log = logging.getLogger("tokenwire.engine.scheduler_process")
 
@@ -96,16 +103,6 @@ class ModelFacts:
 
 
 # -- messages --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Add:
-    request: GenerationRequest
-
-
-@dataclass(frozen=True, slots=True)
-class _Cancel:
-    request_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,7 +263,7 @@ class SchedulerProcessRunner:
 
         check_request(request, self._config, max_model_len=self._facts.max_model_len,
                       vocab_size=self._facts.vocab_size, waiting=self._waiting)
-        if not self._send(_Add(request)):
+        if not self._send(AddRequest(request)):
             raise RequestRejected(f"the engine cannot take requests: {self._lost}",
                                   http_status=503)
         self._in_flight[request.request_id] = len(request.prompt_token_ids)
@@ -274,9 +271,9 @@ class SchedulerProcessRunner:
 
     def cancel(self, request_id: str) -> None:
         """Ask for ``request_id`` to leave the batch at the next step."""
-        self._send(_Cancel(request_id))
+        self._send(CancelRequest(request_id))
 
-    def _send(self, message: _Add | _Cancel) -> bool:
+    def _send(self, message: AddRequest | CancelRequest) -> bool:
         if self._lost is not None or self._stopped:
             return False
         try:
@@ -352,6 +349,9 @@ def scheduler_main(spec: SchedulerSpec, down: Connection, up: Connection) -> Non
     # generating for them meanwhile), and its death is our pipe's end of file.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # This thread reads the down pipe while the engine thread steps: each request
+    # or cancellation waits for the GIL, at most this long, not Python's 5 ms.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     logging.basicConfig(level=spec.log_level.upper(), format="%(message)s")
     import torch
     from tokenwire.engine.loader import load_model
@@ -390,9 +390,9 @@ def scheduler_main(spec: SchedulerSpec, down: Connection, up: Connection) -> Non
                 message = down.recv()
             except (EOFError, OSError):
                 break
-            if isinstance(message, _Add):
+            if isinstance(message, AddRequest):
                 runner.enqueue(message.request)
-            elif isinstance(message, _Cancel):
+            elif isinstance(message, CancelRequest):
                 runner.cancel(message.request_id)
             else:
                 break

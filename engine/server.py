@@ -14,6 +14,7 @@ from starlette.types import ASGIApp
 from tokenwire.engine.access_log import AccessLog
 from tokenwire.engine.cli import build_parser, load_engine_config
 from tokenwire.engine.config import EngineConfig, engine_wire_defaults, torch_threads
+from tokenwire.engine.runner import GIL_SWITCH_INTERVAL_S
 from tokenwire.middleware import WireConfig
 from tokenwire.middleware.asgi import listening_socket
 from tokenwire.middleware.logs import LogFormat, configure_logging
@@ -102,9 +103,6 @@ def _wrap_in_middleware(app: ASGIApp, wire: WireConfig | None = None) -> ASGIApp
     return TokenWireMiddleware(app, config=wire or engine_wire_defaults())
 
 
-_SWITCH_INTERVAL_S = 0.001
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``tokenwire engine`` and ``python -m tokenwire.engine.server``."""
     try:
@@ -120,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # every torch op and must take it back after; with the default 5 ms switch
     # interval, an event loop busy encoding chunks could hold it that long each
     # time. 1 ms bounds what the loop can cost a step.
-    sys.setswitchinterval(_SWITCH_INTERVAL_S)
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     import uvicorn
 
     provider = tracer_provider_from_env(os.environ, "tokenwire-engine")

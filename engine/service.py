@@ -5,9 +5,11 @@ request and queues it on the engine thread (or sends it to the scheduler
 process); each step's one hand-off (the engine thread's
 ``call_soon_threadsafe``, or the scheduler process's pipe becoming readable)
 lands in :meth:`EngineService.deliver`, which
-puts each output on its request's ``asyncio.Queue`` with ``put_nowait`` (the
-queues are unbounded, so this never waits) and, when a request finishes for
-whatever reason, writes its accounting line: tokens generated are billed even
+hands each output to its request: a streamed response's ``push`` (its sink,
+which writes it then and there: ``streaming.py``), else the request's
+``asyncio.Queue`` with ``put_nowait`` (unbounded, so this never waits); neither
+waits on a client. When a request finishes for
+whatever reason, it writes the request's accounting line: tokens generated are billed even
 when nobody was left to read them.
 
 Per request it times the queue wait (received to admitted), the prefill
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from opentelemetry.context import Context
@@ -46,6 +49,9 @@ class RequestHandle:
     user: str | None
     received_s: float
     outputs: asyncio.Queue[RequestOutput] = field(default_factory=asyncio.Queue)
+    """Outputs for a handler that awaits them (the whole-body answer)."""
+    sink: Callable[[RequestOutput], None] | None = None
+    """Where outputs go instead, called by the step's hand-off (a streamed response's ``push``)."""
     streaming: bool = False
     first_token_s: float | None = None
     """When the first token was delivered to this handle (the engine produced it)."""
@@ -129,12 +135,22 @@ class EngineService:
                     metrics.inter_token_seconds.observe(now_s - handle.last_token_s)
                 handle.last_token_s = now_s
             generated += len(output.token_ids)
-            handle.outputs.put_nowait(output)
+            sink = handle.sink
+            if sink is None:
+                handle.outputs.put_nowait(output)
+            else:
+                sink(output)
             if output.finished:
                 del self._handles[output.request_id]
                 self._account(handle, output, now_s)
         # One counter update per step, not per row (each takes a lock).
         self._metrics.generated_tokens.inc(generated)
+
+    def attach(self, handle: RequestHandle, sink: Callable[[RequestOutput], None]) -> None:
+        """From now on ``handle``'s outputs go to ``sink`` (any already queued first)."""
+        while not handle.outputs.empty():
+            sink(handle.outputs.get_nowait())
+        handle.sink = sink
 
     def first_token_sent(self, handle: RequestHandle) -> None:
         """The streamed response hands its first token to the wire now: the
