@@ -166,22 +166,31 @@ def run(quick: bool) -> dict[str, Any]:
     return results
 
 
+def _rotation(stack: contextlib.ExitStack, code: str | None) -> tuple[int, dict[str, int]]:
+    """The fake upstream and the targets a ``--stuck``/``--resets`` run takes
+    turns on (tokenwire, nginx, and ``code`` as ``base``), entered on ``stack``;
+    returns the upstream's port and each target's."""
+    tmp = Path(tempfile.mkdtemp(prefix="tokenwire-h2-rounds-"))
+    stack.callback(shutil.rmtree, tmp, ignore_errors=True)
+    cert, key = certificate(tmp)
+    upstream_port = free_port()
+    ports = {"tokenwire": free_port(), "nginx": free_port(), **({"base": free_port()} if code else {})}
+    stack.enter_context(process([PY, LOAD, "upstream", "--port", str(upstream_port)], "upstream"))
+    stack.enter_context(sidecar_tls(ports["tokenwire"], upstream_port, cert, key))
+    stack.enter_context(nginx_h2(ports["nginx"], upstream_port, cert, key))
+    if code is not None:
+        stack.enter_context(sidecar_tls(ports["base"], upstream_port, cert, key, code=code))
+    return upstream_port, ports
+
+
 def stuck_rounds(rounds: int, streams: int, code: str | None = None) -> dict[str, Any]:
     """Only the stuck-stream scenario, tokenwire and nginx alternating (and the
     checkout in ``code`` as ``base``), ``rounds`` rounds after a warm-up, at
     events every 50 ms and 10 ms; per cell the median over rounds of the other
     streams' longest gap and gap p99, as multiples of the upstream's gap."""
-    tmp = Path(tempfile.mkdtemp(prefix="tokenwire-h2-stuck-"))
-    cert, key = certificate(tmp)
-    upstream_port = free_port()
-    ports = {"tokenwire": free_port(), "nginx": free_port(), **({"base": free_port()} if code else {})}
     rows: dict[str, dict[str, list[dict[str, Any]]]] = {}
     with contextlib.ExitStack() as stack:
-        stack.enter_context(process([PY, LOAD, "upstream", "--port", str(upstream_port)], "upstream"))
-        stack.enter_context(sidecar_tls(ports["tokenwire"], upstream_port, cert, key))
-        stack.enter_context(nginx_h2(ports["nginx"], upstream_port, cert, key))
-        if code is not None:
-            stack.enter_context(sidecar_tls(ports["base"], upstream_port, cert, key, code=code))
+        _, ports = _rotation(stack, code)
         for round_index in range(rounds + 1):  # round 0 warms up
             for interval_ms in (50, 10):
                 for name, port in ports.items():
@@ -191,7 +200,6 @@ def stuck_rounds(rounds: int, streams: int, code: str | None = None) -> dict[str
                           flush=True)
                     if round_index and "error" not in result:
                         rows.setdefault(f"{interval_ms}ms", {}).setdefault(name, []).append(result)
-    shutil.rmtree(tmp, ignore_errors=True)
 
     def median(values: list[float]) -> float:
         ordered = sorted(values)
@@ -213,17 +221,9 @@ def reset_rounds(rounds: int, streams: int, code: str | None = None) -> dict[str
     after 3 events: RST_STREAM over HTTP/2, a TCP reset over HTTP/1.1), tokenwire
     and nginx alternating (and ``code`` as ``base``), ``rounds`` rounds after a
     warm-up; per cell the median over rounds of p50 and of p99."""
-    tmp = Path(tempfile.mkdtemp(prefix="tokenwire-h2-reset-"))
-    cert, key = certificate(tmp)
-    upstream_port = free_port()
-    ports = {"tokenwire": free_port(), "nginx": free_port(), **({"base": free_port()} if code else {})}
     rows: dict[str, dict[str, list[dict[str, float]]]] = {}
     with contextlib.ExitStack() as stack:
-        stack.enter_context(process([PY, LOAD, "upstream", "--port", str(upstream_port)], "upstream"))
-        stack.enter_context(sidecar_tls(ports["tokenwire"], upstream_port, cert, key))
-        stack.enter_context(nginx_h2(ports["nginx"], upstream_port, cert, key))
-        if code is not None:
-            stack.enter_context(sidecar_tls(ports["base"], upstream_port, cert, key, code=code))
+        upstream_port, ports = _rotation(stack, code)
         for round_index in range(rounds + 1):  # round 0 warms up
             for proto in ("h2", "h1"):
                 for name, port in ports.items():
@@ -233,7 +233,6 @@ def reset_rounds(rounds: int, streams: int, code: str | None = None) -> dict[str
                     if round_index and "error" not in result:
                         rows.setdefault(proto, {}).setdefault(name, []).append(
                             result["reset_to_upstream_close"])
-    shutil.rmtree(tmp, ignore_errors=True)
 
     def median(values: list[float]) -> float:
         ordered = sorted(values)
