@@ -12,7 +12,7 @@ where they arrive; the token timing is its :class:`~tokenwire.middleware.meter.T
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import Any
 
 from .chunks import usage_of
 from .errors import ErrorCode
@@ -85,8 +85,3 @@ class Accounting:
             content_events=self.meter.content_events,
             stream_id=stream_id,
         )
-
-
-def read_only(name: str) -> NoReturn:
-    """Refuses an assignment to one of ``WireStream``'s counters."""
-    raise AttributeError(f"{name} is read-only: the Accounting part counts it")

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from .accounting import Accounting, read_only
+from .accounting import Accounting
 from .attempt import UpstreamAttempt
 from .client_socket import ClientSocket
 from .config import SlowClientPolicy, WireConfig
@@ -134,80 +134,45 @@ class StreamDecisions:
             coalesced_events=self._pending.coalesced_events,
             dropped_events=self._pending.dropped_events, stream_id=self._resume.resume_id or None)
 
-    # The accounting counters, read-only (they are the Accounting part's). Plain
-    # properties, not a descriptor: mypyc compiles these, and ignores a descriptor
-    # set in the body of a compiled class.
+    # The accounting counters, read-only (they are the Accounting part's: a
+    # property without a setter refuses an assignment). Plain properties, not a
+    # descriptor: mypyc ignores a descriptor set in the body of a compiled class.
     @property
     def started_at(self) -> float:
         return self._acct.started_at
-
-    @started_at.setter
-    def started_at(self, value: float) -> None:
-        read_only("started_at")
 
     @property
     def events_in(self) -> int:
         return self._acct.events_in
 
-    @events_in.setter
-    def events_in(self, value: int) -> None:
-        read_only("events_in")
-
     @property
     def events_out(self) -> int:
         return self._acct.events_out
-
-    @events_out.setter
-    def events_out(self, value: int) -> None:
-        read_only("events_out")
 
     @property
     def bytes_out(self) -> int:
         return self._acct.bytes_out
 
-    @bytes_out.setter
-    def bytes_out(self, value: int) -> None:
-        read_only("bytes_out")
-
     @property
     def heartbeats(self) -> int:
         return self._acct.heartbeats
-
-    @heartbeats.setter
-    def heartbeats(self, value: int) -> None:
-        read_only("heartbeats")
 
     @property
     def retries(self) -> int:
         return self._acct.retries
 
-    @retries.setter
-    def retries(self, value: int) -> None:
-        read_only("retries")
-
     @property
     def refused_retries(self) -> int:
         return self._acct.refused_retries
-
-    @refused_retries.setter
-    def refused_retries(self, value: int) -> None:
-        read_only("refused_retries")
 
     @property
     def upstream_comments(self) -> int:
         return self._acct.upstream_comments
 
-    @upstream_comments.setter
-    def upstream_comments(self, value: int) -> None:
-        read_only("upstream_comments")
-
     @property
     def pending_high_water_bytes(self) -> int:
         return self._acct.pending_high_water_bytes
 
-    @pending_high_water_bytes.setter
-    def pending_high_water_bytes(self, value: int) -> None:
-        read_only("pending_high_water_bytes")
 
     def _transition(self, trigger: Trigger) -> None:
         self._state = next_state(self._state, trigger)

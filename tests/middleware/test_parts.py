@@ -127,7 +127,7 @@ def test_accounting_whenCounterAssigned_thenReadOnly() -> None:
     d.send(sse(chunk("a")), at=0.1)
     d.send(sse(chunk("b")), at=0.2)
     assert d.stream.events_in == 2 and d.stream.events_out == 2
-    with pytest.raises(AttributeError, match="read-only"):
+    with pytest.raises(AttributeError):  # a property without a setter, compiled or not
         d.stream.events_in = 0  # type: ignore[misc]
 
 
