@@ -34,7 +34,10 @@ def test_metrics_count_finished_streams(start_sidecar, upstream: FakeUpstream) -
     assert _metric(text, "tokenwire_events_in_total", **labels) == 9
     # Gaps from the first token on: token 0 to 1 (the silence), 1..4, finish, usage, [DONE].
     assert _metric(text, "tokenwire_inter_token_seconds_bucket", le="+Inf", **labels) == 7
-    assert _metric(text, "tokenwire_inter_token_seconds_sum", **labels) >= 0.19  # the loop clock is in ms
+    # The 0.2 s silence is in the sum (the other gaps are milliseconds); not all
+    # of it: a token-0 write that a loaded machine delays shortens that gap
+    # (0.188 s seen at load 7 against a 0.19 bound).
+    assert _metric(text, "tokenwire_inter_token_seconds_sum", **labels) >= 0.1
     assert _metric(text, "tokenwire_tokens_out_total", upstream=upstream.url, source="usage") == 5
     for name in ("tokenwire_active_streams", "tokenwire_retries_total", "tokenwire_refused_retries_total",
                  "tokenwire_coalesced_events_total", "tokenwire_abort_propagation_seconds_count",
