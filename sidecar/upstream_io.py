@@ -426,9 +426,13 @@ class UpstreamStream(httpcore.AsyncNetworkStream):
 
     def get_extra_info(self, info: str) -> typing.Any:
         if info == "is_readable":
-            # For an idle pooled connection: has the server sent anything or closed it?
+            # For an idle pooled connection: has the server sent anything or closed
+            # it — or did we? A connection cut for a departed client can be back in
+            # the pool before its transport is closed (the attempt was finishing
+            # when the client left); reused, its next request would fail with
+            # "Server disconnected without sending a response".
             protocol = self._protocol
-            return bool(protocol.chunks) or protocol.eof
+            return bool(protocol.chunks) or protocol.eof or self._cut or self._aborted
         if info == "ssl_object":
             return self._transport.get_extra_info("ssl_object")
         if info == "client_addr":
