@@ -106,13 +106,19 @@ def test_a_suspended_send_is_finished_by_the_task_and_later_outputs_merge() -> N
     asyncio.run(scenario())
 
 
+async def _started() -> tuple[list[bool], _Server, PushedEventStream, asyncio.Future[None]]:
+    """A stream whose response task runs and has sent its head; ``closed`` records on_close."""
+    closed: list[bool] = []
+    server = _Server()
+    stream = PushedEventStream(_render, {}, on_close=lambda: closed.append(True))
+    task = asyncio.ensure_future(stream({"type": "http"}, _receive, server.send))
+    await _settle()
+    return closed, server, stream, task
+
+
 def test_an_inline_send_error_is_raised_by_the_response_task() -> None:
     async def scenario() -> None:
-        closed: list[bool] = []
-        server = _Server()
-        stream = PushedEventStream(_render, {}, on_close=lambda: closed.append(True))
-        task = asyncio.ensure_future(stream({"type": "http"}, _receive, server.send))
-        await _settle()
+        closed, server, stream, task = await _started()
         server.fail_next = OSError("connection reset")
         stream.push("a")  # the error is kept for the task, not raised here
         stream.push("b")
@@ -126,11 +132,7 @@ def test_an_inline_send_error_is_raised_by_the_response_task() -> None:
 
 def test_cancelling_the_task_during_a_suspended_send_closes_the_stream() -> None:
     async def scenario() -> None:
-        closed: list[bool] = []
-        server = _Server()
-        stream = PushedEventStream(_render, {}, on_close=lambda: closed.append(True))
-        task = asyncio.ensure_future(stream({"type": "http"}, _receive, server.send))
-        await _settle()
+        closed, server, stream, task = await _started()
         server.gate = asyncio.Event()
         stream.push("a")
         await _settle()
