@@ -130,7 +130,7 @@ def main() -> int:
     parser.add_argument("--events", type=int, nargs=2, default=(40, 200), metavar=("E1", "E2"))
     parser.add_argument("--targets", default="tokenwire,base,nginx")
     parser.add_argument("--keep", metavar="DIR",
-                        help="write the callgrind dumps to DIR (for callgrind_annotate) instead of a temporary one")
+                        help="keep the callgrind dumps in DIR (for callgrind_annotate)")
     args = parser.parse_args()
     _ensure_valgrind()
     targets = [t for t in args.targets.split(",") if t != "base" or args.base]
