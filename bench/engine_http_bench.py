@@ -184,10 +184,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.baseline:
             trees[args.baseline] = _baseline_tree(args.baseline, Path(scratch))
         servers = {name: _start(path, args) for name, path in trees.items()}
-        figures: dict[str, dict[str, list[float]]] = {name: {"tps": [], "us": []} for name in trees}
+        figures: dict[str, dict[str, list[float]]] = {name: {"tps": [], "us": [], "clients": []}
+                                                  for name in trees}
         try:
             for _, port in servers.values():
-                asyncio.run(engine_bench._stream_once(port, prompts[0], 4))
+                engine_bench.run_clients(engine_bench._stream_once(port, prompts[0], 4))
             for round_index in range(args.rounds):
                 order = list(servers) if round_index % 2 == 0 else list(reversed(servers))
                 for name in order:
@@ -199,22 +200,27 @@ def main(argv: list[str] | None = None) -> int:
                             for i in range(args.streams)))
 
                     cpu_before_s = _main_thread_cpu_s(process.pid)
+                    clients_before_s = time.process_time()
                     started_s = time.perf_counter()
-                    asyncio.run(run())
+                    engine_bench.run_clients(run())
                     elapsed_s = time.perf_counter() - started_s
+                    clients_us = 1e6 * (time.process_time() - clients_before_s) / (args.streams * args.tokens)
                     tokens = args.streams * args.tokens
                     loop_us = 1e6 * (_main_thread_cpu_s(process.pid) - cpu_before_s) / tokens
                     figures[name]["tps"].append(tokens / elapsed_s)
                     figures[name]["us"].append(loop_us)
+                    figures[name]["clients"].append(clients_us)
                     print(f"round {round_index} {name}: {tokens / elapsed_s:.0f} tok/s, event loop "
-                          f"{loop_us:.1f} us CPU per token, load {os.getloadavg()[0]:.1f}", flush=True)
+                          f"{loop_us:.1f} us CPU per token (clients {clients_us:.1f}), "
+                          f"load {os.getloadavg()[0]:.1f}", flush=True)
         finally:
             for process, _ in servers.values():
                 process.terminate()
                 process.wait(10)
     for name, values in figures.items():
         print(f"{name}: median {statistics.median(values['tps']):.0f} tok/s, event loop "
-              f"{statistics.median(values['us']):.1f} us CPU per token")
+              f"{statistics.median(values['us']):.1f} us CPU per token (clients "
+              f"{statistics.median(values['clients']):.1f})")
     return 0
 
 

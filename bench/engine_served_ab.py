@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                     servers[f"{mode} {tree}"] = _start(model_path, path, mode == "process", args.streams,
                                                        environ)
             for _, port in servers.values():
-                asyncio.run(engine_bench._stream_once(port, prompts[0], 4))
+                engine_bench.run_clients(engine_bench._stream_once(port, prompts[0], 4))
             ratios: dict[str, list[float]] = {name: [] for name in servers}
             blocked: dict[str, list[float]] = {name: [] for name in servers}
             loads: list[float] = []
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                     steps = _steps(port)
                     before = _threads_schedstat_s(server_pid)
                     started_s = time.perf_counter()
-                    asyncio.run(run())
+                    engine_bench.run_clients(run())
                     elapsed_s = time.perf_counter() - started_s
                     served[name] = args.streams * args.tokens / elapsed_s
                     if thread_mode:
