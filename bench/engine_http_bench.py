@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -38,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 _WORDS = [" the", " cat", " sat", " on", " a", " warm", " mat", ",", " and", " then", "\n", ' "so"']
 
 
-def serve(port: int, busy_ms: float, free_ms: float) -> None:
+def serve(port: int, busy_ms: float, free_ms: float, loop: str = "tree") -> None:
     """The server process: the engine's app over a fake backend, on ``port``."""
     sys.setswitchinterval(0.001)  # as `tokenwire engine` does
     import uvicorn
@@ -99,7 +100,13 @@ def serve(port: int, busy_ms: float, free_ms: float) -> None:
                         max_model_len=4096, eos_token_ids=frozenset())
     config = EngineConfig(served_model_name="bench")
     app = AccessLog(_wrap_in_middleware(build_app(loaded, config, backend=FakeBackend())))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", log_config=None,
+    if loop == "tree":
+        try:  # the tree's own choice of event loop, where it makes one (as `tokenwire engine`)
+            from tokenwire.engine.config import event_loop
+            loop = event_loop(config)
+        except ImportError:
+            loop = "auto"
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", log_config=None, loop=loop,
                                            access_log=False, timeout_graceful_shutdown=1))
     server.run(sockets=[listening_socket("127.0.0.1", port, config.wire)])
 
@@ -111,7 +118,7 @@ def _start(python_path: str | None, args: argparse.Namespace) -> tuple[subproces
         env["PYTHONPATH"] = python_path
     process = subprocess.Popen(
         [sys.executable, __file__, "--serve", str(port), "--busy-ms", str(args.busy_ms),
-         "--free-ms", str(args.free_ms)], env=env, cwd=tempfile.gettempdir())
+         "--free-ms", str(args.free_ms), "--loop", args.loop], env=env, cwd=tempfile.gettempdir())
     deadline_s = time.monotonic() + 120
     while True:
         try:
@@ -137,6 +144,16 @@ def _baseline_tree(ref: str, into: Path) -> str:
     (source / "tokenwire").rename(package)
     for name in ("middleware", "sidecar", "engine"):
         (source / name).rename(package / name)
+    # The compiled core's extensions are not in git: copy this tree's when the core's
+    # source is the same at ``ref``, so both sides run the same core.
+    same_core = subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", ref, "--", "middleware",
+                                "sidecar"]).returncode == 0
+    if same_core:
+        for name in ("middleware", "sidecar"):
+            for extension in (ROOT / name).glob("*.so"):
+                shutil.copy2(extension, package / name / extension.name)
+    else:
+        print(f"{ref}: middleware/ or sidecar/ differ from this tree's: it runs the pure-Python core")
     return str(into / "path")
 
 
@@ -153,10 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--busy-ms", type=float, default=6.0)
     parser.add_argument("--free-ms", type=float, default=4.0)
     parser.add_argument("--baseline", help="a git ref to compare with, e.g. HEAD~3")
+    parser.add_argument("--loop", default="tree", choices=["tree", "asyncio", "uvloop"],
+                        help="the servers' event loop: each tree's own choice (as `tokenwire engine` "
+                             "with the scheduler thread), or this one for both")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve is not None:
-        serve(args.serve, args.busy_ms, args.free_ms)
+        serve(args.serve, args.busy_ms, args.free_ms, args.loop)
         return 0
     prompts = [tuple(range(5, 15 + index % 30)) for index in range(args.streams)]
     with tempfile.TemporaryDirectory() as scratch:
@@ -164,10 +184,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.baseline:
             trees[args.baseline] = _baseline_tree(args.baseline, Path(scratch))
         servers = {name: _start(path, args) for name, path in trees.items()}
-        figures: dict[str, dict[str, list[float]]] = {name: {"tps": [], "us": []} for name in trees}
+        figures: dict[str, dict[str, list[float]]] = {name: {"tps": [], "us": [], "clients": []}
+                                                  for name in trees}
         try:
             for _, port in servers.values():
-                asyncio.run(engine_bench._stream_once(port, prompts[0], 4))
+                engine_bench.run_clients(engine_bench._stream_once(port, prompts[0], 4))
             for round_index in range(args.rounds):
                 order = list(servers) if round_index % 2 == 0 else list(reversed(servers))
                 for name in order:
@@ -179,22 +200,27 @@ def main(argv: list[str] | None = None) -> int:
                             for i in range(args.streams)))
 
                     cpu_before_s = _main_thread_cpu_s(process.pid)
+                    clients_before_s = time.process_time()
                     started_s = time.perf_counter()
-                    asyncio.run(run())
+                    engine_bench.run_clients(run())
                     elapsed_s = time.perf_counter() - started_s
+                    clients_us = 1e6 * (time.process_time() - clients_before_s) / (args.streams * args.tokens)
                     tokens = args.streams * args.tokens
                     loop_us = 1e6 * (_main_thread_cpu_s(process.pid) - cpu_before_s) / tokens
                     figures[name]["tps"].append(tokens / elapsed_s)
                     figures[name]["us"].append(loop_us)
+                    figures[name]["clients"].append(clients_us)
                     print(f"round {round_index} {name}: {tokens / elapsed_s:.0f} tok/s, event loop "
-                          f"{loop_us:.1f} us CPU per token, load {os.getloadavg()[0]:.1f}", flush=True)
+                          f"{loop_us:.1f} us CPU per token (clients {clients_us:.1f}), "
+                          f"load {os.getloadavg()[0]:.1f}", flush=True)
         finally:
             for process, _ in servers.values():
                 process.terminate()
                 process.wait(10)
     for name, values in figures.items():
         print(f"{name}: median {statistics.median(values['tps']):.0f} tok/s, event loop "
-              f"{statistics.median(values['us']):.1f} us CPU per token")
+              f"{statistics.median(values['us']):.1f} us CPU per token (clients "
+              f"{statistics.median(values['clients']):.1f})")
     return 0
 
 

@@ -25,6 +25,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 from tokenwire.engine.access_log import RECEIVED_KEY
 from tokenwire.engine.backend import (
     EngineBackend,
@@ -48,7 +49,7 @@ from tokenwire.engine.sampling import SamplingParams
 from tokenwire.engine.scheduler import ContinuousBatchingScheduler
 from tokenwire.engine.scheduler_process import LaunchedScheduler, SchedulerProcessRunner
 from tokenwire.engine.service import EngineService, RequestHandle
-from tokenwire.engine.streaming import PushedEventStream
+from tokenwire.engine.streaming import SERVER_SEND_KEY, PushedEventStream
 from tokenwire.middleware.errors import ErrorCode, error_object
 from tokenwire.middleware.tracing import extract_text, get_tracer
 
@@ -117,7 +118,7 @@ def build_app(
         finally:
             runner.stop()
 
-    app = Starlette(
+    app = _EngineStarlette(
         routes=[
             Route("/v1/completions", handlers.completions, methods=["POST"]),
             Route("/v1/chat/completions", handlers.chat_completions, methods=["POST"]),
@@ -130,6 +131,15 @@ def build_app(
     )
     app.state.engine = engine
     return app
+
+
+class _EngineStarlette(Starlette):
+    """Starlette, keeping the ``send`` it is called with in the scope: a streamed
+    response writes its events there, past Starlette's own wrappers (``streaming.py``)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope[SERVER_SEND_KEY] = send
+        await super().__call__(scope, receive, send)
 
 
 class _Handlers:

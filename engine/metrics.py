@@ -8,6 +8,8 @@ time per request, tokens in and out, and the batch's load after every step.
 from __future__ import annotations
 
 import platform
+from bisect import bisect_left
+from collections.abc import Sequence
 from functools import partial
 from importlib import metadata
 
@@ -26,6 +28,27 @@ def _histogram(registry: CollectorRegistry, name: str, documentation: str, bucke
                labels: tuple[str, ...] = ()) -> Histogram:
     """One of the engine's latency histograms: ``tokenwire_engine_<name>`` on ``registry``."""
     return Histogram(f"tokenwire_engine_{name}", documentation, labels, buckets=buckets_s, registry=registry)
+
+
+def observe_many(histogram: Histogram, amounts: Sequence[float]) -> None:
+    """``histogram.observe(amount)`` for each of ``amounts`` (an unlabelled histogram).
+
+    The step's hand-off observes one inter-token gap per streamed row: 64 ``observe``
+    calls take 128 locks and walk the buckets 64 times; this takes one lock per bucket
+    hit (the gaps of one step mostly share one or two) and one for the sum.
+    prometheus_client has no weighted ``observe``, so this adds to the histogram's
+    own bucket and sum values (the same ones ``observe`` adds to)."""
+    if not amounts:
+        return
+    bounds: Sequence[float] = histogram._upper_bounds
+    counts = [0] * len(bounds)
+    for amount in amounts:
+        counts[bisect_left(bounds, amount)] += 1  # the first bound >= amount, as observe
+    histogram._sum.inc(sum(amounts))
+    buckets = histogram._buckets
+    for index, count in enumerate(counts):
+        if count:
+            buckets[index].inc(count)
 
 
 class EngineMetrics:

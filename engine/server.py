@@ -13,7 +13,7 @@ from opentelemetry.trace import TracerProvider
 from starlette.types import ASGIApp
 from tokenwire.engine.access_log import AccessLog
 from tokenwire.engine.cli import build_parser, load_engine_config
-from tokenwire.engine.config import EngineConfig, engine_wire_defaults, torch_threads
+from tokenwire.engine.config import EngineConfig, engine_wire_defaults, event_loop, torch_threads
 from tokenwire.engine.runner import GIL_SWITCH_INTERVAL_S
 from tokenwire.middleware import WireConfig
 from tokenwire.middleware.asgi import listening_socket
@@ -131,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # its access line lacks the request id, so AccessLog writes that one.
     uvicorn_config = uvicorn.Config(
         app, uds=listen.unix_path, log_level=config.log_level.lower(), timeout_graceful_shutdown=5,
-        log_config=None, access_log=False,
+        log_config=None, access_log=False, loop=event_loop(config),
     )
     server = uvicorn.Server(uvicorn_config)
     if listen.unix_path is not None:

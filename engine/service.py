@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, StatusCode, Tracer, set_span_in_context
 from tokenwire.engine.backend import GenerationRequest, RequestOutput, RequestRejected
-from tokenwire.engine.metrics import EngineMetrics
+from tokenwire.engine.metrics import EngineMetrics, observe_many
 from tokenwire.engine.runner import Runner
 from tokenwire.middleware.tracing import set_attributes, wall_ns
 
@@ -117,6 +117,7 @@ class EngineService:
         now_s = time.monotonic()
         generated = 0
         metrics = self._metrics
+        gaps_s: list[float] = []
         for output in outputs:
             handle = self._handles.get(output.request_id)
             if handle is None:
@@ -132,7 +133,7 @@ class EngineService:
                     if handle.admitted_s is not None:
                         metrics.prefill_seconds.observe(max(now_s - handle.admitted_s, 0.0))
                 elif handle.last_token_s is not None:
-                    metrics.inter_token_seconds.observe(now_s - handle.last_token_s)
+                    gaps_s.append(now_s - handle.last_token_s)
                 handle.last_token_s = now_s
             generated += len(output.token_ids)
             sink = handle.sink
@@ -143,8 +144,9 @@ class EngineService:
             if output.finished:
                 del self._handles[output.request_id]
                 self._account(handle, output, now_s)
-        # One counter update per step, not per row (each takes a lock).
+        # One counter update per step, and the gaps at once, not per row (each takes a lock).
         self._metrics.generated_tokens.inc(generated)
+        observe_many(metrics.inter_token_seconds, gaps_s)
 
     def attach(self, handle: RequestHandle, sink: Callable[[RequestOutput], None]) -> None:
         """From now on ``handle``'s outputs go to ``sink`` (any already queued first)."""

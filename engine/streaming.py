@@ -33,6 +33,12 @@ SSE_HEADERS = (
     (b"x-accel-buffering", b"no"),
 )
 
+SERVER_SEND_KEY = "tokenwire.engine.server_send"
+"""Scope key: the ``send`` the app was called with, before its framework's routing
+wrapped it (Starlette wraps it twice, in coroutines that only watch for the
+response's start). The body's events go to it directly: two coroutines fewer per
+token. The start goes through the wrappers, so they know the response started."""
+
 Item = TypeVar("Item")
 
 Render = Callable[[list[Item]], tuple[list[str], bool]]
@@ -95,6 +101,7 @@ class PushedEventStream(Generic[Item]):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self._headers})
+            send = scope.get(SERVER_SEND_KEY, send)
             if self._first_event is not None:
                 await send(_body(self._first_event))
             self._send = send
@@ -155,6 +162,13 @@ class PushedEventStream(Generic[Item]):
         assert self._send is not None
         sending = self._send(_body(event))
         if not isinstance(sending, types.CoroutineType):
+            if isinstance(sending, asyncio.Future) and sending.done() and not sending.cancelled():
+                # tokenwire's middleware answers a send it completed at once with a
+                # future already done (no coroutine per event).
+                error = sending.exception()
+                if error is not None:
+                    self._fail(error)
+                return
             self._suspended = sending  # some other awaitable: the task awaits it
             self._wake_task()
             return

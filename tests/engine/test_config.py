@@ -144,3 +144,16 @@ def test_cli_reports_a_bad_file_before_loading_a_model(tmp_path: Path) -> None:
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "max_running" in result.stderr
+
+
+def test_event_loop_is_a_key_and_auto_follows_where_the_scheduler_runs() -> None:
+    from tokenwire.engine.config import event_loop
+
+    assert build_engine_config().event_loop == "auto"
+    assert event_loop(build_engine_config()) == "asyncio"
+    assert event_loop(build_engine_config(flags={"scheduler_process": "true"})) == "uvloop"
+    assert event_loop(build_engine_config(environ={"TOKENWIRE_ENGINE_EVENT_LOOP": "uvloop"})) == "uvloop"
+    assert event_loop(build_engine_config(file_values={"event_loop": "asyncio",
+                                                       "scheduler_process": True})) == "asyncio"
+    with pytest.raises(ConfigError, match="event_loop"):
+        build_engine_config(flags={"event_loop": "trio"})

@@ -10,7 +10,7 @@ import asyncio
 from typing import Any
 
 import pytest
-from tokenwire.engine.streaming import PushedEventStream
+from tokenwire.engine.streaming import SERVER_SEND_KEY, PushedEventStream
 
 
 def _render(batch: list[str]) -> tuple[list[str], bool]:
@@ -144,5 +144,42 @@ def test_cancelling_the_task_during_a_suspended_send_closes_the_stream() -> None
         stream.push("b")  # dropped: nobody sends any more
         await _settle()
         assert server.bodies == []
+
+    asyncio.run(scenario())
+
+
+def test_events_go_to_the_servers_send_past_the_frameworks_and_a_done_future_completes_inline() -> None:
+    async def scenario() -> None:
+        server = _Server()
+        framework: list[str] = []
+
+        async def wrapped_send(message: dict[str, Any]) -> None:  # a framework's wrapper
+            framework.append(message["type"])
+            await server.send(message)
+
+        answered: list[asyncio.Future[None]] = []
+
+        def server_send(message: dict[str, Any]) -> asyncio.Future[None]:
+            # As tokenwire's middleware answers a send it completed at once.
+            server.messages.append(message)
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            answered.append(done)
+            return done
+
+        stream = PushedEventStream(_render, {}, first_event="data: role\n\n")
+        task = asyncio.ensure_future(
+            stream({"type": "http", SERVER_SEND_KEY: server_send}, _receive, wrapped_send))
+        await _settle()
+        assert framework == ["http.response.start"]  # the head through the wrapper
+        stream.push("a")
+        assert server.bodies == [b"data: role\n\n", b"data: a\n\n"]
+        # Completed there and then: nothing was left for the task to finish.
+        assert stream._suspended is None and stream._wake is not None and not stream._wake.done()
+        stream.push("END")
+        await asyncio.wait_for(task, 5)
+        assert framework == ["http.response.start"]
+        assert server.bodies[-2:] == [b"data: [DONE]\n\n", b""]
+        assert len(answered) == 4
 
     asyncio.run(scenario())

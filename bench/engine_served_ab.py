@@ -1,0 +1,165 @@
+"""The engine served over HTTP, this tree against a git ref, each beside the scheduler alone.
+
+Not a test. ``engine_bench.py --parts served`` compares the served engine with
+the scheduler alone; this runs that comparison for two trees at once, so a
+change to the served path is measured as a ratio of ratios on the same
+(shared, noisy) machine: ``tokenwire engine`` started from this tree and from
+``--baseline REF`` (``git archive`` into a temporary folder, first on
+``PYTHONPATH``, as ``engine_http_bench.py`` lays it out), in thread or process
+mode, and the scheduler alone in this process.
+Each round runs every server once and the scheduler alone once, in an order
+that alternates; the figure is the median over rounds of served / alone::
+
+    python bench/engine_served_ab.py --baseline main --streams 64 --rounds 8
+
+Each round prints the 1-minute load average beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+import engine_bench
+import engine_http_bench
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _threads_schedstat_s(pid: int) -> dict[int, tuple[float, float]]:
+    """Per thread other than the main one: (seconds on a CPU, seconds runnable but waiting for one)."""
+    stats = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        if int(task.name) != pid:
+            run_ns, wait_ns = (task / "schedstat").read_text().split()[:2]
+            stats[int(task.name)] = (int(run_ns) / 1e9, int(wait_ns) / 1e9)
+    return stats
+
+
+def _steps(port: int) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    match = re.search(r"^tokenwire_engine_step_seconds_count (\S+)", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def _start(model_path: Path, python_path: str | None, process_mode: bool, streams: int,
+           environ: dict[str, str]) -> tuple[Any, int]:
+    port = engine_bench._free_port()
+    saved = dict(os.environ)
+    if python_path is not None:
+        os.environ["PYTHONPATH"] = python_path
+    os.environ.update(environ)
+    try:
+        server = engine_bench._start_engine(model_path, port, 1, "cpu", "float32", streams, process_mode)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return server, port
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", required=True, help="a git ref, e.g. main or HEAD~3")
+    parser.add_argument("--streams", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--modes", nargs="+", default=["thread"], choices=["thread", "process"])
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
+                        help="one more server of this tree with these environment variables "
+                             "(e.g. a TOKENWIRE_ENGINE_* key)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from tokenwire.engine.loader import load_model
+    from tokenwire.engine.tiny import ensure_tiny_model
+
+    torch.set_num_threads(1)
+    model_path = ensure_tiny_model()
+    loaded = load_model(model_path, device="cpu", dtype="float32", name="bench")
+    prompts = engine_bench._prompts(loaded, args.streams)
+    with tempfile.TemporaryDirectory() as scratch:
+        base = engine_http_bench._baseline_tree(args.baseline, Path(scratch))
+        trees: dict[str, tuple[str | None, dict[str, str]]] = {"new": (None, {}), "base": (base, {})}
+        for variant in args.variant:
+            name, _, assignments = variant.partition(":")
+            trees[name] = (None, dict(item.split("=", 1) for item in assignments.split(",") if item))
+        servers: dict[str, tuple[Any, int]] = {}
+        try:
+            for tree, (path, environ) in trees.items():
+                for mode in args.modes:
+                    servers[f"{mode} {tree}"] = _start(model_path, path, mode == "process", args.streams,
+                                                       environ)
+            for _, port in servers.values():
+                engine_bench.run_clients(engine_bench._stream_once(port, prompts[0], 4))
+            ratios: dict[str, list[float]] = {name: [] for name in servers}
+            blocked: dict[str, list[float]] = {name: [] for name in servers}
+            loads: list[float] = []
+            for round_index in range(args.rounds):
+                names = list(servers) if round_index % 2 == 0 else list(reversed(servers))
+                served: dict[str, float] = {}
+                for name in names:
+                    port = servers[name][1]
+
+                    async def run(port: int = port) -> list[list[float]]:
+                        return await asyncio.gather(*(
+                            engine_bench._stream_once(port, prompts[i], args.tokens)
+                            for i in range(args.streams)))
+
+                    server_pid = servers[name][0].pid
+                    thread_mode = name.startswith("thread")
+                    steps = _steps(port)
+                    before = _threads_schedstat_s(server_pid)
+                    started_s = time.perf_counter()
+                    engine_bench.run_clients(run())
+                    elapsed_s = time.perf_counter() - started_s
+                    served[name] = args.streams * args.tokens / elapsed_s
+                    if thread_mode:
+                        # The engine thread: the one (not the main one) that ran the most.
+                        tid, after = max(((tid, stat) for tid, stat in _threads_schedstat_s(
+                            server_pid).items() if tid in before),
+                            key=lambda item: item[1][0] - before[item[0]][0])
+                        before_run_s, before_wait_s = before[tid]
+                        # Off a CPU without waiting for one: the engine thread waited for
+                        # the GIL (or, before the first request, for work).
+                        off_s = elapsed_s - (after[0] - before_run_s) - (after[1] - before_wait_s)
+                        blocked[name].append(1000 * off_s / max(1.0, _steps(port) - steps))
+                alone = engine_bench.scheduler_alone(loaded, prompts, args.tokens)[0]
+                loads.append(os.getloadavg()[0])
+                for name, tokens_per_s in served.items():
+                    ratios[name].append(tokens_per_s / alone)
+                print(f"round {round_index}: alone {alone:.0f} tok/s; "
+                      + "; ".join(f"{name} {served[name]:.0f} (x{served[name] / alone:.2f})"
+                                  for name in servers) + f"; load {loads[-1]:.1f}"
+                      + "".join(f"; {name} engine blocked {values[-1]:.2f} ms/step"
+                                for name, values in blocked.items() if values), flush=True)
+        finally:
+            for server, _ in servers.values():
+                server.terminate()
+            for server, _ in servers.values():
+                server.wait(20)
+    print(f"{args.streams} streams x {args.tokens} tokens, {args.rounds} rounds, "
+          f"load {min(loads):.1f}-{max(loads):.1f}: median served / alone "
+          + "; ".join(f"{name} x{statistics.median(values):.3f}" for name, values in ratios.items()))
+    for name, values in blocked.items():
+        if values:
+            print(f"{name}: the engine thread off a CPU, not waiting for one (the GIL), "
+                  f"median {statistics.median(values):.2f} ms per step")
+    for mode in args.modes:
+        pairs = [new / base for new, base in zip(ratios[f"{mode} new"], ratios[f"{mode} base"], strict=True)]
+        print(f"{mode}: new / base per round, median x{statistics.median(pairs):.3f} "
+              f"(range {min(pairs):.2f}-{max(pairs):.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
