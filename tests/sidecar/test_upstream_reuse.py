@@ -5,6 +5,10 @@ can carry it.
   in the instant between the upstream's last byte and the connection's return
   to the pool, and the cut connection (shut down, not yet closed) must not be
   handed to the request waiting for it.
+* A request that went out on a reused keep-alive connection the upstream
+  closed as it arrived (before any byte of answer) is re-sent once on another
+  connection, if it may reach the upstream twice (an idempotent method or an
+  ``Idempotency-Key``); a POST without one is not, as nginx does.
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ import socket
 import struct
 import termios
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
-from clients import chat_body, connect, read_response, request_bytes, reset, sse_datas, wait_for
+import httpx
+import pytest
+from clients import chat_body, connect, exchange, read_response, request_bytes, reset, sse_datas, wait_for
 from conftest import LoopThread, RunningSidecar
 from upstreams import ScriptedUpstream
 
@@ -107,5 +113,125 @@ def test_aClientLeavingAsItsResponseEnds_neverHandsTheCutConnectionToTheNextRequ
         wait_for(lambda: len(sidecar.log.records) == 2, timeout_s=10)
         reasons = sorted(record.end_reason.value for record in sidecar.log.records)
         assert reasons == ["client_gone", "complete"]
+    finally:
+        loop_thread.run(upstream.stop())
+
+
+class ClosingOnReuse:
+    """An upstream that answers the first request on each connection (keep-alive)
+    and closes the connection when a second one arrives on it, without a byte
+    of answer: the wire picture of an upstream that closed the idle connection
+    just as the next request went out. ``close`` says how: ``fin`` after
+    reading the request, ``rst`` (linger 0) as a closed socket answers data."""
+
+    def __init__(self, close: str) -> None:
+        self.close = close
+        self.served: dict[asyncio.StreamWriter, int] = {}
+        self.paths: list[bytes] = []
+        self.upstream = ScriptedUpstream(self.respond)
+
+    async def respond(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        path = _REQUEST_LINE.findall(bytes(self.upstream.received))[-1]
+        self.paths.append(path)
+        served = self.served[writer] = self.served.get(writer, 0) + 1
+        if served > 1:
+            if self.close == "rst":
+                writer.get_extra_info("socket").setsockopt(
+                    socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                writer.transport.abort()
+            else:
+                writer.close()
+            raise ConnectionResetError("closed on reuse")  # ends ScriptedUpstream's loop
+        body = b'{"answer":"%b"}' % path
+        await self.upstream.send(writer, b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                                         b"content-length: %d\r\n\r\n%b" % (len(body), body))
+
+
+@pytest.fixture(params=["fin", "rst"])
+def closing_on_reuse(request: pytest.FixtureRequest, loop_thread: LoopThread) -> Iterator[ClosingOnReuse]:
+    upstream = ClosingOnReuse(request.param)
+    loop_thread.run(upstream.upstream.start())
+    yield upstream
+    loop_thread.run(upstream.upstream.stop())
+
+
+def _second_request_on_a_closing_connection(
+        upstream: ClosingOnReuse, sidecar: RunningSidecar, loop_thread: LoopThread,
+        method: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    """The first request opens the connection and leaves it idle in the pool;
+    the second goes out on it and meets the close. Its status and body."""
+    body = chat_body(stream=False) if method == "POST" else b""
+    first = exchange(sidecar.port, method, "/one", body=body, headers=headers)
+    assert first.status == 200 and first.body == b'{"answer":"/one"}'
+    context = sidecar.sidecar.context
+    assert context is not None
+    pools = context.pools.upstreams[0].pools
+
+    def idle() -> bool:
+        return any(c.is_idle() for pool in pools for c in pool.connections)
+
+    wait_for(lambda: loop_thread.call(idle), timeout_s=10)
+    second = exchange(sidecar.port, method, "/two", body=body, headers=headers)
+    return second.status, second.body
+
+
+def _metric(sidecar: RunningSidecar, name: str, upstream: str) -> float:
+    text = httpx.get(sidecar.admin_url + "/metrics").text
+    line = f'{name}{{upstream="{upstream}"}} '
+    values = [float(row[len(line):]) for row in text.splitlines() if row.startswith(line)]
+    assert values, f"{name} for {upstream} not in the metrics"
+    return values[0]
+
+
+@pytest.mark.parametrize(("method", "headers"), [
+    ("GET", None),
+    ("POST", {"Idempotency-Key": "req-1"}),
+], ids=["GET", "POST-with-Idempotency-Key"])
+def test_aRequestOnAReusedConnectionTheUpstreamClosed_isResentOnce(
+        closing_on_reuse: ClosingOnReuse, start_sidecar: StartSidecar, loop_thread: LoopThread,
+        method: str, headers: dict[str, str] | None) -> None:
+    """No core retries here (``retry_attempts = 0``): the answer comes from the
+    re-send alone, on a new connection, and the upstream is not blamed."""
+    upstream = closing_on_reuse
+    sidecar = start_sidecar(upstream.upstream.url, retry_attempts=0)
+    status, body = _second_request_on_a_closing_connection(upstream, sidecar, loop_thread, method, headers)
+    assert (status, body) == (200, b'{"answer":"/two"}')
+    assert upstream.paths == [b"/one", b"/two", b"/two"]  # on the closing connection, then a new one
+    assert upstream.upstream.connections == 2
+    address = upstream.upstream.url
+    assert _metric(sidecar, "tokenwire_upstream_resent_total", address) == 1.0
+    assert _metric(sidecar, "tokenwire_upstream_failures_total", address) == 0.0
+    assert [record.retries for record in sidecar.log.records] == [0, 0]
+
+
+def test_aPostWithoutIdempotencyKey_isNotResent(
+        closing_on_reuse: ClosingOnReuse, start_sidecar: StartSidecar, loop_thread: LoopThread) -> None:
+    """The upstream may have read it before it closed: sent again, it could
+    start a second generation. It fails as before (502), sent once."""
+    upstream = closing_on_reuse
+    sidecar = start_sidecar(upstream.upstream.url)
+    status, body = _second_request_on_a_closing_connection(upstream, sidecar, loop_thread, "POST")
+    assert status == 502, body
+    assert upstream.paths == [b"/one", b"/two"]
+    assert _metric(sidecar, "tokenwire_upstream_resent_total", upstream.upstream.url) == 0.0
+
+
+def test_aFreshConnectionClosedBeforeAnyAnswer_isNotResent(
+        loop_thread: LoopThread, start_sidecar: StartSidecar) -> None:
+    """Only a reused connection is the keep-alive race: an upstream that closes
+    a new connection on its first request is failing, and that is the core's
+    to retry or not (here: not, ``retry_attempts = 0``)."""
+
+    async def close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.close()
+        raise ConnectionResetError("closed at once")
+
+    upstream = ScriptedUpstream(close)
+    loop_thread.run(upstream.start())
+    try:
+        sidecar = start_sidecar(upstream.url, retry_attempts=0)
+        assert exchange(sidecar.port, "GET", "/one").status == 502
+        assert upstream.connections == 1
+        assert _metric(sidecar, "tokenwire_upstream_resent_total", upstream.url) == 0.0
     finally:
         loop_thread.run(upstream.stop())
