@@ -696,9 +696,10 @@ async def _send(upstream: Upstream, pool: httpcore.AsyncConnectionPool, *, metho
                         and (not probe.written or may_repeat(method, headers))):
                     raise
                 upstream.counters.resent += 1
+                # The path without its query, which may hold a credential.
                 logger.info("upstream %s: %s %s re-sent: the reused connection it went out on "
                             "failed before any answer (%s: %s)", upstream.name, method.decode("latin-1"),
-                            target.decode("latin-1"), type(error).__name__, error)
+                            target.partition(b"?")[0].decode("latin-1"), type(error).__name__, error)
                 response = await exits.enter_async_context(send())
         yield response
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import logging
 import re
 import socket
 import struct
@@ -189,12 +190,16 @@ def _metric(sidecar: RunningSidecar, name: str, upstream: str) -> float:
 ], ids=["GET", "POST-with-Idempotency-Key"])
 def test_aRequestOnAReusedConnectionTheUpstreamClosed_isResentOnce(
         closing_on_reuse: ClosingOnReuse, start_sidecar: StartSidecar, loop_thread: LoopThread,
-        method: str, headers: dict[str, str] | None) -> None:
+        method: str, headers: dict[str, str] | None, caplog: pytest.LogCaptureFixture) -> None:
     """No core retries here (``retry_attempts = 0``): the answer comes from the
     re-send alone, on a new connection, and the upstream is not blamed."""
     upstream = closing_on_reuse
     sidecar = start_sidecar(upstream.upstream.url, retry_attempts=0)
-    status, body = _second_request_on_a_closing_connection(upstream, sidecar, loop_thread, method, headers)
+    with caplog.at_level(logging.INFO, logger="tokenwire.sidecar"):
+        status, body = _second_request_on_a_closing_connection(upstream, sidecar, loop_thread, method,
+                                                               headers)
+    resent = [r.getMessage() for r in caplog.records if "re-sent" in r.getMessage()]
+    assert len(resent) == 1 and f"{method} /two re-sent" in resent[0], resent
     assert (status, body) == (200, b'{"answer":"/two"}')
     assert upstream.paths == [b"/one", b"/two", b"/two"]  # on the closing connection, then a new one
     assert upstream.upstream.connections == 2
