@@ -94,6 +94,7 @@ def test_aClientLeavingAsItsResponseEnds_neverHandsTheCutConnectionToTheNextRequ
             # so its next poll finds the last chunk first, then the reset.
             writer = writers["first"]
             writer.write(_LAST_CHUNK)
+            assert writer.transport.get_write_buffer_size() == 0  # in the kernel now, not held back
             upstream_socket = writer.get_extra_info("socket")
             deadline = time.monotonic() + 10
             while _unsent_bytes(upstream_socket) and time.monotonic() < deadline:
@@ -107,10 +108,16 @@ def test_aClientLeavingAsItsResponseEnds_neverHandsTheCutConnectionToTheNextRequ
         second.close()
         assert response.status == 200, response.body
         assert sse_datas(response.body)[-1] == "[DONE]"
-        # The cut connection was closed, not reused: the second request had a new one.
+        # The cut connection was closed, not reused: the second request had a new
+        # one at once, not after failing on the cut one (a re-send would save it
+        # there, since none of it could be written: the second line of defence).
         assert upstream.connections == 2
+        assert context.pools.resent(upstream.url) == 0
         # And the race did happen: the first stream ended because its client left,
-        # not complete (which would mean the reset came too late to cut anything).
+        # not complete (which would mean the reset came too late to cut anything:
+        # the test would no longer test the race, and says so). The cut lands in
+        # the moment the attempt gives way (httpcore's pool lock) before the
+        # pool takes the connection back.
         wait_for(lambda: len(sidecar.log.records) == 2, timeout_s=10)
         reasons = sorted(record.end_reason.value for record in sidecar.log.records)
         assert reasons == ["client_gone", "complete"]
