@@ -26,7 +26,9 @@ and ``sidecar`` under ``DIR/tokenwire``), ``nginx`` (one process,
 the kernel (the ``read``/``write`` system calls, the same number per event
 for every target) and the cost of cache misses.
 
-Usage: ``python bench/instructions.py [--base DIR] [--streams 5] [--events 40 200]``;
+Usage: ``python bench/instructions.py [--base DIR] [--streams 5] [--events 40 200] [--keep DIR]``
+(``--keep``: leave the dumps in DIR; ``callgrind_annotate --inclusive=yes`` on the
+second dump of a target shows where its instructions go);
 writes ``bench/results/instructions.json``.
 """
 
@@ -127,13 +129,18 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=5)
     parser.add_argument("--events", type=int, nargs=2, default=(40, 200), metavar=("E1", "E2"))
     parser.add_argument("--targets", default="tokenwire,base,nginx")
+    parser.add_argument("--keep", metavar="DIR",
+                        help="keep the callgrind dumps in DIR (for callgrind_annotate)")
     args = parser.parse_args()
     _ensure_valgrind()
     targets = [t for t in args.targets.split(",") if t != "base" or args.base]
     results: dict[str, Any] = {"streams": args.streams, "events": list(args.events), "targets": {}}
     upstream_port = free_port()
-    with tempfile.TemporaryDirectory(prefix="tokenwire-callgrind-") as scratch, \
-            fake_upstream(upstream_port):
+    if args.keep:
+        Path(args.keep).mkdir(parents=True, exist_ok=True)
+    scratch_dir = contextlib.nullcontext(args.keep) if args.keep else \
+        tempfile.TemporaryDirectory(prefix="tokenwire-callgrind-")
+    with scratch_dir as scratch, fake_upstream(upstream_port):
         for name in targets:
             row = measure(name, upstream_port, args.streams, tuple(args.events), args.base, Path(scratch))
             results["targets"][name] = row
