@@ -107,6 +107,12 @@ class _UpstreamProtocol(asyncio.Protocol):
             self.sink.closed(None)
         return None  # close the transport: we never half-close towards the upstream
 
+    def failure(self) -> Exception | None:
+        """``error``, read through a call: after a check of ``error`` and an
+        ``await``, mypy would still take it for None there, and compiled code
+        then fails (TypeError) on the exception ``connection_lost`` put there meanwhile."""
+        return self.error
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.eof = True
         if exc is not None:
@@ -352,8 +358,9 @@ class UpstreamStream(httpcore.AsyncNetworkStream):
     async def _read(self, max_bytes: int, timeout: float | None) -> bytes:
         protocol = self._protocol
         if not protocol.chunks:
-            if protocol.error is not None:
-                raise httpcore.ReadError(str(protocol.error) or type(protocol.error).__name__)
+            error = protocol.failure()
+            if error is not None:
+                raise httpcore.ReadError(str(error) or type(error).__name__)
             if protocol.eof:
                 return b""
             waiter = self._loop.create_future()
@@ -370,8 +377,9 @@ class UpstreamStream(httpcore.AsyncNetworkStream):
                 if protocol.waiter is waiter:
                     protocol.waiter = None
             if not protocol.chunks:
-                if protocol.error is not None:
-                    raise httpcore.ReadError(str(protocol.error) or type(protocol.error).__name__)
+                error = protocol.failure()
+                if error is not None:
+                    raise httpcore.ReadError(str(error) or type(error).__name__)
                 return b""
         chunks = protocol.chunks
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -403,7 +411,7 @@ class UpstreamStream(httpcore.AsyncNetworkStream):
         self._head_start = b""
         self._read_limit = None
         self._replay = b""
-        if protocol.error is not None or self._transport.is_closing():
+        if protocol.failure() is not None or self._transport.is_closing():
             raise httpcore.WriteError("the upstream connection is closed")
         held = self._held
         if not held and len(buffer) < _HOLD_WRITE_BYTES:
@@ -428,8 +436,9 @@ class UpstreamStream(httpcore.AsyncNetworkStream):
                 await waiter
         except TimeoutError:
             raise httpcore.WriteTimeout(f"the upstream took no data for {timeout:g} s") from None
-        if protocol.error is not None:
-            raise httpcore.WriteError(str(protocol.error) or type(protocol.error).__name__)
+        error = protocol.failure()
+        if error is not None:
+            raise httpcore.WriteError(str(error) or type(error).__name__)
 
     async def aclose(self) -> None:
         self._transport.close()
