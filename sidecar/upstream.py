@@ -27,6 +27,18 @@ read to the end instead of pooling it, so an aborted stream's connection is
 never reused. httpcore's own retries are off;
 retrying is the wire core's decision (``RetryUpstream``).
 
+One re-send happens below the core, because it is not a failure of the
+upstream but of the connection: a request that went out on a *reused*
+keep-alive connection and failed before any byte of answer came back (the
+upstream closed that idle connection just as the request was sent, a race
+every keep-alive client has) is sent once more, on the connection the pool
+gives next (:func:`_send`); the core sees one attempt. As nginx's
+``proxy_next_upstream error`` on a cached connection, it is done only for a
+request that may reach the upstream twice (an idempotent method or an
+``Idempotency-Key``: :func:`~tokenwire.middleware.retry.may_repeat`, the
+core's own rule) or none of which was written: the upstream may have read a
+POST before it closed, and one more generation is not ours to start.
+
 Each upstream's connections are split over ``_POOL_SHARDS`` pools taken in
 turn: httpcore's pool re-examines every connection it holds whenever a request
 starts or ends (and, for each idle one, counts them all again), which with
@@ -49,6 +61,7 @@ and goes through untouched, ``Content-Encoding`` and all.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import math
@@ -56,7 +69,7 @@ import os
 import random
 import socket
 import urllib.parse
-from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +83,7 @@ from tokenwire.middleware import (
     UpstreamFailed,
     UpstreamHeaders,
 )
+from tokenwire.middleware.retry import may_repeat
 
 from .balance import (
     Balancer,
@@ -87,7 +101,7 @@ from .balance import (
 )
 from .settings import SidecarConfig
 from .upstream_body import ChunkedBodyReader
-from .upstream_io import UpstreamBackend, UpstreamStream
+from .upstream_io import RequestProbe, UpstreamBackend, UpstreamStream, probing
 
 logger = logging.getLogger("tokenwire.sidecar")
 
@@ -109,12 +123,26 @@ _FAILURE_KINDS: tuple[tuple[type[Exception], FailureKind], ...] = (
 )
 
 
+# How a request on a connection the upstream had closed fails (a timeout is not that).
+_STALE_CONNECTION_ERRORS = (httpcore.ReadError, httpcore.WriteError, httpcore.RemoteProtocolError)
+
+
 def failure_kind(error: Exception) -> FailureKind:
     """How an httpcore exception maps onto the wire core's failure kinds."""
     for exc_type, kind in _FAILURE_KINDS:
         if isinstance(error, exc_type):
             return kind
     return FailureKind.PROTOCOL
+
+
+class UpstreamCounters:
+    """What the attempts on one upstream count, for the metrics."""
+
+    __slots__ = ("resent",)
+
+    def __init__(self) -> None:
+        self.resent = 0
+        """Requests re-sent after a reused connection failed before any answer (see :func:`_send`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +159,8 @@ class Upstream:
     _turn: Iterator[httpcore.AsyncConnectionPool] = field(init=False, repr=False, compare=False)
     _released: list[httpcore.AsyncConnectionPool] = field(default_factory=list, init=False, repr=False,
                                                           compare=False)
+    counters: UpstreamCounters = field(default_factory=UpstreamCounters, init=False, repr=False,
+                                       compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_turn", itertools.cycle(self.pools))
@@ -512,6 +542,11 @@ class UpstreamPools:
         """The pools made so far, one per pod that had traffic."""
         return list(self._upstreams.values())
 
+    def resent(self, address: str) -> int:
+        """Requests to ``address`` re-sent after a reused connection failed (see :func:`_send`)."""
+        upstream = self._upstreams.get(address)
+        return 0 if upstream is None else upstream.counters.resent
+
     @property
     def names(self) -> list[str]:
         """The addresses of the pods in the set now."""
@@ -596,8 +631,8 @@ async def run_attempt(
     pool = upstream.next_pool()
     reusable = True
     try:
-        async with pool.stream(method, upstream.url(target), headers=list(headers),
-                               content=body, extensions={"timeout": timeouts}) as response:
+        async with _send(upstream, pool, method=method, target=target, headers=headers, body=body,
+                         timeouts=timeouts) as response:
             network = response.extensions.get("network_stream")
             if on_connection is not None:
                 on_connection(network)
@@ -639,6 +674,34 @@ async def run_attempt(
     if reusable:
         upstream.released(pool)
     feed(UpstreamEnded())
+
+
+@contextlib.asynccontextmanager
+async def _send(upstream: Upstream, pool: httpcore.AsyncConnectionPool, *, method: bytes, target: bytes,
+                headers: Sequence[Header], body: bytes,
+                timeouts: dict[str, float | None]) -> AsyncIterator[httpcore.Response]:
+    """``pool.stream()``, with the one re-send of a request whose reused
+    connection failed before any answer (see the module docstring)."""
+
+    def send() -> contextlib.AbstractAsyncContextManager[httpcore.Response]:
+        return pool.stream(method, upstream.url(target), headers=list(headers), content=body,
+                           extensions={"timeout": timeouts})
+
+    async with contextlib.AsyncExitStack() as exits:
+        with probing(RequestProbe()) as probe:
+            try:
+                response = await exits.enter_async_context(send())
+            except _STALE_CONNECTION_ERRORS as error:
+                if not (probe.reused and not probe.answered
+                        and (not probe.written or may_repeat(method, headers))):
+                    raise
+                upstream.counters.resent += 1
+                # The path without its query, which may hold a credential.
+                logger.info("upstream %s: %s %s re-sent: the reused connection it went out on "
+                            "failed before any answer (%s: %s)", upstream.name, method.decode("latin-1"),
+                            target.partition(b"?")[0].decode("latin-1"), type(error).__name__, error)
+                response = await exits.enter_async_context(send())
+        yield response
 
 
 def _body_framing(method: bytes, status: int, headers: Sequence[Header]) -> str | int | None:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import re
 import socket
 import ssl
@@ -106,6 +107,12 @@ class _UpstreamProtocol(asyncio.Protocol):
             self.sink.closed(None)
         return None  # close the transport: we never half-close towards the upstream
 
+    def failure(self) -> Exception | None:
+        """``error``, read through a call: after a check of ``error`` and an
+        ``await``, mypy would still take it for None there, and compiled code
+        then fails (TypeError) on the exception ``connection_lost`` put there meanwhile."""
+        return self.error
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.eof = True
         if exc is not None:
@@ -168,6 +175,47 @@ class _BodySink:
                     "the upstream closed before the end of its chunked body"))
 
 
+class RequestProbe:
+    """What the connection a request went out on knew of it, for a request
+    that failed before its response: set while :func:`probing` and filled in
+    by the :class:`UpstreamStream` the pool sent the request on."""
+
+    __slots__ = ("stream",)
+
+    def __init__(self) -> None:
+        self.stream: UpstreamStream | None = None
+
+    @property
+    def reused(self) -> bool:
+        """The request went out on a connection that had carried one before."""
+        return self.stream is not None and self.stream.requests > 1
+
+    @property
+    def answered(self) -> bool:
+        """A byte of the response came back."""
+        return self.stream is not None and self.stream.answered
+
+    @property
+    def written(self) -> bool:
+        """A byte of the request reached the socket (else the upstream saw none of it)."""
+        return self.stream is None or self.stream.written
+
+
+_PROBE: contextvars.ContextVar[RequestProbe | None] = contextvars.ContextVar(
+    "tokenwire_upstream_probe", default=None)
+
+
+@contextlib.contextmanager
+def probing(probe: RequestProbe) -> typing.Iterator[RequestProbe]:
+    """Requests this task sends meanwhile report their connection to ``probe``
+    (httpcore gives no handle on the connection of a request that failed)."""
+    token = _PROBE.set(probe)
+    try:
+        yield probe
+    finally:
+        _PROBE.reset(token)
+
+
 class UpstreamStream(httpcore.AsyncNetworkStream):
     """One upstream connection as httpcore sees it."""
 
@@ -184,6 +232,12 @@ class UpstreamStream(httpcore.AsyncNetworkStream):
         self._held: list[bytes] = []  # small writes not sent yet (see write)
         self._aborted = False
         self._cut = False
+        self.requests = 0
+        """Requests written on this connection so far (more than one: a reused keep-alive one)."""
+        self.answered = False
+        """A byte of the current request's response has come."""
+        self.written = False
+        """A byte of the current request has gone to the socket."""
 
     @property
     def buffered(self) -> bool:
@@ -259,6 +313,7 @@ class UpstreamStream(httpcore.AsyncNetworkStream):
             data = held[0] if len(held) == 1 else b"".join(held)
             held.clear()
             if not self._transport.is_closing():
+                self.written = True
                 self._transport.write(data)
 
     async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
@@ -273,6 +328,7 @@ class UpstreamStream(httpcore.AsyncNetworkStream):
             max_bytes = min(max_bytes, self._read_limit)
         data = await self._read(max_bytes, timeout)
         if self._head_pending and data:
+            self.answered = True
             data = self._cut_at_head_end(data)
         if self._read_limit is not None:
             self._read_limit -= len(data)
@@ -302,8 +358,9 @@ class UpstreamStream(httpcore.AsyncNetworkStream):
     async def _read(self, max_bytes: int, timeout: float | None) -> bytes:
         protocol = self._protocol
         if not protocol.chunks:
-            if protocol.error is not None:
-                raise httpcore.ReadError(str(protocol.error) or type(protocol.error).__name__)
+            error = protocol.failure()
+            if error is not None:
+                raise httpcore.ReadError(str(error) or type(error).__name__)
             if protocol.eof:
                 return b""
             waiter = self._loop.create_future()
@@ -320,8 +377,9 @@ class UpstreamStream(httpcore.AsyncNetworkStream):
                 if protocol.waiter is waiter:
                     protocol.waiter = None
             if not protocol.chunks:
-                if protocol.error is not None:
-                    raise httpcore.ReadError(str(protocol.error) or type(protocol.error).__name__)
+                error = protocol.failure()
+                if error is not None:
+                    raise httpcore.ReadError(str(error) or type(error).__name__)
                 return b""
         chunks = protocol.chunks
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -340,13 +398,20 @@ class UpstreamStream(httpcore.AsyncNetworkStream):
         if not buffer:
             return
         protocol = self._protocol
+        if not self._head_pending:
+            # The first write of a new request.
+            self.requests += 1
+            self.answered = self.written = False
+            probe = _PROBE.get()
+            if probe is not None:
+                probe.stream = self
         # A new request (or the rest of one): its response starts with a head.
         self._head_pending = True
         self._head_tail = b""
         self._head_start = b""
         self._read_limit = None
         self._replay = b""
-        if protocol.error is not None or self._transport.is_closing():
+        if protocol.failure() is not None or self._transport.is_closing():
             raise httpcore.WriteError("the upstream connection is closed")
         held = self._held
         if not held and len(buffer) < _HOLD_WRITE_BYTES:
@@ -360,6 +425,7 @@ class UpstreamStream(httpcore.AsyncNetworkStream):
             held.append(buffer)
             buffer = b"".join(held)
             held.clear()
+        self.written = True
         self._transport.write(buffer)
         if not protocol.write_paused:
             return
@@ -370,8 +436,9 @@ class UpstreamStream(httpcore.AsyncNetworkStream):
                 await waiter
         except TimeoutError:
             raise httpcore.WriteTimeout(f"the upstream took no data for {timeout:g} s") from None
-        if protocol.error is not None:
-            raise httpcore.WriteError(str(protocol.error) or type(protocol.error).__name__)
+        error = protocol.failure()
+        if error is not None:
+            raise httpcore.WriteError(str(error) or type(error).__name__)
 
     async def aclose(self) -> None:
         self._transport.close()

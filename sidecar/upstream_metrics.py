@@ -6,6 +6,8 @@ Families (label ``upstream`` = the pod's address)::
     tokenwire_upstream_open_streams       streams open on it from this sidecar
     tokenwire_upstream_requests_total     attempts sent to it
     tokenwire_upstream_failures_total     attempts that failed before their first byte
+    tokenwire_upstream_resent_total       requests sent again after a reused keep-alive
+                                          connection failed before any answer
     tokenwire_upstream_ejections_total    passive outlier ejections
     tokenwire_upstream_load_waiting       its last load reading (queue-aware): waiting,
     tokenwire_upstream_load_running       running,
@@ -49,6 +51,9 @@ class UpstreamCollector(Collector):
                                        labels=["upstream"])
         failures = CounterMetricFamily("tokenwire_upstream_failures",
                                        "Attempts that failed before their first byte.", labels=["upstream"])
+        resent = CounterMetricFamily("tokenwire_upstream_resent",
+                                     "Requests sent again after a reused keep-alive connection "
+                                     "failed before any answer.", labels=["upstream"])
         ejections = CounterMetricFamily("tokenwire_upstream_ejections", "Passive outlier ejections.",
                                         labels=["upstream"])
         waiting = GaugeMetricFamily("tokenwire_upstream_load_waiting",
@@ -68,6 +73,7 @@ class UpstreamCollector(Collector):
             open_streams.add_metric(label, pod.open_streams)
             requests.add_metric(label, pod.requests)
             failures.add_metric(label, pod.failures)
+            resent.add_metric(label, self._pools.resent(pod.address))
             ejections.add_metric(label, pod.ejections)
             if pod.load is not None:
                 waiting.add_metric(label, pod.load.waiting)
@@ -76,7 +82,7 @@ class UpstreamCollector(Collector):
                     cache.add_metric(label, pod.load.cache_use)
             for reason, count in sorted(pod.picks.items()):
                 picks.add_metric([pod.address, reason], count)
-        yield from (up, open_streams, requests, failures, ejections, waiting, running, cache, picks)
+        yield from (up, open_streams, requests, failures, resent, ejections, waiting, running, cache, picks)
         yield GaugeMetricFamily("tokenwire_upstream_queue_depth",
                                 "Requests waiting for a free upstream now.", value=balancer.queue_depth)
         yield CounterMetricFamily("tokenwire_upstream_queue_timeouts",

@@ -38,6 +38,12 @@ _UP_SIDECAR_ARGS = ("--resume", "--resume-grace-s", "5")
 class Child:
     """A child process whose output is kept (last lines) and echoed if asked."""
 
+    # Every child echoes to the one stderr, each from its own thread: a line is
+    # written whole, under this lock, never split by another child's (print()
+    # writes the text and its newline apart, and a JSON log line interleaved
+    # with another is neither one's).
+    _echo_lock = threading.Lock()
+
     def __init__(self, name: str, argv: list[str], *, echo: bool) -> None:
         self.name = name
         self.lines: deque[str] = deque(maxlen=40)
@@ -47,7 +53,9 @@ class Child:
         self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True, bufsize=1, start_new_session=True)
         assert self.process.stdout is not None
-        threading.Thread(target=self._pump, args=(self.process.stdout,), daemon=True).start()
+        self.pump = threading.Thread(target=self._pump, args=(self.process.stdout,), daemon=True)
+        """Reads (and echoes) the child's output until it closes it."""
+        self.pump.start()
 
     def _pump(self, stream: IO[str]) -> None:
         for line in stream:
@@ -57,7 +65,9 @@ class Child:
                 self.ready_line = line
                 self.ready.set()
             if self._echo:
-                print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
+                with Child._echo_lock:
+                    sys.stderr.write(f"[{self.name}] {line}\n")
+                    sys.stderr.flush()
 
     def alive(self) -> bool:
         return self.process.poll() is None

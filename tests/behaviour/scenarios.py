@@ -8,8 +8,12 @@ app serves as the app behind the middleware and as the upstream behind the
 sidecar, so both drivers see the same upstream bytes with the same timing.
 
 Timing is made deterministic by design: every ``Send`` is followed by a short
-gap so a fast client gets it as its own write, and silences are chosen so a
-heartbeat never falls within 0.1 s of a silence's end.
+gap so a fast client gets it as its own write; the heartbeat scenarios'
+silences are chosen so a heartbeat never falls within 0.2 s of a silence's
+end (a loop that runs late by less than that, on a machine with two busy
+processes beside the suite, writes the same bytes); every other scenario runs
+with heartbeats and the commit deadline seconds away, so a stall under load
+cannot add a heartbeat or commit a stream early where the reference does not.
 """
 
 from __future__ import annotations
@@ -74,7 +78,9 @@ class Scenario:
     notes: str = ""
 
 
-BASE = WireConfig(retry_attempts=0, terminal_marker="[DONE]", heartbeat_s=0.2, commit_deadline_s=0.1)
+BASE = WireConfig(retry_attempts=0, terminal_marker="[DONE]", heartbeat_s=2.0, commit_deadline_s=2.0)
+HEARTBEATS = BASE.replace(heartbeat_s=0.4, commit_deadline_s=0.1)
+"""The heartbeat scenarios' config: their silences end 0.2 s from any heartbeat."""
 
 
 def chunk(content: str | None = None, *, role: str | None = None, finish: str | None = None,
@@ -112,10 +118,10 @@ SCENARIOS: tuple[Scenario, ...] = (
         Send(b"id: 8\n\n"),
         Send(DONE),
     ), BASE, notes="BOM, CRLF/CR, multi-line data, comments dropped, id-only event kept"),
-    Scenario("heartbeat_before_first_event", (Silence(0.6), *_chat("late")), BASE,
-             notes="headers at 0.1 s, heartbeats at 0.3 and 0.5 s"),
-    Scenario("heartbeat_mid_stream", (Send(chunk("a")), Silence(0.5), Send(chunk("b")), Send(DONE)),
-             BASE, notes="heartbeats 0.2 and 0.4 s after the first write"),
+    Scenario("heartbeat_before_first_event", (Silence(1.1), *_chat("late")), HEARTBEATS,
+             notes="headers at 0.1 s, heartbeats at 0.5 and 0.9 s (the next would be at 1.3 s)"),
+    Scenario("heartbeat_mid_stream", (Send(chunk("a")), Silence(1.0), Send(chunk("b")), Send(DONE)),
+             HEARTBEATS, notes="heartbeats 0.4 and 0.8 s after the first write (the next: 1.2 s)"),
     Scenario("fail_after_events", (Send(chunk("a")), Send(chunk("b")), Send(chunk("c")), Fail()),
              BASE, notes="in-band error, body cut without terminator"),
     Scenario("eof_without_terminal_marker", (Send(chunk("a")), Send(chunk("b"))), BASE),

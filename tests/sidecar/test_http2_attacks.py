@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import hpack
 import pytest
-from conftest import RunningSidecar
+from conftest import LoopThread, RunningSidecar
 from h2client import PREFACE, STATIC_GET_BLOCK, H2Client, chat_headers, frame, read_goaway
 from hyperframe.frame import ContinuationFrame, HeadersFrame
 from upstreams import FakeUpstream, expected_text
@@ -63,10 +63,14 @@ class _Bystander(threading.Thread):
 
 
 def test_attack_rapidReset_whenOpenCancelFlood_thenGoawayCalmAndUpstreamSeesAtMostTheLimit(
-        start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
+        start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream,
+        loop_thread: LoopThread) -> None:
     """CVE-2023-44487: streams opened and cancelled at once cost the server
     work while never counting as open. Resets are counted per connection: past
-    http2_max_resets_per_s the connection ends with GOAWAY(ENHANCE_YOUR_CALM)."""
+    http2_max_resets_per_s the connection ends with GOAWAY(ENHANCE_YOUR_CALM),
+    after a bounded amount of the loop's work (its CPU time: 0.13-0.26 s
+    measured, where handling the whole flood took 2.4 s), so a bystander's
+    stream on another connection keeps flowing."""
     sidecar = start_sidecar(http2_max_resets_per_s=50, http2_max_concurrent_streams=20)
     bystander = _Bystander(sidecar.port, tokens=40, delay_s=0.02)
     bystander.start()
@@ -78,17 +82,24 @@ def test_attack_rapidReset_whenOpenCancelFlood_thenGoawayCalmAndUpstreamSeesAtMo
     cancel = b"\x00\x00\x00\x08"
     flood = b"".join(frame(0x1, 0x5, 1 + 2 * i, STATIC_GET_BLOCK) + frame(0x3, 0, 1 + 2 * i, cancel)
                      for i in range(pairs))
+    cpu_before_s = loop_thread.cpu_time_s()
     with socket.create_connection(("127.0.0.1", sidecar.port), timeout=10) as sock:
         sock.sendall(PREFACE + frame(0x4, 0, 0))
         with contextlib.suppress(OSError):  # the sidecar hangs up mid-flood: that is the defence
             sock.sendall(flood)
         goaway = read_goaway(sock)
+    flood_cpu_s = loop_thread.cpu_time_s() - cpu_before_s
     assert goaway is not None and goaway.error_code == ENHANCE_YOUR_CALM, goaway
+    # The loop (sidecar, upstream and all) worked this long while the flood came:
+    # a stall of the bystander's stream can be no longer, whatever the load.
+    assert flood_cpu_s < 1.0, flood_cpu_s
     bystander.join(30)
     assert bystander.client.streams[bystander.stream_id].ended
     # bench/h2_bench.py measures this bound apart from the load (81 ms there);
-    # here the test process also runs the sidecar and the reader.
-    assert bystander.max_gap_s() < 1.0
+    # here the test process also runs the sidecar and the reader, on a machine
+    # maybe busy besides (0.23-0.52 s seen): a generous bound of wall time, the
+    # CPU bound above being the exact one.
+    assert bystander.max_gap_s() < 3.0
     time.sleep(0.2)  # let any upstream request already under way arrive
     forwarded = len(upstream.requests) - before
     assert forwarded <= 50 + 20

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -82,3 +84,32 @@ def test_up_sidecarAndEngineTtftAgree_logsAreJson_andHoldNoSecrets(
     for completion in completions:
         if len(completion) >= 8:  # long enough not to be a field name by chance
             assert completion not in logged
+
+
+_ECHOED_LINES = 5000
+# Two children of ``up --verbose`` logging at once, as the engine and the sidecar do.
+_TWO_CHATTY_CHILDREN = f"""
+import sys
+from tokenwire.sidecar.tools.up import Child
+program = "import json\\nfor i in range({_ECHOED_LINES}): print(json.dumps({{'i': i, 'pad': 'x' * 200}}))"
+children = [Child(name, [sys.executable, "-c", program], echo=True) for name in ("engine", "sidecar")]
+for child in children:
+    child.process.wait()
+    child.pump.join(30)
+"""
+
+
+def test_upEcho_twoChildrenLoggingAtOnce_everyEchoedLineIsOneWholeLineOfOneChild(tmp_path: Path) -> None:
+    """``up --verbose`` echoes each child's lines from its own thread into one
+    stderr: a line must never be split by the other child's (it was, when the
+    echo wrote a line and its newline apart: a sidecar line with an engine
+    line stuck to it, "Extra data" to a JSON reader)."""
+    log_path = tmp_path / "echo.log"
+    with log_path.open("w") as log:
+        done = subprocess.run([sys.executable, "-c", _TWO_CHATTY_CHILDREN], stderr=log, timeout=120)
+    assert done.returncode == 0
+    logged = log_path.read_text()
+    for child in ("engine", "sidecar"):
+        lines = child_lines(logged, child)
+        assert [json.loads(line)["i"] for line in lines] == list(range(_ECHOED_LINES))
+    assert len(logged.splitlines()) == 2 * _ECHOED_LINES

@@ -17,6 +17,7 @@ per server (headless Chromium).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from collections.abc import Callable, Iterator
@@ -44,6 +45,15 @@ BROWSER_REPEATS = 8
 GET_CLIENTS = frozenset({"browser-eventsource"})
 """A browser ``EventSource`` can only GET; every other client POSTs."""
 CLOSE_AT_DONE = frozenset({"eventsource", "browser-eventsource"})
+ROWS_ENV = "TOKENWIRE_GRID_ROWS"
+"""``client.feature,...``: the batches run only these rows' cases (for a pass
+over a few rows: ``test_pure_python.py``); unset, every case."""
+
+
+def wanted(client: str, feature: str) -> bool:
+    """Whether the batches run ``client`` x ``feature`` (see :data:`ROWS_ENV`)."""
+    rows = os.environ.get(ROWS_ENV)
+    return not rows or f"{client}.{feature}" in rows.split(",")
 
 
 def case_id(client: str, feature: str, target: str) -> str:
@@ -90,7 +100,7 @@ def node_outcomes(servers: Servers) -> dict[str, Outcome]:
               "base_url": base_url(servers, client, feature, target),
               "stall": stall_spec(servers, client, feature, target)}
              for client in NODE_CLIENTS for feature in FEATURES for target in TARGETS
-             if _reachable(servers, target, feature)]
+             if _reachable(servers, target, feature) and wanted(client, feature)]
     return {key: Outcome.from_json(value) for key, value in run_node(cases).items()}
 
 
@@ -126,8 +136,10 @@ def _browser_cases(browser: Any, servers: Servers, origin: str, target: str,
     """One page from ``origin`` runs the cases; all at once, but slow readers one by one."""
     cases = [{"id": key, "client": client, "url": f"/{key}/{feature}/v1/chat/completions",
               "stall": stall_spec(servers, client, feature, target)}
-             for feature in features for client in BROWSER_CLIENTS
+             for feature in features for client in BROWSER_CLIENTS if wanted(client, feature)
              for key in _repeated(case_id(client, feature, target), feature)]
+    if not cases:
+        return {}
     page = browser.new_page()
     try:
         page.goto(f"{origin}/page")
@@ -145,7 +157,7 @@ def python_outcomes(servers: Servers) -> dict[str, Outcome]:
     """Every Python case: all at once in threads (most of a case is waiting:
     retries' backoff, silences), the slow readers one by one after."""
     cases = [(client, feature, target) for client in PY_CLIENTS for feature in FEATURES
-             for target in TARGETS if _reachable(servers, target, feature)]
+             for target in TARGETS if _reachable(servers, target, feature) and wanted(client, feature)]
 
     def run(client: str, feature: str, target: str) -> Outcome:
         key = case_id(client, feature, target)
