@@ -99,8 +99,10 @@ class SidecarConfig:
     """Connecting to an upstream longer than this is a connect failure (retried elsewhere)."""
     upstream_max_connections: int = 10_000
     """Connections per upstream pool (one per open stream)."""
-    upstream_keepalive_s: float = 60.0
-    """Idle pooled upstream connections are closed after this long."""
+    upstream_keepalive_s: float = 4.0
+    """Idle pooled upstream connections are closed after this long: below the
+    engine's own idle timeout (uvicorn's, so vLLM's and SGLang's, is 5 s), or
+    a request can go out on a connection the engine is closing."""
     resume_store: str = "memory"
     """Replay store of resumable streams (``resume = true``): ``memory`` or ``redis://HOST:PORT/DB``."""
     log_file: str = "-"
