@@ -97,6 +97,10 @@ Header = tuple[bytes, bytes]
 _BODY_READ_BYTES = 256 * 1024
 # Pools per upstream, at most (one per 64 allowed connections); see the module docstring.
 _POOL_SHARDS = 16
+# Request targets whose httpcore URL an upstream keeps (see Upstream.url).
+_URL_CACHE_SIZE = 256
+# httpcore's own table: the ports a Host header leaves out.
+_DEFAULT_PORTS = {b"ftp": 21, b"http": 80, b"https": 443, b"ws": 80, b"wss": 443}
 
 _FAILURE_KINDS: tuple[tuple[type[Exception], FailureKind], ...] = (
     (httpcore.ConnectTimeout, FailureKind.CONNECT),
@@ -131,9 +135,16 @@ class Upstream:
     _turn: Iterator[httpcore.AsyncConnectionPool] = field(init=False, repr=False, compare=False)
     _released: list[httpcore.AsyncConnectionPool] = field(default_factory=list, init=False, repr=False,
                                                           compare=False)
+    _urls: dict[bytes, httpcore.URL] = field(default_factory=dict, init=False, repr=False, compare=False)
+    host_header: bytes = field(init=False, repr=False, compare=False)
+    """The ``Host`` of a request to this pod, as httpcore's ``stream()`` would add it."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_turn", itertools.cycle(self.pools))
+        if self.port is None or self.port == _DEFAULT_PORTS.get(self.scheme):
+            object.__setattr__(self, "host_header", self.host)
+        else:
+            object.__setattr__(self, "host_header", b"%b:%d" % (self.host, self.port))
 
     def next_pool(self) -> httpcore.AsyncConnectionPool:
         """The pool for the next request: the last one a connection went back to
@@ -145,8 +156,15 @@ class Upstream:
         self._released.append(pool)
 
     def url(self, target: bytes) -> httpcore.URL:
-        return httpcore.URL(scheme=self.scheme, host=self.host, port=self.port,
-                            target=self.path_prefix + target)
+        # Most requests go to the same few targets: their URLs are made once
+        # (httpcore only reads them), in a cache cleared when it fills.
+        url = self._urls.get(target)
+        if url is None:
+            if len(self._urls) >= _URL_CACHE_SIZE:
+                self._urls.clear()
+            url = self._urls[target] = httpcore.URL(scheme=self.scheme, host=self.host, port=self.port,
+                                                    target=self.path_prefix + target)
+        return url
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +212,8 @@ class UpstreamPools:
     def __init__(self, config: SidecarConfig, *, rng: random.Random | None = None) -> None:
         self._config = config
         self._connect_timeout_s = config.upstream_connect_timeout_s
+        self._timeouts: dict[str, float | None] = {
+            "connect": self._connect_timeout_s, "pool": self._connect_timeout_s, "read": None, "write": None}
         self._abort_url = config.abort_url
         self._abort_pool: httpcore.AsyncConnectionPool | None = None
         self._abort_tasks: set[asyncio.Task[None]] = set()
@@ -521,8 +541,8 @@ class UpstreamPools:
     def timeouts(self) -> dict[str, float | None]:
         # Only connecting has a driver timeout: how long the upstream may take
         # to answer, and to keep answering, is the wire core's business.
-        return {"connect": self._connect_timeout_s, "pool": self._connect_timeout_s,
-                "read": None, "write": None}
+        # One dict for every request (httpcore only reads it).
+        return self._timeouts
 
     def send_abort(self, request_id: str, upstream: str = "") -> None:
         """Fire the explicit abort call (``--abort-url``) in the background; best effort.
@@ -596,8 +616,12 @@ async def run_attempt(
     pool = upstream.next_pool()
     reusable = True
     try:
-        async with pool.stream(method, upstream.url(target), headers=list(headers),
-                               content=body, extensions={"timeout": timeouts}) as response:
+        # What pool.stream() does, without its context manager and its second
+        # pass over the headers: the Request, then the response closed whatever happens.
+        request = httpcore.Request(method, upstream.url(target), headers=_with_host(upstream, headers, body),
+                                   content=body, extensions={"timeout": timeouts})
+        response = await pool.handle_async_request(request)
+        try:
             network = response.extensions.get("network_stream")
             if on_connection is not None:
                 on_connection(network)
@@ -629,6 +653,8 @@ async def run_attempt(
                     # read them as its answer. Closed, never pooled.
                     reusable = False
                     network.abort()
+        finally:
+            await response.aclose()
     except asyncio.CancelledError:
         raise
     except Exception as error:
@@ -639,6 +665,23 @@ async def run_attempt(
     if reusable:
         upstream.released(pool)
     feed(UpstreamEnded())
+
+
+def _with_host(upstream: Upstream, headers: Sequence[Header], body: bytes) -> list[Header]:
+    """``headers`` as httpcore's ``stream()`` completes them (``include_request_headers``):
+    the pod's ``Host`` first unless there is one, a ``Content-Length`` last
+    unless the body's framing is given (the exchange always gives it)."""
+    has_host = has_framing = False
+    for name, _ in headers:
+        lowered = name.lower()
+        if lowered == b"host":
+            has_host = True
+        elif lowered == b"content-length" or lowered == b"transfer-encoding":
+            has_framing = True
+    completed = list(headers) if has_host else [(b"Host", upstream.host_header), *headers]
+    if not has_framing:
+        completed.append((b"Content-Length", str(len(body)).encode("ascii")))
+    return completed
 
 
 def _body_framing(method: bytes, status: int, headers: Sequence[Header]) -> str | int | None:
