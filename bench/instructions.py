@@ -36,8 +36,10 @@ it saw every connection close, the proxy is left a few seconds for the
 bookkeeping it does after (the record, metrics, the pod), and counting stops:
 per reset = the count / N, everything a departing client costs.
 
-Usage: ``python bench/instructions.py [--base DIR] [--streams 5] [--events 40 200] [--resets N]``;
-writes ``bench/results/instructions.json`` (``instructions_resets.json``).
+Usage: ``python bench/instructions.py [--base DIR] [--streams 5] [--events 40 200] [--keep DIR]
+[--resets N]`` (``--keep``: leave the dumps in DIR; ``callgrind_annotate
+--inclusive=yes`` on the second dump of a target shows where its instructions
+go); writes ``bench/results/instructions.json`` (``instructions_resets.json``).
 """
 
 from __future__ import annotations
@@ -198,6 +200,8 @@ def main() -> int:
     parser.add_argument("--targets", default="tokenwire,base,nginx")
     parser.add_argument("--resets", type=int, metavar="N", default=0,
                         help="count N clients resetting at once instead")
+    parser.add_argument("--keep", metavar="DIR",
+                        help="keep the callgrind dumps in DIR (for callgrind_annotate)")
     args = parser.parse_args()
     _ensure_valgrind()
     targets = [t for t in args.targets.split(",") if t != "base" or args.base]
@@ -205,8 +209,11 @@ def main() -> int:
         return _main_resets(targets, args.resets, args.base)
     results: dict[str, Any] = {"streams": args.streams, "events": list(args.events), "targets": {}}
     upstream_port = free_port()
-    with tempfile.TemporaryDirectory(prefix="tokenwire-callgrind-") as scratch, \
-            fake_upstream(upstream_port):
+    if args.keep:
+        Path(args.keep).mkdir(parents=True, exist_ok=True)
+    scratch_dir = contextlib.nullcontext(args.keep) if args.keep else \
+        tempfile.TemporaryDirectory(prefix="tokenwire-callgrind-")
+    with scratch_dir as scratch, fake_upstream(upstream_port):
         for name in targets:
             row = measure(name, upstream_port, args.streams, tuple(args.events), args.base, Path(scratch))
             results["targets"][name] = row

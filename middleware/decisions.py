@@ -108,8 +108,7 @@ class StreamDecisions:
                                       volatile=frozenset(config.volatile_chunk_fields))
         # Config read on every input, looked up once.
         self._plain_limit_bytes = min(config.max_line_bytes, config.max_event_bytes)
-        marker = config.terminal_marker
-        self._marker_bytes = marker.encode() if marker is not None else None
+        self._marker = config.terminal_marker
         self._block_policy = policy is SlowClientPolicy.BLOCK
         self._max_pending_bytes = config.max_pending_bytes
         self._one_call_path = not config.resume and not config.coalesce_ms

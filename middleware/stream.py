@@ -216,7 +216,7 @@ class WireStream(StreamDecisions):
             due_at = self._deadline_bound = _NO_DEADLINE if deadline is None else deadline
         if now >= due_at:
             return None
-        count = plain_event_count(data, self._plain_limit_bytes, self._marker_bytes)
+        count = plain_event_count(data, self._plain_limit_bytes, self._marker)
         if not count:
             return None
         acct = self._acct
@@ -310,7 +310,7 @@ class WireStream(StreamDecisions):
         client = self._client
         if (self._state is S and not self._pending and not client.paused
                 and not client.write_in_flight and attempt.parser.at_boundary):
-            count = plain_event_count(event.data, self._plain_limit_bytes, self._marker_bytes)
+            count = plain_event_count(event.data, self._plain_limit_bytes, self._marker)
             if count:
                 # The client keeps up and these are ordinary text chunks: they
                 # go out as they came, with nothing to merge them with, so

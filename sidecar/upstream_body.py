@@ -46,6 +46,34 @@ _DONE: Final = 4
 _SIZE_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[^\r\n\x00]*)?\Z")
 
 
+def _size_line(data: bytes, pos: int, end: int) -> tuple[int, int]:
+    """A plain chunk-size line at ``pos``: 1 to 16 hex digits and CRLF, nothing
+    else. Returns the size and where the chunk's data starts, or (-1, 0) for
+    anything else (an extension, a line not all here yet, a malformed one),
+    which the reader's general path then takes.
+
+    Byte by byte, not ``find``/``strip``/``int(..., 16)``: compiled, indexing
+    ``bytes`` is a C array read, while each of those is a generic method call
+    that parses its arguments (three a chunk, ~2,500 instructions)."""
+    size = 0
+    index = pos
+    stop = min(end, pos + 16)
+    while index < stop:
+        byte = data[index]
+        if 48 <= byte <= 57:
+            size = size * 16 + byte - 48
+        elif 97 <= byte <= 102:
+            size = size * 16 + byte - 87
+        elif 65 <= byte <= 70:
+            size = size * 16 + byte - 55
+        else:
+            break
+        index += 1
+    if index == pos or index + 1 >= end or data[index] != 13 or data[index + 1] != 10:
+        return -1, 0
+    return size, index + 2
+
+
 class ChunkedBodyReader:
     """Decodes one ``Transfer-Encoding: chunked`` body, a read at a time."""
 
@@ -70,12 +98,10 @@ class ChunkedBodyReader:
             return []
         if self._state == _SIZE and not self._buffer:
             # The usual read of a streaming upstream: exactly one whole chunk.
-            line_end = data.find(b"\r\n", 0, 18)
-            if line_end > 0 and not data[:line_end].strip(_HEX_DIGITS):
-                start = line_end + 2
-                size = int(data[:line_end], 16)
-                if size and len(data) == start + size + 2 and data.endswith(b"\r\n"):
-                    return [data[start:-2]]
+            end = len(data)
+            size, start = _size_line(data, 0, end)
+            if size > 0 and end == start + size + 2 and data[end - 2] == 13 and data[end - 1] == 10:
+                return [data[start:end - 2]]
         buffer = self._buffer + data if self._buffer else data
         self._buffer = b""
         out: list[bytes] = []
@@ -92,6 +118,12 @@ class ChunkedBodyReader:
                     break
                 state = _DATA_END
             elif state == _SIZE:
+                size, start = _size_line(buffer, pos, end)
+                if size > 0:
+                    pos = start
+                    self._remaining = size
+                    state = _DATA
+                    continue
                 line_end = buffer.find(b"\r\n", pos, pos + _MAX_SIZE_LINE_BYTES)
                 if line_end == -1:
                     if end - pos >= _MAX_SIZE_LINE_BYTES or b"\n" in buffer[pos:]:

@@ -3,7 +3,7 @@
 ``scripts/compile-core.sh`` compiles the hot core modules in place when it
 can; the pure modules are the fallback. The whole suite runs on whichever
 path is installed here; this file runs the core's own tests, the behaviour
-suite and the chunked-body reader's tests on the *other* path, in a
+suite, the chunked-body reader's and a few sidecar socket tests on the *other* path, in a
 subprocess, so neither path can rot unseen: with ``TOKENWIRE_PURE_PYTHON=1``
 when this checkout is compiled, on a compiled build of a copy
 (``compile-core.sh --out``) imported first when it is not.
@@ -24,7 +24,11 @@ import tokenwire.sidecar
 from tokenwire.middleware import compiled_modules
 
 ROOT = Path(__file__).resolve().parents[1]
-OTHER_PATH_TESTS = ["tests/middleware", "tests/behaviour", "tests/sidecar/test_upstream_body.py"]
+# The sidecar's compiled driver modules (exchange, http1, upstream_io) too: a
+# few of its socket tests, with sidecars started in this process.
+OTHER_PATH_TESTS = ["tests/middleware", "tests/behaviour", "tests/sidecar/test_upstream_body.py",
+                    "tests/sidecar/test_streaming.py", "tests/sidecar/test_upstream_pool.py",
+                    "tests/sidecar/test_reset_burst.py"]
 # Runs in the subprocess: a compiled copy (if any) first on the path and
 # imported before pytest starts (pytest then puts the checkout first, but the
 # packages are in sys.modules by then), the path checked, then the tests.

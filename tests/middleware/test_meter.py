@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import bisect
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenwire.middleware import UpstreamData, UpstreamEnded
 from tokenwire.middleware.chunks import carries_token, read_chunk
-from tokenwire.middleware.meter import GAP_BUCKETS_S, TokenMeter
+from tokenwire.middleware.meter import GAP_BUCKETS_S, TokenMeter, gap_bucket
 
 from .wire_harness import Driver, chunk, completion_chunk, event, tool_args
 
@@ -103,3 +107,11 @@ def test_core_whenUpstreamSendsUsage_thenTokensFromUsage() -> None:
     assert record.ttft_s == pytest.approx(0.2) and record.ttfb_s == pytest.approx(0.2)
     assert record.tokens_out == (7, "usage")
     assert record.to_json()["tokens_source"] == "usage"
+
+
+@settings(max_examples=500, deadline=None)
+@given(gap_s=st.one_of(st.floats(allow_nan=True), st.sampled_from(GAP_BUCKETS_S)))
+def test_gapBucket_isBisectLeft_forEveryGap(gap_s: float) -> None:
+    # The meter's scan must put every gap, a bound itself, inf and NaN
+    # included, where bisect_left over the bounds would.
+    assert gap_bucket(gap_s) == bisect.bisect_left(GAP_BUCKETS_S, gap_s)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenwire.middleware import (
     ClientGone,
     EndReason,
@@ -24,7 +26,7 @@ from tokenwire.middleware import (
     WireConfig,
 )
 from tokenwire.middleware.attempt import AttemptPhase
-from tokenwire.middleware.chunks import read_chunk
+from tokenwire.middleware.chunks import plain_event_count, read_chunk
 from tokenwire.middleware.client_socket import SocketPhase
 from tokenwire.middleware.driver import DeadlineTimer, enter_resume, needs_body
 from tokenwire.middleware.errors import ErrorCode
@@ -32,6 +34,7 @@ from tokenwire.middleware.lifecycle import StreamState, Trigger, next_state
 from tokenwire.middleware.recording import RecorderPhase
 from tokenwire.middleware.replay_store import MemoryReplayStore
 from tokenwire.middleware.resume import CallerKey, ResumeFrom
+from tokenwire.middleware.sse import SSEParser
 
 from .wire_harness import SSE_HEADERS, Driver, chunk, proxy_config
 
@@ -199,3 +202,36 @@ async def _enter_resume() -> None:
                                 stream_id="s6", open_now=False)
     assert reused.refusal is not None and reused.refusal.code is ErrorCode.IDEMPOTENCY_KEY_REUSED
     await store.aclose()
+
+
+_EVENT_PIECES = st.lists(st.sampled_from([
+    'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n', "data: plain text\n\n", "data: héllo\n\n",
+    'data: {"usage":null}\n\n', 'data: {"usage": null}\n\n', 'data: {"usage":{"total_tokens":3}}\n\n',
+    'data: {"error":"x"}\n\n', "data: [DONE]\n\n", ": comment\n\n", "event: x\ndata: y\n\n",
+    "data: a\r\n\r\n", "data: a\ndata: b\n\n", "id: 1\ndata: z\n\n", "data: cut", "\n",
+]), min_size=1, max_size=5)
+
+
+@settings(max_examples=500, deadline=None)
+@given(pieces=_EVENT_PIECES, raw_tail=st.sampled_from([b"", b"\xff\n\n", b"data: \xc3\n\n"]))
+def test_plainEventCount_whenNonZero_thenThatManyPlainEventsTheParserAgreesWith(
+        pieces: list[str], raw_tail: bytes) -> None:
+    # The keeps-up path passes a read through unparsed only when this says it is
+    # nothing but plain data events; the parser must then see exactly that many,
+    # none of them the marker, an error, a usage block or anything but ``data``.
+    data = "".join(pieces).encode() + raw_tail
+    count = plain_event_count(data, 1 << 20, "[DONE]")
+    parser = SSEParser()
+    events = parser.feed(data)
+    if count:
+        assert parser.at_boundary and len(events) == count
+        for sse_event in events:
+            assert sse_event.event in (None, "message") and sse_event.id is None
+            assert sse_event.data != "[DONE]" and '"error"' not in sse_event.data
+            assert '"usage":{' not in sse_event.data
+        assert data.decode() == "".join(f"data: {sse_event.data}\n\n" for sse_event in events)
+    elif data.startswith(b"data: ") and raw_tail == b"" and all(
+            piece.startswith("data: ") and piece.endswith("\n\n") and piece.count("\n") == 2
+            and "[DONE]" not in piece and "error" not in piece and "\r" not in piece
+            and '"total_tokens"' not in piece for piece in pieces):
+        raise AssertionError(f"plain events not counted: {data!r}")

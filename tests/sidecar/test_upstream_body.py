@@ -3,8 +3,12 @@ cut, strict about the grammar, and nothing consumed past the body's end."""
 
 from __future__ import annotations
 
+import itertools
+
 import httpcore
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenwire.sidecar.upstream_body import ChunkedBodyReader
 
 _BODY = (b"6\r\ndata: \r\n"
@@ -60,3 +64,35 @@ def test_malformedBodies_areRefused(bad: bytes) -> None:
     with pytest.raises(httpcore.RemoteProtocolError):
         reader.feed(bad)
         reader.feed(b"\r\n\r\n")
+
+
+def _encoded(pieces: list[bytes], sizes_as: list[str]) -> bytes:
+    out = []
+    for piece, form in zip(pieces, sizes_as, strict=True):
+        digits = {"lower": f"{len(piece):x}", "upper": f"{len(piece):X}",
+                  "padded": f"{len(piece):016x}", "extension": f"{len(piece):x};a=b"}[form]
+        out.append(digits.encode() + b"\r\n" + piece + b"\r\n")
+    return b"".join(out) + b"0\r\n\r\n"
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=st.lists(st.binary(min_size=1, max_size=300), min_size=1, max_size=6),
+       forms=st.lists(st.sampled_from(["lower", "upper", "padded", "extension"]), min_size=6, max_size=6),
+       cuts=st.lists(st.integers(min_value=0, max_value=2000), max_size=4))
+def test_anySizeSpelling_anyCuts_giveTheSameBody(pieces: list[bytes], forms: list[str],
+                                                 cuts: list[int]) -> None:
+    # The one-chunk path and the byte-by-byte size scan must read every
+    # spelling RFC 9112 allows (either case, leading zeros up to 16 digits,
+    # an extension) as the general path does, wherever the reads are cut.
+    body = _encoded(pieces, forms[:len(pieces)])
+    bounds = sorted({0, len(body), *(cut % (len(body) + 1) for cut in cuts)})
+    out, reader = _read([body[a:b] for a, b in itertools.pairwise(bounds)])
+    assert out == b"".join(pieces)
+    assert reader.done and reader.leftover == b""
+
+
+def test_oneWholeChunkPerRead_isOnePiece_inEverySpelling() -> None:
+    for size_line in (b"1a", b"1A", b"000000000000001a", b"1a;x=y", b"1a \t"):
+        reader = ChunkedBodyReader()
+        assert reader.feed(size_line + b"\r\n" + b"y" * 26 + b"\r\n") == [b"y" * 26], size_line
+        assert not reader.done
