@@ -10,8 +10,11 @@ them exactly, and two versions of the code compare in one run, on any machine.
 Method: one fake upstream (``sse_load.py upstream``) and, per target, one
 proxy process under ``valgrind --tool=callgrind --instr-atstart=no`` (the
 start-up runs uninstrumented). A warm-up run of the load client opens and
-reads a few streams; then counting is switched on (``callgrind_control -i
-on``) for a run of S streams x E1 events, the counters are dumped and zeroed,
+reads as many streams as a counted run (so both counted runs find their
+upstream connections pooled: with fewer, only the first would open some, and
+its connects would pass for per-event work); then counting is switched on
+(``callgrind_control -i on``) for a run of S streams x E1 events, the
+counters are dumped and zeroed,
 and a second run of S x E2 events is counted. Each event is its own upstream
 read and client write (E events at 40 ms a stream: valgrind slows the proxy
 ~50x, and a loop that fell behind would merge reads and count fewer
@@ -26,10 +29,17 @@ and ``sidecar`` under ``DIR/tokenwire``), ``nginx`` (one process,
 the kernel (the ``read``/``write`` system calls, the same number per event
 for every target) and the cost of cache misses.
 
-Usage: ``python bench/instructions.py [--base DIR] [--streams 5] [--events 40 200] [--keep DIR]``
-(``--keep``: leave the dumps in DIR; ``callgrind_annotate --inclusive=yes`` on the
-second dump of a target shows where its instructions go);
-writes ``bench/results/instructions.json``.
+Resets (``--resets N``): N clients each open a stream and read its first
+event (the upstream then stays silent), counting is switched on, all N reset
+their connections back to back (``SO_LINGER`` 0), the upstream is polled until
+it saw every connection close, the proxy is left a few seconds for the
+bookkeeping it does after (the record, metrics, the pod), and counting stops:
+per reset = the count / N, everything a departing client costs.
+
+Usage: ``python bench/instructions.py [--base DIR] [--streams 5] [--events 40 200] [--keep DIR]
+[--resets N]`` (``--keep``: leave the dumps in DIR; ``callgrind_annotate
+--inclusive=yes`` on the second dump of a target shows where its instructions
+go); writes ``bench/results/instructions.json`` (``instructions_resets.json``).
 """
 
 from __future__ import annotations
@@ -37,8 +47,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import re
 import shutil
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -49,6 +62,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sidecar_bench import RESULTS, ROOT, client
+from sse_load import request_bytes
 from targets import fake_upstream, free_port, nginx, sidecar
 
 _TOTALS = re.compile(r"^totals: (\d+)", re.MULTILINE)
@@ -106,7 +120,9 @@ def measure(name: str, upstream_port: int, streams: int, events: tuple[int, int]
     port = free_port()
     out_prefix = scratch / f"callgrind.{name}"
     with _proxy(name, port, upstream_port, out_prefix, base) as pid:
-        _load(port, upstream_port, 2, 5)  # warm-up: imports, pools, caches
+        # Warm-up: imports, caches, and as many pooled upstream connections as
+        # a counted run opens streams (else the first run alone connects).
+        _load(port, upstream_port, streams, 5)
         counts = []
         for n in events:
             before = set(scratch.glob(out_prefix.name + "*"))
@@ -123,17 +139,74 @@ def measure(name: str, upstream_port: int, streams: int, events: tuple[int, int]
             "per_event": round(per_event), "per_stream": round(per_stream)}
 
 
+def _closes_seen(upstream_port: int) -> set[str]:
+    """The request ids whose connection the fake upstream saw close early."""
+    with socket.create_connection(("127.0.0.1", upstream_port), timeout=10) as sock:
+        sock.sendall(b"GET /closes HTTP/1.1\r\nhost: bench\r\n\r\n")
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += sock.recv(65536)
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+        while len(body) < length:
+            body += sock.recv(65536)
+    return set(json.loads(body)["closes"])
+
+
+def measure_resets(name: str, upstream_port: int, clients: int, base: str | None,
+                   scratch: Path) -> dict[str, Any]:
+    """Instructions of ``clients`` departures in one burst (see the module docstring)."""
+    port = free_port()
+    out_prefix = scratch / f"callgrind.resets.{name}"
+    with _proxy(name, port, upstream_port, out_prefix, base) as pid:
+        _load(port, upstream_port, 5, 5)  # warm-up: imports, pools, caches
+        tag = f"z{os.getpid()}-{name}"
+        ids = [f"{tag}-{i}" for i in range(clients)]
+        socks = []
+        for request_id in ids:
+            sock = socket.create_connection(("127.0.0.1", port), timeout=600)
+            sock.sendall(request_bytes({"id": request_id, "events": 3, "interval_ms": 3_600_000}))
+            socks.append(sock)
+        for sock in socks:  # the head and the first event, then silence
+            data = b""
+            while b"data:" not in data or not data.endswith(b"\r\n"):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    raise RuntimeError(f"{name}: the stream ended before its first event")
+                data += chunk
+        before = set(scratch.glob(out_prefix.name + "*"))
+        _control(pid, "-z")
+        _control(pid, "-i", "on")
+        for sock in socks:  # back to back, as a front end that drops its connections would
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()
+        deadline = time.monotonic() + 600
+        while not set(ids) <= _closes_seen(upstream_port):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name}: the upstream did not see every close")
+            time.sleep(0.5)
+        time.sleep(5)  # the bookkeeping after the closes (slowed ~50x by valgrind)
+        _control(pid, "-i", "off")
+        _control(pid, "-d")
+        total = _dumped_totals(out_prefix, before)
+    return {"clients": clients, "instructions": total, "per_reset": round(total / clients)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", metavar="DIR", help="also count the tokenwire package in DIR/tokenwire")
     parser.add_argument("--streams", type=int, default=5)
     parser.add_argument("--events", type=int, nargs=2, default=(40, 200), metavar=("E1", "E2"))
     parser.add_argument("--targets", default="tokenwire,base,nginx")
+    parser.add_argument("--resets", type=int, metavar="N", default=0,
+                        help="count N clients resetting at once instead")
     parser.add_argument("--keep", metavar="DIR",
                         help="keep the callgrind dumps in DIR (for callgrind_annotate)")
     args = parser.parse_args()
     _ensure_valgrind()
     targets = [t for t in args.targets.split(",") if t != "base" or args.base]
+    if args.resets:
+        return _main_resets(targets, args.resets, args.base)
     results: dict[str, Any] = {"streams": args.streams, "events": list(args.events), "targets": {}}
     upstream_port = free_port()
     if args.keep:
@@ -153,6 +226,21 @@ def main() -> int:
             row["per_stream_vs_nginx"] = round(row["per_stream"] / ngx["per_stream"], 2)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "instructions.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+def _main_resets(targets: list[str], clients: int, base: str | None) -> int:
+    results: dict[str, Any] = {"clients": clients, "targets": {}}
+    upstream_port = free_port()
+    with tempfile.TemporaryDirectory(prefix="tokenwire-callgrind-") as scratch, \
+            fake_upstream(upstream_port):
+        for name in targets:
+            row = measure_resets(name, upstream_port, clients, base, Path(scratch))
+            results["targets"][name] = row
+            print(f"{name:10} {row['per_reset']:>11,} instructions/reset ({clients} at once)", flush=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "instructions_resets.json").write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
     return 0
 

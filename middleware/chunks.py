@@ -210,8 +210,18 @@ def volatile_value_re(volatile: frozenset[str]) -> re.Pattern[str] | None:
     only there share one shape (one JSON check, not one per chunk)."""
     if not volatile:
         return None
-    names = "|".join(re.escape(name) for name in sorted(volatile))
-    return re.compile(r'("(?:' + names + r')"[ \t\r\n]*:[ \t\r\n]*)(?:' + _JSON_SCALAR + ")")
+    # Asked for by every stream, with the one set its config names: built once.
+    pattern = _VOLATILE_RES.get(volatile)
+    if pattern is None:
+        if len(_VOLATILE_RES) >= 16:
+            _VOLATILE_RES.clear()
+        names = "|".join(re.escape(name) for name in sorted(volatile))
+        pattern = _VOLATILE_RES[volatile] = re.compile(
+            r'("(?:' + names + r')"[ \t\r\n]*:[ \t\r\n]*)(?:' + _JSON_SCALAR + ")")
+    return pattern
+
+
+_VOLATILE_RES: dict[frozenset[str], re.Pattern[str]] = {}
 
 
 _ESCAPED_RE = re.compile(r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*')

@@ -125,10 +125,12 @@ class StreamDecisions:
         self._handlers: dict[type, Callable[[Any, float], None]] = {
             kind: getattr(self, name) for kind, name in self._HANDLER_NAMES.items()}
 
-    def record(self, now: float) -> StreamRecord:
-        """The accounting record as of ``now`` (final once ``finished``)."""
+    def record(self, now: float, upstream: str | None = None) -> StreamRecord:
+        """The accounting record as of ``now`` (final once ``finished``);
+        ``upstream`` names the pod in place of the current attempt's."""
         return self._acct.record(
-            now, request_id=self.request_id, upstream=self._attempt.upstream, status=self._status,
+            now, request_id=self.request_id,
+            upstream=self._attempt.upstream if upstream is None else upstream, status=self._status,
             end_reason=self._end_reason or EndReason.COMPLETE, error_code=self._error_code,
             coalesced_events=self._pending.coalesced_events,
             dropped_events=self._pending.dropped_events, stream_id=self._resume.resume_id or None)
@@ -407,7 +409,9 @@ class StreamDecisions:
         self._finished = True
         if not client.gone:
             self._actions.append(CloseClient(abrupt=self._close_abrupt))
-        self._actions.append(Finished(self.record(now)))
+        # Built when the driver reads it: after it acted on what precedes it
+        # (a departed client's upstream is closed first).
+        self._actions.append(Finished(build=self.record, at=now))
 
     def _queue_event(self, event: SSEEvent, *, droppable: bool = True, numbered: bool = True) -> None:
         """Queue one event for the client: numbered and recorded under resume."""

@@ -1,4 +1,5 @@
-"""Inputs to and actions out of the wire core: frozen, slotted dataclasses.
+"""Inputs to and actions out of the wire core: frozen, slotted dataclasses
+(``Finished`` aside: its record is built when first read, see there).
 
 Drivers turn what happens on their sockets into *inputs* and feed them to
 :meth:`tokenwire.middleware.WireStream.handle`; the core answers with a list of
@@ -7,6 +8,8 @@ Drivers turn what happens on their sockets into *inputs* and feed them to
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -338,11 +341,55 @@ class StreamRecord:
         }
 
 
-@dataclass(frozen=True, slots=True)
 class Finished:
-    """The stream is over; nothing more will be produced. Log and count ``record``."""
+    """The stream is over; nothing more will be produced. Log and count ``record``.
 
-    record: StreamRecord
+    The one action that is not a dataclass: the core emits it with the means to
+    build its record (``build`` and ``at``), and the record is built when first
+    read, then kept. A driver can so act first on what comes before it in the
+    same list (close a departed client's upstream) and pay for the record
+    after. The stream changes no more once finished, so the record is the one
+    it would have been when emitted. ``Finished(record)`` carries a ready one.
+    """
+
+    __slots__ = ("_at", "_build", "_record")
+
+    def __init__(self, record: StreamRecord | None = None, *,
+                 build: Callable[[float, str | None], StreamRecord] | None = None,
+                 at: float = 0.0) -> None:
+        if record is None and build is None:
+            raise TypeError("Finished needs a record or a way to build one")
+        self._record = record
+        self._build = build
+        self._at = at
+
+    @property
+    def record(self) -> StreamRecord:
+        """The stream's final accounting record (built on first read)."""
+        record = self._record
+        if record is None:
+            assert self._build is not None
+            record = self._record = self._build(self._at, None)
+        return record
+
+    def record_as(self, upstream: str) -> StreamRecord:
+        """The record with ``upstream`` as its pod: for a driver whose own
+        balancer picked the pod (the core knows only a placeholder). Built
+        once, with that value, instead of built and then copied."""
+        if self._record is None and self._build is not None:
+            return self._build(self._at, upstream)
+        return dataclasses.replace(self.record, upstream=upstream)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Finished):
+            return NotImplemented
+        return self.record == other.record
+
+    def __hash__(self) -> int:
+        return hash(self.record)
+
+    def __repr__(self) -> str:
+        return f"Finished(record={self.record!r})"
 
 
 Action = (

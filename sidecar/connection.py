@@ -164,7 +164,7 @@ def new_exchange(context: SidecarContext, downstream: Downstream, *, method: byt
         request_id=upstream_id, request_id_header=id_header, client_request_id=request_id,
         server_port=peer.server_port, client_cert_der=peer.client_cert_der,
         drop_underscores=config.drop_underscore_headers)
-    context.metrics.client_requests.labels("h2" if http_version == "2" else "http/1.1").inc()
+    context.metrics.count_client_request("h2" if http_version == "2" else "http/1.1")
     return Exchange(
         context, downstream, request_id=request_id, upstream_request_id=upstream_id, method=method,
         target=target, upstream_headers=upstream_headers, body=body,

@@ -261,14 +261,13 @@ class Exchange:
 
     def live_record(self) -> tuple[StreamRecord, str]:
         """The stream's record as of now and the client's HTTP version (live metrics)."""
-        return self._metered(self.stream.record(self._loop.time())), self.http_version
+        return self.stream.record(self._loop.time(), self._metered_upstream()), self.http_version
 
-    def _metered(self, record: StreamRecord) -> StreamRecord:
-        """The record as the metrics label it: the balancer's pod (the core knows
-        none), or ``replay``: a replay's first token comes from the store, and its
+    def _metered_upstream(self) -> str:
+        """The pod as the metrics label it: the balancer's (the core knows none),
+        or ``replay``: a replay's first token comes from the store, and its
         figures must not pass for an engine's."""
-        return dataclasses.replace(record, upstream=REPLAY_UPSTREAM if self.replaying
-                                   else self.upstream_address)
+        return REPLAY_UPSTREAM if self.replaying else self.upstream_address
 
     def describe(self, now: float) -> dict[str, Any]:
         """The ``GET /streams`` entry for this stream."""
@@ -345,12 +344,16 @@ class Exchange:
         context.registry.remove(self)
         context.metrics.active_streams.dec()
         self._release_pod()
-        record = dataclasses.replace(action.record, upstream=self.upstream_address)
-        context.metrics.observe_record(self._metered(record), self.http_version)
-        extra = {**self._log_fields, "started_at": wall_clock(record.started_at, self._loop.time())}
-        if self.upstream_request_id != self.request_id:
-            extra["upstream_request_id"] = self.upstream_request_id
-        context.log.write(record, **extra)
+        # One record, built here (not when the core emitted Finished: see
+        # _abort_first), with the balancer's pod in it; a copy only for a replay.
+        record = action.record_as(self.upstream_address)
+        metered = record if not self.replaying else dataclasses.replace(record, upstream=REPLAY_UPSTREAM)
+        context.metrics.observe_record(metered, self.http_version)
+        if context.log.enabled:
+            extra = {**self._log_fields, "started_at": wall_clock(record.started_at, self._loop.time())}
+            if self.upstream_request_id != self.request_id:
+                extra["upstream_request_id"] = self.upstream_request_id
+            context.log.write(record, **extra)
         self._timer.cancel()
         if self._reader_wait is not None:
             self._reader_wait.cancel()

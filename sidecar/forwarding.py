@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import base64
 import email.utils
+import functools
 import json
+import time
 import uuid
 from collections.abc import Iterable
 
@@ -160,6 +162,12 @@ def client_response_headers(headers: Iterable[Header], request_id_header: bytes,
     replaced by the sidecar's ``Date``, and the client's request id (the
     upstream echoes the id it was sent, which is the sidecar's own)."""
     result = [(k, v) for k, v in headers if k not in _HIDDEN_RESPONSE and k != request_id_header]
-    result.append((b"date", email.utils.formatdate(usegmt=True).encode()))
+    result.append((b"date", _http_date(int(time.time()))))
     result.append((request_id_header, request_id.encode()))
     return result
+
+
+@functools.lru_cache(maxsize=2)
+def _http_date(whole_s: int) -> bytes:
+    # Every response of one second shares its Date: formatting it costs more than a lookup.
+    return email.utils.formatdate(whole_s, usegmt=True).encode()

@@ -61,6 +61,7 @@ from .context import SidecarContext
 from .exchange import Exchange
 from .framing import ChunkedScanner, head_length, request_line_end, request_line_problem
 from .http1_faults import framing_problem, h11_fault
+from .response_head import send_response_head
 
 logger = logging.getLogger("tokenwire.sidecar")
 
@@ -332,7 +333,7 @@ class ClientConnection(asyncio.Protocol):
             headers = list(headers)
         if self._context.draining:
             headers.append((b"connection", b"close"))
-        head = self._conn.send(h11.Response(status_code=status, headers=headers))
+        head = send_response_head(self._conn, status, headers)
         # h11 chose the body framing and wrote it into the head. When it is
         # chunked, send_body frames the chunks itself: h11's chunked writer is
         # stateless (each Data is "%x\r\n" + data + "\r\n", nothing counted or

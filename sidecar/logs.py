@@ -47,6 +47,14 @@ class StreamLog:
         log._handler = handler
         return log
 
+    @property
+    def enabled(self) -> bool:
+        """Whether :meth:`write` writes anything (else a caller can skip building its fields)."""
+        if type(self).write is not StreamLog.write:
+            return True  # a subclass that keeps the records its own way
+        logger = self._logger
+        return logger is not None and logger.isEnabledFor(logging.INFO)
+
     def write(self, record: StreamRecord, **extra: object) -> None:
         """Log ``record`` (which carries the request id) plus any ``extra`` fields."""
         logger = self._logger

@@ -264,18 +264,40 @@ class SidecarMetrics:
                                "Streams served from the replay store instead of an upstream, by kind "
                                "(reconnect: Last-Event-ID or GET /v1/streams; idempotent: a repeated "
                                "Idempotency-Key).", ["kind"], registry=r)
+        # The labelled children of the per-stream metrics, by label values (never
+        # removed: a label set once seen is exported for the process's life anyway).
+        self._client_request_children: dict[str, Counter] = {}
+        self._ended_children: dict[tuple[str, str, str, str], tuple[Counter, Histogram]] = {}
+        self._tokens_children: dict[tuple[str, str], Counter] = {}
+
+    def count_client_request(self, protocol: str) -> None:
+        """One request read from a client over ``protocol`` (``http/1.1``, ``h2``)."""
+        child = self._client_request_children.get(protocol)
+        if child is None:
+            child = self._client_request_children[protocol] = self.client_requests.labels(protocol)
+        child.inc()
 
     def observe_record(self, record: StreamRecord, http_version: str = "1.1") -> None:
         """Count one finished stream (its final record)."""
         labels = (record.upstream, status_class(record.status), http_version, record.end_reason.value)
         self.streams.fold(record, http_version)
-        self.streams_ended.labels(*labels).inc()
-        self.stream_duration.labels(*labels).observe(record.duration_s)
+        # labels() checks and locks on every call: each label set's children are looked up once.
+        children = self._ended_children.get(labels)
+        if children is None:
+            children = self._ended_children[labels] = (self.streams_ended.labels(*labels),
+                                                       self.stream_duration.labels(*labels))
+        ended, duration = children
+        ended.inc()
+        duration.observe(record.duration_s)
         if record.error_code is not None:
             self.stream_errors.labels(record.error_code.number, record.error_code.value).inc()
         tokens, source = record.tokens_out
         if tokens:
-            self.tokens_out.labels(record.upstream, source).inc(tokens)
+            key = (record.upstream, source)
+            tokens_child = self._tokens_children.get(key)
+            if tokens_child is None:
+                tokens_child = self._tokens_children[key] = self.tokens_out.labels(*key)
+            tokens_child.inc(tokens)
         if record.retries:
             self.retries.inc(record.retries)
         if record.refused_retries:

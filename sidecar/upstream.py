@@ -61,7 +61,6 @@ and goes through untouched, ``Content-Encoding`` and all.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import math
@@ -69,7 +68,7 @@ import os
 import random
 import socket
 import urllib.parse
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Hashable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,6 +110,10 @@ Header = tuple[bytes, bytes]
 _BODY_READ_BYTES = 256 * 1024
 # Pools per upstream, at most (one per 64 allowed connections); see the module docstring.
 _POOL_SHARDS = 16
+# Request targets whose httpcore URL an upstream keeps (see Upstream.url).
+_URL_CACHE_SIZE = 256
+# httpcore's own table: the ports a Host header leaves out.
+_DEFAULT_PORTS = {b"ftp": 21, b"http": 80, b"https": 443, b"ws": 80, b"wss": 443}
 
 _FAILURE_KINDS: tuple[tuple[type[Exception], FailureKind], ...] = (
     (httpcore.ConnectTimeout, FailureKind.CONNECT),
@@ -161,9 +164,16 @@ class Upstream:
                                                           compare=False)
     counters: UpstreamCounters = field(default_factory=UpstreamCounters, init=False, repr=False,
                                        compare=False)
+    _urls: dict[bytes, httpcore.URL] = field(default_factory=dict, init=False, repr=False, compare=False)
+    host_header: bytes = field(init=False, repr=False, compare=False)
+    """The ``Host`` of a request to this pod, as httpcore's ``stream()`` would add it."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_turn", itertools.cycle(self.pools))
+        if self.port is None or self.port == _DEFAULT_PORTS.get(self.scheme):
+            object.__setattr__(self, "host_header", self.host)
+        else:
+            object.__setattr__(self, "host_header", b"%b:%d" % (self.host, self.port))
 
     def next_pool(self) -> httpcore.AsyncConnectionPool:
         """The pool for the next request: the last one a connection went back to
@@ -175,8 +185,15 @@ class Upstream:
         self._released.append(pool)
 
     def url(self, target: bytes) -> httpcore.URL:
-        return httpcore.URL(scheme=self.scheme, host=self.host, port=self.port,
-                            target=self.path_prefix + target)
+        # Most requests go to the same few targets: their URLs are made once
+        # (httpcore only reads them), in a cache cleared when it fills.
+        url = self._urls.get(target)
+        if url is None:
+            if len(self._urls) >= _URL_CACHE_SIZE:
+                self._urls.clear()
+            url = self._urls[target] = httpcore.URL(scheme=self.scheme, host=self.host, port=self.port,
+                                                    target=self.path_prefix + target)
+        return url
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +241,8 @@ class UpstreamPools:
     def __init__(self, config: SidecarConfig, *, rng: random.Random | None = None) -> None:
         self._config = config
         self._connect_timeout_s = config.upstream_connect_timeout_s
+        self._timeouts: dict[str, float | None] = {
+            "connect": self._connect_timeout_s, "pool": self._connect_timeout_s, "read": None, "write": None}
         self._abort_url = config.abort_url
         self._abort_pool: httpcore.AsyncConnectionPool | None = None
         self._abort_tasks: set[asyncio.Task[None]] = set()
@@ -556,8 +575,8 @@ class UpstreamPools:
     def timeouts(self) -> dict[str, float | None]:
         # Only connecting has a driver timeout: how long the upstream may take
         # to answer, and to keep answering, is the wire core's business.
-        return {"connect": self._connect_timeout_s, "pool": self._connect_timeout_s,
-                "read": None, "write": None}
+        # One dict for every request (httpcore only reads it).
+        return self._timeouts
 
     def send_abort(self, request_id: str, upstream: str = "") -> None:
         """Fire the explicit abort call (``--abort-url``) in the background; best effort.
@@ -631,8 +650,9 @@ async def run_attempt(
     pool = upstream.next_pool()
     reusable = True
     try:
-        async with _send(upstream, pool, method=method, target=target, headers=headers, body=body,
-                         timeouts=timeouts) as response:
+        response = await _send(upstream, pool, method=method, target=target, headers=headers, body=body,
+                               timeouts=timeouts)
+        try:
             network = response.extensions.get("network_stream")
             if on_connection is not None:
                 on_connection(network)
@@ -664,6 +684,8 @@ async def run_attempt(
                     # read them as its answer. Closed, never pooled.
                     reusable = False
                     network.abort()
+        finally:
+            await response.aclose()
     except asyncio.CancelledError:
         raise
     except Exception as error:
@@ -676,32 +698,49 @@ async def run_attempt(
     feed(UpstreamEnded())
 
 
-@contextlib.asynccontextmanager
 async def _send(upstream: Upstream, pool: httpcore.AsyncConnectionPool, *, method: bytes, target: bytes,
                 headers: Sequence[Header], body: bytes,
-                timeouts: dict[str, float | None]) -> AsyncIterator[httpcore.Response]:
-    """``pool.stream()``, with the one re-send of a request whose reused
-    connection failed before any answer (see the module docstring)."""
+                timeouts: dict[str, float | None]) -> httpcore.Response:
+    """What ``pool.stream()`` does, without its context manager and its second
+    pass over the headers (the caller closes the response whatever happens),
+    with the one re-send of a request whose reused connection failed before
+    any answer (see the module docstring)."""
+    request_headers = _with_host(upstream, headers, body)
 
-    def send() -> contextlib.AbstractAsyncContextManager[httpcore.Response]:
-        return pool.stream(method, upstream.url(target), headers=list(headers), content=body,
-                           extensions={"timeout": timeouts})
+    def request() -> httpcore.Request:
+        return httpcore.Request(method, upstream.url(target), headers=request_headers, content=body,
+                                extensions={"timeout": timeouts})
 
-    async with contextlib.AsyncExitStack() as exits:
-        with probing(RequestProbe()) as probe:
-            try:
-                response = await exits.enter_async_context(send())
-            except _STALE_CONNECTION_ERRORS as error:
-                if not (probe.reused and not probe.answered
-                        and (not probe.written or may_repeat(method, headers))):
-                    raise
-                upstream.counters.resent += 1
-                # The path without its query, which may hold a credential.
-                logger.info("upstream %s: %s %s re-sent: the reused connection it went out on "
-                            "failed before any answer (%s: %s)", upstream.name, method.decode("latin-1"),
-                            target.partition(b"?")[0].decode("latin-1"), type(error).__name__, error)
-                response = await exits.enter_async_context(send())
-        yield response
+    with probing(RequestProbe()) as probe:
+        try:
+            return await pool.handle_async_request(request())
+        except _STALE_CONNECTION_ERRORS as error:
+            if not (probe.reused and not probe.answered
+                    and (not probe.written or may_repeat(method, headers))):
+                raise
+            upstream.counters.resent += 1
+            # The path without its query, which may hold a credential.
+            logger.info("upstream %s: %s %s re-sent: the reused connection it went out on "
+                        "failed before any answer (%s: %s)", upstream.name, method.decode("latin-1"),
+                        target.partition(b"?")[0].decode("latin-1"), type(error).__name__, error)
+        return await pool.handle_async_request(request())
+
+
+def _with_host(upstream: Upstream, headers: Sequence[Header], body: bytes) -> list[Header]:
+    """``headers`` as httpcore's ``stream()`` completes them (``include_request_headers``):
+    the pod's ``Host`` first unless there is one, a ``Content-Length`` last
+    unless the body's framing is given (the exchange always gives it)."""
+    has_host = has_framing = False
+    for name, _ in headers:
+        lowered = name.lower()
+        if lowered == b"host":
+            has_host = True
+        elif lowered == b"content-length" or lowered == b"transfer-encoding":
+            has_framing = True
+    completed = list(headers) if has_host else [(b"Host", upstream.host_header), *headers]
+    if not has_framing:
+        completed.append((b"Content-Length", str(len(body)).encode("ascii")))
+    return completed
 
 
 def _body_framing(method: bytes, status: int, headers: Sequence[Header]) -> str | int | None:
