@@ -50,9 +50,10 @@ def sidecar_url(engine_server: RunningServer) -> Iterator[str]:
 
 def test_a_reused_request_id_aborts_only_its_own_row(engine_server: RunningServer, sidecar_url: str) -> None:
     backend = engine_server.app.state.engine.backend
-    body = {"model": "tiny", "prompt": "Keep going", "max_tokens": 600, "stream": True, "ignore_eos": True}
-    # Two such rows fit the test engine's KV budget (4,096 tokens) side by side; a few
-    # seconds of generation on a CPU, so the attacker comes and goes while the victim runs.
+    body = {"model": "tiny", "prompt": "Keep going", "max_tokens": 1500, "stream": True, "ignore_eos": True}
+    # Two such rows fit the test engine's KV budget (4,096 tokens) side by side; several
+    # seconds of generation on a CPU, so the attacker comes and goes while the victim runs
+    # (with 600 the victim once ended first on a loaded machine: its row never met the attacker's).
     headers = {"X-Request-Id": "shared-id"}
     with httpx.Client(timeout=30) as client, client.stream(
             "POST", f"{sidecar_url}/v1/completions", json=body, headers=headers) as victim:
