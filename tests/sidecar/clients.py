@@ -62,6 +62,21 @@ def reset(sock: socket.socket) -> None:
     sock.close()
 
 
+def open_silent_streams(port: int, request_ids: list[str]) -> list[socket.socket]:
+    """One client per id, each with a streaming chat request on the fake
+    upstream's ``/silent`` path (its head, then 60 s of silence): their
+    sockets, each response head read."""
+    socks = []
+    for request_id in request_ids:
+        sock = connect(port)
+        sock.sendall(request_bytes("POST", "/silent/v1/chat/completions", body=chat_body(),
+                                   headers={"x-fake-silence-s": "60", "X-Request-Id": request_id}))
+        socks.append(sock)
+    for sock in socks:
+        assert read_response(sock, head_only=True).status == 200
+    return socks
+
+
 class ResponseReader(BlockingReader):
     """Reads one response off ``sock`` in steps: the head first (``head_only``), the rest later."""
 

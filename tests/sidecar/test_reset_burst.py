@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from clients import chat_body, connect, read_response, request_bytes, reset, wait_for
+from clients import chat_body, connect, open_silent_streams, request_bytes, reset, wait_for
 from conftest import LoopThread, RunningSidecar
 from h2client import H2Client
 from tokenwire.sidecar.departures import MAX_HELD, MAX_WAIT_TURNS, Departures
@@ -37,14 +37,7 @@ def test_fifty_http1_clients_resetting_at_once_each_close_their_upstream(
         start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
     sidecar = start_sidecar()
     ids = [f"burst-h1-{i}" for i in range(BURST)]
-    socks = []
-    for request_id in ids:
-        sock = connect(sidecar.port)
-        sock.sendall(request_bytes("POST", SILENT_PATH, body=chat_body(),
-                                   headers={"x-fake-silence-s": "60", "X-Request-Id": request_id}))
-        socks.append(sock)
-    for sock in socks:
-        assert read_response(sock, head_only=True).status == 200
+    socks = open_silent_streams(sidecar.port, ids)
     wait_for(lambda: all(upstream.requests_with(request_id) for request_id in ids))
     connections = [upstream.connection_of(request_id) for request_id in ids]
     assert len({id(connection) for connection in connections}) == BURST
@@ -173,10 +166,7 @@ def test_clients_leaving_while_queued_for_a_pod_never_reach_it(
     """Queued for a busy pod, a client that leaves is dropped from the queue:
     when the pod frees up, nothing is sent for it."""
     sidecar = start_sidecar(max_streams_per_upstream=1, queue_timeout_s=30.0)
-    holder = connect(sidecar.port)
-    holder.sendall(request_bytes("POST", SILENT_PATH, body=chat_body(),
-                                 headers={"x-fake-silence-s": "60", "X-Request-Id": "queue-holder"}))
-    assert read_response(holder, head_only=True).status == 200
+    (holder,) = open_silent_streams(sidecar.port, ["queue-holder"])
     context = sidecar.sidecar.context
     assert context is not None
     queued = []

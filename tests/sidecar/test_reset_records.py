@@ -7,13 +7,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from clients import chat_body, connect, read_response, request_bytes, reset, wait_for
+from clients import open_silent_streams, reset, wait_for
 from conftest import RunningSidecar
 from prometheus_client.parser import text_string_to_metric_families
 from upstreams import FakeUpstream
 
 BURST = 30
-SILENT_PATH = "/silent/v1/chat/completions"
 
 
 def _sample(text: str, name: str, **labels: str) -> float:
@@ -35,14 +34,7 @@ def _burst(sidecar: RunningSidecar, upstream: FakeUpstream, prefix: str) -> tupl
     their ids and when the first was sent."""
     ids = [f"{prefix}-{i}" for i in range(BURST)]
     started = time.monotonic()
-    socks = []
-    for request_id in ids:
-        sock = connect(sidecar.port)
-        sock.sendall(request_bytes("POST", SILENT_PATH, body=chat_body(),
-                                   headers={"x-fake-silence-s": "60", "X-Request-Id": request_id}))
-        socks.append(sock)
-    for sock in socks:
-        assert read_response(sock, head_only=True).status == 200
+    socks = open_silent_streams(sidecar.port, ids)
     wait_for(lambda: all(upstream.requests_with(request_id) for request_id in ids))
     for sock in socks:
         reset(sock)
