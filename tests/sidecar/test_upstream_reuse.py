@@ -163,14 +163,8 @@ def closing_on_reuse(request: pytest.FixtureRequest, loop_thread: LoopThread) ->
     loop_thread.run(upstream.upstream.stop())
 
 
-def _second_request_on_a_closing_connection(
-        upstream: ClosingOnReuse, sidecar: RunningSidecar, loop_thread: LoopThread,
-        method: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-    """The first request opens the connection and leaves it idle in the pool;
-    the second goes out on it and meets the close. Its status and body."""
-    body = chat_body(stream=False) if method == "POST" else b""
-    first = exchange(sidecar.port, method, "/one", body=body, headers=headers)
-    assert first.status == 200 and first.body == b'{"answer":"/one"}'
+def _wait_for_an_idle_pooled_connection(sidecar: RunningSidecar, loop_thread: LoopThread) -> None:
+    """Until the last answer's upstream connection is back in the pool, idle."""
     context = sidecar.sidecar.context
     assert context is not None
     pools = context.pools.upstreams[0].pools
@@ -179,6 +173,17 @@ def _second_request_on_a_closing_connection(
         return any(c.is_idle() for pool in pools for c in pool.connections)
 
     wait_for(lambda: loop_thread.call(idle), timeout_s=10)
+
+
+def _second_request_on_a_closing_connection(
+        upstream: ClosingOnReuse, sidecar: RunningSidecar, loop_thread: LoopThread,
+        method: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    """The first request opens the connection and leaves it idle in the pool;
+    the second goes out on it and meets the close. Its status and body."""
+    body = chat_body(stream=False) if method == "POST" else b""
+    first = exchange(sidecar.port, method, "/one", body=body, headers=headers)
+    assert first.status == 200 and first.body == b'{"answer":"/one"}'
+    _wait_for_an_idle_pooled_connection(sidecar, loop_thread)
     second = exchange(sidecar.port, method, "/two", body=body, headers=headers)
     return second.status, second.body
 
@@ -247,3 +252,37 @@ def test_aFreshConnectionClosedBeforeAnyAnswer_isNotResent(
         assert _metric(sidecar, "tokenwire_upstream_resent_total", upstream.url) == 0.0
     finally:
         loop_thread.run(upstream.stop())
+
+
+@pytest.mark.parametrize("key", [None, "chat-1"], ids=["no-key", "Idempotency-Key"])
+def test_theOpenAiSdksPost_isResent_onlyWithAnIdempotencyKey(
+        closing_on_reuse: ClosingOnReuse, start_sidecar: StartSidecar, loop_thread: LoopThread,
+        key: str | None) -> None:
+    """The real openai SDK sends no ``Idempotency-Key`` on a chat completion
+    (checked here, as SDKs change): its POST meeting the race is a 502, as
+    nginx would answer; given the key (``extra_headers``), it is re-sent. The
+    SDK's own retries are off: the answer must come from the sidecar."""
+    import openai
+
+    upstream = closing_on_reuse
+    sidecar = start_sidecar(upstream.upstream.url, retry_attempts=0)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{sidecar.port}/v1", api_key="k", max_retries=0)
+    extra_headers = {} if key is None else {"Idempotency-Key": key}
+    statuses = []
+    for turn in range(2):
+        try:
+            raw = client.chat.completions.with_raw_response.create(
+                model="m", messages=[{"role": "user", "content": "hi"}], extra_headers=extra_headers)
+        except openai.APIStatusError as error:
+            assert error.request.headers.get("Idempotency-Key") == key
+            statuses.append(error.status_code)
+        else:
+            assert raw.http_request.headers.get("Idempotency-Key") == key
+            assert raw.http_response.json() == {"answer": "/v1/chat/completions"}
+            statuses.append(raw.status_code)
+        if turn == 0:  # the first answer's connection idle in the pool, as the second goes out
+            _wait_for_an_idle_pooled_connection(sidecar, loop_thread)
+    resent = key is not None
+    assert statuses == [200, 200 if resent else 502]
+    assert len(upstream.paths) == (3 if resent else 2)  # a re-send reaches the upstream once more
+    assert _metric(sidecar, "tokenwire_upstream_resent_total", upstream.upstream.url) == float(resent)
