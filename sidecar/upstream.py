@@ -100,6 +100,7 @@ from .balance import (
 )
 from .settings import SidecarConfig
 from .upstream_body import ChunkedBodyReader
+from .upstream_conn import CHUNKED_BODY_READ, UpstreamPool
 from .upstream_io import RequestProbe, UpstreamBackend, UpstreamStream, probing
 
 logger = logging.getLogger("tokenwire.sidecar")
@@ -279,12 +280,11 @@ class UpstreamPools:
         # Small limits keep one pool; the total never exceeds the configured limit.
         shards = max(1, min(_POOL_SHARDS, config.upstream_max_connections // 64))
         per_pool = config.upstream_max_connections // shards
-        pools = tuple(httpcore.AsyncConnectionPool(
+        pools = tuple(UpstreamPool(
             max_connections=per_pool,
             max_keepalive_connections=per_pool,
             keepalive_expiry=config.upstream_keepalive_s,
             uds=uds,
-            retries=0,
             network_backend=backend,
         ) for _ in range(shards))
         return Upstream(name, scheme, host, port, prefix, pools)
@@ -660,6 +660,7 @@ async def run_attempt(
             response_headers = tuple((k.lower(), v) for k, v in response.headers)
             feed(UpstreamHeaders(status, response_headers))
             framing = _body_framing(method, status, response_headers)
+            body_read = False
             if isinstance(network, UpstreamStream) and framing == "chunked":
                 if feed_body is not None:
                     if not readable.is_set():
@@ -667,14 +668,27 @@ async def run_attempt(
                     await network.deliver_chunked(feed_body)
                 else:
                     await _read_chunked(network, readable, feed)
-                network.end_body()  # h11 ends the message: see upstream_io
+                chunked_body_read = response.extensions.get(CHUNKED_BODY_READ)
+                if chunked_body_read is not None:
+                    # One loop turn first, as httpcore's body iteration gave
+                    # one: what the loop read with the last chunk (a client's
+                    # reset: its connection_lost is queued behind this task's
+                    # wake-up) runs before the response ends and its
+                    # connection goes back to the pool, so a connection cut
+                    # for that client is known as cut when the pool takes it.
+                    await asyncio.sleep(0)
+                    chunked_body_read()  # h11 took the last chunk: the response ended
+                    body_read = True
+                else:
+                    network.end_body()  # h11 ends the message: see upstream_io
             elif isinstance(network, UpstreamStream) and isinstance(framing, int):
                 network.limit_reads(framing)
-            async for chunk in response.aiter_stream():
-                if not readable.is_set():
-                    await readable.wait()
-                if chunk:
-                    feed(UpstreamData(chunk))
+            if not body_read:
+                async for chunk in response.aiter_stream():
+                    if not readable.is_set():
+                        await readable.wait()
+                    if chunk:
+                        feed(UpstreamData(chunk))
             if isinstance(network, UpstreamStream):
                 network.limit_reads(None)
                 if network.buffered:
