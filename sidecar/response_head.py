@@ -14,13 +14,16 @@ four, h11's head is exactly: its head for the same status with no headers at
 all, with the response's headers inserted after the status line in their
 order, and h11 chose the same framing and keep-alive for both (they depend on
 the status, the request and those four headers only). The headers are still
-checked, once, by building the ``Response``; any other response goes through
+checked, once, with h11's rules applied to the whole list at once
+(:mod:`~tokenwire.sidecar.header_fields`); any other response goes through
 h11 whole.
 """
 
 from __future__ import annotations
 
 import h11
+
+from .header_fields import fields_valid
 
 Header = tuple[bytes, bytes]
 
@@ -31,11 +34,14 @@ _REWRITTEN = frozenset({b"content-length", b"transfer-encoding", b"connection", 
 def send_response_head(conn: h11.Connection, status: int, headers: list[Header]) -> bytes:
     """What ``conn.send(h11.Response(status_code=status, headers=headers))``
     returns (and the same state change of ``conn``), for less work."""
-    response = h11.Response(status_code=status, headers=headers)  # checks each header once
-    items = response.headers.raw_items()
+    items: list[Header]
+    if fields_valid(headers):  # h11's header rules, the whole list at once
+        items = headers
+    else:  # h11 says why (or takes what is not bytes)
+        items = h11.Response(status_code=status, headers=headers).headers.raw_items()
     for name, _ in items:
         if name.lower() in _REWRITTEN:
-            return conn.send(response) or b""
+            return conn.send(h11.Response(status_code=status, headers=headers)) or b""
     bare = conn.send(h11.Response(status_code=status, headers=[])) or b""
     line_end = bare.index(b"\r\n") + 2
     return b"".join([bare[:line_end], *(b"%s: %s\r\n" % item for item in items), bare[line_end:]])

@@ -36,7 +36,10 @@ from __future__ import annotations
 
 import asyncio
 
+import h11
 import httpcore
+
+from .header_fields import fields_valid
 
 CHUNKED_BODY_READ = "tokenwire.chunked_body_read"
 """The response extension (a no-argument callable) a plain HTTP/1.1 connection
@@ -74,10 +77,11 @@ class UpstreamPool(httpcore.AsyncConnectionPool):
                                   keepalive_expiry=self._lean_keepalive_s)
 
 
-class _StateLockedHTTP11Connection(httpcore.AsyncHTTP11Connection):
+class _LeanHTTP11Connection(httpcore.AsyncHTTP11Connection):
     """httpcore's HTTP/1.1 connection with an ``asyncio.Lock`` as its state lock
-    (see the module docstring: uncontended, it never yields), and the end of a
-    chunked body the sidecar read itself handed to h11 directly."""
+    (see the module docstring: uncontended, it never yields), the request's
+    headers checked in one pass, and the end of a chunked body the sidecar
+    read itself handed to h11 directly."""
 
     def __init__(self, origin: httpcore.Origin, stream: httpcore.AsyncNetworkStream,
                  keepalive_expiry: float | None) -> None:
@@ -88,6 +92,18 @@ class _StateLockedHTTP11Connection(httpcore.AsyncHTTP11Connection):
         response = await super().handle_async_request(request)
         response.extensions[CHUNKED_BODY_READ] = self._chunked_body_read
         return response
+
+    async def _send_request_headers(self, request: httpcore.Request) -> None:
+        # httpcore's, with the headers checked in two matches (header_fields)
+        # where h11 would check each one twice; h11 still checks the method,
+        # the target, Host and the framing headers, and writes the head.
+        timeout = request.extensions.get("timeout", {}).get("write", None)
+        try:
+            event = h11.Request(method=request.method, target=request.url.target, headers=request.headers,
+                                _parsed=fields_valid(request.headers))
+        except h11.LocalProtocolError as error:
+            raise httpcore.LocalProtocolError(error) from error
+        await self._send_event(event, timeout=timeout)
 
     def _chunked_body_read(self) -> None:
         # What httpcore's body iteration would do with the bare last chunk
@@ -122,7 +138,7 @@ class UpstreamConnection(httpcore.AsyncConnectionInterface):
             except BaseException:
                 self._connect_failed = True
                 raise
-            connection = self._connection = _StateLockedHTTP11Connection(self._origin, stream,
+            connection = self._connection = _LeanHTTP11Connection(self._origin, stream,
                                                                          self._keepalive_expiry)
         return await connection.handle_async_request(request)
 
