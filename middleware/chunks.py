@@ -332,12 +332,18 @@ def plain_event_count(data: bytes, limit_bytes: int, marker: str | None) -> int:
         text = data.decode()
     except UnicodeDecodeError:
         return 0
-    if (not text.startswith("data: ") or not text.endswith("\n\n") or "\r" in text or '"error"' in text
-            or (marker is not None and marker in text)):
+    if not text.startswith("data: ") or not text.endswith("\n\n") or "\r" in text or '"error"' in text:
         return 0
     if text.find("\n") == len(text) - 2:
-        count = 1  # one line, one event: the usual read of a streaming engine
+        # One line, one event: the usual read of a streaming engine. Its data
+        # is the marker only if the line is exactly "data: " + marker: a length
+        # compare rules out nearly every read without a scan of the text.
+        if marker is not None and len(text) == len(marker) + 8 and text[6:-2] == marker:
+            return 0
+        count = 1
     else:
+        if marker is not None and marker in text:  # anywhere: conservative
+            return 0
         count = text.count("\n\n")
         if (text.count("\n") != 2 * count or text.count("data: ") != count
                 or text.count("\n\ndata: ") != count - 1):

@@ -103,6 +103,9 @@ class ClientConnection(asyncio.Protocol):
         self._reading_paused = False
         self._lost = False
         self._request: h11.Request | None = None
+        # Its headers as a list, made once: h11's Headers is iterated in Python,
+        # a call per header, and the exchange, the CORS check and the head read them.
+        self._request_headers: list[Header] = []
         self._body = bytearray()
         self._exchange: Exchange | None = None
         self._chunked_body = False
@@ -280,6 +283,7 @@ class ClientConnection(asyncio.Protocol):
                 self._refuse(*fault)
                 return
         self._request = request
+        self._request_headers = headers
         self._body = bytearray()
         if self._conn.they_are_waiting_for_100_continue:
             self._write(self._conn.send(h11.InformationalResponse(status_code=100, headers=[])))
@@ -308,7 +312,7 @@ class ClientConnection(asyncio.Protocol):
         assert request is not None
         self._phase = Phase.RESPONSE
         self._cancel_timer()
-        headers = list(request.headers)
+        headers = self._request_headers
         answer = preflight(self._context, request.method, headers)
         if answer is not None:
             self._answer_preflight(*answer)
@@ -328,7 +332,7 @@ class ClientConnection(asyncio.Protocol):
     def send_headers(self, status: int, headers: Sequence[Header]) -> None:
         """Send the response head (called by the exchange on ``CommitHeaders``)."""
         if self._request is not None:
-            headers = with_cors(self._context, self._request.headers, headers)
+            headers = with_cors(self._context, self._request_headers, headers)
         else:
             headers = list(headers)
         if self._context.draining:
@@ -401,6 +405,7 @@ class ClientConnection(asyncio.Protocol):
             return
         conn.start_next_cycle()
         self._request = None
+        self._request_headers = []
         self._chunks = None
         self._line_checked = False
         self._head_received = bytearray()
