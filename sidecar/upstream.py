@@ -46,7 +46,10 @@ hundreds of pooled connections costs milliseconds of event-loop time per
 request, and grows with the square of the pool.
 
 The pools use :class:`~tokenwire.sidecar.upstream_io.UpstreamBackend` as their
-network layer (see there why).
+network layer (see there why), and are httpcore's pool with a leaner plain
+HTTP/1.1 connection under it (:class:`~tokenwire.sidecar.upstream_conn.UpstreamPool`:
+no lock that yields to the loop on every request, the request's headers checked
+in one pass, a chunked body's end handed to h11 directly).
 
 Exceptions are converted once, here, into :class:`FailureKind`.
 
