@@ -95,3 +95,19 @@ def test_sequentialStreams_shareOneKeptAliveConnection_eachEndedByH11(loop_threa
     assert connections == 1
     assert idle
     assert kind == "UpstreamConnection"
+
+
+def test_theHttpcoreInternalsOverridden_stillExist() -> None:
+    """``upstream_conn`` replaces or calls these by name; an httpcore that
+    renamed one would leave the override unused (or fail at run time): this
+    says so first."""
+    for name in ("_send_request_headers", "_send_event", "_response_closed"):
+        assert callable(getattr(httpcore.AsyncHTTP11Connection, name, None)), name
+    assert callable(getattr(httpcore.AsyncConnectionPool, "_close_connections", None))
+    assert callable(getattr(httpcore.AsyncConnectionPool, "create_connection", None))
+
+    class _Stream(httpcore.AsyncNetworkStream):
+        pass
+
+    connection = httpcore.AsyncHTTP11Connection(httpcore.Origin(b"http", b"h", 80), _Stream())
+    assert hasattr(connection, "_state_lock") and hasattr(connection, "_h11_state")
