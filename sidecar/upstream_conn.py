@@ -1,40 +1,41 @@
-"""httpcore's connection pool with a leaner plain-HTTP/1.1 connection under it.
+"""httpcore's plain-HTTP/1.1 connection, with less work around it.
 
 Theory of operation
 -------------------
-httpcore's pool makes each connection through
-:meth:`httpcore.AsyncConnectionPool.create_connection` (the method its own
-proxy pools override). Its stock connection, ``AsyncHTTPConnection``, is a
-wrapper that connects on the first request and then hands every request to an
+httpcore's stock connection, ``AsyncHTTPConnection``, is a wrapper that
+connects on the first request and then hands every request to an
 ``AsyncHTTP11Connection`` (or HTTP/2); it holds an anyio lock around each
 request, and the HTTP/1.1 connection holds another one twice per request (its
 state change at the start and at the end). anyio's ``Lock.acquire`` yields to
 the event loop every time, even uncontended (a ``sleep(0)`` inside a shielded
 cancel scope): three extra loop turns, each resuming the request's whole
 coroutine stack, per upstream request. None of those locks is ever contended
-here: the pool gives an HTTP/1.1 connection to one request at a time (a new
-connection is not *available* to another request; an active one is not
-either), so the wrapper's lock only orders a connect that nobody else waits
-for, and the state lock is taken by one request's start and, later, its end.
+here: the pool (:mod:`~tokenwire.sidecar.upstream_pool`) gives a connection
+to one request at a time, so the wrapper's lock only orders a connect that
+nobody else waits for, and the state lock is taken by one request's start
+and, later, its end.
 
-For a plain ``http://`` or ``unix:`` upstream, :class:`UpstreamPool` makes an
+For a plain ``http://`` or ``unix:`` pod, :func:`open_connection` makes an
 :class:`UpstreamConnection` instead: the same connect (the pool's network
 backend, the request's ``connect`` timeout, no retries: the sidecar's pools
-have none) and then the same ``httpcore.AsyncHTTP11Connection`` (the request
-head through h11, the response head through h11, keep-alive and expiry as
-httpcore keeps them), whose state lock is an ``asyncio.Lock``: uncontended, it
-is taken and released without a loop turn. ``https://`` upstreams keep
-httpcore's own connection (TLS, ALPN).
+have none) and then httpcore's own ``AsyncHTTP11Connection`` (the request head
+through h11, the response head through h11, keep-alive and expiry as httpcore
+keeps them), whose state lock is an ``asyncio.Lock``: uncontended, it is taken
+and released without a loop turn. Two more things change there: the request's
+headers are checked by h11's rules in one pass
+(:mod:`~tokenwire.sidecar.header_fields`), and a chunked body the sidecar read
+itself is ended by handing h11 its last chunk directly
+(:data:`CHUNKED_BODY_READ`). ``https://`` pods keep httpcore's own connection
+(TLS, ALPN).
 
-What else changes for the sidecar: nothing it can see. The pool, its limits,
-queueing, keep-alive expiry and the idle checks are httpcore's; the connection
-answers the pool's questions (``is_available``, ``is_idle``...) as httpcore's
-wrapper does.
+The connection answers the pool's questions (``is_available``, ``is_idle``...)
+as httpcore's wrapper does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 
 import h11
 import httpcore
@@ -51,30 +52,15 @@ there, without reading it through httpcore's body iterators."""
 _LAST_CHUNK = b"0\r\n\r\n"
 
 
-class UpstreamPool(httpcore.AsyncConnectionPool):
-    """httpcore's pool; plain HTTP/1.1 connections are :class:`UpstreamConnection`."""
-
-    def __init__(self, *, max_connections: int, max_keepalive_connections: int,
-                 keepalive_expiry: float | None, uds: str | None,
-                 network_backend: httpcore.AsyncNetworkBackend) -> None:
-        super().__init__(max_connections=max_connections, max_keepalive_connections=max_keepalive_connections,
-                         keepalive_expiry=keepalive_expiry, uds=uds, retries=0,
-                         network_backend=network_backend)
-        self._lean_keepalive_s = keepalive_expiry
-        self._lean_uds = uds
-        self._lean_backend = network_backend
-
-    async def _close_connections(self, closing: list[httpcore.AsyncConnectionInterface]) -> None:
-        # httpcore enters a shielded cancel scope (sniffio's look-up, an anyio
-        # scope and its task-state entry) even with nothing to close: twice a request.
-        if closing:
-            await super()._close_connections(closing)
-
-    def create_connection(self, origin: httpcore.Origin) -> httpcore.AsyncConnectionInterface:
-        if origin.scheme != b"http":
-            return super().create_connection(origin)
-        return UpstreamConnection(origin, self._lean_backend, uds=self._lean_uds,
-                                  keepalive_expiry=self._lean_keepalive_s)
+def open_connection(origin: httpcore.Origin, backend: httpcore.AsyncNetworkBackend, *, uds: str | None,
+                    keepalive_expiry_s: float | None,
+                    ssl_context: ssl.SSLContext | None = None) -> httpcore.AsyncConnectionInterface:
+    """A new, unconnected connection to ``origin`` for the pool: an
+    :class:`UpstreamConnection` for plain HTTP, httpcore's own otherwise."""
+    if origin.scheme == b"http":
+        return UpstreamConnection(origin, backend, uds=uds, keepalive_expiry=keepalive_expiry_s)
+    return httpcore.AsyncHTTPConnection(origin=origin, ssl_context=ssl_context,
+                                        keepalive_expiry=keepalive_expiry_s, uds=uds, network_backend=backend)
 
 
 class _LeanHTTP11Connection(httpcore.AsyncHTTP11Connection):

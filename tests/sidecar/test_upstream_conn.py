@@ -1,6 +1,6 @@
 """The upstream pool's plain HTTP/1.1 connection (``sidecar/upstream_conn.py``):
-httpcore's pool and HTTP/1.1 connection, without the lock yields and the
-body iteration around them. Real sockets, real httpcore.
+httpcore's HTTP/1.1 connection, without the lock yields and the body
+iteration around it. Real sockets, real httpcore.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import httpcore
 from conftest import LoopThread
 from tokenwire.middleware import Input, UpstreamEnded, UpstreamHeaders
 from tokenwire.sidecar.upstream import Upstream, run_attempt
-from tokenwire.sidecar.upstream_conn import UpstreamConnection, UpstreamPool
+from tokenwire.sidecar.upstream_conn import UpstreamConnection, open_connection
 from tokenwire.sidecar.upstream_io import UpstreamBackend
+from tokenwire.sidecar.upstream_pool import UpstreamPool
 
 _EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
 _ANSWER = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -43,10 +44,11 @@ class _Upstream(asyncio.Protocol):
 
 
 def test_plainHttpOrigins_getTheLeanConnection_httpsKeepsHttpcoresOwn() -> None:
-    pool = UpstreamPool(max_connections=4, max_keepalive_connections=4, keepalive_expiry=5.0, uds=None,
-                        network_backend=UpstreamBackend())
-    plain = pool.create_connection(httpcore.Origin(b"http", b"127.0.0.1", 8000))
-    tls = pool.create_connection(httpcore.Origin(b"https", b"example.com", 443))
+    backend = UpstreamBackend()
+    plain = open_connection(httpcore.Origin(b"http", b"127.0.0.1", 8000), backend, uds=None,
+                            keepalive_expiry_s=5.0)
+    tls = open_connection(httpcore.Origin(b"https", b"example.com", 443), backend, uds=None,
+                          keepalive_expiry_s=5.0)
     assert isinstance(plain, UpstreamConnection)
     assert isinstance(tls, httpcore.AsyncHTTPConnection)
     # Not yet connected: no other request may have it, and it is neither idle nor closed.
@@ -64,9 +66,8 @@ def test_sequentialStreams_shareOneKeptAliveConnection_eachEndedByH11(loop_threa
         loop = asyncio.get_running_loop()
         server = await loop.create_server(_Upstream, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        pool = UpstreamPool(max_connections=4, max_keepalive_connections=4, keepalive_expiry=5.0, uds=None,
-                            network_backend=UpstreamBackend())
-        upstream = Upstream(f"http://127.0.0.1:{port}", b"http", b"127.0.0.1", port, b"", (pool,))
+        pool = UpstreamPool(max_connections=4, keepalive_expiry_s=5.0, network_backend=UpstreamBackend())
+        upstream = Upstream(f"http://127.0.0.1:{port}", b"http", b"127.0.0.1", port, b"", pool)
         readable = asyncio.Event()
         readable.set()
         runs: list[list[Input]] = []
@@ -103,8 +104,6 @@ def test_theHttpcoreInternalsOverridden_stillExist() -> None:
     says so first."""
     for name in ("_send_request_headers", "_send_event", "_response_closed"):
         assert callable(getattr(httpcore.AsyncHTTP11Connection, name, None)), name
-    assert callable(getattr(httpcore.AsyncConnectionPool, "_close_connections", None))
-    assert callable(getattr(httpcore.AsyncConnectionPool, "create_connection", None))
 
     class _Stream(httpcore.AsyncNetworkStream):
         pass
