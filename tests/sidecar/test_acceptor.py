@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
+import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -108,3 +110,62 @@ def test_bindListeners_portInUse_namesTheAddress() -> None:
             taken.close()
 
     _run(asyncio.new_event_loop, main)
+
+
+_OUT_OF_DESCRIPTORS = r'''
+import asyncio, logging, os, resource, sys
+from tokenwire.sidecar.acceptor import Acceptor, bind_listeners
+
+hog = []
+
+class FreeOnError(logging.Handler):
+    """Once the acceptor reports running out of descriptors, give them back."""
+    def emit(self, record):
+        print("logged:", record.getMessage(), flush=True)
+        while hog:
+            os.close(hog.pop())
+
+logging.getLogger("tokenwire.sidecar").addHandler(FreeOnError())
+
+async def main():
+    listeners = await bind_listeners("127.0.0.1", 0, backlog=16, reuse_port=False)
+    accepted = asyncio.get_running_loop().create_future()
+
+    class Made(asyncio.Protocol):
+        def connection_made(self, transport):
+            accepted.set_result(None)
+
+    Acceptor(listeners, Made).start()
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        while True:
+            hog.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        pass
+    print("ready", listeners[0].getsockname()[1], flush=True)
+    await asyncio.wait_for(accepted, 30)
+    print("accepted", flush=True)
+
+asyncio.run(main())
+'''
+
+
+def test_outOfDescriptors_isLogged_andAcceptingResumesOnceSomeAreFree() -> None:
+    """EMFILE pauses accepting (logged) instead of spinning or dying; the
+    queued client is served once descriptors are free (a child process, so
+    the descriptor limit is its own)."""
+    child = subprocess.Popen([sys.executable, "-c", _OUT_OF_DESCRIPTORS], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        ready = child.stdout.readline().split()
+        assert ready[0] == "ready", ready
+        client = socket.create_connection(("127.0.0.1", int(ready[1])))  # queued by the kernel
+        out, err = child.communicate(timeout=60)
+        client.close()
+    finally:
+        child.kill()
+    assert child.returncode == 0, err
+    assert "logged: cannot accept connections ([Errno 24] Too many open files): pausing for 1.0 s" in out
+    assert out.rstrip().endswith("accepted")
