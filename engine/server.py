@@ -13,7 +13,13 @@ from opentelemetry.trace import TracerProvider
 from starlette.types import ASGIApp
 from tokenwire.engine.access_log import AccessLog
 from tokenwire.engine.cli import build_parser, load_engine_config
-from tokenwire.engine.config import EngineConfig, engine_wire_defaults, event_loop, torch_threads
+from tokenwire.engine.config import (
+    EngineConfig,
+    engine_wire_defaults,
+    event_loop,
+    runs_scheduler_process,
+    torch_threads,
+)
 from tokenwire.engine.runner import GIL_SWITCH_INTERVAL_S
 from tokenwire.middleware import WireConfig
 from tokenwire.middleware.asgi import listening_socket
@@ -72,7 +78,7 @@ def build_asgi_app(config: EngineConfig, tracer_provider: TracerProvider | None 
     else:
         path = Path(config.model).expanduser()
         name = config.served_model_name or path.name
-    if config.scheduler_process:
+    if runs_scheduler_process(config):
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path}: not a model folder (no config.json)")
         # This process only tokenizes and writes: one torch thread. The scheduler

@@ -92,6 +92,19 @@ def test_streams_end_with_done_and_usage(process_server: RunningServer) -> None:
     assert json.loads(data[-3])["choices"][0]["finish_reason"] == "length"
 
 
+def test_queue_wait_and_prefill_are_measured_across_the_pipe(process_server: RunningServer) -> None:
+    """A request's first output carries its admission time up the pipe: without it the
+    front's queue-wait and prefill histograms would never see a request."""
+    queued = _metric(process_server, "tokenwire_engine_queue_wait_seconds_count")
+    prefilled = _metric(process_server, "tokenwire_engine_prefill_seconds_count")
+    steps = _metric(process_server, "tokenwire_engine_step_seconds_count")
+    assert _completion(process_server.base_url, "The harbour", 6)
+    assert _metric(process_server, "tokenwire_engine_queue_wait_seconds_count") == queued + 1
+    assert _metric(process_server, "tokenwire_engine_prefill_seconds_count") == prefilled + 1
+    # One report per step (time and load travel with the step's outputs).
+    assert _metric(process_server, "tokenwire_engine_step_seconds_count") >= steps + 6
+
+
 def test_refusals_are_http_errors_checked_in_the_front(process_server: RunningServer) -> None:
     response = httpx.post(f"{process_server.base_url}/v1/completions",
                           json={"model": "tiny", "prompt": "x", "max_tokens": 100_000})
