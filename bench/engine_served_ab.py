@@ -52,7 +52,7 @@ def _steps(port: int) -> float:
     return float(match.group(1)) if match else 0.0
 
 
-def _start(model_path: Path, python_path: str | None, process_mode: bool, streams: int,
+def _start(model_path: Path, python_path: str | None, process_mode: bool | None, streams: int,
            environ: dict[str, str]) -> tuple[Any, int]:
     port = engine_bench._free_port()
     saved = dict(os.environ)
@@ -73,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--modes", nargs="+", default=["thread"], choices=["thread", "process"])
+    parser.add_argument("--modes", nargs="+", default=["thread"], choices=["thread", "process", "default"],
+                        help="where the scheduler runs: a thread, a process, or wherever each tree's "
+                             "default puts it (no placement flag, no --threads)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
                         help="one more server of this tree with these environment variables "
                              "(e.g. a TOKENWIRE_ENGINE_* key)")
@@ -97,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for tree, (path, environ) in trees.items():
                 for mode in args.modes:
-                    servers[f"{mode} {tree}"] = _start(model_path, path, mode == "process", args.streams,
-                                                       environ)
+                    placement = None if mode == "default" else mode == "process"
+                    servers[f"{mode} {tree}"] = _start(model_path, path, placement, args.streams, environ)
             for _, port in servers.values():
                 engine_bench.run_clients(engine_bench._stream_once(port, prompts[0], 4))
             ratios: dict[str, list[float]] = {name: [] for name in servers}

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 from tokenwire.engine.api import build_app
-from tokenwire.engine.config import EngineConfig
+from tokenwire.engine.config import EngineConfig, usable_cpus
 from tokenwire.engine.scheduler_process import (
     LaunchedScheduler,
     SchedulerProcessError,
@@ -132,6 +132,27 @@ def test_a_client_that_leaves_frees_its_row_in_the_scheduler_process(
     assert httpx.get(f"{process_server.base_url}/health").json()["status"] == "ok"
 
 
+def test_the_abort_endpoint_ends_the_stream_and_frees_the_row_in_the_scheduler_process(
+    process_server: RunningServer,
+) -> None:
+    body = {"model": "tiny", "prompt": "Abort me", "max_tokens": 3000, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(timeout=60) as client, client.stream(
+        "POST", f"{process_server.base_url}/v1/completions", json=body,
+        headers={"X-Request-Id": "abort-in-process"},
+    ) as response:
+        events = (line for line in response.iter_lines() if line.startswith("data:"))
+        assert next(events)
+        assert httpx.post(f"{process_server.base_url}/v1/abort/abort-in-process").status_code == 200
+        rest: list[str] = []
+        with pytest.raises(httpx.RemoteProtocolError):  # cut after the in-band error
+            for line in events:
+                rest.append(line)
+    assert json.loads(rest[-1][len("data:"):])["error"]["code"] == "cancelled"
+    _wait_until(lambda: _metric(process_server, "tokenwire_engine_running") == 0)
+    assert httpx.post(f"{process_server.base_url}/v1/abort/abort-in-process").status_code == 404
+
+
 def test_a_dead_scheduler_process_ends_streams_in_band_and_refuses_new_requests(
     tiny_model_dir: Path, serve_engine: Any,
 ) -> None:
@@ -173,14 +194,16 @@ def test_a_model_that_fails_to_load_is_reported_with_the_childs_error(
     assert "no-such-arch" in str(raised.value)
 
 
-def test_tokenwire_engine_with_a_scheduler_process_serves_and_takes_it_along_on_sigterm(
+@pytest.mark.skipif(usable_cpus() < 2, reason="the scheduler process is the default with two CPUs or more")
+def test_tokenwire_engine_by_default_runs_a_scheduler_process_drains_on_sigterm_and_takes_it_along(
     tiny_model_dir: Path,
 ) -> None:
     port = _free_port()
+    # No placement flag: what ``tokenwire engine`` does by default.
     engine = subprocess.Popen(
         [sys.executable, "-m", "tokenwire.engine.server", "--model", str(tiny_model_dir),
-         "--listen", f"127.0.0.1:{port}", "--threads", "1", "--device", "cpu",
-         "--scheduler-process", "--log-level", "warning", "--served-model-name", "tiny"],
+         "--listen", f"127.0.0.1:{port}", "--device", "cpu",
+         "--log-level", "warning", "--served-model-name", "tiny"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         base_url = f"http://127.0.0.1:{port}"
@@ -196,7 +219,16 @@ def test_tokenwire_engine_with_a_scheduler_process_serves_and_takes_it_along_on_
         children = Path(f"/proc/{engine.pid}/task/{engine.pid}/children").read_text().split()
         assert children, "the scheduler process is a child of the server"
         assert _completion(base_url, "The kitchen is", 8)
-        engine.send_signal(signal.SIGTERM)
+        body = {"model": "tiny", "prompt": "Draining", "max_tokens": 40, "stream": True,
+                "ignore_eos": True}
+        with httpx.Client(timeout=60) as client, client.stream(
+                "POST", f"{base_url}/v1/completions", json=body) as response:
+            lines = (line for line in response.iter_lines() if line.startswith("data: "))
+            assert next(lines)
+            # A stream under way when SIGTERM arrives is finished, not cut.
+            engine.send_signal(signal.SIGTERM)
+            rest = list(lines)
+        assert rest[-1] == "data: [DONE]"
         # uvicorn shuts down, then re-raises the signal it caught: -15 is a clean exit.
         assert engine.wait(30) in (0, -signal.SIGTERM)
         for child in children:
