@@ -300,9 +300,11 @@ def _percentile(values: list[float], fraction: float) -> float:
 
 
 def _start_engine(model_path: Path, port: int, threads: int, device: str, dtype: str,
-                  largest: int, scheduler_process: bool | None) -> Any:
+                  largest: int, scheduler_process: bool | None, cwd: str | None = None) -> Any:
     """``tokenwire engine`` in a process of its own; ``scheduler_process=None`` gives
-    neither the placement flag nor ``--threads`` (the default configuration decides both)."""
+    neither the placement flag nor ``--threads`` (the default configuration decides both).
+    ``cwd``: run it there (``python -m`` puts the working directory first on ``sys.path``:
+    in the repository's root, its ``tokenwire/`` wins over a ``PYTHONPATH`` tree)."""
     import subprocess
 
     placement = ([] if scheduler_process is None else
@@ -314,7 +316,7 @@ def _start_engine(model_path: Path, port: int, threads: int, device: str, dtype:
          "--dtype", dtype, "--max-running", str(max(64, largest)),
          "--kv-budget-tokens", str(1 << 22), "--max-prefill-tokens-per-step", "2048",
          "--log-level", "warning", "--served-model-name", "bench", *placement],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=cwd)
     deadline_s = time.monotonic() + 180
     while True:
         try:

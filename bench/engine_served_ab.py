@@ -46,6 +46,12 @@ def _threads_schedstat_s(pid: int) -> dict[int, tuple[float, float]]:
     return stats
 
 
+def _own_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of ``pid`` itself, its children not counted."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _steps(port: int) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
     match = re.search(r"^tokenwire_engine_step_seconds_count (\S+)", text, re.MULTILINE)
@@ -60,7 +66,10 @@ def _start(model_path: Path, python_path: str | None, process_mode: bool | None,
         os.environ["PYTHONPATH"] = python_path
     os.environ.update(environ)
     try:
-        server = engine_bench._start_engine(model_path, port, 1, "cpu", "float32", streams, process_mode)
+        # Not in the repository's root: there ``python -m`` would import this tree's
+        # ``tokenwire/`` before the baseline's on PYTHONPATH (both servers would run this tree).
+        server = engine_bench._start_engine(model_path, port, 1, "cpu", "float32", streams, process_mode,
+                                            cwd=tempfile.gettempdir())
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -105,10 +114,25 @@ def main(argv: list[str] | None = None) -> int:
                 engine_bench.run_clients(engine_bench._stream_once(port, prompts[0], 4))
             ratios: dict[str, list[float]] = {name: [] for name in servers}
             blocked: dict[str, list[float]] = {name: [] for name in servers}
+            rates: dict[str, list[float]] = {name: [] for name in servers}
+            front_us: dict[str, list[float]] = {name: [] for name in servers}
+            child_us: dict[str, list[float]] = {name: [] for name in servers}
+            alones: list[float] = []
+            alone_us: list[float] = []
             loads: list[float] = []
+            tokens = args.streams * args.tokens
+
+            def alone_run() -> tuple[float, float]:
+                cpu_s = time.thread_time()
+                rate = engine_bench.scheduler_alone(loaded, prompts, args.tokens)[0]
+                return rate, 1e6 * (time.thread_time() - cpu_s) / tokens
+
             for round_index in range(args.rounds):
                 names = list(servers) if round_index % 2 == 0 else list(reversed(servers))
                 served: dict[str, float] = {}
+                # The scheduler alone before and after the served runs: the round's
+                # denominator is their mean time, so a load change mid-round moves both sides.
+                first_alone, first_us = alone_run()
                 for name in names:
                     port = servers[name][1]
 
@@ -121,10 +145,16 @@ def main(argv: list[str] | None = None) -> int:
                     thread_mode = name.startswith("thread")
                     steps = _steps(port)
                     before = _threads_schedstat_s(server_pid)
+                    front_before_s, all_before_s = _own_cpu_s(server_pid), engine_bench._cpu_s(server_pid)
                     started_s = time.perf_counter()
                     engine_bench.run_clients(run())
                     elapsed_s = time.perf_counter() - started_s
-                    served[name] = args.streams * args.tokens / elapsed_s
+                    front_s = _own_cpu_s(server_pid) - front_before_s
+                    front_us[name].append(1e6 * front_s / tokens)
+                    child_us[name].append(
+                        1e6 * (engine_bench._cpu_s(server_pid) - all_before_s - front_s) / tokens)
+                    served[name] = tokens / elapsed_s
+                    rates[name].append(served[name])
                     if thread_mode:
                         # The engine thread: the one (not the main one) that ran the most.
                         tid, after = max(((tid, stat) for tid, stat in _threads_schedstat_s(
@@ -135,11 +165,14 @@ def main(argv: list[str] | None = None) -> int:
                         # the GIL (or, before the first request, for work).
                         off_s = elapsed_s - (after[0] - before_run_s) - (after[1] - before_wait_s)
                         blocked[name].append(1000 * off_s / max(1.0, _steps(port) - steps))
-                alone = engine_bench.scheduler_alone(loaded, prompts, args.tokens)[0]
+                second_alone, second_us = alone_run()
+                alone = 2 / (1 / first_alone + 1 / second_alone)
+                alones.append(alone)
+                alone_us.append((first_us + second_us) / 2)
                 loads.append(os.getloadavg()[0])
                 for name, tokens_per_s in served.items():
                     ratios[name].append(tokens_per_s / alone)
-                print(f"round {round_index}: alone {alone:.0f} tok/s; "
+                print(f"round {round_index}: alone {first_alone:.0f}/{second_alone:.0f} tok/s; "
                       + "; ".join(f"{name} {served[name]:.0f} (x{served[name] / alone:.2f})"
                                   for name in servers) + f"; load {loads[-1]:.1f}"
                       + "".join(f"; {name} engine blocked {values[-1]:.2f} ms/step"
@@ -152,11 +185,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.streams} streams x {args.tokens} tokens, {args.rounds} rounds, "
           f"load {min(loads):.1f}-{max(loads):.1f}: median served / alone "
           + "; ".join(f"{name} x{statistics.median(values):.3f}" for name, values in ratios.items()))
+    print(f"scheduler alone: median {statistics.median(alones):.0f} tok/s "
+          f"(range {min(alones):.0f}-{max(alones):.0f}), CPU {statistics.median(alone_us):.1f} us/token")
+    for name, values in ratios.items():
+        quartiles = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+        print(f"{name}: served / alone per round median x{statistics.median(values):.3f}, "
+              f"quartiles {quartiles[0]:.2f}-{quartiles[2]:.2f}, range {min(values):.2f}-{max(values):.2f}; "
+              f"ratio of medians x{statistics.median(rates[name]) / statistics.median(alones):.3f}; "
+              f"CPU per token: server {statistics.median(front_us[name]):.1f} us"
+              + (f" + its scheduler process {statistics.median(child_us[name]):.1f} us"
+                 if statistics.median(child_us[name]) > 1 else ""))
     for name, values in blocked.items():
         if values:
             print(f"{name}: the engine thread off a CPU, not waiting for one (the GIL), "
                   f"median {statistics.median(values):.2f} ms per step")
     for mode in args.modes:
+        if f"{mode} base" not in ratios:
+            continue
         pairs = [new / base for new, base in zip(ratios[f"{mode} new"], ratios[f"{mode} base"], strict=True)]
         print(f"{mode}: new / base per round, median x{statistics.median(pairs):.3f} "
               f"(range {min(pairs):.2f}-{max(pairs):.2f})")
