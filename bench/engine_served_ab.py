@@ -6,13 +6,17 @@ change to the served path is measured as a ratio of ratios on the same
 (shared, noisy) machine: ``tokenwire engine`` started from this tree and from
 ``--baseline REF`` (``git archive`` into a temporary folder, first on
 ``PYTHONPATH``, as ``engine_http_bench.py`` lays it out), in thread or process
-mode, and the scheduler alone in this process.
-Each round runs every server once and the scheduler alone once, in an order
-that alternates; the figure is the median over rounds of served / alone::
+mode or each tree's default (``--modes default``: no placement flag), and the
+scheduler alone in this process. Each round runs every server once, in an
+order that alternates, with the scheduler alone before the first and after
+each one; a served run's ratio is to the alone runs either side of it, and the
+figure is the median over rounds of served / alone::
 
     python bench/engine_served_ab.py --baseline main --streams 64 --rounds 8
 
-Each round prints the 1-minute load average beside it.
+Each round prints the 1-minute load average beside it; the summary adds the
+ratio of the medians, the quartiles, and the CPU per token of each server (and
+of its scheduler process) against the scheduler alone's.
 """
 
 from __future__ import annotations
@@ -130,9 +134,12 @@ def main(argv: list[str] | None = None) -> int:
             for round_index in range(args.rounds):
                 names = list(servers) if round_index % 2 == 0 else list(reversed(servers))
                 served: dict[str, float] = {}
-                # The scheduler alone before and after the served runs: the round's
-                # denominator is their mean time, so a load change mid-round moves both sides.
-                first_alone, first_us = alone_run()
+                denominators: dict[str, float] = {}
+                # The scheduler alone between every two served runs (A S1 A S2 ... A): each
+                # served run is divided by the alone runs just before and after it (their
+                # mean time), so the other agents' load moving within a round moves both sides.
+                before_alone, first_us = alone_run()
+                round_alones, round_us = [before_alone], [first_us]
                 for name in names:
                     port = servers[name][1]
 
@@ -165,15 +172,18 @@ def main(argv: list[str] | None = None) -> int:
                         # the GIL (or, before the first request, for work).
                         off_s = elapsed_s - (after[0] - before_run_s) - (after[1] - before_wait_s)
                         blocked[name].append(1000 * off_s / max(1.0, _steps(port) - steps))
-                second_alone, second_us = alone_run()
-                alone = 2 / (1 / first_alone + 1 / second_alone)
-                alones.append(alone)
-                alone_us.append((first_us + second_us) / 2)
+                    after_alone, after_us = alone_run()
+                    denominators[name] = 2 / (1 / before_alone + 1 / after_alone)
+                    round_alones.append(after_alone)
+                    round_us.append(after_us)
+                    before_alone = after_alone
+                alones.extend(round_alones)
+                alone_us.extend(round_us)
                 loads.append(os.getloadavg()[0])
                 for name, tokens_per_s in served.items():
-                    ratios[name].append(tokens_per_s / alone)
-                print(f"round {round_index}: alone {first_alone:.0f}/{second_alone:.0f} tok/s; "
-                      + "; ".join(f"{name} {served[name]:.0f} (x{served[name] / alone:.2f})"
+                    ratios[name].append(tokens_per_s / denominators[name])
+                print(f"round {round_index}: alone {min(round_alones):.0f}-{max(round_alones):.0f} tok/s; "
+                      + "; ".join(f"{name} {served[name]:.0f} (x{served[name] / denominators[name]:.2f})"
                                   for name in servers) + f"; load {loads[-1]:.1f}"
                       + "".join(f"; {name} engine blocked {values[-1]:.2f} ms/step"
                                 for name, values in blocked.items() if values), flush=True)
