@@ -121,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
             rates: dict[str, list[float]] = {name: [] for name in servers}
             front_us: dict[str, list[float]] = {name: [] for name in servers}
             child_us: dict[str, list[float]] = {name: [] for name in servers}
+            busy: dict[str, list[float]] = {name: [] for name in servers}
+            step_counts: dict[str, list[float]] = {name: [] for name in servers}
+            alone_busy: list[float] = []
+            alone_steps: list[float] = []
             alones: list[float] = []
             alone_us: list[float] = []
             loads: list[float] = []
@@ -128,8 +132,11 @@ def main(argv: list[str] | None = None) -> int:
 
             def alone_run() -> tuple[float, float]:
                 cpu_s = time.thread_time()
-                rate = engine_bench.scheduler_alone(loaded, prompts, args.tokens)[0]
-                return rate, 1e6 * (time.thread_time() - cpu_s) / tokens
+                rate, steps, elapsed_s = engine_bench.scheduler_alone(loaded, prompts, args.tokens)
+                used_s = time.thread_time() - cpu_s
+                alone_busy.append(used_s / elapsed_s)
+                alone_steps.append(steps)
+                return rate, 1e6 * used_s / tokens
 
             for round_index in range(args.rounds):
                 names = list(servers) if round_index % 2 == 0 else list(reversed(servers))
@@ -157,9 +164,13 @@ def main(argv: list[str] | None = None) -> int:
                     engine_bench.run_clients(run())
                     elapsed_s = time.perf_counter() - started_s
                     front_s = _own_cpu_s(server_pid) - front_before_s
+                    child_s = engine_bench._cpu_s(server_pid) - all_before_s - front_s
                     front_us[name].append(1e6 * front_s / tokens)
-                    child_us[name].append(
-                        1e6 * (engine_bench._cpu_s(server_pid) - all_before_s - front_s) / tokens)
+                    child_us[name].append(1e6 * child_s / tokens)
+                    # The scheduler's share of a core while served (with a thread, the
+                    # whole server's: the loop's time included).
+                    busy[name].append((child_s if child_s > 0.05 * front_s else front_s) / elapsed_s)
+                    step_counts[name].append(_steps(port) - steps)
                     served[name] = tokens / elapsed_s
                     rates[name].append(served[name])
                     if thread_mode:
@@ -196,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
           f"load {min(loads):.1f}-{max(loads):.1f}: median served / alone "
           + "; ".join(f"{name} x{statistics.median(values):.3f}" for name, values in ratios.items()))
     print(f"scheduler alone: median {statistics.median(alones):.0f} tok/s "
-          f"(range {min(alones):.0f}-{max(alones):.0f}), CPU {statistics.median(alone_us):.1f} us/token")
+          f"(range {min(alones):.0f}-{max(alones):.0f}), CPU {statistics.median(alone_us):.1f} us/token, "
+          f"{statistics.median(alone_busy):.2f} of a core, {statistics.median(alone_steps):.0f} steps")
     for name, values in ratios.items():
         quartiles = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
         print(f"{name}: served / alone per round median x{statistics.median(values):.3f}, "
@@ -204,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
               f"ratio of medians x{statistics.median(rates[name]) / statistics.median(alones):.3f}; "
               f"CPU per token: server {statistics.median(front_us[name]):.1f} us"
               + (f" + its scheduler process {statistics.median(child_us[name]):.1f} us"
-                 if statistics.median(child_us[name]) > 1 else ""))
+                 if statistics.median(child_us[name]) > 1 else "")
+              + f"; the scheduler {statistics.median(busy[name]):.2f} of a core, "
+                f"{statistics.median(step_counts[name]):.0f} steps")
     for name, values in blocked.items():
         if values:
             print(f"{name}: the engine thread off a CPU, not waiting for one (the GIL), "
