@@ -148,10 +148,11 @@ def runs_scheduler_process(config: EngineConfig) -> bool:
     """Whether the scheduler runs in a process of its own: ``scheduler_process``, where
     this process may use two CPUs or more.
 
-    On a 2-core box the scheduler process stepping on one core while the server's loop
-    writes on the other measured 0.86-0.98 of the scheduler alone's tokens/s at 64
-    streams, the scheduler thread 0.67-0.94 (the loop and the step take turns on the
-    GIL): ``bench/README.md``, "Engine: the scheduler process by default"."""
+    On a shared 2-core box at 64 streams, the scheduler process stepping on one core while
+    the server's loop writes on the other kept a median 0.90 (0.71-1.00 over ten runs) of
+    the scheduler alone's tokens/s, the thread 0.83 (0.78-1.02): in one process the loop
+    and the step take turns on the GIL (``bench/README.md``, "Engine: the scheduler process
+    by default")."""
     return config.scheduler_process and usable_cpus() >= 2
 
 
