@@ -17,12 +17,18 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 from tokenwire.engine.api import build_app
+from tokenwire.engine.backend import BackendStats, RequestOutput
 from tokenwire.engine.config import EngineConfig, usable_cpus
 from tokenwire.engine.scheduler_process import (
     LaunchedScheduler,
     SchedulerProcessError,
     SchedulerProcessRunner,
     SchedulerSpec,
+    _decode,
+    _encode,
+    _FrameReader,
+    _FrameWriter,
+    _Step,
     launch_scheduler,
 )
 
@@ -70,6 +76,46 @@ def _completion(base_url: str, prompt: str, max_tokens: int) -> str:
         "ignore_eos": True})
     assert response.status_code == 200, response.text
     return str(response.json()["choices"][0]["text"])
+
+
+def test_the_up_pipes_messages_arrive_whole_however_the_reads_split_them() -> None:
+    """A real pipe: a step bigger than the pipe's buffer arrives in pieces, read as they
+    come without blocking; the reader hands out only whole messages, in order, every field
+    of every output intact, and the writer's end is an EOFError."""
+    import threading
+
+    outputs = [RequestOutput(f"cmpl-{i}", "é" * 50, (i, i + 1), 7, i, finished=i % 3 == 0,
+                             finish_reason="length" if i % 3 == 0 else None, admitted_s=1.5 * i)
+               for i in range(4000)]
+    sent = [_Step(_encode(outputs[:1])), _Step(_encode(outputs), 0.01, BackendStats(1, 2, 3, 4, 5)),
+            _Step([], 0.02, BackendStats(0, 0, 0, 0, 0))]
+    read_fd, write_fd = os.pipe()
+    reader, writer = _FrameReader(read_fd), _FrameWriter(write_fd)
+
+    def write_all() -> None:
+        for message in sent:
+            writer.send(message)
+        os.close(write_fd)
+
+    thread = threading.Thread(target=write_all)
+    thread.start()
+    received: list[object] = []
+    reads = 0
+    try:
+        while len(received) < len(sent):
+            assert reader.wait(30)
+            received.extend(reader.read())
+            reads += 1
+        assert received == sent
+        assert _decode(received[1].rows) == outputs  # type: ignore[attr-defined]
+        assert reads > 2, "the big step came in more than one read"
+        thread.join(30)
+        assert reader.wait(30)
+        with pytest.raises(EOFError):
+            reader.read()
+    finally:
+        thread.join(30)
+        os.close(read_fd)
 
 
 def test_answers_as_the_in_process_engine_does(
