@@ -245,6 +245,26 @@ def launch_scheduler(spec: SchedulerSpec, *, timeout_s: float = 600.0) -> Launch
 
     Raises :class:`SchedulerProcessError` with the child's own error if loading fails.
     """
+    return start_scheduler(spec).wait(timeout_s=timeout_s)
+
+
+@dataclass(frozen=True, slots=True)
+class StartingScheduler:
+    """A scheduler process spawned and loading: the caller does its own work meanwhile
+    (the server imports its web stack while the child imports torch and loads weights)."""
+
+    spec: SchedulerSpec
+    process: BaseProcess
+    down: Connection
+    up: Connection
+
+    def wait(self, *, timeout_s: float = 600.0) -> LaunchedScheduler:
+        """Until the model is loaded; raises :class:`SchedulerProcessError` if it fails."""
+        return _wait_ready(self.spec, self.process, self.down, self.up, timeout_s)
+
+
+def start_scheduler(spec: SchedulerSpec) -> StartingScheduler:
+    """Spawn the scheduler process; :meth:`StartingScheduler.wait` for its model."""
     # spawn, not fork: the front has imported torch (and may hold CUDA or
     # thread pools), which a forked child would inherit half-initialised.
     context = multiprocessing.get_context("spawn")
@@ -256,6 +276,11 @@ def launch_scheduler(spec: SchedulerSpec, *, timeout_s: float = 600.0) -> Launch
     # The child holds its own copies; closing ours makes its death an EOF here.
     down_reader.close()
     up_writer.close()
+    return StartingScheduler(spec, process, down_writer, up_reader)
+
+
+def _wait_ready(spec: SchedulerSpec, process: BaseProcess, down_writer: Connection,
+                up_reader: Connection, timeout_s: float) -> LaunchedScheduler:
     reader = _FrameReader(up_reader.fileno())
     deadline_s = time.monotonic() + timeout_s
     try:
@@ -493,3 +518,9 @@ def scheduler_main(spec: SchedulerSpec, down: Connection, up: Connection) -> Non
     finally:
         runner.stop()
         up.close()
+    # Nothing is left to flush but the log; skipping the interpreter's teardown of torch
+    # (about a second) lets the server exit that much sooner after its drain.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
