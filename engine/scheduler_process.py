@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import multiprocessing
 import os
@@ -497,6 +498,11 @@ def scheduler_main(spec: SchedulerSpec, down: Connection, up: Connection) -> Non
         send(_Step(pending[:], step_s, stats))
         pending.clear()
 
+    # torch, transformers and the model are ~200,000 objects that live as long
+    # as the process: a full collection walked them all (~60 ms with the GIL
+    # held, a stalled step) each time the requests' garbage triggered one.
+    gc.collect()
+    gc.freeze()
     runner = EngineRunner(scheduler, deliver, on_step=on_step)
     runner.start(None)
     send(_Ready(ModelFacts(
