@@ -462,7 +462,16 @@ def scheduler_main(spec: SchedulerSpec, down: Connection, up: Connection) -> Non
     # This thread reads the down pipe while the engine thread steps: each request
     # or cancellation waits for the GIL, at most this long, not Python's 5 ms.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    logging.basicConfig(level=spec.log_level.upper(), format="%(message)s")
+    # Its lines go where the server's do, in the server's format (one JSON object a
+    # line by default); transformers' progress bars and warnings through the same handler.
+    from tokenwire.middleware.logs import configure_logging
+    from transformers.utils import logging as hf_logging
+
+    configure_logging("debug" if spec.log_level.lower() == "trace" else spec.log_level,
+                      spec.config.log_format)
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()
     import torch
     from tokenwire.engine.loader import load_model
     from tokenwire.engine.runner import EngineRunner

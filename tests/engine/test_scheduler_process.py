@@ -249,7 +249,7 @@ def test_tokenwire_engine_by_default_runs_a_scheduler_process_drains_on_sigterm_
     engine = subprocess.Popen(
         [sys.executable, "-m", "tokenwire.engine.server", "--model", str(tiny_model_dir),
          "--listen", f"127.0.0.1:{port}", "--device", "cpu",
-         "--log-level", "warning", "--served-model-name", "tiny"],
+         "--log-level", "info", "--served-model-name", "tiny"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         base_url = f"http://127.0.0.1:{port}"
@@ -279,6 +279,12 @@ def test_tokenwire_engine_by_default_runs_a_scheduler_process_drains_on_sigterm_
         assert engine.wait(30) in (0, -signal.SIGTERM)
         for child in children:
             _wait_until(lambda: _exited(int(child)), 30)  # noqa: B023 (waited on at once)
+        # Both processes log as the server does (JSON lines): no progress bar, no
+        # resource-tracker warning from the child.
+        assert engine.stderr is not None
+        not_json = [line for line in engine.stderr.read().decode().splitlines()
+                    if not line.startswith("{")]
+        assert not not_json, not_json
     finally:
         if engine.poll() is None:
             engine.kill()
