@@ -149,8 +149,8 @@ def runs_scheduler_process(config: EngineConfig) -> bool:
     this process may use two CPUs or more.
 
     On a shared 2-core box at 64 streams, the scheduler process stepping on one core while
-    the server's loop writes on the other kept a median 0.91 (0.71-1.00 over eleven runs) of
-    the scheduler alone's tokens/s, the thread 0.79 (0.78-1.02): in one process the loop
+    the server's loop writes on the other kept a median 0.91 (0.71-1.00 over twelve runs) of
+    the scheduler alone's tokens/s, the thread 0.79 (0.74-1.02): in one process the loop
     and the step take turns on the GIL (``bench/README.md``, "Engine: the scheduler process
     by default")."""
     return config.scheduler_process and usable_cpus() >= 2
