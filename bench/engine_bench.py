@@ -300,17 +300,23 @@ def _percentile(values: list[float], fraction: float) -> float:
 
 
 def _start_engine(model_path: Path, port: int, threads: int, device: str, dtype: str,
-                  largest: int, scheduler_process: bool) -> Any:
+                  largest: int, scheduler_process: bool | None, cwd: str | None = None) -> Any:
+    """``tokenwire engine`` in a process of its own; ``scheduler_process=None`` gives
+    neither the placement flag nor ``--threads`` (the default configuration decides both).
+    ``cwd``: run it there (``python -m`` puts the working directory first on ``sys.path``:
+    in the repository's root, its ``tokenwire/`` wins over a ``PYTHONPATH`` tree)."""
     import subprocess
 
+    placement = ([] if scheduler_process is None else
+                 ["--threads", str(threads),
+                  "--scheduler-process" if scheduler_process else "--no-scheduler-process"])
     server = subprocess.Popen(
         [sys.executable, "-m", "tokenwire.engine.server", "--model", str(model_path),
-         "--listen", f"127.0.0.1:{port}", "--threads", str(threads), "--device", device,
+         "--listen", f"127.0.0.1:{port}", "--device", device,
          "--dtype", dtype, "--max-running", str(max(64, largest)),
          "--kv-budget-tokens", str(1 << 22), "--max-prefill-tokens-per-step", "2048",
-         "--log-level", "warning", "--served-model-name", "bench",
-         "--scheduler-process" if scheduler_process else "--no-scheduler-process"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+         "--log-level", "warning", "--served-model-name", "bench", *placement],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=cwd)
     deadline_s = time.monotonic() + 180
     while True:
         try:

@@ -8,7 +8,8 @@ Modules, one idea each:
 - ``scheduler`` (+ ``batch``): continuous batching over plain forward passes;
 - ``sampling``, ``detok``: per-request sampling, incremental detokenisation;
 - ``runner``: the engine thread and its one hand-off per step to asyncio;
-- ``scheduler_process``: that thread in a process of its own, behind two pipes;
+- ``scheduler_process``: that thread in a process of its own, behind two pipes (the
+  default with two CPUs or more);
 - ``service``, ``openai_requests``, ``api``, ``streaming``, ``metrics``: the HTTP side;
 - ``server``: ``tokenwire engine`` / ``python -m tokenwire.engine.server``.
 """

@@ -82,10 +82,12 @@ class EngineConfig:
     """Log lines as ``json`` (one object a line) or ``text`` (key=value, for a terminal)."""
     threads: int | None = None
     """torch intra-op threads; default: the CPUs this process may use, minus one for the event loop."""
-    scheduler_process: bool = False
+    scheduler_process: bool = True
     """Run the model and the scheduler in a process of their own, so the HTTP side (JSON, the
-    middleware, uvicorn) never holds a step up for the GIL; worth it with a core to spare for
-    the HTTP side. false = a thread of the server's process (no faster on a loaded 2-core box)."""
+    middleware, uvicorn) never holds a step up for the GIL and its work overlaps the step on
+    another CPU. It applies where this process may use at least two CPUs; on one, the scheduler
+    runs in a thread of the server's process whatever this says (two processes would only take
+    turns on it). false = always that thread."""
     event_loop: str = "auto"
     """The server's event loop: ``asyncio`` (its socket writes give up the GIL, so with the
     scheduler in a thread they overlap the step's Python), ``uvloop`` (less CPU per write, the
@@ -125,17 +127,33 @@ EVENT_LOOPS = ("auto", "asyncio", "uvloop")
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
-def default_threads() -> int:
-    """The CPUs this process may run on, minus one left to the event loop, at least one.
+def usable_cpus() -> int:
+    """The CPUs this process may run on.
 
     ``sched_getaffinity``, not ``cpu_count``: in a container pinned to two of
     a host's 64 cores, 63 spinning torch threads would fight over two.
     """
     try:
-        usable = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
-        usable = os.cpu_count() or 1
-    return max(1, usable - 1)
+        return os.cpu_count() or 1
+
+
+def default_threads() -> int:
+    """The CPUs this process may run on, minus one left to the event loop, at least one."""
+    return max(1, usable_cpus() - 1)
+
+
+def runs_scheduler_process(config: EngineConfig) -> bool:
+    """Whether the scheduler runs in a process of its own: ``scheduler_process``, where
+    this process may use two CPUs or more.
+
+    On a shared 2-core box at 64 streams, the scheduler process stepping on one core while
+    the server's loop writes on the other kept a median 0.91 (0.71-1.00 over twelve runs) of
+    the scheduler alone's tokens/s, the thread 0.79 (0.74-1.02): in one process the loop
+    and the step take turns on the GIL (``bench/README.md``, "Engine: the scheduler process
+    by default")."""
+    return config.scheduler_process and usable_cpus() >= 2
 
 
 def torch_threads(config: EngineConfig) -> int:
@@ -154,7 +172,7 @@ def event_loop(config: EngineConfig) -> str:
     there uvloop's cheaper writes win."""
     if config.event_loop != "auto":
         return config.event_loop
-    return "uvloop" if config.scheduler_process else "asyncio"
+    return "uvloop" if runs_scheduler_process(config) else "asyncio"
 
 
 def check_listen(value: str) -> None:

@@ -14,7 +14,13 @@ from opentelemetry.trace import TracerProvider
 from starlette.types import ASGIApp
 from tokenwire.engine.access_log import AccessLog
 from tokenwire.engine.cli import build_parser, load_engine_config
-from tokenwire.engine.config import EngineConfig, engine_wire_defaults, event_loop, torch_threads
+from tokenwire.engine.config import (
+    EngineConfig,
+    engine_wire_defaults,
+    event_loop,
+    runs_scheduler_process,
+    torch_threads,
+)
 from tokenwire.engine.runner import GIL_SWITCH_INTERVAL_S
 from tokenwire.middleware import WireConfig
 from tokenwire.middleware.asgi import listening_socket
@@ -50,10 +56,6 @@ def build_asgi_app(config: EngineConfig, tracer_provider: TracerProvider | None 
     """Load the model (here or in the scheduler process), build the API, wrap it in
     tokenwire's middleware and the access log."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
-    from tokenwire.engine.api import build_app
-    from tokenwire.engine.loader import load_model
-    from tokenwire.engine.scheduler_process import SchedulerSpec, launch_scheduler
     from tokenwire.engine.tiny import ensure_tiny_model
 
     # transformers writes progress bars and its warnings to stderr itself: as plain
@@ -73,18 +75,29 @@ def build_asgi_app(config: EngineConfig, tracer_provider: TracerProvider | None 
     else:
         path = Path(config.model).expanduser()
         name = config.served_model_name or path.name
-    if config.scheduler_process:
+    if runs_scheduler_process(config):
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path}: not a model folder (no config.json)")
+        import torch
+        from tokenwire.engine.scheduler_process import SchedulerSpec, start_scheduler
+
         # This process only tokenizes and writes: one torch thread. The scheduler
         # process gets the intra-op threads, one CPU being left to this loop.
         torch.set_num_threads(1)
-        launched = launch_scheduler(SchedulerSpec(
+        starting = start_scheduler(SchedulerSpec(
             model_path=str(path), name=name, device=config.device, dtype=config.dtype,
             threads=torch_threads(config), config=config, log_level=config.log_level))
+        # The web stack's imports overlap the child's (torch, transformers, the weights).
+        from tokenwire.engine.api import build_app
+
+        launched = starting.wait()
         app = build_app(launched.front_model(), config, launched=launched,
                         tracer_provider=tracer_provider)
         return AccessLog(_wrap_in_middleware(app, config.wire))
+    import torch
+    from tokenwire.engine.api import build_app
+    from tokenwire.engine.loader import load_model
+
     # Before the first torch op: the pool is sized once. One CPU is left to the
     # event loop, which encodes and writes while the engine thread computes.
     torch.set_num_threads(torch_threads(config))

@@ -74,13 +74,13 @@ def test_threads_default_to_the_usable_cpus_minus_one_for_the_loop() -> None:
 
 
 def test_scheduler_process_is_a_flag_a_variable_and_a_key(tmp_path: Path) -> None:
-    assert build_engine_config().scheduler_process is False
-    assert build_engine_config(flags={"scheduler_process": "true"}).scheduler_process is True
+    assert build_engine_config().scheduler_process is True
+    assert build_engine_config(flags={"scheduler_process": "false"}).scheduler_process is False
     assert build_engine_config(
-        environ={"TOKENWIRE_ENGINE_SCHEDULER_PROCESS": "1"}).scheduler_process is True
-    assert build_engine_config(file_values={"scheduler_process": True}).scheduler_process is True
-    assert build_engine_config(flags={"scheduler_process": "false"},
-                               file_values={"scheduler_process": True}).scheduler_process is False
+        environ={"TOKENWIRE_ENGINE_SCHEDULER_PROCESS": "0"}).scheduler_process is False
+    assert build_engine_config(file_values={"scheduler_process": False}).scheduler_process is False
+    assert build_engine_config(flags={"scheduler_process": "true"},
+                               file_values={"scheduler_process": False}).scheduler_process is True
 
 
 def test_config_file_from_the_environment(tmp_path: Path) -> None:
@@ -147,13 +147,37 @@ def test_cli_reports_a_bad_file_before_loading_a_model(tmp_path: Path) -> None:
 
 
 def test_event_loop_is_a_key_and_auto_follows_where_the_scheduler_runs() -> None:
-    from tokenwire.engine.config import event_loop
+    from tokenwire.engine.config import event_loop, runs_scheduler_process, usable_cpus
 
     assert build_engine_config().event_loop == "auto"
-    assert event_loop(build_engine_config()) == "asyncio"
-    assert event_loop(build_engine_config(flags={"scheduler_process": "true"})) == "uvloop"
-    assert event_loop(build_engine_config(environ={"TOKENWIRE_ENGINE_EVENT_LOOP": "uvloop"})) == "uvloop"
+    in_process = usable_cpus() >= 2
+    assert runs_scheduler_process(build_engine_config()) is in_process
+    assert event_loop(build_engine_config()) == ("uvloop" if in_process else "asyncio")
+    assert event_loop(build_engine_config(flags={"scheduler_process": "false"})) == "asyncio"
+    assert event_loop(build_engine_config(environ={"TOKENWIRE_ENGINE_EVENT_LOOP": "uvloop",
+                                                   "TOKENWIRE_ENGINE_SCHEDULER_PROCESS": "0"})) == "uvloop"
     assert event_loop(build_engine_config(file_values={"event_loop": "asyncio",
                                                        "scheduler_process": True})) == "asyncio"
     with pytest.raises(ConfigError, match="event_loop"):
         build_engine_config(flags={"event_loop": "trio"})
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity (Linux)")
+def test_the_scheduler_process_needs_two_usable_cpus() -> None:
+    """A real process pinned to one CPU runs the scheduler in a thread (and asyncio's loop),
+    ``scheduler_process = true`` or not; given two it runs it in a process of its own."""
+    program = ("import os, sys\n"
+               "os.sched_setaffinity(0, {int(c) for c in sys.argv[1].split(',')})\n"
+               "from tokenwire.engine.config import EngineConfig, event_loop, runs_scheduler_process\n"
+               "print(runs_scheduler_process(EngineConfig()), event_loop(EngineConfig()))\n")
+    cpus = sorted(os.sched_getaffinity(0))
+
+    def placement(pinned: list[int]) -> str:
+        result = subprocess.run([sys.executable, "-c", program, ",".join(map(str, pinned))],
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        return result.stdout.strip()
+
+    assert placement(cpus[:1]) == "False asyncio"
+    if len(cpus) >= 2:
+        assert placement(cpus[:2]) == "True uvloop"

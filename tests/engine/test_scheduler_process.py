@@ -17,12 +17,18 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 from tokenwire.engine.api import build_app
-from tokenwire.engine.config import EngineConfig
+from tokenwire.engine.backend import BackendStats, RequestOutput
+from tokenwire.engine.config import EngineConfig, usable_cpus
 from tokenwire.engine.scheduler_process import (
     LaunchedScheduler,
     SchedulerProcessError,
     SchedulerProcessRunner,
     SchedulerSpec,
+    _decode,
+    _encode,
+    _FrameReader,
+    _FrameWriter,
+    _Step,
     launch_scheduler,
 )
 
@@ -72,6 +78,46 @@ def _completion(base_url: str, prompt: str, max_tokens: int) -> str:
     return str(response.json()["choices"][0]["text"])
 
 
+def test_the_up_pipes_messages_arrive_whole_however_the_reads_split_them() -> None:
+    """A real pipe: a step bigger than the pipe's buffer arrives in pieces, read as they
+    come without blocking; the reader hands out only whole messages, in order, every field
+    of every output intact, and the writer's end is an EOFError."""
+    import threading
+
+    outputs = [RequestOutput(f"cmpl-{i}", "é" * 50, (i, i + 1), 7, i, finished=i % 3 == 0,
+                             finish_reason="length" if i % 3 == 0 else None, admitted_s=1.5 * i)
+               for i in range(4000)]
+    sent = [_Step(_encode(outputs[:1])), _Step(_encode(outputs), 0.01, BackendStats(1, 2, 3, 4, 5)),
+            _Step([], 0.02, BackendStats(0, 0, 0, 0, 0))]
+    read_fd, write_fd = os.pipe()
+    reader, writer = _FrameReader(read_fd), _FrameWriter(write_fd)
+
+    def write_all() -> None:
+        for message in sent:
+            writer.send(message)
+        os.close(write_fd)
+
+    thread = threading.Thread(target=write_all)
+    thread.start()
+    received: list[object] = []
+    reads = 0
+    try:
+        while len(received) < len(sent):
+            assert reader.wait(30)
+            received.extend(reader.read())
+            reads += 1
+        assert received == sent
+        assert _decode(received[1].rows) == outputs  # type: ignore[attr-defined]
+        assert reads > 2, "the big step came in more than one read"
+        thread.join(30)
+        assert reader.wait(30)
+        with pytest.raises(EOFError):
+            reader.read()
+    finally:
+        thread.join(30)
+        os.close(read_fd)
+
+
 def test_answers_as_the_in_process_engine_does(
     process_server: RunningServer, engine_server: RunningServer
 ) -> None:
@@ -90,6 +136,19 @@ def test_streams_end_with_done_and_usage(process_server: RunningServer) -> None:
     assert data[-1] == "[DONE]"
     assert json.loads(data[-2])["usage"]["completion_tokens"] == 12
     assert json.loads(data[-3])["choices"][0]["finish_reason"] == "length"
+
+
+def test_queue_wait_and_prefill_are_measured_across_the_pipe(process_server: RunningServer) -> None:
+    """A request's first output carries its admission time up the pipe: without it the
+    front's queue-wait and prefill histograms would never see a request."""
+    queued = _metric(process_server, "tokenwire_engine_queue_wait_seconds_count")
+    prefilled = _metric(process_server, "tokenwire_engine_prefill_seconds_count")
+    steps = _metric(process_server, "tokenwire_engine_step_seconds_count")
+    assert _completion(process_server.base_url, "The harbour", 6)
+    assert _metric(process_server, "tokenwire_engine_queue_wait_seconds_count") == queued + 1
+    assert _metric(process_server, "tokenwire_engine_prefill_seconds_count") == prefilled + 1
+    # One report per step (time and load travel with the step's outputs).
+    assert _metric(process_server, "tokenwire_engine_step_seconds_count") >= steps + 6
 
 
 def test_refusals_are_http_errors_checked_in_the_front(process_server: RunningServer) -> None:
@@ -117,6 +176,27 @@ def test_a_client_that_leaves_frees_its_row_in_the_scheduler_process(
     _wait_until(lambda: _metric(process_server, 'tokenwire_engine_requests_finished_total'
                                 '{finish_reason="abort"}') == aborted_before + 1)
     assert httpx.get(f"{process_server.base_url}/health").json()["status"] == "ok"
+
+
+def test_the_abort_endpoint_ends_the_stream_and_frees_the_row_in_the_scheduler_process(
+    process_server: RunningServer,
+) -> None:
+    body = {"model": "tiny", "prompt": "Abort me", "max_tokens": 3000, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(timeout=60) as client, client.stream(
+        "POST", f"{process_server.base_url}/v1/completions", json=body,
+        headers={"X-Request-Id": "abort-in-process"},
+    ) as response:
+        events = (line for line in response.iter_lines() if line.startswith("data:"))
+        assert next(events)
+        assert httpx.post(f"{process_server.base_url}/v1/abort/abort-in-process").status_code == 200
+        rest: list[str] = []
+        with pytest.raises(httpx.RemoteProtocolError):  # cut after the in-band error
+            for line in events:
+                rest.append(line)
+    assert json.loads(rest[-1][len("data:"):])["error"]["code"] == "cancelled"
+    _wait_until(lambda: _metric(process_server, "tokenwire_engine_running") == 0)
+    assert httpx.post(f"{process_server.base_url}/v1/abort/abort-in-process").status_code == 404
 
 
 def test_a_dead_scheduler_process_ends_streams_in_band_and_refuses_new_requests(
@@ -160,14 +240,16 @@ def test_a_model_that_fails_to_load_is_reported_with_the_childs_error(
     assert "no-such-arch" in str(raised.value)
 
 
-def test_tokenwire_engine_with_a_scheduler_process_serves_and_takes_it_along_on_sigterm(
+@pytest.mark.skipif(usable_cpus() < 2, reason="the scheduler process is the default with two CPUs or more")
+def test_tokenwire_engine_by_default_runs_a_scheduler_process_drains_on_sigterm_and_takes_it_along(
     tiny_model_dir: Path,
 ) -> None:
     port = _free_port()
+    # No placement flag: what ``tokenwire engine`` does by default.
     engine = subprocess.Popen(
         [sys.executable, "-m", "tokenwire.engine.server", "--model", str(tiny_model_dir),
-         "--listen", f"127.0.0.1:{port}", "--threads", "1", "--device", "cpu",
-         "--scheduler-process", "--log-level", "warning", "--served-model-name", "tiny"],
+         "--listen", f"127.0.0.1:{port}", "--device", "cpu",
+         "--log-level", "info", "--served-model-name", "tiny"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         base_url = f"http://127.0.0.1:{port}"
@@ -183,11 +265,26 @@ def test_tokenwire_engine_with_a_scheduler_process_serves_and_takes_it_along_on_
         children = Path(f"/proc/{engine.pid}/task/{engine.pid}/children").read_text().split()
         assert children, "the scheduler process is a child of the server"
         assert _completion(base_url, "The kitchen is", 8)
-        engine.send_signal(signal.SIGTERM)
+        body = {"model": "tiny", "prompt": "Draining", "max_tokens": 40, "stream": True,
+                "ignore_eos": True}
+        with httpx.Client(timeout=60) as client, client.stream(
+                "POST", f"{base_url}/v1/completions", json=body) as response:
+            lines = (line for line in response.iter_lines() if line.startswith("data: "))
+            assert next(lines)
+            # A stream under way when SIGTERM arrives is finished, not cut.
+            engine.send_signal(signal.SIGTERM)
+            rest = list(lines)
+        assert rest[-1] == "data: [DONE]"
         # uvicorn shuts down, then re-raises the signal it caught: -15 is a clean exit.
         assert engine.wait(30) in (0, -signal.SIGTERM)
         for child in children:
             _wait_until(lambda: _exited(int(child)), 30)  # noqa: B023 (waited on at once)
+        # Both processes log as the server does (JSON lines): no progress bar, no
+        # resource-tracker warning from the child.
+        assert engine.stderr is not None
+        not_json = [line for line in engine.stderr.read().decode().splitlines()
+                    if not line.startswith("{")]
+        assert not not_json, not_json
     finally:
         if engine.poll() is None:
             engine.kill()
