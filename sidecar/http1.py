@@ -179,6 +179,15 @@ class ClientConnection(asyncio.Protocol):
         self._cancel_timer()
         if self._exchange is None:
             self._release_body()
+        elif self._exchange.departed:
+            # Its stream's end waits for the burst of departures to be over
+            # (each next client's upstream is cut first): so does this.
+            self._context.departures.defer(self._forget)
+            return
+        self._forget()
+
+    def _forget(self) -> None:
+        """The connection is gone: no longer counted or drained."""
         context = self._context
         if self in context.connections:
             context.connections.discard(self)

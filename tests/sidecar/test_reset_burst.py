@@ -51,6 +51,17 @@ def test_fifty_http1_clients_resetting_at_once_each_close_their_upstream(
         assert sidecar.record(request_id).end_reason.value == "client_gone"
     wait_for(lambda: _aborts_measured(sidecar) == measured + BURST, timeout_s=10)
     wait_for(lambda: _settled(sidecar), timeout_s=10)
+    # Each connection's own end waits with its stream's bookkeeping, and still runs once.
+    wait_for(lambda: _connections_counted(sidecar) == (0, 0.0), timeout_s=10)
+
+
+def _connections_counted(sidecar: RunningSidecar) -> tuple[int, float]:
+    """The client connections the sidecar holds, and its gauge of them."""
+    context = sidecar.sidecar.context
+    assert context is not None
+    gauge = next(sample.value for family in context.metrics.active_connections.collect()
+                 for sample in family.samples)
+    return len(context.connections), gauge
 
 
 def test_fifty_http2_streams_reset_in_one_write_each_close_their_upstream(
