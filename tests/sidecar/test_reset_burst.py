@@ -4,12 +4,13 @@ bookkeeping still runs once (record, metrics, the pod, the registry)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Callable
 
 from clients import chat_body, connect, open_silent_streams, request_bytes, reset, wait_for
 from conftest import LoopThread, RunningSidecar
 from h2client import H2Client
-from tokenwire.sidecar.departures import MAX_HELD, MAX_WAIT_TURNS, Departures
+from tokenwire.sidecar.departures import MAX_HELD, MAX_WAIT_TURNS, PAUSE_S, SLICE_S, Departures
 from upstreams import FakeUpstream
 
 BURST = 50
@@ -93,7 +94,7 @@ def test_fifty_http2_streams_reset_in_one_write_each_close_their_upstream(
 
 def test_departures_wait_for_a_turn_without_departures_then_run_in_order(loop_thread: LoopThread) -> None:
     async def scenario() -> list[str]:
-        departures = Departures()
+        departures = Departures(pause_s=0)
         ran: list[str] = []
         departures.defer(lambda: ran.append("a"))
         departures.defer(lambda: ran.append("b"))
@@ -112,9 +113,39 @@ def test_departures_wait_for_a_turn_without_departures_then_run_in_order(loop_th
     assert loop_thread.run(scenario()) == ["a", "b", "c"]
 
 
+def test_departures_leave_the_loop_free_before_each_slice(loop_thread: LoopThread) -> None:
+    """With a pause (the default), no bookkeeping runs until ``PAUSE_S`` of
+    loop time after the burst, and each next slice waits as long again: the
+    loop may sleep, so processes the cuts woke get the CPU."""
+    async def scenario() -> tuple[float, list[float]]:
+        loop = asyncio.get_running_loop()
+        departures = Departures()
+        ran_at: list[float] = []
+        done = asyncio.Event()
+
+        def slow() -> None:  # takes a whole slice: one per slice
+            ran_at.append(loop.time())
+            until = loop.time() + SLICE_S
+            while loop.time() < until:
+                pass
+
+        deferred_at = loop.time()
+        for _ in range(3):
+            departures.defer(slow)
+        departures.defer(done.set)
+        await asyncio.wait_for(done.wait(), 10)
+        return deferred_at, ran_at
+
+    deferred_at, ran_at = loop_thread.run(scenario())
+    assert len(ran_at) == 3
+    assert ran_at[0] - deferred_at >= PAUSE_S * 0.99
+    for before, after in itertools.pairwise(ran_at):
+        assert after - before >= SLICE_S + PAUSE_S * 0.99
+
+
 def test_departures_never_wait_past_their_bounds(loop_thread: LoopThread) -> None:
     async def steady_trickle() -> int:
-        departures = Departures()
+        departures = Departures(pause_s=0)
         ran: list[int] = []
         turns = 0
         while not ran:
@@ -125,17 +156,16 @@ def test_departures_never_wait_past_their_bounds(loop_thread: LoopThread) -> Non
         return turns
 
     async def flood() -> tuple[int, int]:
-        departures = Departures()
+        departures = Departures()  # with its pause: none while so many are held
         ran: list[int] = []
-        for _ in range(MAX_HELD):
+        done = asyncio.Event()
+        for _ in range(MAX_HELD - 1):
             departures.defer(lambda: ran.append(1))
-        await asyncio.sleep(0)  # no waiting for a quiet turn: so many are held
+        departures.defer(done.set)
+        await asyncio.sleep(0)  # no waiting for a quiet turn nor a pause: so many are held
         first_turn = len(ran)
-        turns = 0
-        while len(departures) and turns < 10 * MAX_HELD:
-            await asyncio.sleep(0)
-            turns += 1
-        return first_turn, len(ran)
+        await asyncio.wait_for(done.wait(), 10)
+        return first_turn, len(ran) + 1
 
     assert loop_thread.run(steady_trickle()) <= MAX_WAIT_TURNS + 2
     first_turn, total = loop_thread.run(flood())
@@ -145,7 +175,7 @@ def test_departures_never_wait_past_their_bounds(loop_thread: LoopThread) -> Non
 
 def test_departures_run_all_now_on_shutdown(loop_thread: LoopThread) -> None:
     async def scenario() -> tuple[list[int], int]:
-        departures = Departures()
+        departures = Departures(pause_s=0)
         ran: list[int] = []
         for i in range(3):
             departures.defer(lambda i=i: ran.append(i))
@@ -157,7 +187,7 @@ def test_departures_run_all_now_on_shutdown(loop_thread: LoopThread) -> None:
 
 def test_departures_one_failure_does_not_stop_the_others(loop_thread: LoopThread) -> None:
     async def scenario() -> list[int]:
-        departures = Departures()
+        departures = Departures(pause_s=0)
         ran: list[int] = []
 
         def broken() -> None:
