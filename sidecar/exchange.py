@@ -84,6 +84,12 @@ class Downstream(Protocol):
 
     def exchange_finished(self, exchange: Exchange) -> None: ...
 
+    def left_unseen(self) -> bool:
+        """The client is gone and the loop knows it, but has not said so yet
+        (HTTP/1.1: a reset read, or a write that failed, earlier in this loop
+        turn; its ``connection_lost`` runs on the next)."""
+        ...
+
 
 class Exchange:
     """Drives one :class:`WireStream` between a client connection and the upstreams."""
@@ -260,8 +266,21 @@ class Exchange:
             self.feed(UpstreamData(data))
         if batch:
             self._write_batch(batch)
+            # One look per read, after its write: the loop may have read this
+            # client's reset earlier in this turn, or the write found it gone.
+            if not self._response_ended and self._downstream.left_unseen():
+                self._client_left()
         if self._milestones is not None:
             self._milestones.after((), self._loop.time())
+
+    def _client_left(self) -> None:
+        """The client left, seen while delivering an upstream read: tell the
+        core now. The loop reads a turn's sockets (and so delivers the upstream
+        reads, here) before it calls any ``connection_lost`` of that turn, so a
+        burst of resets read alongside upstream data would otherwise wait for
+        all of it to be forwarded to clients already gone. The connection's
+        own ``ClientGone`` follows; the core takes the second as a no-op."""
+        self.feed(ClientGone())
 
     def _write_batch(self, batch: list[bytes]) -> None:
         # A write that fills the socket calls pause_writing → SocketPaused,

@@ -225,3 +225,39 @@ def test_clients_leaving_while_queued_for_a_pod_never_reach_it(
     assert sidecar.record("queue-holder").end_reason.value == "client_gone"
     wait_for(lambda: _settled(sidecar), timeout_s=10)
     assert not any(upstream.requests_with(f"queued-{i}") for i in range(5))
+
+
+def test_clients_resetting_while_their_upstreams_stream_each_end_once(
+        start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
+    """Upstream reads arrive in the same loop turns as the resets: a stream
+    whose client the loop already saw go (its reset read, or a write that
+    failed) is cut from the upstream read itself; the connection's own
+    ``connection_lost`` follows. Either way: every upstream closed, one
+    record each, the connection counted out once."""
+    sidecar = start_sidecar()
+    ids = [f"burst-flowing-{i}" for i in range(30)]
+    socks = []
+    for request_id in ids:
+        sock = connect(sidecar.port)
+        sock.sendall(request_bytes("POST", "/v1/chat/completions", body=chat_body(),
+                                   headers={"x-fake-tokens": "100000", "x-fake-delay-s": "0.001",
+                                            "X-Request-Id": request_id}))
+        socks.append(sock)
+    for sock in socks:  # the head, and tokens flowing
+        data = b""
+        while data.count(b"data:") < 3:
+            chunk = sock.recv(65536)
+            assert chunk, "the stream ended early"
+            data += chunk
+    connections = [upstream.connection_of(request_id) for request_id in ids]
+    for sock in socks:
+        reset(sock)
+    for request_id, connection in zip(ids, connections, strict=True):
+        assert connection.closed.wait(10), f"{request_id}: its upstream was never closed"
+    wait_for(lambda: _settled(sidecar), timeout_s=10)
+    records = list(sidecar.log.records)
+    for request_id in ids:
+        mine = [record for record in records if record.request_id == request_id]
+        assert len(mine) == 1, f"{request_id}: {len(mine)} records"
+        assert mine[0].end_reason.value == "client_gone"
+    wait_for(lambda: _connections_counted(sidecar) == (0, 0.0), timeout_s=10)
