@@ -28,7 +28,7 @@ import dataclasses
 import functools
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from tokenwire.middleware import (
@@ -84,10 +84,11 @@ class Downstream(Protocol):
 
     def exchange_finished(self, exchange: Exchange) -> None: ...
 
-    def left_unseen(self) -> bool:
-        """The client is gone and the loop knows it, but has not said so yet
-        (HTTP/1.1: a reset read, or a write that failed, earlier in this loop
-        turn; its ``connection_lost`` runs on the next)."""
+    def closing_probe(self) -> Callable[[], bool] | None:
+        """A call that says whether the loop already saw the client go (a
+        reset read, a write that failed) while its ``connection_lost`` has not
+        run yet (HTTP/1.1: the transport's ``is_closing``); None where a
+        departure reaches the exchange as it is read (HTTP/2)."""
         ...
 
 
@@ -111,6 +112,8 @@ class Exchange:
     ) -> None:
         self._context = context
         self._downstream = downstream
+        # Looked at after each upstream read's write (feed_chunks): one call, no dispatch.
+        self._client_closing = downstream.closing_probe()
         self._loop = asyncio.get_running_loop()
         self.request_id = request_id
         """The client's id (or one made up for it): logs, the response, the admin list."""
@@ -268,7 +271,8 @@ class Exchange:
             self._write_batch(batch)
             # One look per read, after its write: the loop may have read this
             # client's reset earlier in this turn, or the write found it gone.
-            if not self._response_ended and self._downstream.left_unseen():
+            closing = self._client_closing
+            if closing is not None and not self._response_ended and closing():
                 self._client_left()
         if self._milestones is not None:
             self._milestones.after((), self._loop.time())

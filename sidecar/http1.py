@@ -396,12 +396,11 @@ class ClientConnection(asyncio.Protocol):
         else:
             self._write(self._conn.send(h11.EndOfMessage()))
 
-    def left_unseen(self) -> bool:
-        """The loop saw this connection end (a reset read, a failed write, a
-        half-close) and calls ``connection_lost`` on its next turn."""
-        transport = self._transport
-        return (not self._lost and self._phase is Phase.RESPONSE and transport is not None
-                and transport.is_closing())
+    def closing_probe(self) -> Callable[[], bool] | None:
+        """The transport's ``is_closing``: while an exchange runs, true once
+        the loop saw the connection end (a reset read, a failed write, a
+        half-close), a turn before ``connection_lost``."""
+        return None if self._transport is None else self._transport.is_closing
 
     def exchange_finished(self, exchange: Exchange | None) -> None:
         """The exchange is over: serve the next request on this connection, or close it."""

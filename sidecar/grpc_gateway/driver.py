@@ -359,8 +359,8 @@ class StreamCall:
         # trailers (not flow-controlled) say why.
         _end(stream, ending.status, started=not ending.trailers_only, drop_waiting=reset)
 
-    def left_unseen(self) -> bool:
-        return self._stream.left_unseen()
+    def closing_probe(self) -> Callable[[], bool] | None:
+        return self._stream.closing_probe()
 
     def exchange_finished(self, exchange: Exchange | None) -> None:
         self._cancel_timer()
