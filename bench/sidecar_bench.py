@@ -25,11 +25,15 @@ Method (see bench/README.md for the figures):
   proxy's whole process tree, added latency p50/p99, delivered/direct, and
   50 clients resetting at once (``sidecar_sweep.json``/``.png``).
 
+* ``--burst ROUNDS``: only the 200 x 100 events/s run (200 streams starting
+  within 10 ms), direct, tokenwire and nginx alternating; medians over the
+  rounds of delivered vs direct, time to first event and added latency.
+
 * ``--resets ROUNDS``: only 50 clients resetting in one burst (each has read
   3 events, then all reset back to back), tokenwire and nginx alternating;
   pooled p50/p99 over the rounds (``--base DIR``: an older checkout beside them).
 
-Usage: ``python bench/sidecar_bench.py [--quick | --cpu ROUNDS | --sweep ROUNDS | --resets ROUNDS]``;
+Usage: ``python bench/sidecar_bench.py [--quick | --cpu | --burst | --sweep | --resets ROUNDS]``;
 writes ``bench/results/sidecar.json`` and ``bench/results/sidecar.png``.
 """
 
@@ -182,6 +186,55 @@ def cpu_per_event(rounds: int, streams: int, events: int, interval_ms: float,
                for name, runs in rows.items()}
     return {"streams": streams, "events": events, "interval_ms": interval_ms, "rounds": rows,
             "median_us_per_event": medians}
+
+
+def burst_rounds(rounds: int, streams: int = 200, events: int = 500,
+                 base_code: str | None = None) -> dict[str, Any]:
+    """The 200 x 100 events/s target, direct, tokenwire and nginx alternating, ``rounds`` each.
+
+    Every stream starts within one 10 ms interval, so the run also measures a
+    burst of new streams: their time to first event (connect, set-up, the
+    upstream's first chunk), which counts in delivered vs direct. Per target:
+    medians over the rounds of delivered vs direct (same round's direct run),
+    first event p50/p99, added latency p50/p99. ``base_code``: also a ``base``
+    sidecar run from that directory, in the same rotation.
+    """
+    upstream_port = free_port()
+    names = ["direct", "tokenwire", "nginx", *(["base"] if base_code is not None else [])]
+    ports = {name: free_port() for name in names}
+    ports["direct"] = upstream_port
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(process([PY, LOAD, "upstream", "--port", str(upstream_port)], "upstream"))
+        stack.enter_context(sidecar(ports["tokenwire"], upstream_port, flags=STAMP_FLAGS))
+        stack.enter_context(nginx(ports["nginx"], upstream_port))
+        if base_code is not None:
+            stack.enter_context(sidecar(ports["base"], upstream_port, code=base_code, flags=STAMP_FLAGS))
+        for round_index in range(rounds + 1):  # round 0 warms up
+            direct_rate = 1.0
+            for name, port in ports.items():
+                result = client("throughput", port, upstream_port, "--streams", str(streams),
+                                "--events", str(events), "--interval-ms", "10")
+                if name == "direct":
+                    direct_rate = result["delivered_events_per_s"]
+                row = {"vs_direct": round(result["delivered_events_per_s"] / direct_rate, 4),
+                       "exact_text": result["exact_text"], "first_event": result["first_event"],
+                       "latency": result["latency"]}
+                print(f"[round {round_index}] {name}: {json.dumps(row)}", flush=True)
+                if round_index:
+                    rows[name].append(row)
+
+    def median(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2]
+
+    return {"streams": streams, "events": events, "rounds": rows,
+            "load_average_after": list(os.getloadavg()),
+            "medians": {name: {"vs_direct": median([r["vs_direct"] for r in runs]),
+                               "first_event_p50_ms": median([r["first_event"]["p50_ms"] for r in runs]),
+                               "first_event_p99_ms": median([r["first_event"]["p99_ms"] for r in runs]),
+                               "latency_p50_ms": median([r["latency"]["p50_ms"] for r in runs]),
+                               "latency_p99_ms": median([r["latency"]["p99_ms"] for r in runs])}
+                        for name, runs in rows.items()}}
 
 
 def resets_at_once(rounds: int, clients: int = 50, code: str | None = None) -> dict[str, Any]:
@@ -392,12 +445,19 @@ def main() -> int:
                         help="--sweep: which targets (direct must come first)")
     parser.add_argument("--out", default="sidecar_sweep", help="--sweep: results file name")
     parser.add_argument("--base", metavar="DIR", default=None,
-                        help="--sweep, --cpu: also run the tokenwire package in DIR/tokenwire (e.g. "
-                             "`git archive OLD middleware sidecar` unpacked there) as base-1")
+                        help="--sweep, --cpu, --burst, --resets: also run the tokenwire package in "
+                             "DIR/tokenwire (e.g. `git archive OLD middleware sidecar` unpacked) as base")
+    parser.add_argument("--burst", type=int, metavar="ROUNDS", default=0,
+                        help="only the 200 x 100 events/s run (200 streams starting at once), direct, "
+                             "tokenwire and nginx alternating, ROUNDS rounds after a warm-up (with --base: "
+                             "that checkout too); prints")
     parser.add_argument("--resets", type=int, metavar="ROUNDS", default=0,
                         help="only 50 clients resetting at once, tokenwire and nginx alternating, "
                              "ROUNDS rounds after a warm-up (with --base: that checkout too); prints")
     args = parser.parse_args()
+    if args.burst:
+        print(json.dumps(burst_rounds(args.burst, base_code=args.base)["medians"], indent=2))
+        return 0
     if args.resets:
         print(json.dumps(resets_at_once(args.resets, code=args.base), indent=2))
         return 0

@@ -547,6 +547,9 @@ async def scenario_throughput(host: str, port: int, streams: int, events: int,
         "delivered_events_per_s": round(delivered / wall_s, 1),
         "delivered_tokens_per_s": round(tokens / wall_s, 1),
         "latency": summarize_ms(latencies), "errors": errors[:5],
+        # From connecting to the first event: the whole set-up of a stream that
+        # arrived in a burst (the streams start within one interval).
+        "first_event": summarize_ms([r.first_event_at - r.started_at for r in results if r.first_event_at]),
     }
 
 

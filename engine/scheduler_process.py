@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import multiprocessing
 import signal
@@ -378,6 +379,11 @@ def scheduler_main(spec: SchedulerSpec, down: Connection, up: Connection) -> Non
     def on_step(step_s: float, stats: BackendStats) -> None:
         send(_Stepped(step_s, stats))
 
+    # torch, transformers and the model are ~200,000 objects that live as long
+    # as the process: a full collection walked them all (~60 ms with the GIL
+    # held, a stalled step) each time the requests' garbage triggered one.
+    gc.collect()
+    gc.freeze()
     runner = EngineRunner(scheduler, lambda outputs: send(_encode(outputs)), on_step=on_step)
     runner.start(None)
     send(_Ready(ModelFacts(

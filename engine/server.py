@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -134,6 +135,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         log_config=None, access_log=False, loop=event_loop(config),
     )
     server = uvicorn.Server(uvicorn_config)
+    # torch, transformers (and in thread mode the model): ~200,000 objects that
+    # live as long as the process, out of the collector's sight (a full pass
+    # over them held the GIL ~60 ms: the loop and the scheduler thread stalled).
+    gc.collect()
+    gc.freeze()
     if listen.unix_path is not None:
         server.run()
     else:

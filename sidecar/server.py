@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import resource
@@ -29,6 +30,7 @@ from tokenwire.middleware.replay_store import open_replay_store
 from tokenwire.middleware.resume import CallerKey
 from tokenwire.middleware.tracing import get_tracer, tracer_provider_from_env
 
+from .acceptor import Acceptor, bind_listeners
 from .admin import AdminAccess, AdminHandler
 from .admin import handler as admin_handler
 from .context import SidecarContext
@@ -66,7 +68,7 @@ class Sidecar:
         self._tracer_provider = tracer_provider
         self._log = log
         self._reuse_port = reuse_port
-        self._server: asyncio.Server | None = None
+        self._server: Acceptor | None = None
         self._admin: asyncio.Server | None = None
         self._ssl: ssl.SSLContext | None = None
         self._stop: asyncio.Event | None = None
@@ -123,16 +125,15 @@ class Sidecar:
         factory: Callable[[], asyncio.BaseProtocol] = lambda: ProtocolSelector(context, route)  # noqa: E731
         alerting = (alerting_protocol_factory(factory, self._ssl, handshake_timeout_s)
                     if self._ssl is not None and config.tls_client_ca else None)
+        sockets = await bind_listeners(host, port, backlog=4096, reuse_port=self._reuse_port)
         if alerting is not None:
             # mTLS: TLS is terminated by asyncio's protocol (with the handshake
             # alert fix, see tls.py) rather than uvloop's, which has no such fix.
-            self._server = await loop.create_server(alerting, host, port, backlog=4096,
-                                                    reuse_address=True, reuse_port=self._reuse_port or None)
+            self._server = Acceptor(sockets, alerting)
         else:
-            self._server = await loop.create_server(
-                factory, host, port, ssl=self._ssl, backlog=4096,
-                reuse_address=True, reuse_port=self._reuse_port or None,
-                ssl_handshake_timeout=handshake_timeout_s)
+            self._server = Acceptor(sockets, factory, tls=self._ssl,
+                                    tls_handshake_timeout_s=handshake_timeout_s)
+        self._server.start()
         if self._admin is not None:
             self._admin_handler = admin_handler(context, proxy_address=self.address, access=access)
             await self._admin.start_serving()
@@ -276,6 +277,11 @@ async def _serve(config: SidecarConfig, out: TextIO, reuse_port: bool) -> int:
     admin = sidecar.admin_address
     if admin is not None:
         ready += f" admin={admin[0]}:{admin[1]}"
+    # Everything made so far (modules, config, metrics, pools) lives as long as
+    # the process: out of the collector's sight, a full collection walks only
+    # what streams made (measured: a full pass 45-95 ms -> 15 ms of stalled loop).
+    gc.collect()
+    gc.freeze()
     print(ready, file=out, flush=True)
     await sidecar.wait_stopped()
     await sidecar.shutdown()

@@ -1,4 +1,4 @@
-"""The upstream side: the pod set, httpcore connection pools, one attempt at a time.
+"""The upstream side: the pod set, their connection pools, one attempt at a time.
 
 Theory of operation
 -------------------
@@ -11,13 +11,14 @@ picked (:meth:`UpstreamPools.request`), or its refusal. It decides nothing:
 which pod, when a pod is out, who waits, all are the balancer's answers.
 
 Each pod (``http://host:port[/prefix]`` or ``unix:/path``) gets its
-httpcore connection pools, made on its first attempt and closed
+connection pool (:class:`~tokenwire.sidecar.upstream_pool.UpstreamPool`, of
+httpcore connections), made on its first attempt and closed
 when it leaves the set with no stream open. An *attempt* is one upstream
 request, run as a task by :func:`run_attempt`; it reports what happened as
 wire-core inputs through a callback and never decides anything itself.
 
-A completed response is read to its end, so httpcore returns its connection
-to the pool (keep-alive), but only if it ended exactly where its framing says
+A completed response is read to its end, so its connection goes back to the
+pool (keep-alive), but only if it ended exactly where its framing says
 (nothing after a HEAD/204/304 head, the ``Content-Length`` and no more, the
 chunked terminator and no more); anything extra closes it. A chunked body is
 read by :class:`~tokenwire.sidecar.upstream_body.ChunkedBodyReader`, all the
@@ -39,12 +40,6 @@ request that may reach the upstream twice (an idempotent method or an
 core's own rule) or none of which was written: the upstream may have read a
 POST before it closed, and one more generation is not ours to start.
 
-Each upstream's connections are split over ``_POOL_SHARDS`` pools taken in
-turn: httpcore's pool re-examines every connection it holds whenever a request
-starts or ends (and, for each idle one, counts them all again), which with
-hundreds of pooled connections costs milliseconds of event-loop time per
-request, and grows with the square of the pool.
-
 The pools use :class:`~tokenwire.sidecar.upstream_io.UpstreamBackend` as their
 network layer (see there why).
 
@@ -61,14 +56,13 @@ and goes through untouched, ``Content-Encoding`` and all.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import math
 import os
 import random
 import socket
 import urllib.parse
-from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +95,7 @@ from .balance import (
 from .settings import SidecarConfig
 from .upstream_body import ChunkedBodyReader
 from .upstream_io import RequestProbe, UpstreamBackend, UpstreamStream, probing
+from .upstream_pool import UpstreamPool
 
 logger = logging.getLogger("tokenwire.sidecar")
 
@@ -108,8 +103,6 @@ Header = tuple[bytes, bytes]
 
 # The most a body read takes at once (all that is buffered, up to this).
 _BODY_READ_BYTES = 256 * 1024
-# Pools per upstream, at most (one per 64 allowed connections); see the module docstring.
-_POOL_SHARDS = 16
 # Request targets whose httpcore URL an upstream keeps (see Upstream.url).
 _URL_CACHE_SIZE = 256
 # httpcore's own table: the ports a Host header leaves out.
@@ -150,7 +143,7 @@ class UpstreamCounters:
 
 @dataclass(frozen=True, slots=True)
 class Upstream:
-    """One configured upstream and its pool."""
+    """One configured upstream and its connection pool."""
 
     name: str
     """As configured, e.g. ``http://127.0.0.1:8000`` or ``unix:/run/engine.sock``."""
@@ -158,10 +151,7 @@ class Upstream:
     host: bytes
     port: int | None
     path_prefix: bytes
-    pools: tuple[httpcore.AsyncConnectionPool, ...]
-    _turn: Iterator[httpcore.AsyncConnectionPool] = field(init=False, repr=False, compare=False)
-    _released: list[httpcore.AsyncConnectionPool] = field(default_factory=list, init=False, repr=False,
-                                                          compare=False)
+    pool: UpstreamPool
     counters: UpstreamCounters = field(default_factory=UpstreamCounters, init=False, repr=False,
                                        compare=False)
     _urls: dict[bytes, httpcore.URL] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -169,20 +159,10 @@ class Upstream:
     """The ``Host`` of a request to this pod, as httpcore's ``stream()`` would add it."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_turn", itertools.cycle(self.pools))
         if self.port is None or self.port == _DEFAULT_PORTS.get(self.scheme):
             object.__setattr__(self, "host_header", self.host)
         else:
             object.__setattr__(self, "host_header", b"%b:%d" % (self.host, self.port))
-
-    def next_pool(self) -> httpcore.AsyncConnectionPool:
-        """The pool for the next request: the last one a connection went back to
-        (so keep-alive connections are reused), else each in turn."""
-        return self._released.pop() if self._released else next(self._turn)
-
-    def released(self, pool: httpcore.AsyncConnectionPool) -> None:
-        """A response from ``pool`` was read to its end: its connection is idle there."""
-        self._released.append(pool)
 
     def url(self, target: bytes) -> httpcore.URL:
         # Most requests go to the same few targets: their URLs are made once
@@ -275,19 +255,10 @@ class UpstreamPools:
             url = httpcore.URL(name)
             scheme, host, port = url.scheme, url.host, url.port
             prefix = url.target.rstrip(b"/")
-        backend = UpstreamBackend()
-        # Small limits keep one pool; the total never exceeds the configured limit.
-        shards = max(1, min(_POOL_SHARDS, config.upstream_max_connections // 64))
-        per_pool = config.upstream_max_connections // shards
-        pools = tuple(httpcore.AsyncConnectionPool(
-            max_connections=per_pool,
-            max_keepalive_connections=per_pool,
-            keepalive_expiry=config.upstream_keepalive_s,
-            uds=uds,
-            retries=0,
-            network_backend=backend,
-        ) for _ in range(shards))
-        return Upstream(name, scheme, host, port, prefix, pools)
+        pool = UpstreamPool(max_connections=config.upstream_max_connections,
+                            keepalive_expiry_s=config.upstream_keepalive_s, uds=uds,
+                            network_backend=UpstreamBackend())
+        return Upstream(name, scheme, host, port, prefix, pool)
 
     def _members(self) -> dict[str, int]:
         members: dict[str, int] = {}
@@ -319,8 +290,10 @@ class UpstreamPools:
 
     @staticmethod
     async def _close_pools(upstream: Upstream | None, probe: httpcore.AsyncConnectionPool | None) -> None:
-        for pool in (*(upstream.pools if upstream is not None else ()), *((probe,) if probe else ())):
-            await pool.aclose()
+        if upstream is not None:
+            await upstream.pool.aclose()
+        if probe is not None:
+            await probe.aclose()
 
     def _read_file(self, path: str) -> bool:
         """(Re-)read an address file if it changed; True if its members did."""
@@ -465,7 +438,7 @@ class UpstreamPools:
     # ------------------------------------------------------------ streams
 
     def upstream(self, address: str) -> Upstream:
-        """The pools of the pod at ``address`` (made on first use)."""
+        """The pod at ``address`` and its pool (made on first use)."""
         upstream = self._upstreams.get(address)
         if upstream is None:
             upstream = self._upstreams[address] = self._build(address)
@@ -615,8 +588,7 @@ class UpstreamPools:
         for task in list(self._abort_tasks) + list(self._tasks):
             task.cancel()
         for upstream in self._upstreams.values():
-            for pool in upstream.pools:
-                await pool.aclose()
+            await upstream.pool.aclose()
         for pool in self._probe_pools.values():
             await pool.aclose()
         if self._abort_pool is not None:
@@ -647,10 +619,8 @@ async def run_attempt(
     (pause it with the stream's ``pause_delivery``/``resume_delivery``);
     otherwise they come through ``feed`` as ``UpstreamData``.
     """
-    pool = upstream.next_pool()
-    reusable = True
     try:
-        response = await _send(upstream, pool, method=method, target=target, headers=headers, body=body,
+        response = await _send(upstream, method=method, target=target, headers=headers, body=body,
                                timeouts=timeouts)
         try:
             network = response.extensions.get("network_stream")
@@ -682,7 +652,6 @@ async def run_attempt(
                     # answer, more than Content-Length said, anything after the
                     # last chunk): the next request on this connection would
                     # read them as its answer. Closed, never pooled.
-                    reusable = False
                     network.abort()
         finally:
             await response.aclose()
@@ -693,12 +662,10 @@ async def run_attempt(
         feed(UpstreamFailed(kind, f"{type(error).__name__}: {error}" if str(error)
                             else type(error).__name__))
         return
-    if reusable:
-        upstream.released(pool)
     feed(UpstreamEnded())
 
 
-async def _send(upstream: Upstream, pool: httpcore.AsyncConnectionPool, *, method: bytes, target: bytes,
+async def _send(upstream: Upstream, *, method: bytes, target: bytes,
                 headers: Sequence[Header], body: bytes,
                 timeouts: dict[str, float | None]) -> httpcore.Response:
     """What ``pool.stream()`` does, without its context manager and its second
@@ -713,7 +680,7 @@ async def _send(upstream: Upstream, pool: httpcore.AsyncConnectionPool, *, metho
 
     with probing(RequestProbe()) as probe:
         try:
-            return await pool.handle_async_request(request())
+            return await upstream.pool.handle_async_request(request())
         except _STALE_CONNECTION_ERRORS as error:
             if not (probe.reused and not probe.answered
                     and (not probe.written or may_repeat(method, headers))):
@@ -723,7 +690,7 @@ async def _send(upstream: Upstream, pool: httpcore.AsyncConnectionPool, *, metho
             logger.info("upstream %s: %s %s re-sent: the reused connection it went out on "
                         "failed before any answer (%s: %s)", upstream.name, method.decode("latin-1"),
                         target.partition(b"?")[0].decode("latin-1"), type(error).__name__, error)
-        return await pool.handle_async_request(request())
+        return await upstream.pool.handle_async_request(request())
 
 
 def _with_host(upstream: Upstream, headers: Sequence[Header], body: bytes) -> list[Header]:

@@ -154,10 +154,10 @@ def test_anAnswerCutIntoSingleBytes_isReadWhole_andTheConnectionReused(
     # arriving a byte at a time. Once read, the connection is idle in the pool.
     context = sidecar_of_pooled["sidecar"].sidecar.context
     assert context is not None
-    pools = context.pools.upstreams[0].pools
+    pool = context.pools.upstreams[0].pool
 
     def idle() -> bool:
-        return any(c.is_idle() for pool in pools for c in pool.connections)
+        return any(c.is_idle() for c in pool.connections)
 
     wait_for(lambda: loop_thread.call(idle), timeout_s=10)
     _next_answer_is_its_own(port)

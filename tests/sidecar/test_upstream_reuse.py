@@ -84,10 +84,9 @@ def test_aClientLeavingAsItsResponseEnds_neverHandsTheCutConnectionToTheNextRequ
 
         second = connect(sidecar.port)
         second.sendall(request_bytes("POST", "/second", body=chat_body()))
-        pools = context.pools.upstreams[0].pools
-        assert len(pools) == 1
-        # httpcore's own description of its pool: the second request waits for the connection.
-        wait_for(lambda: "1 queued" in loop_thread.call(lambda: repr(pools[0])), timeout_s=10)
+        pool = context.pools.upstreams[0].pool
+        # The pool's description: the second request waits for the connection.
+        wait_for(lambda: "1 queued" in loop_thread.call(lambda: repr(pool)), timeout_s=10)
 
         def last_chunk_and_the_client_leaving_in_one_turn() -> None:
             # Runs on the loop: nothing the sidecar does happens until it returns,
@@ -167,10 +166,10 @@ def _wait_for_an_idle_pooled_connection(sidecar: RunningSidecar, loop_thread: Lo
     """Until the last answer's upstream connection is back in the pool, idle."""
     context = sidecar.sidecar.context
     assert context is not None
-    pools = context.pools.upstreams[0].pools
+    pool = context.pools.upstreams[0].pool
 
     def idle() -> bool:
-        return any(c.is_idle() for pool in pools for c in pool.connections)
+        return any(c.is_idle() for c in pool.connections)
 
     wait_for(lambda: loop_thread.call(idle), timeout_s=10)
 

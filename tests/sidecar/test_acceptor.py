@@ -1,0 +1,171 @@
+"""The proxy's listener takes a burst of connections in one loop turn (sidecar/acceptor.py).
+
+uvloop's ``create_server`` took one connection per loop turn, so a burst of N
+connections waited N turns of a busy sidecar. These tests count loop turns,
+not time: each connection of a burst must be made within a handful of turns,
+whatever the burst's size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+import uvloop
+from tokenwire.sidecar.acceptor import Acceptor, bind_listeners
+
+BURST = 64
+# Turns from "readable" to connection_made: the accepting turn, the hand-over
+# task's turn, connection_made's turn, with slack. A turn per connection would need BURST.
+TURNS = 8
+
+
+class _Counting(asyncio.Protocol):
+    made: list[asyncio.BaseTransport]
+
+    def __init__(self, made: list[asyncio.BaseTransport]) -> None:
+        self.made = made
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.made.append(transport)
+
+
+def _run(loop_factory: Callable[[], asyncio.AbstractEventLoop],
+         main: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    loop = loop_factory()
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize("loop_factory", [uvloop.new_event_loop, asyncio.new_event_loop],
+                         ids=["uvloop", "asyncio"])
+def test_burst_isAcceptedInAFewTurns_notOneTurnPerConnection(
+        loop_factory: Callable[[], asyncio.AbstractEventLoop]) -> None:
+    async def main() -> None:
+        listeners = await bind_listeners("127.0.0.1", 0, backlog=BURST * 2, reuse_port=False)
+        port = listeners[0].getsockname()[1]
+        # The kernel completes every handshake into the backlog before anything is accepted.
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(BURST)]
+        made: list[asyncio.BaseTransport] = []
+        acceptor = Acceptor(listeners, lambda: _Counting(made))
+        acceptor.start()
+        turns = 0
+        while len(made) < BURST and turns < TURNS:
+            await asyncio.sleep(0)
+            turns += 1
+        try:
+            assert len(made) == BURST, f"{len(made)} of {BURST} connections made after {turns} turns"
+        finally:
+            acceptor.close()
+            for transport in made:
+                transport.close()
+            for client in clients:
+                client.close()
+            await asyncio.sleep(0)
+
+    _run(loop_factory, main)
+
+
+def test_closedAcceptor_refusesNewConnections_andKeepsOpenOnes() -> None:
+    async def main() -> None:
+        listeners = await bind_listeners("127.0.0.1", 0, backlog=16, reuse_port=False)
+        port = listeners[0].getsockname()[1]
+        made: list[asyncio.BaseTransport] = []
+        acceptor = Acceptor(listeners, lambda: _Counting(made))
+        acceptor.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        while not made:
+            await asyncio.sleep(0)
+        acceptor.close()
+        with pytest.raises(ConnectionRefusedError):
+            await asyncio.open_connection("127.0.0.1", port)
+        # The connection accepted before the close still carries bytes both ways.
+        transport = made[0]
+        transport.write(b"still here")  # type: ignore[attr-defined]  # uvloop's transports subclass nothing
+        assert await reader.readexactly(10) == b"still here"
+        writer.close()
+        transport.close()
+
+    _run(uvloop.new_event_loop, main)
+
+
+def test_bindListeners_portInUse_namesTheAddress() -> None:
+    async def main() -> None:
+        taken = socket.socket()
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        try:
+            in_use = f"bind on address \\('127.0.0.1', {port}\\): address already in use"
+            with pytest.raises(OSError, match=in_use):
+                await bind_listeners("127.0.0.1", port, backlog=16, reuse_port=False)
+        finally:
+            taken.close()
+
+    _run(asyncio.new_event_loop, main)
+
+
+_OUT_OF_DESCRIPTORS = r'''
+import asyncio, logging, os, resource, sys
+from tokenwire.sidecar.acceptor import Acceptor, bind_listeners
+
+hog = []
+
+class FreeOnError(logging.Handler):
+    """Once the acceptor reports running out of descriptors, give them back."""
+    def emit(self, record):
+        print("logged:", record.getMessage(), flush=True)
+        while hog:
+            os.close(hog.pop())
+
+logging.getLogger("tokenwire.sidecar").addHandler(FreeOnError())
+
+async def main():
+    listeners = await bind_listeners("127.0.0.1", 0, backlog=16, reuse_port=False)
+    accepted = asyncio.get_running_loop().create_future()
+
+    class Made(asyncio.Protocol):
+        def connection_made(self, transport):
+            accepted.set_result(None)
+
+    Acceptor(listeners, Made).start()
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        while True:
+            hog.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        pass
+    print("ready", listeners[0].getsockname()[1], flush=True)
+    await asyncio.wait_for(accepted, 30)
+    print("accepted", flush=True)
+
+asyncio.run(main())
+'''
+
+
+def test_outOfDescriptors_isLogged_andAcceptingResumesOnceSomeAreFree() -> None:
+    """EMFILE pauses accepting (logged) instead of spinning or dying; the
+    queued client is served once descriptors are free (a child process, so
+    the descriptor limit is its own)."""
+    child = subprocess.Popen([sys.executable, "-c", _OUT_OF_DESCRIPTORS], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        ready = child.stdout.readline().split()
+        assert ready[0] == "ready", ready
+        client = socket.create_connection(("127.0.0.1", int(ready[1])))  # queued by the kernel
+        out, err = child.communicate(timeout=60)
+        client.close()
+    finally:
+        child.kill()
+    assert child.returncode == 0, err
+    assert "logged: cannot accept connections ([Errno 24] Too many open files): pausing for 1.0 s" in out
+    assert out.rstrip().endswith("accepted")

@@ -1,0 +1,218 @@
+"""UpstreamPool (sidecar/upstream_pool.py) against a real HTTP/1.1 server on 127.0.0.1.
+
+Each test runs its own event loop with a small asyncio server that answers
+every request with ``ok`` (Content-Length, kept alive), counts the connections
+it accepted and the ones it saw closed, and can hold its answers or close a
+connection after answering. Nothing waits on wall-clock time but the
+pool-timeout test, whose timeout is the behaviour under test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import httpcore
+import pytest
+from tokenwire.sidecar.upstream_io import UpstreamBackend
+from tokenwire.sidecar.upstream_pool import UpstreamPool
+
+
+class _Server:
+    def __init__(self) -> None:
+        self.accepted = 0
+        self.closed = 0
+        self.hold: asyncio.Event | None = None  # answers wait for it while set
+        self.close_after_answer = False
+        self.requests = asyncio.Queue[str]()
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def stop(self) -> None:
+        assert self._server is not None
+        self._server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                self.requests.put_nowait(head.split(b" ")[1].decode())
+                if self.hold is not None:
+                    await self.hold.wait()
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                await writer.drain()
+                if self.close_after_answer:
+                    writer.close()
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self.closed += 1
+
+
+def _request(base: str, path: str, pool_timeout_s: float | None = 5.0) -> httpcore.Request:
+    return httpcore.Request(b"GET", base + path, headers=[(b"Host", b"test")],
+                            extensions={"timeout": {"pool": pool_timeout_s, "connect": 5.0}})
+
+
+async def _get(pool: UpstreamPool, base: str, path: str, pool_timeout_s: float | None = 5.0) -> bytes:
+    response = await pool.handle_async_request(_request(base, path, pool_timeout_s))
+    try:
+        return b"".join([part async for part in response.aiter_stream()])
+    finally:
+        await response.aclose()
+
+
+def _run(test: Callable[[_Server, str], Awaitable[None]]) -> None:
+    async def main() -> None:
+        server = _Server()
+        base = await server.start()
+        try:
+            await test(server, base)
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+
+
+def _pool(max_connections: int = 10, keepalive_expiry_s: float | None = 60.0) -> UpstreamPool:
+    return UpstreamPool(max_connections=max_connections, keepalive_expiry_s=keepalive_expiry_s,
+                        network_backend=UpstreamBackend())
+
+
+async def _turns(until: Callable[[], bool], most: int = 200) -> None:
+    """Let the loop run until ``until()`` holds (a bounded number of turns, no clock)."""
+    for _ in range(most):
+        if until():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition never held")
+
+
+def test_requestsOneAfterAnother_reuseOneConnection() -> None:
+    async def test(server: _Server, base: str) -> None:
+        pool = _pool()
+        for i in range(5):
+            assert await _get(pool, base, f"/{i}") == b"ok"
+        assert server.accepted == 1
+        assert [c.is_idle() for c in pool.connections] == [True]
+        await pool.aclose()
+
+    _run(test)
+
+
+def test_atTheLimit_aRequestWaits_thenTakesTheFreedConnection() -> None:
+    async def test(server: _Server, base: str) -> None:
+        pool = _pool(max_connections=1)
+        server.hold = asyncio.Event()
+        first = asyncio.create_task(_get(pool, base, "/first"))
+        assert await server.requests.get() == "/first"
+        second = asyncio.create_task(_get(pool, base, "/second"))
+        await _turns(lambda: "1 queued" in repr(pool))
+        server.hold.set()
+        assert await first == b"ok" and await second == b"ok"
+        assert server.accepted == 1  # the second request went out on the first's connection
+        await pool.aclose()
+
+    _run(test)
+
+
+def test_atTheLimit_aRequestGivesUpAfterItsPoolTimeout() -> None:
+    async def test(server: _Server, base: str) -> None:
+        pool = _pool(max_connections=1)
+        server.hold = asyncio.Event()
+        first = asyncio.create_task(_get(pool, base, "/first"))
+        await server.requests.get()
+        with pytest.raises(httpcore.PoolTimeout, match="1 in use"):
+            await _get(pool, base, "/second", pool_timeout_s=0.05)
+        server.hold.set()
+        assert await first == b"ok"
+        assert await _get(pool, base, "/third") == b"ok"  # the timed-out request holds no place
+        await pool.aclose()
+
+    _run(test)
+
+
+def test_aCancelledWaiter_passesItsTurnToTheNext() -> None:
+    async def test(server: _Server, base: str) -> None:
+        pool = _pool(max_connections=1)
+        server.hold = asyncio.Event()
+        first = asyncio.create_task(_get(pool, base, "/first"))
+        await server.requests.get()
+        second = asyncio.create_task(_get(pool, base, "/second"))
+        third = asyncio.create_task(_get(pool, base, "/third"))
+        await _turns(lambda: "2 queued" in repr(pool))
+        second.cancel()
+        server.hold.set()
+        assert await first == b"ok" and await third == b"ok"
+        assert second.cancelled()
+        assert server.accepted == 1
+        await pool.aclose()
+
+    _run(test)
+
+
+def test_aConnectionTheServerClosed_isNotReused() -> None:
+    async def test(server: _Server, base: str) -> None:
+        pool = _pool()
+        server.close_after_answer = True
+        assert await _get(pool, base, "/first") == b"ok"
+        await _turns(lambda: server.closed == 1)
+        # The idle connection saw the close: the next request opens a new one.
+        await _turns(lambda: all(c.has_expired() for c in pool.connections))
+        assert await _get(pool, base, "/second") == b"ok"
+        assert server.accepted == 2
+        await pool.aclose()
+
+    _run(test)
+
+
+def test_anExpiredIdleConnection_isClosed_andANewOneOpened() -> None:
+    async def test(server: _Server, base: str) -> None:
+        pool = _pool(keepalive_expiry_s=0.0)  # idle connections expire at once
+        assert await _get(pool, base, "/first") == b"ok"
+        assert await _get(pool, base, "/second") == b"ok"
+        assert server.accepted == 2
+        await _turns(lambda: server.closed == 1)  # the expired one was closed, not leaked
+        await pool.aclose()
+
+    _run(test)
+
+
+def test_aFailedConnect_freesItsPlace() -> None:
+    async def test(server: _Server, base: str) -> None:
+        await server.stop()  # nothing listens there any more
+        pool = _pool(max_connections=1)
+        for _ in range(2):  # the second would wait for ever if the first kept the place
+            with pytest.raises(httpcore.ConnectError):
+                await _get(pool, base, "/x")
+        assert pool.connections == []
+        await pool.aclose()
+
+    _run(test)
+
+
+def test_closingThePool_failsWaitingRequests_andClosesItsConnections() -> None:
+    async def test(server: _Server, base: str) -> None:
+        pool = _pool(max_connections=1)
+        server.hold = asyncio.Event()
+        first = asyncio.create_task(_get(pool, base, "/first"))
+        await server.requests.get()
+        waiting = asyncio.create_task(_get(pool, base, "/second", pool_timeout_s=None))
+        await _turns(lambda: "1 queued" in repr(pool))
+        await pool.aclose()
+        with pytest.raises(httpcore.ConnectError, match="closed"):
+            await waiting
+        # The busy connection was closed under its request: it fails, no answer.
+        with pytest.raises(httpcore.RemoteProtocolError):
+            await first
+        server.hold.set()  # the server's handler, answering, finds its connection closed
+        await _turns(lambda: server.closed == 1)
+        with pytest.raises(httpcore.ConnectError, match="closed"):
+            await _get(pool, base, "/third")
+
+    _run(test)
