@@ -206,7 +206,7 @@ def main() -> int:
     _ensure_valgrind()
     targets = [t for t in args.targets.split(",") if t != "base" or args.base]
     if args.resets:
-        return _main_resets(targets, args.resets, args.base)
+        return _main_resets(targets, args.resets, args.base, args.keep)
     results: dict[str, Any] = {"streams": args.streams, "events": list(args.events), "targets": {}}
     upstream_port = free_port()
     if args.keep:
@@ -230,11 +230,14 @@ def main() -> int:
     return 0
 
 
-def _main_resets(targets: list[str], clients: int, base: str | None) -> int:
+def _main_resets(targets: list[str], clients: int, base: str | None, keep: str | None) -> int:
     results: dict[str, Any] = {"clients": clients, "targets": {}}
     upstream_port = free_port()
-    with tempfile.TemporaryDirectory(prefix="tokenwire-callgrind-") as scratch, \
-            fake_upstream(upstream_port):
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+    scratch_dir = contextlib.nullcontext(keep) if keep else \
+        tempfile.TemporaryDirectory(prefix="tokenwire-callgrind-")
+    with scratch_dir as scratch, fake_upstream(upstream_port):
         for name in targets:
             row = measure_resets(name, upstream_port, clients, base, Path(scratch))
             results["targets"][name] = row

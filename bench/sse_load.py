@@ -82,6 +82,8 @@ class UpstreamState:
     def __init__(self) -> None:
         self.closes: dict[str, int] = {}
         self.finished: dict[str, int] = {}
+        # The proxy's port of each stream's connection (for a packet-level trace).
+        self.peers: dict[str, int] = {}
 
 
 class PacedStream:
@@ -233,15 +235,17 @@ class UpstreamProtocol(asyncio.Protocol):
             method, path, _ = lines[0].split(" ", 2)
             assert self.transport is not None
             if method == "GET" and path.startswith("/closes"):
-                data_out = json.dumps({"closes": self.state.closes,
-                                       "finished": self.state.finished}).encode()
+                data_out = json.dumps({"closes": self.state.closes, "finished": self.state.finished,
+                                       "peers": self.state.peers}).encode()
                 self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
                                      b"content-length: %d\r\n\r\n" % len(data_out) + data_out)
                 continue
             spec = json.loads(body or b"{}")
             self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                                  b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n")
-            self.stream = PacedStream(self, str(spec.get("id", "x")), int(spec.get("events", 100)),
+            request_id = str(spec.get("id", "x"))
+            self.state.peers[request_id] = self.transport.get_extra_info("peername")[1]
+            self.stream = PacedStream(self, request_id, int(spec.get("events", 100)),
                                       float(spec.get("interval_ms", 10)) / 1000.0,
                                       asyncio.get_running_loop().time(),
                                       bool(spec.get("obfuscate", False)))
@@ -556,6 +560,7 @@ async def scenario_reset(host: str, port: int, upstream_port: int, streams: int,
     ``at_once``: every stream first reads its 3 events, then all reset in one
     burst (back to back, no await between), so the proxy sees them together."""
     reset_at: dict[str, int] = {}
+    ports: dict[str, int] = {}
     gate = asyncio.Semaphore(concurrency)
     opened: dict[str, RawConn] = {}
 
@@ -564,6 +569,7 @@ async def scenario_reset(host: str, port: int, upstream_port: int, streams: int,
             request_id = f"r{i}-{os.getpid()}"
             conn = await open_stream(host, port, {"id": request_id, "events": 100000,
                                                   "interval_ms": 10})
+            ports[request_id] = conn.sock.getsockname()[1]
             await read_stream(conn, StreamResult(), stop_after_events=3)
             if at_once:
                 opened[request_id] = conn
@@ -580,7 +586,12 @@ async def scenario_reset(host: str, port: int, upstream_port: int, streams: int,
     delays = [closes[k] - v for k, v in reset_at.items() if k in closes]
     return {"streams": streams, "upstream_closed": len(delays),
             "reset_to_upstream_close": summarize_ms(delays),
-            "delays_ms": sorted(round(d / 1e6, 3) for d in delays)}
+            "delays_ms": sorted(round(d / 1e6, 3) for d in delays),
+            # For a packet-level trace: each stream's reset time, the client's
+            # port, the proxy's port towards the upstream and the upstream's stamp.
+            "streams_detail": {k: {"reset_ns": v, "client_port": ports.get(k),
+                                   "proxy_upstream_port": seen.get("peers", {}).get(k),
+                                   "upstream_closed_ns": closes.get(k)} for k, v in reset_at.items()}}
 
 
 async def scenario_hold(host: str, port: int, streams: int, hold_s: float) -> dict[str, Any]:

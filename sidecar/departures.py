@@ -13,6 +13,16 @@ descheduled halfway through the burst, say) waits for one slice, not for all
 of them. It never waits longer than :data:`MAX_WAIT_TURNS` turns or past
 :data:`MAX_HELD` departures, so a steady trickle of departures cannot
 postpone it for ever.
+
+Before each slice it leaves the loop free for :data:`PAUSE_S` (unless
+:data:`MAX_HELD` departures wait, when it catches up at full speed): with nothing
+else to do the loop sleeps, and the processes the cuts woke get the CPU. A
+sidecar often shares its node's cores with the upstream it fronts (the
+engine's own API server); run back to back, 50 departures' bookkeeping keeps
+a core busy for several milliseconds, and on a busy machine the upstream
+would see its sockets closed only once the scheduler preempted the sidecar
+(measured on 2 cores: 0.1-7 ms after the FIN, against ~1 ms behind nginx,
+whose closes end its work).
 """
 
 from __future__ import annotations
@@ -33,18 +43,27 @@ MAX_HELD = 1024
 SLICE_S = 0.0005
 """Loop time the bookkeeping may take before the loop reads its sockets again."""
 
+PAUSE_S = 0.001
+"""Loop time left free before each slice (the loop may sleep meanwhile: a
+loop's timers have millisecond resolution, so one millisecond is the least
+that lets it)."""
+
 
 class Departures:
     """Deferred bookkeeping of departed clients (see the module docstring)."""
 
-    __slots__ = ("_added", "_queue", "_scheduled", "_seen", "_waited")
+    __slots__ = ("_added", "_pause_s", "_paused", "_queue", "_scheduled", "_seen", "_waited")
 
-    def __init__(self) -> None:
+    def __init__(self, pause_s: float = PAUSE_S) -> None:
+        """``pause_s``: loop time left free before each slice (0: none, the
+        next slice on the next turn)."""
         self._queue: deque[Callable[[], None]] = deque()
         self._added = 0
         self._seen = -1
         self._waited = 0
         self._scheduled = False
+        self._pause_s = pause_s
+        self._paused = False
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -73,6 +92,15 @@ class Departures:
             asyncio.get_running_loop().call_soon(self._check)
             return
         loop = asyncio.get_running_loop()
+        if self._pause_s and not self._paused and len(self._queue) < MAX_HELD:
+            # A departure read during the pause makes the next look wait again
+            # (bounded as above). Past MAX_HELD no pause: the bookkeeping
+            # must keep up with departures, at up to a core's worth.
+            self._paused = True
+            self._seen = self._added
+            loop.call_later(self._pause_s, self._check)
+            return
+        self._paused = False
         deadline = loop.time() + SLICE_S
         queue = self._queue
         while queue:
@@ -85,6 +113,7 @@ class Departures:
         self._scheduled = False
         self._seen = -1
         self._waited = 0
+        self._paused = False
 
     @staticmethod
     def _run(bookkeeping: Callable[[], None]) -> None:

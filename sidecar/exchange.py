@@ -28,7 +28,7 @@ import dataclasses
 import functools
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from tokenwire.middleware import (
@@ -84,6 +84,13 @@ class Downstream(Protocol):
 
     def exchange_finished(self, exchange: Exchange) -> None: ...
 
+    def closing_probe(self) -> Callable[[], bool] | None:
+        """A call that says whether the loop already saw the client go (a
+        reset read, a write that failed) while its ``connection_lost`` has not
+        run yet (HTTP/1.1: the transport's ``is_closing``); None where a
+        departure reaches the exchange as it is read (HTTP/2)."""
+        ...
+
 
 class Exchange:
     """Drives one :class:`WireStream` between a client connection and the upstreams."""
@@ -105,6 +112,8 @@ class Exchange:
     ) -> None:
         self._context = context
         self._downstream = downstream
+        # Looked at after each upstream read's write (feed_chunks): one call, no dispatch.
+        self._client_closing = downstream.closing_probe()
         self._loop = asyncio.get_running_loop()
         self.request_id = request_id
         """The client's id (or one made up for it): logs, the response, the admin list."""
@@ -153,6 +162,9 @@ class Exchange:
         self._departed = False
         # An attempt _cut_attempt dropped, and its connection, for _abort_attempt to end.
         self._cut: tuple[asyncio.Task[None] | None, object | None] = (None, None)
+        self._cut_at = 0.0
+        # A departed client's cut attempt, not yet timed (_cut_attempt's watch).
+        self._unwatched: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------ public
 
@@ -167,6 +179,12 @@ class Exchange:
         else:
             self._attempt = self._loop.create_task(self._start_resumable())
         self._reschedule()
+
+    @property
+    def departed(self) -> bool:
+        """The client left, the upstream was cut, and the rest of the stream's
+        end waits in :class:`~tokenwire.sidecar.departures.Departures`."""
+        return self._departed
 
     def feed(self, event: Input, now: float | None = None) -> None:
         """Hand the core one input (queued if the loop is already running)."""
@@ -208,7 +226,7 @@ class Exchange:
         if not any(isinstance(action, AbortUpstream) for action in actions):
             return False
         self._departed = True
-        self._cut_attempt()
+        self._cut_attempt(watch=False)
         return True
 
     def _after_abort(self, actions: Sequence[Action]) -> None:
@@ -251,8 +269,22 @@ class Exchange:
             self.feed(UpstreamData(data))
         if batch:
             self._write_batch(batch)
+            # One look per read, after its write: the loop may have read this
+            # client's reset earlier in this turn, or the write found it gone.
+            closing = self._client_closing
+            if closing is not None and not self._response_ended and closing():
+                self._client_left()
         if self._milestones is not None:
             self._milestones.after((), self._loop.time())
+
+    def _client_left(self) -> None:
+        """The client left, seen while delivering an upstream read: tell the
+        core now. The loop reads a turn's sockets (and so delivers the upstream
+        reads, here) before it calls any ``connection_lost`` of that turn, so a
+        burst of resets read alongside upstream data would otherwise wait for
+        all of it to be forwarded to clients already gone. The connection's
+        own ``ClientGone`` follows; the core takes the second as a no-op."""
+        self.feed(ClientGone())
 
     def _write_batch(self, batch: list[bytes]) -> None:
         # A write that fills the socket calls pause_writing → SocketPaused,
@@ -503,6 +535,11 @@ class Exchange:
         self._cut_attempt()
         attempt, connection = self._cut
         self._cut = (None, None)
+        unwatched, self._unwatched = self._unwatched, None
+        if unwatched is not None:
+            # Cut for a departed client, its reading paused: it seldom ends before
+            # this runs (if it did, its end is timed when its callback runs).
+            self._watch_cut(unwatched)
         if isinstance(connection, UpstreamStream):
             connection.abort()
         # The attempt may be the task running this very code (the input that
@@ -511,11 +548,13 @@ class Exchange:
         if attempt is not None and not attempt.done():
             attempt.cancel()
 
-    def _cut_attempt(self) -> None:
+    def _cut_attempt(self, watch: bool = True) -> None:
         """Drop the current attempt: its reports no longer reach the core, and
         the upstream sees its socket closed now (``UpstreamStream.cut``); the
         transport's close and the task's cancellation are left to
-        :meth:`_abort_attempt`."""
+        :meth:`_abort_attempt`. ``watch``: time the attempt's end for the
+        ``abort_propagation`` metric now; else :meth:`_abort_attempt` does
+        (a departed client's cut does nothing it can leave for later)."""
         attempt, self._attempt = self._attempt, None
         connection, self._attempt_connection = self._attempt_connection, None
         if attempt is None:
@@ -530,7 +569,16 @@ class Exchange:
             # Still connecting (or not started): cancelled now, before it can
             # reach the upstream (a stream reset in the read that opened it).
             attempt.cancel()
-        started_at = self._loop.time()
+            watch = True  # it may end before the bookkeeping: timed from now
+        self._cut_at = self._loop.time()
+        if watch:
+            self._watch_cut(attempt)
+        else:
+            self._unwatched = attempt
+
+    def _watch_cut(self, attempt: asyncio.Task[None]) -> None:
+        """Observe, when ``attempt`` ends, how long it took since its cut."""
+        started_at = self._cut_at
         histogram = self._context.metrics.abort_propagation
 
         def closed(task: asyncio.Task[None]) -> None:

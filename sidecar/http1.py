@@ -182,6 +182,15 @@ class ClientConnection(asyncio.Protocol):
         self._cancel_timer()
         if self._exchange is None:
             self._release_body()
+        elif self._exchange.departed:
+            # Its stream's end waits for the burst of departures to be over
+            # (each next client's upstream is cut first): so does this.
+            self._context.departures.defer(self._forget)
+            return
+        self._forget()
+
+    def _forget(self) -> None:
+        """The connection is gone: no longer counted or drained."""
         context = self._context
         if self in context.connections:
             context.connections.discard(self)
@@ -390,6 +399,12 @@ class ClientConnection(asyncio.Protocol):
             self._loop.call_later(self._config.wire.close_flush_timeout_s, transport.abort)
         else:
             self._write(self._conn.send(h11.EndOfMessage()))
+
+    def closing_probe(self) -> Callable[[], bool] | None:
+        """The transport's ``is_closing``: while an exchange runs, true once
+        the loop saw the connection end (a reset read, a failed write, a
+        half-close), a turn before ``connection_lost``."""
+        return None if self._transport is None else self._transport.is_closing
 
     def exchange_finished(self, exchange: Exchange | None) -> None:
         """The exchange is over: serve the next request on this connection, or close it."""

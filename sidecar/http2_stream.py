@@ -172,6 +172,11 @@ class Http2Stream:
                             lambda: self.reset(h2.errors.ErrorCodes.INTERNAL_ERROR))
         self._ending(_End.RESET if abrupt else _End.END_STREAM)
 
+    def closing_probe(self) -> Callable[[], bool] | None:
+        """None: a stream's reset (RST_STREAM, the connection's loss) reaches
+        the exchange from the connection's own callbacks as it is read."""
+        return None
+
     def exchange_finished(self, exchange: Exchange | None) -> None:
         """Whoever answered is done: the stream's resources go."""
         if self.finished:

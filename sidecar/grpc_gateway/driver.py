@@ -359,6 +359,9 @@ class StreamCall:
         # trailers (not flow-controlled) say why.
         _end(stream, ending.status, started=not ending.trailers_only, drop_waiting=reset)
 
+    def closing_probe(self) -> Callable[[], bool] | None:
+        return self._stream.closing_probe()
+
     def exchange_finished(self, exchange: Exchange | None) -> None:
         self._cancel_timer()
         self._stream.exchange_finished(exchange)

@@ -4,12 +4,13 @@ bookkeeping still runs once (record, metrics, the pod, the registry)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Callable
 
 from clients import chat_body, connect, open_silent_streams, request_bytes, reset, wait_for
 from conftest import LoopThread, RunningSidecar
 from h2client import H2Client
-from tokenwire.sidecar.departures import MAX_HELD, MAX_WAIT_TURNS, Departures
+from tokenwire.sidecar.departures import MAX_HELD, MAX_WAIT_TURNS, PAUSE_S, SLICE_S, Departures
 from upstreams import FakeUpstream
 
 BURST = 50
@@ -51,6 +52,17 @@ def test_fifty_http1_clients_resetting_at_once_each_close_their_upstream(
         assert sidecar.record(request_id).end_reason.value == "client_gone"
     wait_for(lambda: _aborts_measured(sidecar) == measured + BURST, timeout_s=10)
     wait_for(lambda: _settled(sidecar), timeout_s=10)
+    # Each connection's own end waits with its stream's bookkeeping, and still runs once.
+    wait_for(lambda: _connections_counted(sidecar) == (0, 0.0), timeout_s=10)
+
+
+def _connections_counted(sidecar: RunningSidecar) -> tuple[int, float]:
+    """The client connections the sidecar holds, and its gauge of them."""
+    context = sidecar.sidecar.context
+    assert context is not None
+    gauge = next(sample.value for family in context.metrics.active_connections.collect()
+                 for sample in family.samples)
+    return len(context.connections), gauge
 
 
 def test_fifty_http2_streams_reset_in_one_write_each_close_their_upstream(
@@ -82,7 +94,7 @@ def test_fifty_http2_streams_reset_in_one_write_each_close_their_upstream(
 
 def test_departures_wait_for_a_turn_without_departures_then_run_in_order(loop_thread: LoopThread) -> None:
     async def scenario() -> list[str]:
-        departures = Departures()
+        departures = Departures(pause_s=0)
         ran: list[str] = []
         departures.defer(lambda: ran.append("a"))
         departures.defer(lambda: ran.append("b"))
@@ -101,9 +113,39 @@ def test_departures_wait_for_a_turn_without_departures_then_run_in_order(loop_th
     assert loop_thread.run(scenario()) == ["a", "b", "c"]
 
 
+def test_departures_leave_the_loop_free_before_each_slice(loop_thread: LoopThread) -> None:
+    """With a pause (the default), no bookkeeping runs until ``PAUSE_S`` of
+    loop time after the burst, and each next slice waits as long again: the
+    loop may sleep, so processes the cuts woke get the CPU."""
+    async def scenario() -> tuple[float, list[float]]:
+        loop = asyncio.get_running_loop()
+        departures = Departures()
+        ran_at: list[float] = []
+        done = asyncio.Event()
+
+        def slow() -> None:  # takes a whole slice: one per slice
+            ran_at.append(loop.time())
+            until = loop.time() + SLICE_S
+            while loop.time() < until:
+                pass
+
+        deferred_at = loop.time()
+        for _ in range(3):
+            departures.defer(slow)
+        departures.defer(done.set)
+        await asyncio.wait_for(done.wait(), 10)
+        return deferred_at, ran_at
+
+    deferred_at, ran_at = loop_thread.run(scenario())
+    assert len(ran_at) == 3
+    assert ran_at[0] - deferred_at >= PAUSE_S * 0.99
+    for before, after in itertools.pairwise(ran_at):
+        assert after - before >= SLICE_S + PAUSE_S * 0.99
+
+
 def test_departures_never_wait_past_their_bounds(loop_thread: LoopThread) -> None:
     async def steady_trickle() -> int:
-        departures = Departures()
+        departures = Departures(pause_s=0)
         ran: list[int] = []
         turns = 0
         while not ran:
@@ -114,17 +156,16 @@ def test_departures_never_wait_past_their_bounds(loop_thread: LoopThread) -> Non
         return turns
 
     async def flood() -> tuple[int, int]:
-        departures = Departures()
+        departures = Departures()  # with its pause: none while so many are held
         ran: list[int] = []
-        for _ in range(MAX_HELD):
+        done = asyncio.Event()
+        for _ in range(MAX_HELD - 1):
             departures.defer(lambda: ran.append(1))
-        await asyncio.sleep(0)  # no waiting for a quiet turn: so many are held
+        departures.defer(done.set)
+        await asyncio.sleep(0)  # no waiting for a quiet turn nor a pause: so many are held
         first_turn = len(ran)
-        turns = 0
-        while len(departures) and turns < 10 * MAX_HELD:
-            await asyncio.sleep(0)
-            turns += 1
-        return first_turn, len(ran)
+        await asyncio.wait_for(done.wait(), 10)
+        return first_turn, len(ran) + 1
 
     assert loop_thread.run(steady_trickle()) <= MAX_WAIT_TURNS + 2
     first_turn, total = loop_thread.run(flood())
@@ -134,7 +175,7 @@ def test_departures_never_wait_past_their_bounds(loop_thread: LoopThread) -> Non
 
 def test_departures_run_all_now_on_shutdown(loop_thread: LoopThread) -> None:
     async def scenario() -> tuple[list[int], int]:
-        departures = Departures()
+        departures = Departures(pause_s=0)
         ran: list[int] = []
         for i in range(3):
             departures.defer(lambda i=i: ran.append(i))
@@ -146,7 +187,7 @@ def test_departures_run_all_now_on_shutdown(loop_thread: LoopThread) -> None:
 
 def test_departures_one_failure_does_not_stop_the_others(loop_thread: LoopThread) -> None:
     async def scenario() -> list[int]:
-        departures = Departures()
+        departures = Departures(pause_s=0)
         ran: list[int] = []
 
         def broken() -> None:
@@ -184,3 +225,39 @@ def test_clients_leaving_while_queued_for_a_pod_never_reach_it(
     assert sidecar.record("queue-holder").end_reason.value == "client_gone"
     wait_for(lambda: _settled(sidecar), timeout_s=10)
     assert not any(upstream.requests_with(f"queued-{i}") for i in range(5))
+
+
+def test_clients_resetting_while_their_upstreams_stream_each_end_once(
+        start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
+    """Upstream reads arrive in the same loop turns as the resets: a stream
+    whose client the loop already saw go (its reset read, or a write that
+    failed) is cut from the upstream read itself; the connection's own
+    ``connection_lost`` follows. Either way: every upstream closed, one
+    record each, the connection counted out once."""
+    sidecar = start_sidecar()
+    ids = [f"burst-flowing-{i}" for i in range(30)]
+    socks = []
+    for request_id in ids:
+        sock = connect(sidecar.port)
+        sock.sendall(request_bytes("POST", "/v1/chat/completions", body=chat_body(),
+                                   headers={"x-fake-tokens": "100000", "x-fake-delay-s": "0.001",
+                                            "X-Request-Id": request_id}))
+        socks.append(sock)
+    for sock in socks:  # the head, and tokens flowing
+        data = b""
+        while data.count(b"data:") < 3:
+            chunk = sock.recv(65536)
+            assert chunk, "the stream ended early"
+            data += chunk
+    connections = [upstream.connection_of(request_id) for request_id in ids]
+    for sock in socks:
+        reset(sock)
+    for request_id, connection in zip(ids, connections, strict=True):
+        assert connection.closed.wait(10), f"{request_id}: its upstream was never closed"
+    wait_for(lambda: _settled(sidecar), timeout_s=10)
+    records = list(sidecar.log.records)
+    for request_id in ids:
+        mine = [record for record in records if record.request_id == request_id]
+        assert len(mine) == 1, f"{request_id}: {len(mine)} records"
+        assert mine[0].end_reason.value == "client_gone"
+    wait_for(lambda: _connections_counted(sidecar) == (0, 0.0), timeout_s=10)
