@@ -2,8 +2,8 @@
 
 Theory of operation
 -------------------
-httpcore talks to the network through a pluggable backend
-(``AsyncConnectionPool(network_backend=...)``, a documented extension point).
+httpcore talks to the network through a pluggable backend (the
+``network_backend`` of its connections, a documented extension point).
 Its default on asyncio goes through anyio, which per read resumes the
 transport's reading, waits, pauses it again (two event-loop registrations on
 uvloop), runs a cancellation checkpoint and a timeout scope, and asks the
