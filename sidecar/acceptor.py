@@ -33,8 +33,11 @@ from collections.abc import Callable
 
 logger = logging.getLogger("tokenwire.sidecar")
 
-# Bounds one turn's accepting; the rest are taken on the next turn (the socket stays readable).
-_MAX_ACCEPTS_PER_TURN = 256
+# Bounds one turn's accepting; the rest are taken on the next turn (the socket
+# stays readable). Each accepted connection costs its set-up in the turns after:
+# 64 keeps the open streams' events from waiting behind hundreds of set-ups,
+# and lets the first of a burst move on while the rest are still accepted.
+_MAX_ACCEPTS_PER_TURN = 64
 # Out of descriptors or memory: how long accepting pauses (asyncio's own delay).
 _ACCEPT_RETRY_S = 1.0
 _RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})

@@ -19,9 +19,10 @@ import pytest
 import uvloop
 from tokenwire.sidecar.acceptor import Acceptor, bind_listeners
 
-BURST = 64
-# Turns from "readable" to connection_made: the accepting turn, the hand-over
-# task's turn, connection_made's turn, with slack. A turn per connection would need BURST.
+BURST = 100
+# Turns from "readable" to connection_made: the accepting turns (64 a turn), the
+# hand-over tasks' turn, connection_made's turn, with slack. A turn per
+# connection would need BURST.
 TURNS = 8
 
 
