@@ -20,10 +20,10 @@ import uvloop
 from tokenwire.sidecar.acceptor import Acceptor, bind_listeners
 
 BURST = 100
-# Turns from "readable" to connection_made: the accepting turns (64 a turn), the
-# hand-over tasks' turn, connection_made's turn, with slack. A turn per
-# connection would need BURST.
-TURNS = 8
+# A few connections are accepted a turn (4), each made two turns after: the
+# burst within BURST / 4 + 3 turns, with slack. A turn per connection would
+# take BURST + 1 (uvloop's create_server).
+TURNS = 40
 
 
 class _Counting(asyncio.Protocol):
