@@ -34,7 +34,7 @@ def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path) -> None
     assert config.max_waiting == 8                      # env
     assert config.kv_budget_tokens == 1000              # file
     assert config.listen == "unix:/tmp/from-file.sock"  # file, not the sidecar's TOKENWIRE_LISTEN
-    assert config.max_prefill_tokens_per_step == 128    # default
+    assert config.max_prefill_tokens_per_step == 96    # default
 
 
 def test_wire_keys_take_the_engine_prefix_and_the_same_precedence(tmp_path: Path) -> None:
