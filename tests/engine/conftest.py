@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -70,6 +71,25 @@ class RunningServer:
     app: Any
     """The bare Starlette app (``app.state.engine`` has the service and scheduler)."""
     loop: asyncio.AbstractEventLoop
+
+    def abort_mid_stream(self, request_id: str, *, max_tokens: int, timeout_s: float) -> list[str]:
+        """Stream a long completion as ``request_id``, call ``POST /v1/abort/{id}``
+        once its first event came (asserting a 200), and read on: the ``data:``
+        lines after the abort, up to the cut the middleware makes after its
+        in-band error (asserted: the body ends without its chunked terminator)."""
+        body = {"model": "tiny", "prompt": "Abort me", "max_tokens": max_tokens, "stream": True,
+                "ignore_eos": True}
+        rest: list[str] = []
+        with httpx.Client(timeout=timeout_s) as client, client.stream(
+            "POST", f"{self.base_url}/v1/completions", json=body, headers={"X-Request-Id": request_id},
+        ) as response:
+            events = (line for line in response.iter_lines() if line.startswith("data:"))
+            assert next(events)
+            assert httpx.post(f"{self.base_url}/v1/abort/{request_id}").status_code == 200
+            with pytest.raises(httpx.RemoteProtocolError):
+                for line in events:
+                    rest.append(line)
+        return rest
 
 
 def free_port() -> int:

@@ -181,19 +181,7 @@ def test_a_client_that_leaves_frees_its_row_in_the_scheduler_process(
 def test_the_abort_endpoint_ends_the_stream_and_frees_the_row_in_the_scheduler_process(
     process_server: RunningServer,
 ) -> None:
-    body = {"model": "tiny", "prompt": "Abort me", "max_tokens": 3000, "stream": True,
-            "ignore_eos": True}
-    with httpx.Client(timeout=60) as client, client.stream(
-        "POST", f"{process_server.base_url}/v1/completions", json=body,
-        headers={"X-Request-Id": "abort-in-process"},
-    ) as response:
-        events = (line for line in response.iter_lines() if line.startswith("data:"))
-        assert next(events)
-        assert httpx.post(f"{process_server.base_url}/v1/abort/abort-in-process").status_code == 200
-        rest: list[str] = []
-        with pytest.raises(httpx.RemoteProtocolError):  # cut after the in-band error
-            for line in events:
-                rest.append(line)
+    rest = process_server.abort_mid_stream("abort-in-process", max_tokens=3000, timeout_s=60)
     assert json.loads(rest[-1][len("data:"):])["error"]["code"] == "cancelled"
     _wait_until(lambda: _metric(process_server, "tokenwire_engine_running") == 0)
     assert httpx.post(f"{process_server.base_url}/v1/abort/abort-in-process").status_code == 404
