@@ -84,6 +84,15 @@ def _pool(max_connections: int = 10, keepalive_expiry_s: float | None = 60.0) ->
                         network_backend=UpstreamBackend())
 
 
+async def _occupy(server: _Server, pool: UpstreamPool, base: str) -> asyncio.Task[bytes]:
+    """A request ``/first`` the server holds its answer to (until ``server.hold``
+    is set), running once the server has read it: it keeps its connection busy."""
+    server.hold = asyncio.Event()
+    first = asyncio.create_task(_get(pool, base, "/first"))
+    assert await server.requests.get() == "/first"
+    return first
+
+
 async def _turns(until: Callable[[], bool], most: int = 200) -> None:
     """Let the loop run until ``until()`` holds (a bounded number of turns, no clock)."""
     for _ in range(most):
@@ -108,9 +117,7 @@ def test_requestsOneAfterAnother_reuseOneConnection() -> None:
 def test_atTheLimit_aRequestWaits_thenTakesTheFreedConnection() -> None:
     async def test(server: _Server, base: str) -> None:
         pool = _pool(max_connections=1)
-        server.hold = asyncio.Event()
-        first = asyncio.create_task(_get(pool, base, "/first"))
-        assert await server.requests.get() == "/first"
+        first = await _occupy(server, pool, base)
         second = asyncio.create_task(_get(pool, base, "/second"))
         await _turns(lambda: "1 queued" in repr(pool))
         server.hold.set()
@@ -124,9 +131,7 @@ def test_atTheLimit_aRequestWaits_thenTakesTheFreedConnection() -> None:
 def test_atTheLimit_aRequestGivesUpAfterItsPoolTimeout() -> None:
     async def test(server: _Server, base: str) -> None:
         pool = _pool(max_connections=1)
-        server.hold = asyncio.Event()
-        first = asyncio.create_task(_get(pool, base, "/first"))
-        await server.requests.get()
+        first = await _occupy(server, pool, base)
         with pytest.raises(httpcore.PoolTimeout, match="1 in use"):
             await _get(pool, base, "/second", pool_timeout_s=0.05)
         server.hold.set()
@@ -140,9 +145,7 @@ def test_atTheLimit_aRequestGivesUpAfterItsPoolTimeout() -> None:
 def test_aCancelledWaiter_passesItsTurnToTheNext() -> None:
     async def test(server: _Server, base: str) -> None:
         pool = _pool(max_connections=1)
-        server.hold = asyncio.Event()
-        first = asyncio.create_task(_get(pool, base, "/first"))
-        await server.requests.get()
+        first = await _occupy(server, pool, base)
         second = asyncio.create_task(_get(pool, base, "/second"))
         third = asyncio.create_task(_get(pool, base, "/third"))
         await _turns(lambda: "2 queued" in repr(pool))
@@ -199,9 +202,7 @@ def test_aFailedConnect_freesItsPlace() -> None:
 def test_closingThePool_failsWaitingRequests_andClosesItsConnections() -> None:
     async def test(server: _Server, base: str) -> None:
         pool = _pool(max_connections=1)
-        server.hold = asyncio.Event()
-        first = asyncio.create_task(_get(pool, base, "/first"))
-        await server.requests.get()
+        first = await _occupy(server, pool, base)
         waiting = asyncio.create_task(_get(pool, base, "/second", pool_timeout_s=None))
         await _turns(lambda: "1 queued" in repr(pool))
         await pool.aclose()
