@@ -32,6 +32,8 @@ import socket
 import ssl
 from collections.abc import Callable
 
+from .tasks import spawn
+
 logger = logging.getLogger("tokenwire.sidecar")
 
 # Bounds one turn's accepting; the rest are taken on the next turn (the socket
@@ -125,9 +127,7 @@ class Acceptor:
                 self._pause()
                 return
             connection.setblocking(False)
-            task: asyncio.Task[object] = self._loop.create_task(self._hand_over(connection))
-            self._handovers.add(task)
-            task.add_done_callback(self._handovers.discard)
+            spawn(self._handovers, self._hand_over(connection))
 
     async def _hand_over(self, connection: socket.socket) -> object:
         try:

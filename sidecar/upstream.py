@@ -96,6 +96,7 @@ from .balance import (
     prefix_key,
 )
 from .settings import SidecarConfig
+from .tasks import spawn
 from .upstream_body import ChunkedBodyReader
 from .upstream_conn import CHUNKED_BODY_READ
 from .upstream_io import RequestProbe, UpstreamBackend, UpstreamStream, probing
@@ -374,12 +375,9 @@ class UpstreamPools:
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         try:
-            task = asyncio.get_running_loop().create_task(coro)
+            spawn(self._tasks, coro)
         except RuntimeError:
             coro.close()  # built outside a loop (a test): nothing to run it on
-            return
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     @staticmethod
     async def _every(interval_s: float, job: Callable[[], Awaitable[None]]) -> None:
@@ -563,9 +561,7 @@ class UpstreamPools:
         path (``/v1/abort/{request_id}``) goes to ``upstream``, the pod that ran it."""
         if not self._abort_url or (self._abort_url.startswith("/") and not upstream.startswith("http")):
             return
-        task = asyncio.get_running_loop().create_task(self._abort(request_id, upstream))
-        self._abort_tasks.add(task)
-        task.add_done_callback(self._abort_tasks.discard)
+        spawn(self._abort_tasks, self._abort(request_id, upstream))
 
     async def _abort(self, request_id: str, upstream: str = "") -> None:
         if self._abort_pool is None:

@@ -40,6 +40,7 @@ import typing
 
 import httpcore
 
+from .tasks import spawn
 from .upstream_conn import open_connection
 
 # httpcore's connection interface: what the pool keeps (upstream_conn.open_connection).
@@ -204,9 +205,7 @@ class UpstreamPool:
         # Closing an HTTP/1.1 connection closes its socket, no I/O to wait for,
         # but httpcore's aclose is a coroutine: a task, kept until done (the
         # loop holds only weak references to tasks).
-        task = asyncio.get_running_loop().create_task(connection.aclose())
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        spawn(self._closing, connection.aclose())
 
 
 class _PooledStream:

@@ -51,6 +51,7 @@ from tokenwire.middleware.headers import header_value
 from .admin import AdminAccess, serve_one
 from .logs import StreamLog
 from .settings import SidecarConfig, parse_host_port, read_admin_token
+from .tasks import spawn
 
 logger = logging.getLogger("tokenwire.sidecar")
 
@@ -241,9 +242,7 @@ class Supervisor:
         return sock
 
     def _spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        spawn(self._tasks, coro)
 
     async def _start_worker(self, index: int, restarts: int = 0) -> Worker:
         host, port = self._listen
