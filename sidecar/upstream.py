@@ -11,8 +11,8 @@ picked (:meth:`UpstreamPools.request`), or its refusal. It decides nothing:
 which pod, when a pod is out, who waits, all are the balancer's answers.
 
 Each pod (``http://host:port[/prefix]`` or ``unix:/path``) gets its
-connection pool (:class:`~tokenwire.sidecar.upstream_pool.UpstreamPool`, of
-httpcore connections), made on its first attempt and closed
+connection pool (:class:`~tokenwire.sidecar.upstream_pool.UpstreamPool` of
+the sidecar's own HTTP/1.1 connections), made on its first attempt and closed
 when it leaves the set with no stream open. An *attempt* is one upstream
 request, run as a task by :func:`run_attempt`; it reports what happened as
 wire-core inputs through a callback and never decides anything itself.
@@ -20,13 +20,13 @@ wire-core inputs through a callback and never decides anything itself.
 A completed response is read to its end, so its connection goes back to the
 pool (keep-alive), but only if it ended exactly where its framing says
 (nothing after a HEAD/204/304 head, the ``Content-Length`` and no more, the
-chunked terminator and no more); anything extra closes it. A chunked body is
-read by :class:`~tokenwire.sidecar.upstream_body.ChunkedBodyReader`, all the
-chunks of a socket read at once, not through httpcore's layers. An aborted
-attempt is cancelled: httpcore closes a connection whose response was not
-read to the end instead of pooling it, so an aborted stream's connection is
-never reused. httpcore's own retries are off;
-retrying is the wire core's decision (``RetryUpstream``).
+chunked terminator and no more, a head that allowed keep-alive); anything
+else closes it. A chunked body is read by
+:class:`~tokenwire.sidecar.upstream_body.ChunkedBodyReader`, all the chunks of
+a socket read at once. An aborted attempt is cancelled: a connection whose
+response was not read to its end is closed, not pooled, so an aborted
+stream's connection is never reused. Nothing below retries; retrying is the
+wire core's decision (``RetryUpstream``).
 
 One re-send happens below the core, because it is not a failure of the
 upstream but of the connection: a request that went out on a *reused*
@@ -40,13 +40,13 @@ request that may reach the upstream twice (an idempotent method or an
 core's own rule) or none of which was written: the upstream may have read a
 POST before it closed, and one more generation is not ours to start.
 
-The pools use :class:`~tokenwire.sidecar.upstream_io.UpstreamBackend` as their
-network layer (see there why); a plain HTTP/1.1 pod's connections are
-:class:`~tokenwire.sidecar.upstream_conn.UpstreamConnection` (httpcore's HTTP/1.1
-connection without a lock that yields to the loop on every request, the
-request's headers checked in one pass, a chunked body's end handed to h11 directly).
-
-Exceptions are converted once, here, into :class:`FailureKind`.
+The connections (:class:`~tokenwire.sidecar.upstream_conn.UpstreamConnection`)
+write the request head and read the response head themselves, by h11's
+rules (:mod:`~tokenwire.sidecar.upstream_head`: why a client of our own);
+their bytes move through :mod:`~tokenwire.sidecar.upstream_io`. httpcore is
+still the client of the health checks, load scrapes and abort calls (a
+few requests a second at most), and its exception types name the
+failures of both. Exceptions are converted once, here, into :class:`FailureKind`.
 
 Compression: every upstream request asks for ``Accept-Encoding: identity``
 (whatever the client sent), because the wire core parses the event stream. An
@@ -98,8 +98,9 @@ from .balance import (
 from .settings import SidecarConfig
 from .tasks import spawn
 from .upstream_body import ChunkedBodyReader
-from .upstream_conn import CHUNKED_BODY_READ
-from .upstream_io import RequestProbe, UpstreamBackend, UpstreamStream, probing
+from .upstream_conn import Origin, UpstreamConnection
+from .upstream_head import CHUNKED, ResponseHead
+from .upstream_io import UpstreamBackend, UpstreamStream
 from .upstream_pool import UpstreamPool
 
 logger = logging.getLogger("tokenwire.sidecar")
@@ -108,10 +109,8 @@ Header = tuple[bytes, bytes]
 
 # The most a body read takes at once (all that is buffered, up to this).
 _BODY_READ_BYTES = 256 * 1024
-# Request targets whose httpcore URL an upstream keeps (see Upstream.url).
-_URL_CACHE_SIZE = 256
-# httpcore's own table: the ports a Host header leaves out.
-_DEFAULT_PORTS = {b"ftp": 21, b"http": 80, b"https": 443, b"ws": 80, b"wss": 443}
+# Pods are http:// (or unix:): the port a Host header leaves out.
+_HTTP_PORT = 80
 
 _FAILURE_KINDS: tuple[tuple[type[Exception], FailureKind], ...] = (
     (httpcore.ConnectTimeout, FailureKind.CONNECT),
@@ -159,26 +158,11 @@ class Upstream:
     pool: UpstreamPool
     counters: UpstreamCounters = field(default_factory=UpstreamCounters, init=False, repr=False,
                                        compare=False)
-    _urls: dict[bytes, httpcore.URL] = field(default_factory=dict, init=False, repr=False, compare=False)
-    host_header: bytes = field(init=False, repr=False, compare=False)
-    """The ``Host`` of a request to this pod, as httpcore's ``stream()`` would add it."""
-
-    def __post_init__(self) -> None:
-        if self.port is None or self.port == _DEFAULT_PORTS.get(self.scheme):
-            object.__setattr__(self, "host_header", self.host)
-        else:
-            object.__setattr__(self, "host_header", b"%b:%d" % (self.host, self.port))
 
     def url(self, target: bytes) -> httpcore.URL:
-        # Most requests go to the same few targets: their URLs are made once
-        # (httpcore only reads them), in a cache cleared when it fills.
-        url = self._urls.get(target)
-        if url is None:
-            if len(self._urls) >= _URL_CACHE_SIZE:
-                self._urls.clear()
-            url = self._urls[target] = httpcore.URL(scheme=self.scheme, host=self.host, port=self.port,
-                                                    target=self.path_prefix + target)
-        return url
+        """The URL of ``target`` on this pod (for the health and load probes)."""
+        return httpcore.URL(scheme=self.scheme, host=self.host, port=self.port,
+                            target=self.path_prefix + target)
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +222,7 @@ class UpstreamPools:
         self._dns_members: dict[str, dict[str, int]] = {}
         self._upstreams: dict[str, Upstream] = {}
         self._probe_pools: dict[str, httpcore.AsyncConnectionPool] = {}
+        self._backend = UpstreamBackend()
         self._waiting: dict[Hashable, Answer] = {}
         self._queue_timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -260,9 +245,11 @@ class UpstreamPools:
             url = httpcore.URL(name)
             scheme, host, port = url.scheme, url.host, url.port
             prefix = url.target.rstrip(b"/")
-        pool = UpstreamPool(max_connections=config.upstream_max_connections,
-                            keepalive_expiry_s=config.upstream_keepalive_s, uds=uds,
-                            network_backend=UpstreamBackend())
+        # The Host of a request that names none, as httpcore's stream() would add it.
+        host_header = host if port is None or port == _HTTP_PORT else b"%b:%d" % (host, port)
+        origin = Origin(host, _HTTP_PORT if port is None else port, host_header, uds=uds)
+        pool = UpstreamPool(origin, max_connections=config.upstream_max_connections,
+                            keepalive_expiry_s=config.upstream_keepalive_s, backend=self._backend)
         return Upstream(name, scheme, host, port, prefix, pool)
 
     def _members(self) -> dict[str, int]:
@@ -550,7 +537,7 @@ class UpstreamPools:
     def timeouts(self) -> dict[str, float | None]:
         # Only connecting has a driver timeout: how long the upstream may take
         # to answer, and to keep answering, is the wire core's business.
-        # One dict for every request (httpcore only reads it).
+        # One dict for every request (only read).
         return self._timeouts
 
     def send_abort(self, request_id: str, upstream: str = "") -> None:
@@ -619,126 +606,115 @@ async def run_attempt(
     (pause it with the stream's ``pause_delivery``/``resume_delivery``);
     otherwise they come through ``feed`` as ``UpstreamData``.
     """
+    pool = upstream.pool
     try:
-        response = await _send(upstream, method=method, target=target, headers=headers, body=body,
-                               timeouts=timeouts)
-        try:
-            network = response.extensions.get("network_stream")
-            if on_connection is not None:
-                on_connection(network)
-            status = response.status
-            response_headers = tuple((k.lower(), v) for k, v in response.headers)
-            feed(UpstreamHeaders(status, response_headers))
-            framing = _body_framing(method, status, response_headers)
-            body_read = False
-            if isinstance(network, UpstreamStream) and framing == "chunked":
-                if feed_body is not None:
-                    if not readable.is_set():
-                        network.pause_delivery()
-                    await network.deliver_chunked(feed_body)
-                else:
-                    await _read_chunked(network, readable, feed)
-                chunked_body_read = response.extensions.get(CHUNKED_BODY_READ)
-                if chunked_body_read is not None:
-                    # One loop turn first, as httpcore's body iteration gave
-                    # one: what the loop read with the last chunk (a client's
-                    # reset: its connection_lost is queued behind this task's
-                    # wake-up) runs before the response ends and its
-                    # connection goes back to the pool, so a connection cut
-                    # for that client is known as cut when the pool takes it.
-                    await asyncio.sleep(0)
-                    chunked_body_read()  # h11 took the last chunk: the response ended
-                    body_read = True
-                else:
-                    network.end_body()  # h11 ends the message: see upstream_io
-            elif isinstance(network, UpstreamStream) and isinstance(framing, int):
-                network.limit_reads(framing)
-            if not body_read:
-                async for chunk in response.aiter_stream():
-                    if not readable.is_set():
-                        await readable.wait()
-                    if chunk:
-                        feed(UpstreamData(chunk))
-            if isinstance(network, UpstreamStream):
-                network.limit_reads(None)
-                if network.buffered:
-                    # Bytes past the response's framing (a body after a HEAD
-                    # answer, more than Content-Length said, anything after the
-                    # last chunk): the next request on this connection would
-                    # read them as its answer. Closed, never pooled.
-                    network.abort()
-        finally:
-            await response.aclose()
+        connection, head = await _send(upstream, method=method, target=target, headers=headers, body=body,
+                                       timeouts=timeouts)
     except asyncio.CancelledError:
         raise
     except Exception as error:
-        kind = failure_kind(error)
-        feed(UpstreamFailed(kind, f"{type(error).__name__}: {error}" if str(error)
-                            else type(error).__name__))
+        feed(_failed(error))
         return
+    clean = False
+    try:
+        network = connection.stream
+        assert network is not None  # connected: it sent a head
+        if on_connection is not None:
+            on_connection(network)
+        feed(UpstreamHeaders(head.status, head.headers))
+        framing = head.framing
+        if framing == CHUNKED:
+            if feed_body is not None:
+                if not readable.is_set():
+                    network.pause_delivery()
+                await network.deliver_chunked(feed_body)
+            else:
+                await _read_chunked(network, readable, feed)
+            # One loop turn before the connection goes back to the pool: what
+            # the loop read with the last chunk (a client's reset: its
+            # connection_lost is queued behind this task's wake-up) runs first,
+            # so a connection cut for that client is known as cut when the pool
+            # takes it.
+            await asyncio.sleep(0)
+        elif isinstance(framing, int):
+            await _read_length(network, framing, readable, feed)
+        elif framing is None:
+            await _read_to_close(network, readable, feed)
+        # Bytes past the response's framing (a body after a HEAD answer, more
+        # than Content-Length said, anything after the last chunk) would be
+        # read by the next request on this connection as its answer: then it
+        # is closed, not pooled (finish looks at what is buffered).
+        clean = head.keep_alive
+    except asyncio.CancelledError:
+        raise
+    except Exception as error:
+        feed(_failed(error))
+        return
+    finally:
+        connection.finish(clean)
+        pool.release(connection)
     feed(UpstreamEnded())
 
 
-async def _send(upstream: Upstream, *, method: bytes, target: bytes,
-                headers: Sequence[Header], body: bytes,
-                timeouts: dict[str, float | None]) -> httpcore.Response:
-    """What ``pool.stream()`` does, without its context manager and its second
-    pass over the headers (the caller closes the response whatever happens),
-    with the one re-send of a request whose reused connection failed before
-    any answer (see the module docstring)."""
-    request_headers = _with_host(upstream, headers, body)
+def _failed(error: Exception) -> UpstreamFailed:
+    return UpstreamFailed(failure_kind(error), f"{type(error).__name__}: {error}" if str(error)
+                          else type(error).__name__)
 
-    def request() -> httpcore.Request:
-        return httpcore.Request(method, upstream.url(target), headers=request_headers, content=body,
-                                extensions={"timeout": timeouts})
 
-    with probing(RequestProbe()) as probe:
+async def _send(upstream: Upstream, *, method: bytes, target: bytes, headers: Sequence[Header],
+                body: bytes, timeouts: dict[str, float | None]) -> tuple[UpstreamConnection, ResponseHead]:
+    """The request sent on a pooled or new connection and its response head
+    read, with the one re-send of a request whose reused connection failed
+    before any answer (see the module docstring). The caller finishes and
+    releases the connection."""
+    pool = upstream.pool
+    target = upstream.path_prefix + target
+    connect_timeout_s = timeouts.get("connect")
+    for last_try in (False, True):
+        connection = await pool.acquire(timeouts.get("pool"))
         try:
-            return await upstream.pool.handle_async_request(request())
-        except _STALE_CONNECTION_ERRORS as error:
-            if not (probe.reused and not probe.answered
-                    and (not probe.written or may_repeat(method, headers))):
+            return connection, await connection.send(method, target, headers, body,
+                                                     connect_timeout_s=connect_timeout_s)
+        except BaseException as error:
+            connection.finish(False)
+            pool.release(connection)
+            if (last_try or not isinstance(error, _STALE_CONNECTION_ERRORS)
+                    or not (connection.requests > 1 and not connection.answered
+                            and (not connection.written or may_repeat(method, headers)))):
                 raise
             upstream.counters.resent += 1
             # The path without its query, which may hold a credential.
             logger.info("upstream %s: %s %s re-sent: the reused connection it went out on "
                         "failed before any answer (%s: %s)", upstream.name, method.decode("latin-1"),
                         target.partition(b"?")[0].decode("latin-1"), type(error).__name__, error)
-        return await upstream.pool.handle_async_request(request())
+    raise AssertionError("unreachable: the last try returns or raises")
 
 
-def _with_host(upstream: Upstream, headers: Sequence[Header], body: bytes) -> list[Header]:
-    """``headers`` as httpcore's ``stream()`` completes them (``include_request_headers``):
-    the pod's ``Host`` first unless there is one, a ``Content-Length`` last
-    unless the body's framing is given (the exchange always gives it)."""
-    has_host = has_framing = False
-    for name, _ in headers:
-        lowered = name.lower()
-        if lowered == b"host":
-            has_host = True
-        elif lowered == b"content-length" or lowered == b"transfer-encoding":
-            has_framing = True
-    completed = list(headers) if has_host else [(b"Host", upstream.host_header), *headers]
-    if not has_framing:
-        completed.append((b"Content-Length", str(len(body)).encode("ascii")))
-    return completed
+async def _read_length(network: UpstreamStream, length: int, readable: asyncio.Event,
+                       feed: Callable[[Input], None]) -> None:
+    """Read a ``Content-Length`` body: ``length`` bytes, as they come."""
+    remaining = length
+    while remaining > 0:
+        if not readable.is_set():
+            await readable.wait()
+        data = await network.read(min(remaining, _BODY_READ_BYTES))
+        if not data:
+            raise httpcore.RemoteProtocolError(
+                f"the upstream closed {remaining} bytes before the end of its {length}-byte body")
+        remaining -= len(data)
+        feed(UpstreamData(data))
 
 
-def _body_framing(method: bytes, status: int, headers: Sequence[Header]) -> str | int | None:
-    """How the response body is delimited (RFC 9112 section 6.3): ``"none"``,
-    ``"chunked"``, a ``Content-Length`` or None (until the upstream closes)."""
-    if method == b"HEAD" or status < 200 or status in (204, 304):
-        return "none"
-    lengths: list[bytes] = []
-    for name, value in headers:
-        if name == b"transfer-encoding":
-            # h11 accepted the head, so the only coding it allows is chunked.
-            return "chunked"
-        if name == b"content-length":
-            lengths.append(value)
-    if lengths:
-        return int(lengths[0])
-    return None
+async def _read_to_close(network: UpstreamStream, readable: asyncio.Event,
+                         feed: Callable[[Input], None]) -> None:
+    """Read a body without framing: everything until the upstream closes."""
+    while True:
+        if not readable.is_set():
+            await readable.wait()
+        data = await network.read(_BODY_READ_BYTES)
+        if not data:
+            return
+        feed(UpstreamData(data))
 
 
 async def _read_chunked(network: UpstreamStream, readable: asyncio.Event,

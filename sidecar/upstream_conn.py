@@ -1,165 +1,185 @@
-"""httpcore's plain-HTTP/1.1 connection, with less work around it.
+"""One HTTP/1.1 connection to an upstream pod, spoken by the sidecar itself.
 
 Theory of operation
 -------------------
-httpcore's stock connection, ``AsyncHTTPConnection``, is a wrapper that
-connects on the first request and then hands every request to an
-``AsyncHTTP11Connection`` (or HTTP/2); it holds an anyio lock around each
-request, and the HTTP/1.1 connection holds another one twice per request (its
-state change at the start and at the end). anyio's ``Lock.acquire`` yields to
-the event loop every time, even uncontended (a ``sleep(0)`` inside a shielded
-cancel scope): three extra loop turns, each resuming the request's whole
-coroutine stack, per upstream request. None of those locks is ever contended
-here: the pool (:mod:`~tokenwire.sidecar.upstream_pool`) gives a connection
-to one request at a time, so the wrapper's lock only orders a connect that
-nobody else waits for, and the state lock is taken by one request's start
-and, later, its end.
+Every upstream request of the sidecar is the same shape (one request, its
+body whole, a response whose body the sidecar reads itself), so a general
+client is mostly work the sidecar does not need: httpcore's pooled request went
+through a ``Request`` and a ``Response`` object, four ``Trace`` contexts,
+anyio locks (one loop turn each), h11's state machine writing the request and
+parsing the response, and a body iterator stack, ~1 M instructions a request
+(``bench/README.md``), against ~60 k for the rest of the stream's set-up
+on the upstream side.
 
-For a plain ``http://`` or ``unix:`` pod, :func:`open_connection` makes an
-:class:`UpstreamConnection` instead: the same connect (the pool's network
-backend, the request's ``connect`` timeout, no retries: the sidecar's pools
-have none) and then httpcore's own ``AsyncHTTP11Connection`` (the request head
-through h11, the response head through h11, keep-alive and expiry as httpcore
-keeps them), whose state lock is an ``asyncio.Lock``: uncontended, it is taken
-and released without a loop turn. Two more things change there: the request's
-headers are checked by h11's rules in one pass
-(:mod:`~tokenwire.sidecar.header_fields`), and a chunked body the sidecar read
-itself is ended by handing h11 its last chunk directly
-(:data:`CHUNKED_BODY_READ`). ``https://`` pods keep httpcore's own connection
-(TLS, ALPN).
+An :class:`UpstreamConnection` connects on its first request (TCP or a Unix
+socket: pods are ``http://`` or ``unix:``), through :class:`~tokenwire.sidecar.upstream_io.UpstreamBackend`.
+:meth:`UpstreamConnection.send` writes the request in one ``send()``
+(:func:`~tokenwire.sidecar.upstream_head.request_head`) and reads the response
+head: 1xx heads are read and dropped, as h11 does, and the head
+is parsed by h11's rules (:func:`~tokenwire.sidecar.upstream_head.parse_response_head`).
+Whatever came after the head stays buffered in the stream, where the body
+readers (:func:`~tokenwire.sidecar.upstream.run_attempt`) find it. The caller
+reads the body and says, with :meth:`UpstreamConnection.finish`, whether the
+connection ended its response cleanly; only then, and if the head allowed
+keep-alive, may it carry another request.
 
-The connection answers the pool's questions (``is_available``, ``is_idle``...)
-as httpcore's wrapper does.
+A connection is the pool's to hand out (:mod:`~tokenwire.sidecar.upstream_pool`):
+one request at a time, so nothing here locks. An idle connection is
+:meth:`~UpstreamConnection.reusable` while it is open, within
+``keepalive_expiry_s`` of its last response, and silent (a byte or a close
+from the pod while idle, or a cut for a departed client, rules it out: its
+next request would read them as its answer).
+
+Errors are httpcore's exception types (``ConnectError``, ``ReadError``,
+``RemoteProtocolError``...): the sidecar maps them onto the wire core's
+failure kinds in one place (:func:`~tokenwire.sidecar.upstream.failure_kind`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import ssl
+from collections.abc import Sequence
 
-import h11
 import httpcore
 
-from .header_fields import fields_valid
+from .upstream_head import ResponseHead, head_end, parse_response_head, request_head
+from .upstream_io import UpstreamBackend, UpstreamStream
 
-CHUNKED_BODY_READ = "tokenwire.chunked_body_read"
-"""The response extension (a no-argument callable) a plain HTTP/1.1 connection
-adds: the sidecar read the chunked body to its last chunk itself
-(:mod:`~tokenwire.sidecar.upstream_body`); h11 is told the response ended
-there, without reading it through httpcore's body iterators."""
+Header = tuple[bytes, bytes]
 
-# What h11 reads in place of the chunked body the sidecar read itself.
-_LAST_CHUNK = b"0\r\n\r\n"
-
-
-def open_connection(origin: httpcore.Origin, backend: httpcore.AsyncNetworkBackend, *, uds: str | None,
-                    keepalive_expiry_s: float | None,
-                    ssl_context: ssl.SSLContext | None = None) -> httpcore.AsyncConnectionInterface:
-    """A new, unconnected connection to ``origin`` for the pool: an
-    :class:`UpstreamConnection` for plain HTTP, httpcore's own otherwise."""
-    if origin.scheme == b"http":
-        return UpstreamConnection(origin, backend, uds=uds, keepalive_expiry=keepalive_expiry_s)
-    return httpcore.AsyncHTTPConnection(origin=origin, ssl_context=ssl_context,
-                                        keepalive_expiry=keepalive_expiry_s, uds=uds, network_backend=backend)
+# The most a response head may take (httpcore's bound on an h11 event).
+MAX_HEAD_BYTES = 100 * 1024
+# The most one read of a head takes.
+_HEAD_READ_BYTES = 64 * 1024
 
 
-class _LeanHTTP11Connection(httpcore.AsyncHTTP11Connection):
-    """httpcore's HTTP/1.1 connection with an ``asyncio.Lock`` as its state lock
-    (see the module docstring: uncontended, it never yields), the request's
-    headers checked in one pass, and the end of a chunked body the sidecar
-    read itself handed to h11 directly."""
+class Origin:
+    """Where a pod's connections go."""
 
-    def __init__(self, origin: httpcore.Origin, stream: httpcore.AsyncNetworkStream,
-                 keepalive_expiry: float | None) -> None:
-        super().__init__(origin=origin, stream=stream, keepalive_expiry=keepalive_expiry)
-        self._state_lock = asyncio.Lock()  # type: ignore[assignment]
+    __slots__ = ("host", "host_header", "port", "uds")
 
-    async def handle_async_request(self, request: httpcore.Request) -> httpcore.Response:
-        response = await super().handle_async_request(request)
-        response.extensions[CHUNKED_BODY_READ] = self._chunked_body_read
-        return response
-
-    async def _send_request_headers(self, request: httpcore.Request) -> None:
-        # httpcore's, with the headers checked in two matches (header_fields)
-        # where h11 would check each one twice; h11 still checks the method,
-        # the target, Host and the framing headers, and writes the head.
-        timeout = request.extensions.get("timeout", {}).get("write", None)
-        try:
-            event = h11.Request(method=request.method, target=request.url.target, headers=request.headers,
-                                _parsed=fields_valid(request.headers))
-        except h11.LocalProtocolError as error:
-            raise httpcore.LocalProtocolError(error) from error
-        await self._send_event(event, timeout=timeout)
-
-    def _chunked_body_read(self) -> None:
-        # What httpcore's body iteration would do with the bare last chunk
-        # (upstream_io's end_body) through four nested async generators:
-        # h11 reads it and ends the response, so closing it pools the connection.
-        self._h11_state.receive_data(_LAST_CHUNK)
-        self._h11_state.next_event()
+    def __init__(self, host: bytes, port: int, host_header: bytes, *, uds: str | None = None) -> None:
+        self.host = host
+        self.port = port
+        self.host_header = host_header
+        """The ``Host`` of a request that names none."""
+        self.uds = uds
+        """A Unix socket's path: connect there instead."""
 
 
-class UpstreamConnection(httpcore.AsyncConnectionInterface):
-    """One plain HTTP/1.1 upstream connection: connects on its first request,
-    then serves the pool's requests one at a time through httpcore's
-    ``AsyncHTTP11Connection``."""
+class UpstreamConnection:
+    """One connection to ``origin`` (see the module docstring)."""
 
-    def __init__(self, origin: httpcore.Origin, backend: httpcore.AsyncNetworkBackend, *,
-                 uds: str | None, keepalive_expiry: float | None) -> None:
+    __slots__ = ("_backend", "_expires_at", "_loop", "_origin", "_reusable", "answered", "closed",
+                 "keepalive_expiry_s", "requests", "stream", "written")
+
+    def __init__(self, origin: Origin, backend: UpstreamBackend, keepalive_expiry_s: float | None) -> None:
         self._origin = origin
         self._backend = backend
-        self._uds = uds
-        self._keepalive_expiry = keepalive_expiry
-        self._connection: httpcore.AsyncHTTP11Connection | None = None
-        self._connect_failed = False
+        self._loop = asyncio.get_running_loop()
+        self.keepalive_expiry_s = keepalive_expiry_s
+        self.stream: UpstreamStream | None = None
+        """The network stream, once connected."""
+        self.requests = 0
+        """Requests sent on it (more than one: a reused keep-alive connection)."""
+        self.written = False
+        """The current request reached the socket (else the pod saw none of it)."""
+        self.answered = False
+        """A byte of the current request's response came back."""
+        self.closed = False
+        self._reusable = False
+        self._expires_at: float | None = None
 
-    async def handle_async_request(self, request: httpcore.Request) -> httpcore.Response:
-        if request.url.origin != self._origin:
-            raise RuntimeError(f"Attempted to send request to {request.url.origin} "
-                               f"on connection to {self._origin}")
-        connection = self._connection
-        if connection is None:
-            try:
-                stream = await self._connect(request)
-            except BaseException:
-                self._connect_failed = True
-                raise
-            connection = self._connection = _LeanHTTP11Connection(self._origin, stream,
-                                                                         self._keepalive_expiry)
-        return await connection.handle_async_request(request)
+    async def send(self, method: bytes, target: bytes, headers: Sequence[Header], body: bytes, *,
+                   connect_timeout_s: float | None) -> ResponseHead:
+        """Send one request (connecting first if need be) and read its
+        response's head; the body is left for the caller, who then calls
+        :meth:`finish`."""
+        data = request_head(method, target, self._origin.host_header, headers, body)
+        stream = self.stream
+        if stream is None:
+            stream = self.stream = await self._connect(connect_timeout_s)
+        self.requests += 1
+        self._reusable = self.written = self.answered = False
+        stream.send_request(data)
+        self.written = True
+        await stream.drain()
+        return await self._read_head(stream, method)
 
-    async def _connect(self, request: httpcore.Request) -> httpcore.AsyncNetworkStream:
-        timeouts = request.extensions.get("timeout", {})
-        timeout = timeouts.get("connect", None)
-        if self._uds is not None:
-            return await self._backend.connect_unix_socket(self._uds, timeout=timeout)
-        return await self._backend.connect_tcp(self._origin.host.decode("ascii"), self._origin.port,
-                                               timeout=timeout)
+    async def _read_head(self, stream: UpstreamStream, method: bytes) -> ResponseHead:
+        data = await stream.read(_HEAD_READ_BYTES)
+        self.answered = bool(data)
+        while True:
+            searched = 0
+            end = head_end(data)
+            while end < 0:
+                if not data:
+                    raise httpcore.RemoteProtocolError("Server disconnected without sending a response.")
+                if len(data) > MAX_HEAD_BYTES:
+                    raise httpcore.RemoteProtocolError(
+                        f"the upstream's response head is over {MAX_HEAD_BYTES} bytes")
+                more = await stream.read(_HEAD_READ_BYTES)
+                if not more:
+                    raise httpcore.RemoteProtocolError("the upstream closed in the middle of a response head")
+                searched = max(0, len(data) - 2)
+                data += more
+                end = head_end(data, searched)
+            if end > MAX_HEAD_BYTES:
+                raise httpcore.RemoteProtocolError(
+                    f"the upstream's response head is over {MAX_HEAD_BYTES} bytes")
+            head = parse_response_head(data[:end], method)
+            data = data[end:]
+            if head.status >= 200:
+                if data:
+                    stream.unread(data)
+                return head
+            # A 1xx head: h11 reads it and then the real one.
+            if not data:
+                data = await stream.read(_HEAD_READ_BYTES)
 
-    def can_handle_request(self, origin: httpcore.Origin) -> bool:
-        return origin == self._origin
+    async def _connect(self, timeout_s: float | None) -> UpstreamStream:
+        origin = self._origin
+        if origin.uds is not None:
+            return await self._backend.connect_unix_socket(origin.uds, timeout=timeout_s)
+        return await self._backend.connect_tcp(origin.host.decode("ascii"), origin.port, timeout=timeout_s)
 
-    async def aclose(self) -> None:
-        if self._connection is not None:
-            await self._connection.aclose()
-
-    def is_available(self) -> bool:
-        # Connecting, or failed: no other request may have it (HTTP/1.1 only).
-        return self._connection is not None and self._connection.is_available()
-
-    def has_expired(self) -> bool:
-        return self._connect_failed if self._connection is None else self._connection.has_expired()
+    def finish(self, reusable: bool) -> None:
+        """The response is over: ``reusable`` if its body was read to exactly
+        where its framing ended (and the head allowed keep-alive); else the
+        connection is closed."""
+        stream = self.stream
+        if reusable and stream is not None and not stream.buffered:
+            self._reusable = True
+            expiry = self.keepalive_expiry_s
+            self._expires_at = None if expiry is None else self._loop.time() + expiry
+        else:
+            self.close()
 
     def is_idle(self) -> bool:
-        return self._connect_failed if self._connection is None else self._connection.is_idle()
+        """Between requests, its last response ended cleanly (whether the pod
+        still keeps it open is :meth:`reusable`'s question)."""
+        return self._reusable and not self.closed
 
-    def is_closed(self) -> bool:
-        return self._connect_failed if self._connection is None else self._connection.is_closed()
+    def reusable(self) -> bool:
+        """Idle, open, silent and not expired: it may carry the next request."""
+        if not self._reusable or self.closed:
+            return False
+        stream = self.stream
+        if stream is None or not stream.idle_and_silent():
+            return False
+        expires_at = self._expires_at
+        return expires_at is None or self._loop.time() < expires_at
 
-    def info(self) -> str:
-        if self._connection is None:
-            return "CONNECTION FAILED" if self._connect_failed else "CONNECTING"
-        return self._connection.info()
+    def close(self) -> None:
+        """Close it now (a pooled connection the pod closed, or one whose
+        response did not end cleanly)."""
+        if self.closed:
+            return
+        self.closed = True
+        self._reusable = False
+        if self.stream is not None:
+            self.stream.close()
 
     def __repr__(self) -> str:
-        return f"<{self.__class__.__name__} [{self.info()}]>"
+        state = "CLOSED" if self.closed else "IDLE" if self._reusable else "ACTIVE"
+        return f"<UpstreamConnection [{state}, Request Count: {self.requests}]>"

@@ -1,42 +1,34 @@
-"""httpcore's network layer for the upstream, on plain asyncio protocols.
+"""The sidecar's upstream connections on plain asyncio protocols.
 
 Theory of operation
 -------------------
-httpcore talks to the network through a pluggable backend (the
-``network_backend`` of its connections, a documented extension point).
-Its default on asyncio goes through anyio, which per read resumes the
-transport's reading, waits, pauses it again (two event-loop registrations on
-uvloop), runs a cancellation checkpoint and a timeout scope, and asks the
-kernel with ``poll()`` whether an idle pooled connection is still open. A
-streaming upstream is read once per token, so that per-read work was a large
-part of the sidecar's CPU per event.
+A connection is an :class:`asyncio.Protocol` that keeps reading into a small
+buffer, and :meth:`UpstreamStream.read` takes whatever is buffered (up to
+``max_bytes``), waiting on one future only when nothing is: events that
+arrived while the driver was busy are read together, in one call (anyio's
+streams, httpcore's default, resumed and paused the transport's reading and
+ran a cancellation checkpoint and a timeout scope on every read, and asked
+the kernel with ``poll()`` whether an idle pooled connection was still open).
+Flow control stays TCP's: past ``_READ_HIGH_WATER_BYTES`` buffered the
+transport stops reading until ``read()`` drains it, so an upstream the wire
+core paused (``block`` policy) is pushed back on exactly as before. Whether
+an idle pooled connection is still good (:meth:`UpstreamStream.idle_and_silent`)
+is answered from the protocol's own state, without a system call.
 
-Here a connection is an :class:`asyncio.Protocol` that keeps reading into a
-small buffer, and ``read()`` takes whatever is buffered (up to ``max_bytes``),
-waiting on one future only when nothing is. Events that arrived while the
-driver was busy are therefore read together, in one call. Flow control stays
-TCP's: past ``_READ_HIGH_WATER_BYTES`` buffered the transport stops reading
-until ``read()`` drains it, so an upstream the wire core paused (``block``
-policy) is pushed back on exactly as before. ``is_readable`` (httpcore's "did
-the server close this idle connection?") is answered from the protocol's own
-state, without a system call.
+A request is written in one piece (:meth:`UpstreamStream.send_request`: one
+``send()``, one packet). The response head is read by
+:class:`~tokenwire.sidecar.upstream_conn.UpstreamConnection`, which puts back
+what came after it (:meth:`UpstreamStream.unread`); a chunked body is then
+delivered from the protocol's own ``data_received``
+(:meth:`UpstreamStream.deliver_chunked`, no task wake-up per read), other bodies
+are read with ``read()``. Either way a byte the upstream sends past its
+response's framing stays here, where :attr:`UpstreamStream.buffered` sees it
+and the connection is closed instead of pooled: otherwise the next request on
+it would read those bytes as the start of its answer.
 
-Response framing: after each request is written, ``read()`` hands httpcore
-the response head and nothing past it (a 1xx head and the next head are
-handed one at a time), so h11 never buffers body bytes. The body is then read
-by the sidecar itself (:mod:`~tokenwire.sidecar.upstream_body`, through
-:meth:`UpstreamStream.read`), or, for a ``Content-Length`` body, by h11 with
-reads capped at the bytes still due (:meth:`UpstreamStream.limit_reads`).
-Either way a byte the upstream sends past its response's framing stays here,
-where :attr:`UpstreamStream.buffered` sees it and the connection is closed
-instead of pooled: otherwise the next request on it would read those bytes as
-the start of its answer. When the sidecar read a chunked body itself, h11 is
-handed a bare last chunk (:meth:`UpstreamStream.end_body`) so that it, and so
-httpcore's pool, knows the response ended.
-
-Timeouts and exceptions follow httpcore's contract: ``ConnectError``/
-``ConnectTimeout`` when connecting, ``ReadError``/``ReadTimeout`` and
-``WriteError``/``WriteTimeout`` after; ``b""`` from ``read()`` is EOF.
+Exceptions follow httpcore's names (the sidecar maps them onto failure kinds
+in one place): ``ConnectError``/``ConnectTimeout`` when connecting,
+``ReadError`` and ``WriteError`` after; ``b""`` from ``read()`` is EOF.
 """
 
 from __future__ import annotations
@@ -44,10 +36,7 @@ from __future__ import annotations
 import _socket
 import asyncio
 import contextlib
-import contextvars
-import re
 import socket
-import ssl
 import typing
 from collections.abc import Callable, Iterable
 
@@ -57,13 +46,6 @@ from .upstream_body import ChunkedBodyReader
 
 # Bytes buffered from the upstream before its transport stops reading.
 _READ_HIGH_WATER_BYTES = 256 * 1024
-
-# Writes smaller than this are held until the next read or loop turn (see write).
-_HOLD_WRITE_BYTES = 64 * 1024
-# Where a response head ends (h11's own rule: a line feed, optional CR, line feed).
-_HEAD_END = re.compile(rb"\n\r?\n")
-# What h11 is handed, in place of the chunked body the sidecar read itself.
-_LAST_CHUNK = b"0\r\n\r\n"
 
 SocketOption = tuple[int, int, int] | tuple[int, int, bytes | bytearray] | tuple[int, int, None, int]
 
@@ -176,85 +158,55 @@ class _BodySink:
                     "the upstream closed before the end of its chunked body"))
 
 
-class RequestProbe:
-    """What the connection a request went out on knew of it, for a request
-    that failed before its response: set while :func:`probing` and filled in
-    by the :class:`UpstreamStream` the pool sent the request on."""
-
-    __slots__ = ("stream",)
-
-    def __init__(self) -> None:
-        self.stream: UpstreamStream | None = None
-
-    @property
-    def reused(self) -> bool:
-        """The request went out on a connection that had carried one before."""
-        return self.stream is not None and self.stream.requests > 1
-
-    @property
-    def answered(self) -> bool:
-        """A byte of the response came back."""
-        return self.stream is not None and self.stream.answered
-
-    @property
-    def written(self) -> bool:
-        """A byte of the request reached the socket (else the upstream saw none of it)."""
-        return self.stream is None or self.stream.written
-
-
-_PROBE: contextvars.ContextVar[RequestProbe | None] = contextvars.ContextVar(
-    "tokenwire_upstream_probe", default=None)
-
-
-@contextlib.contextmanager
-def probing(probe: RequestProbe) -> typing.Iterator[RequestProbe]:
-    """Requests this task sends meanwhile report their connection to ``probe``
-    (httpcore gives no handle on the connection of a request that failed)."""
-    token = _PROBE.set(probe)
-    try:
-        yield probe
-    finally:
-        _PROBE.reset(token)
-
-
-class UpstreamStream(httpcore.AsyncNetworkStream):
-    """One upstream connection as httpcore sees it."""
+class UpstreamStream:
+    """One upstream connection's bytes: written in one piece a request, read
+    as they are buffered (see the module docstring)."""
 
     def __init__(self, transport: asyncio.Transport, protocol: _UpstreamProtocol) -> None:
         self._transport = transport
         self._protocol = protocol
         self._loop = asyncio.get_running_loop()
-        # A request was written and its final response head is not read whole yet.
-        self._head_pending = False
-        self._head_tail = b""  # the last bytes of the head so far (an end may straddle reads)
-        self._head_start = b""  # its first bytes: is it a 1xx head?
-        self._read_limit: int | None = None
-        self._replay = b""
-        self._held: list[bytes] = []  # small writes not sent yet (see write)
         self._aborted = False
         self._cut = False
-        self.requests = 0
-        """Requests written on this connection so far (more than one: a reused keep-alive one)."""
-        self.answered = False
-        """A byte of the current request's response has come."""
-        self.written = False
-        """A byte of the current request has gone to the socket."""
 
     @property
     def buffered(self) -> bool:
         """Bytes have arrived that no read has taken (or the upstream closed)."""
         return bool(self._protocol.chunks) or self._protocol.eof
 
-    def limit_reads(self, remaining_bytes: int | None) -> None:
-        """Hand out at most ``remaining_bytes`` more (the rest of a
-        ``Content-Length`` body); None lifts the cap."""
-        self._read_limit = remaining_bytes
+    def idle_and_silent(self) -> bool:
+        """Between requests: open, nothing sent by the pod (bytes or a close),
+        not cut or aborted. A connection cut for a departed client can be back
+        in the pool before its transport is closed (the attempt was finishing
+        when the client left); reused, its next request would fail."""
+        protocol = self._protocol
+        return not (protocol.chunks or protocol.eof or self._cut or self._aborted
+                    or self._transport.is_closing())
 
     def unread(self, data: bytes) -> None:
-        """Put bytes back in front of the buffer (read past a body's end)."""
+        """Put bytes back in front of the buffer (read past a head's or body's end)."""
         protocol = self._protocol
         protocol.chunks.insert(0, data)
         protocol.buffered_bytes += len(data)
+
+    def send_request(self, data: bytes) -> None:
+        """Write a whole request (one ``send()``); ``httpcore.WriteError`` if
+        the connection is closed already."""
+        if self._protocol.failure() is not None or self._transport.is_closing():
+            raise httpcore.WriteError("the upstream connection is closed")
+        self._transport.write(data)
+
+    async def drain(self) -> None:
+        """Wait while the transport's write buffer is over its high-water mark."""
+        protocol = self._protocol
+        if not protocol.write_paused:
+            return
+        waiter = self._loop.create_future()
+        protocol.drain_waiter = waiter
+        await waiter
+        error = protocol.failure()
+        if error is not None:
+            raise httpcore.WriteError(str(error) or type(error).__name__)
 
     async def deliver_chunked(self, deliver: Callable[[list[bytes]], None]) -> None:
         """Read a chunked body to its last chunk, handing each read's chunks
@@ -303,60 +255,10 @@ class UpstreamStream(httpcore.AsyncNetworkStream):
             self._transport.resume_reading()
         sink.data(data)
 
-    def end_body(self) -> None:
-        """The sidecar read a chunked body to its end itself: the next read
-        gives httpcore's h11 a bare last chunk, so it sees the response end."""
-        self._replay = _LAST_CHUNK
-
-    def _send_held(self) -> None:
-        held = self._held
-        if held:
-            data = held[0] if len(held) == 1 else b"".join(held)
-            held.clear()
-            if not self._transport.is_closing():
-                self.written = True
-                self._transport.write(data)
-
-    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        if self._held:
-            self._send_held()
-        if self._replay:
-            data, self._replay = self._replay, b""
-            return data
-        if self._read_limit is not None:
-            if self._read_limit <= 0:
-                return b""
-            max_bytes = min(max_bytes, self._read_limit)
-        data = await self._read(max_bytes, timeout)
-        if self._head_pending and data:
-            self.answered = True
-            data = self._cut_at_head_end(data)
-        if self._read_limit is not None:
-            self._read_limit -= len(data)
-        return data
-
-    def _cut_at_head_end(self, data: bytes) -> bytes:
-        """``data`` up to the end of the response head; the rest is put back."""
-        if len(self._head_start) < 12:
-            self._head_start += data[:12 - len(self._head_start)]
-        tail = self._head_tail
-        match = _HEAD_END.search(tail + data)
-        if match is None:
-            self._head_tail = (tail + data)[-2:]
-            return data
-        cut = match.end() - len(tail)
-        # h11 reads 1xx heads (other than 101) and then the real one: keep cutting.
-        status = self._head_start[9:12]
-        informational = status[:1] == b"1" and status != b"101"
-        self._head_pending = informational
-        self._head_tail = b""
-        self._head_start = b""
-        if cut < len(data):
-            self.unread(data[cut:])
-            data = data[:cut]
-        return data
-
-    async def _read(self, max_bytes: int, timeout: float | None) -> bytes:
+    async def read(self, max_bytes: int) -> bytes:
+        """What is buffered, up to ``max_bytes`` (waiting for some if none);
+        ``b""`` once the upstream closed; ``httpcore.ReadError`` if the
+        connection failed."""
         protocol = self._protocol
         if not protocol.chunks:
             error = protocol.failure()
@@ -367,13 +269,7 @@ class UpstreamStream(httpcore.AsyncNetworkStream):
             waiter = self._loop.create_future()
             protocol.waiter = waiter
             try:
-                if timeout is None:
-                    await waiter
-                else:
-                    async with asyncio.timeout(timeout):
-                        await waiter
-            except TimeoutError:
-                raise httpcore.ReadTimeout(f"no data from the upstream in {timeout:g} s") from None
+                await waiter
             finally:
                 if protocol.waiter is waiter:
                     protocol.waiter = None
@@ -395,53 +291,7 @@ class UpstreamStream(httpcore.AsyncNetworkStream):
             self._transport.resume_reading()
         return data
 
-    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        if not buffer:
-            return
-        protocol = self._protocol
-        if not self._head_pending:
-            # The first write of a new request.
-            self.requests += 1
-            self.answered = self.written = False
-            probe = _PROBE.get()
-            if probe is not None:
-                probe.stream = self
-        # A new request (or the rest of one): its response starts with a head.
-        self._head_pending = True
-        self._head_tail = b""
-        self._head_start = b""
-        self._read_limit = None
-        self._replay = b""
-        if protocol.failure() is not None or self._transport.is_closing():
-            raise httpcore.WriteError("the upstream connection is closed")
-        held = self._held
-        if not held and len(buffer) < _HOLD_WRITE_BYTES:
-            # httpcore writes a request's head and then its body: held for a
-            # moment, they leave in one send() (one packet, one system call).
-            # The next read sends them at the latest, else the loop's next turn.
-            held.append(buffer)
-            self._loop.call_soon(self._send_held)
-            return
-        if held:
-            held.append(buffer)
-            buffer = b"".join(held)
-            held.clear()
-        self.written = True
-        self._transport.write(buffer)
-        if not protocol.write_paused:
-            return
-        waiter = self._loop.create_future()
-        protocol.drain_waiter = waiter
-        try:
-            async with asyncio.timeout(timeout):
-                await waiter
-        except TimeoutError:
-            raise httpcore.WriteTimeout(f"the upstream took no data for {timeout:g} s") from None
-        error = protocol.failure()
-        if error is not None:
-            raise httpcore.WriteError(str(error) or type(error).__name__)
-
-    async def aclose(self) -> None:
+    def close(self) -> None:
         self._transport.close()
 
     def abort(self) -> None:
@@ -476,41 +326,6 @@ class UpstreamStream(httpcore.AsyncNetworkStream):
         transport.pause_reading()
         shutdown_now(transport.get_extra_info("socket"))
 
-    async def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,
-                        timeout: float | None = None) -> httpcore.AsyncNetworkStream:
-        try:
-            async with asyncio.timeout(timeout):
-                transport = await self._loop.start_tls(
-                    self._transport, self._protocol, ssl_context, server_hostname=server_hostname)
-        except TimeoutError:
-            self._transport.abort()
-            raise httpcore.ConnectTimeout("TLS handshake with the upstream timed out") from None
-        except (OSError, ssl.SSLError) as error:
-            self._transport.abort()
-            raise httpcore.ConnectError(str(error)) from error
-        if transport is None:
-            raise httpcore.ConnectError("the upstream closed during the TLS handshake")
-        return UpstreamStream(transport, self._protocol)
-
-    def get_extra_info(self, info: str) -> typing.Any:
-        if info == "is_readable":
-            # For an idle pooled connection: has the server sent anything or closed
-            # it — or did we? A connection cut for a departed client can be back in
-            # the pool before its transport is closed (the attempt was finishing
-            # when the client left); reused, its next request would fail with
-            # "Server disconnected without sending a response".
-            protocol = self._protocol
-            return bool(protocol.chunks) or protocol.eof or self._cut or self._aborted
-        if info == "ssl_object":
-            return self._transport.get_extra_info("ssl_object")
-        if info == "client_addr":
-            return self._transport.get_extra_info("sockname")
-        if info == "server_addr":
-            return self._transport.get_extra_info("peername")
-        if info == "socket":
-            return self._transport.get_extra_info("socket")
-        return None
-
 
 def shutdown_now(sock: typing.Any) -> None:
     """``shutdown(SHUT_RDWR)`` of a transport's socket: the peer sees the
@@ -542,13 +357,13 @@ def shutdown_now(sock: typing.Any) -> None:
         twin.detach()
 
 
-class UpstreamBackend(httpcore.AsyncNetworkBackend):
+class UpstreamBackend:
     """Opens :class:`UpstreamStream` connections over TCP or a Unix socket."""
 
     async def connect_tcp(self, host: str, port: int, timeout: float | None = None,
                           local_address: str | None = None,
                           socket_options: Iterable[SocketOption] | None = None,
-                          ) -> httpcore.AsyncNetworkStream:
+                          ) -> UpstreamStream:
         loop = asyncio.get_running_loop()
         local_addr = None if local_address is None else (local_address, 0)
         return await self._connect(
@@ -557,13 +372,10 @@ class UpstreamBackend(httpcore.AsyncNetworkBackend):
 
     async def connect_unix_socket(self, path: str, timeout: float | None = None,
                                   socket_options: Iterable[SocketOption] | None = None,
-                                  ) -> httpcore.AsyncNetworkStream:
+                                  ) -> UpstreamStream:
         loop = asyncio.get_running_loop()
         return await self._connect(lambda: loop.create_unix_connection(_UpstreamProtocol, path),
                                    timeout, socket_options, tcp=False)
-
-    async def sleep(self, seconds: float) -> None:
-        await asyncio.sleep(seconds)
 
     @staticmethod
     async def _connect(open_connection: typing.Callable[[], typing.Awaitable[

@@ -1,30 +1,41 @@
-"""The upstream pool's plain HTTP/1.1 connection (``sidecar/upstream_conn.py``):
-httpcore's HTTP/1.1 connection, without the lock yields and the body
-iteration around it. Real sockets, real httpcore.
+"""The sidecar's own HTTP/1.1 upstream connection (``sidecar/upstream_conn.py``),
+through ``run_attempt`` and the pool, against real servers on 127.0.0.1.
+
+Each upstream here is a small asyncio protocol that answers every whole request
+(a head and its Content-Length body) with scripted bytes, written in the
+pieces a test chooses (one byte at a time, a head split anywhere, 1xx heads
+first), and counts the connections it accepted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import typing
+from collections.abc import Callable
 
-import httpcore
+import pytest
 from conftest import LoopThread
-from tokenwire.middleware import Input, UpstreamEnded, UpstreamHeaders
+from tokenwire.middleware import Input, UpstreamData, UpstreamEnded, UpstreamFailed, UpstreamHeaders
 from tokenwire.sidecar.upstream import Upstream, run_attempt
-from tokenwire.sidecar.upstream_conn import UpstreamConnection, open_connection
-from tokenwire.sidecar.upstream_io import UpstreamBackend
+from tokenwire.sidecar.upstream_conn import MAX_HEAD_BYTES, Origin
 from tokenwire.sidecar.upstream_pool import UpstreamPool
 
 _EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
-_ANSWER = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-           + b"%x\r\n%b\r\n0\r\n\r\n" % (len(_EVENT), _EVENT))
+_CHUNKED = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            + b"%x\r\n%b\r\n0\r\n\r\n" % (len(_EVENT), _EVENT))
+_TIMEOUTS: dict[str, float | None] = {"connect": 5.0, "pool": 5.0, "read": None, "write": None}
 
 
 class _Upstream(asyncio.Protocol):
-    """Answers each whole request (a head and its Content-Length body) with ``_ANSWER``."""
+    """Answers each whole request with ``answer``, in ``pieces`` (sizes; the
+    rest in one), closing after it if ``close_after``."""
 
+    answer = _CHUNKED
+    pieces: tuple[int, ...] = ()
+    close_after = False
     connections = 0
+    requests: list[bytes] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         type(self).connections += 1
@@ -40,73 +51,159 @@ class _Upstream(asyncio.Protocol):
             if len(rest) < length:
                 return
             self.buffer = rest[length:]
-            self.transport.write(_ANSWER)
+            type(self).requests.append(head + b"\r\n\r\n" + rest[:length])
+            asyncio.get_running_loop().create_task(self._answer())
+
+    async def _answer(self) -> None:
+        answer = self.answer
+        for size in self.pieces:
+            self.transport.write(answer[:size])
+            answer = answer[size:]
+            await asyncio.sleep(0.001)  # separate reads for the sidecar, not timing
+        self.transport.write(answer)
+        if self.close_after:
+            self.transport.close()
 
 
-def test_plainHttpOrigins_getTheLeanConnection_httpsKeepsHttpcoresOwn() -> None:
-    backend = UpstreamBackend()
-    plain = open_connection(httpcore.Origin(b"http", b"127.0.0.1", 8000), backend, uds=None,
-                            keepalive_expiry_s=5.0)
-    tls = open_connection(httpcore.Origin(b"https", b"example.com", 443), backend, uds=None,
-                          keepalive_expiry_s=5.0)
-    assert isinstance(plain, UpstreamConnection)
-    assert isinstance(tls, httpcore.AsyncHTTPConnection)
-    # Not yet connected: no other request may have it, and it is neither idle nor closed.
-    assert not plain.is_available() and not plain.is_idle() and not plain.is_closed()
-    assert not plain.has_expired()
+def _attempts(loop_thread: LoopThread, count: int, *, method: bytes = b"POST",
+              configure: Callable[[type[_Upstream]], None] = lambda upstream: None,
+              ) -> tuple[list[list[Input]], int, UpstreamPool]:
+    """``count`` attempts one after another through one pool; what each fed,
+    and how many connections the upstream accepted."""
 
+    class Scripted(_Upstream):
+        connections = 0
+        requests: list[bytes] = []
 
-def test_sequentialStreams_shareOneKeptAliveConnection_eachEndedByH11(loop_thread: LoopThread) -> None:
-    """Three chunked answers in a row: each attempt reports its head and its end,
-    and the connection h11 saw end each response goes back to the pool, idle,
-    for the next one (the upstream sees one connection)."""
+    configure(Scripted)
 
-    async def scenario() -> tuple[list[list[Input]], int, bool, str]:
-        _Upstream.connections = 0
+    async def scenario() -> tuple[list[list[Input]], int, UpstreamPool]:
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(_Upstream, "127.0.0.1", 0)
+        server = await loop.create_server(Scripted, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        pool = UpstreamPool(max_connections=4, keepalive_expiry_s=5.0, network_backend=UpstreamBackend())
+        pool = UpstreamPool(Origin(b"127.0.0.1", port, b"127.0.0.1:%d" % port), max_connections=4,
+                            keepalive_expiry_s=5.0)
         upstream = Upstream(f"http://127.0.0.1:{port}", b"http", b"127.0.0.1", port, b"", pool)
         readable = asyncio.Event()
         readable.set()
         runs: list[list[Input]] = []
-        timeouts: dict[str, float | None] = {"connect": 5.0, "pool": 5.0, "read": None, "write": None}
         try:
-            for _ in range(3):
+            for _ in range(count):
                 fed: list[Input] = []
-                bodies: list[list[bytes]] = []
-                await run_attempt(upstream, method=b"POST", target=b"/v1/chat/completions",
+
+                def body(chunks: list[bytes], fed: list[Input] = fed) -> None:
+                    fed.extend(UpstreamData(chunk) for chunk in chunks)
+
+                await run_attempt(upstream, method=method, target=b"/v1/chat/completions",
                                   headers=[(b"content-type", b"application/json"), (b"content-length", b"2")],
-                                  body=b"{}", timeouts=timeouts,
-                                  readable=readable, feed=fed.append, feed_body=bodies.append)
-                assert bodies == [[_EVENT]]
+                                  body=b"{}", timeouts=_TIMEOUTS, readable=readable, feed=fed.append,
+                                  feed_body=body)
                 runs.append(fed)
-            connections = pool.connections
-            idle = len(connections) == 1 and connections[0].is_idle()
-            kind = type(connections[0]).__name__
         finally:
             await pool.aclose()
             server.close()
-        return runs, _Upstream.connections, idle, kind
+        return runs, Scripted.connections, pool
 
-    runs, connections, idle, kind = loop_thread.run(scenario())
+    return loop_thread.run(scenario())
+
+
+def _body(fed: list[Input]) -> bytes:
+    return b"".join(event.data for event in fed if isinstance(event, UpstreamData))
+
+
+def test_sequentialStreams_shareOneKeptAliveConnection(loop_thread: LoopThread) -> None:
+    """Three chunked answers in a row: each attempt reports its head, its event
+    and its end, and the connection goes back to the pool for the next one."""
+    runs, connections, _ = _attempts(loop_thread, 3)
     for fed in runs:
-        assert [type(event) for event in fed] == [UpstreamHeaders, UpstreamEnded]
+        assert [type(event) for event in fed] == [UpstreamHeaders, UpstreamData, UpstreamEnded]
+        assert _body(fed) == _EVENT
+        headers = fed[0]
+        assert isinstance(headers, UpstreamHeaders)
+        assert headers.status == 200 and (b"content-type", b"text/event-stream") in headers.headers
     assert connections == 1
-    assert idle
-    assert kind == "UpstreamConnection"
 
 
-def test_theHttpcoreInternalsOverridden_stillExist() -> None:
-    """``upstream_conn`` replaces or calls these by name; an httpcore that
-    renamed one would leave the override unused (or fail at run time): this
-    says so first."""
-    for name in ("_send_request_headers", "_send_event", "_response_closed"):
-        assert callable(getattr(httpcore.AsyncHTTP11Connection, name, None)), name
+def test_theRequest_namesThePodsHost_andItsBodysLength(loop_thread: LoopThread) -> None:
+    seen: list[bytes] = []
+    _attempts(loop_thread, 1, configure=lambda upstream: setattr(upstream, "requests", seen))
+    assert re.fullmatch(rb"POST /v1/chat/completions HTTP/1\.1\r\nHost: 127\.0\.0\.1:\d+\r\n"
+                        rb"content-type: application/json\r\ncontent-length: 2\r\n\r\n\{\}", seen[0])
 
-    class _Stream(httpcore.AsyncNetworkStream):
-        pass
 
-    connection = httpcore.AsyncHTTP11Connection(httpcore.Origin(b"http", b"h", 80), _Stream())
-    assert hasattr(connection, "_state_lock") and hasattr(connection, "_h11_state")
+@pytest.mark.parametrize("pieces", [tuple([1] * 120), (17,), (70, 3), (len(_CHUNKED) - 3,)])
+def test_aHeadCutAnywhere_isReadWhole(loop_thread: LoopThread, pieces: tuple[int, ...]) -> None:
+    runs, connections, _ = _attempts(loop_thread, 2,
+                                     configure=lambda upstream: setattr(upstream, "pieces", pieces))
+    for fed in runs:
+        assert isinstance(fed[0], UpstreamHeaders) and isinstance(fed[-1], UpstreamEnded)
+        assert _body(fed) == _EVENT
+    assert connections == 1
+
+
+def test_informationalHeads_areSkipped(loop_thread: LoopThread) -> None:
+    answer = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n" + _CHUNKED
+    runs, connections, _ = _attempts(loop_thread, 2, configure=lambda upstream: (
+        setattr(upstream, "answer", answer), setattr(upstream, "pieces", (30, 5))))
+    for fed in runs:
+        head = fed[0]
+        assert isinstance(head, UpstreamHeaders) and head.status == 200
+        assert _body(fed) == _EVENT and isinstance(fed[-1], UpstreamEnded)
+    assert connections == 1
+
+
+@pytest.mark.parametrize(("answer", "reused"), [
+    (b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello", True),
+    (b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\nconnection: close\r\n\r\nhello", False),
+    (b"HTTP/1.0 200 OK\r\ncontent-length: 5\r\n\r\nhello", False),
+    (b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhelloEXTRA", False),  # past its framing
+    (_CHUNKED + b"HTTP/1.1 200 OK\r\n", False),
+])
+def test_onlyAResponseEndedCleanly_leavesItsConnectionForTheNext(
+        loop_thread: LoopThread, answer: bytes, reused: bool) -> None:
+    runs, connections, _ = _attempts(loop_thread, 2,
+                                     configure=lambda upstream: setattr(upstream, "answer", answer))
+    for fed in runs:
+        assert isinstance(fed[-1], UpstreamEnded)
+    assert connections == (1 if reused else 2)
+
+
+def test_aBodyToTheClose_isReadToTheClose(loop_thread: LoopThread) -> None:
+    def configure(upstream: type[_Upstream]) -> None:
+        upstream.answer = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\nall of it"
+        upstream.pieces = (40, 3)
+        upstream.close_after = True
+
+    runs, connections, _ = _attempts(loop_thread, 2, configure=configure)
+    for fed in runs:
+        assert _body(fed) == b"all of it" and isinstance(fed[-1], UpstreamEnded)
+    assert connections == 2
+
+
+def test_aHeadAnswer_hasNoBody(loop_thread: LoopThread) -> None:
+    answer = b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n"
+    runs, connections, _ = _attempts(loop_thread, 2, method=b"HEAD",
+                                     configure=lambda upstream: setattr(upstream, "answer", answer))
+    assert [[type(event) for event in fed] for fed in runs] == [[UpstreamHeaders, UpstreamEnded]] * 2
+    assert connections == 1
+
+
+@pytest.mark.parametrize(("answer", "error"), [
+    (b"", "Server disconnected without sending a response"),
+    (b"HTTP/1.1 200 OK\r\ncontent-le", "closed in the middle of a response head"),
+    (b"HTTP/1.1 200 OK\r\nx-a: " + b"a" * MAX_HEAD_BYTES, "over 102400 bytes"),
+    (b"HTTP/1.1 200 OK\r\nx a: b\r\n\r\n", "illegal header line"),
+    (b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhel", "2 bytes before the end of its 5-byte body"),
+    (b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n", "conflicting Content-Length"),
+    (b"HTTP/1.1 101 Switching Protocols\r\n\r\n", "asked for no upgrade"),
+])
+def test_aBrokenAnswer_isAFailureThatSaysWhat(loop_thread: LoopThread, answer: bytes, error: str) -> None:
+    def configure(upstream: type[_Upstream]) -> None:
+        upstream.answer = answer
+        upstream.close_after = True
+
+    runs, _, pool = _attempts(loop_thread, 1, configure=configure)
+    failed = runs[0][-1]
+    assert isinstance(failed, UpstreamFailed) and error in failed.message, runs[0]
+    assert failed.message.startswith(("RemoteProtocolError", "ReadError"))
+    assert pool.connections == []  # closed, not pooled

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 
 import httpcore
 import pytest
-from tokenwire.sidecar.upstream_io import UpstreamBackend
+from tokenwire.sidecar.upstream_conn import Origin
 from tokenwire.sidecar.upstream_pool import UpstreamPool
 
 
@@ -54,17 +54,22 @@ class _Server:
             self.closed += 1
 
 
-def _request(base: str, path: str, pool_timeout_s: float | None = 5.0) -> httpcore.Request:
-    return httpcore.Request(b"GET", base + path, headers=[(b"Host", b"test")],
-                            extensions={"timeout": {"pool": pool_timeout_s, "connect": 5.0}})
-
-
 async def _get(pool: UpstreamPool, base: str, path: str, pool_timeout_s: float | None = 5.0) -> bytes:
-    response = await pool.handle_async_request(_request(base, path, pool_timeout_s))
+    """One request through the pool as ``run_attempt`` makes it: acquire, send,
+    read the body its head frames, finish, release."""
+    connection = await pool.acquire(pool_timeout_s)
+    clean = False
     try:
-        return b"".join([part async for part in response.aiter_stream()])
+        head = await connection.send(b"GET", path.encode(), [(b"Host", b"test")], b"", connect_timeout_s=5.0)
+        assert isinstance(head.framing, int) and connection.stream is not None
+        body = b""
+        while len(body) < head.framing:
+            body += await connection.stream.read(head.framing - len(body))
+        clean = head.keep_alive
+        return body
     finally:
-        await response.aclose()
+        connection.finish(clean)
+        pool.release(connection)
 
 
 def _run(test: Callable[[_Server, str], Awaitable[None]]) -> None:
@@ -79,9 +84,10 @@ def _run(test: Callable[[_Server, str], Awaitable[None]]) -> None:
     asyncio.run(main())
 
 
-def _pool(max_connections: int = 10, keepalive_expiry_s: float | None = 60.0) -> UpstreamPool:
-    return UpstreamPool(max_connections=max_connections, keepalive_expiry_s=keepalive_expiry_s,
-                        network_backend=UpstreamBackend())
+def _pool(base: str, max_connections: int = 10, keepalive_expiry_s: float | None = 60.0) -> UpstreamPool:
+    port = int(base.rsplit(":", 1)[1])
+    return UpstreamPool(Origin(b"127.0.0.1", port, b"test"), max_connections=max_connections,
+                        keepalive_expiry_s=keepalive_expiry_s)
 
 
 async def _occupy(server: _Server, pool: UpstreamPool, base: str) -> asyncio.Task[bytes]:
@@ -104,7 +110,7 @@ async def _turns(until: Callable[[], bool], most: int = 200) -> None:
 
 def test_requestsOneAfterAnother_reuseOneConnection() -> None:
     async def test(server: _Server, base: str) -> None:
-        pool = _pool()
+        pool = _pool(base)
         for i in range(5):
             assert await _get(pool, base, f"/{i}") == b"ok"
         assert server.accepted == 1
@@ -116,7 +122,7 @@ def test_requestsOneAfterAnother_reuseOneConnection() -> None:
 
 def test_atTheLimit_aRequestWaits_thenTakesTheFreedConnection() -> None:
     async def test(server: _Server, base: str) -> None:
-        pool = _pool(max_connections=1)
+        pool = _pool(base, max_connections=1)
         first = await _occupy(server, pool, base)
         second = asyncio.create_task(_get(pool, base, "/second"))
         await _turns(lambda: "1 queued" in repr(pool))
@@ -130,7 +136,7 @@ def test_atTheLimit_aRequestWaits_thenTakesTheFreedConnection() -> None:
 
 def test_atTheLimit_aRequestGivesUpAfterItsPoolTimeout() -> None:
     async def test(server: _Server, base: str) -> None:
-        pool = _pool(max_connections=1)
+        pool = _pool(base, max_connections=1)
         first = await _occupy(server, pool, base)
         with pytest.raises(httpcore.PoolTimeout, match="1 in use"):
             await _get(pool, base, "/second", pool_timeout_s=0.05)
@@ -144,7 +150,7 @@ def test_atTheLimit_aRequestGivesUpAfterItsPoolTimeout() -> None:
 
 def test_aCancelledWaiter_passesItsTurnToTheNext() -> None:
     async def test(server: _Server, base: str) -> None:
-        pool = _pool(max_connections=1)
+        pool = _pool(base, max_connections=1)
         first = await _occupy(server, pool, base)
         second = asyncio.create_task(_get(pool, base, "/second"))
         third = asyncio.create_task(_get(pool, base, "/third"))
@@ -161,12 +167,12 @@ def test_aCancelledWaiter_passesItsTurnToTheNext() -> None:
 
 def test_aConnectionTheServerClosed_isNotReused() -> None:
     async def test(server: _Server, base: str) -> None:
-        pool = _pool()
+        pool = _pool(base)
         server.close_after_answer = True
         assert await _get(pool, base, "/first") == b"ok"
         await _turns(lambda: server.closed == 1)
         # The idle connection saw the close: the next request opens a new one.
-        await _turns(lambda: all(c.has_expired() for c in pool.connections))
+        await _turns(lambda: not any(c.reusable() for c in pool.connections))
         assert await _get(pool, base, "/second") == b"ok"
         assert server.accepted == 2
         await pool.aclose()
@@ -176,7 +182,7 @@ def test_aConnectionTheServerClosed_isNotReused() -> None:
 
 def test_anExpiredIdleConnection_isClosed_andANewOneOpened() -> None:
     async def test(server: _Server, base: str) -> None:
-        pool = _pool(keepalive_expiry_s=0.0)  # idle connections expire at once
+        pool = _pool(base, keepalive_expiry_s=0.0)  # idle connections expire at once
         assert await _get(pool, base, "/first") == b"ok"
         assert await _get(pool, base, "/second") == b"ok"
         assert server.accepted == 2
@@ -189,7 +195,7 @@ def test_anExpiredIdleConnection_isClosed_andANewOneOpened() -> None:
 def test_aFailedConnect_freesItsPlace() -> None:
     async def test(server: _Server, base: str) -> None:
         await server.stop()  # nothing listens there any more
-        pool = _pool(max_connections=1)
+        pool = _pool(base, max_connections=1)
         for _ in range(2):  # the second would wait for ever if the first kept the place
             with pytest.raises(httpcore.ConnectError):
                 await _get(pool, base, "/x")
@@ -201,7 +207,7 @@ def test_aFailedConnect_freesItsPlace() -> None:
 
 def test_closingThePool_failsWaitingRequests_andClosesItsConnections() -> None:
     async def test(server: _Server, base: str) -> None:
-        pool = _pool(max_connections=1)
+        pool = _pool(base, max_connections=1)
         first = await _occupy(server, pool, base)
         waiting = asyncio.create_task(_get(pool, base, "/second", pool_timeout_s=None))
         await _turns(lambda: "1 queued" in repr(pool))
