@@ -25,13 +25,15 @@ from setuptools import setup
 # input takes live in the rest of the core. The sidecar's HTTP/1.1 driver is
 # compiled too: its upstream socket callback (upstream_io), the exchange that
 # hands each read to the core and the client connection's write (http1) ran
-# ~6,000 instructions of interpreter per event around the compiled core. The
-# ASGI driver, HTTP/2 and the rest stay Python; config.py reads TOML and signatures.
+# ~6,000 instructions of interpreter per event around the compiled core; and
+# its upstream client (upstream_head, upstream_conn), once a stream. The ASGI driver, HTTP/2 and the rest stay Python; config.py reads TOML and signatures.
 MODULES = (
     *(f"middleware/{name}" for name in (
         "accounting", "attempt", "chunks", "client_socket", "decisions", "errors", "events", "headers",
         "lifecycle", "meter", "pending", "recording", "retry", "sse", "stream")),
     "sidecar/upstream_body",
+    "sidecar/upstream_head",
+    "sidecar/upstream_conn",
     "sidecar/upstream_io",
     "sidecar/exchange",
     "sidecar/http1",
