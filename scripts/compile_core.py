@@ -25,8 +25,9 @@ from setuptools import setup
 # input takes live in the rest of the core. The sidecar's HTTP/1.1 driver is
 # compiled too: its upstream socket callback (upstream_io), the exchange that
 # hands each read to the core and the client connection's write (http1) ran
-# ~6,000 instructions of interpreter per event around the compiled core; and
-# its upstream client (upstream_head, upstream_conn), once a stream. The ASGI driver, HTTP/2 and the rest stay Python; config.py reads TOML and signatures.
+# ~6,000 instructions of interpreter per event around the compiled core; and,
+# once a stream, its upstream client (upstream_head, upstream_conn) and the
+# heads it writes (header_fields, response_head, forwarding). The ASGI driver, HTTP/2 and the rest stay Python; config.py reads TOML and signatures.
 MODULES = (
     *(f"middleware/{name}" for name in (
         "accounting", "attempt", "chunks", "client_socket", "decisions", "errors", "events", "headers",
@@ -34,6 +35,9 @@ MODULES = (
     "sidecar/upstream_body",
     "sidecar/upstream_head",
     "sidecar/upstream_conn",
+    "sidecar/header_fields",
+    "sidecar/response_head",
+    "sidecar/forwarding",
     "sidecar/upstream_io",
     "sidecar/exchange",
     "sidecar/http1",

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-Header = tuple[bytes, bytes]
-
 # h11/_abnf.py: field_name = token; field_value = (field_vchar+ ([ \t]+ field_vchar+)*)?
 # with field_vchar = [^\x00\s] (bytes: \s is space, \t, \n, \r, \f, \v).
 _TOKEN_CHARS = b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -28,9 +26,11 @@ _TOKEN_CHARS = b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKL
 _VALUE_CHARS = bytes(c for c in range(256) if c not in b"\x00\n\r\x0b\x0c")
 
 
-def fields_valid(headers: Sequence[Header]) -> bool:
+def fields_valid(headers: Sequence[tuple[object, object]]) -> bool:
     """True if h11 would accept every name and value of ``headers`` (each a
-    ``bytes`` object: h11 takes other types through other paths)."""
+    ``bytes`` object: h11 takes other types through other paths, so anything
+    else is a no; typed ``object`` so that compiled code checks it here
+    rather than refusing it at the call)."""
     count = len(headers)
     if not count:
         return True
