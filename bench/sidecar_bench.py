@@ -27,11 +27,15 @@ Method (see bench/README.md for the figures):
 
 * ``--burst ROUNDS``: only the 200 x 100 events/s run (200 streams starting
   within 10 ms), direct, tokenwire and nginx alternating; medians over the
-  rounds of delivered vs direct, time to first event and added latency.
+  rounds of delivered vs direct, time to first event and added latency
+  (``sidecar_burst.json``).
 
 * ``--resets ROUNDS``: only 50 clients resetting in one burst (each has read
   3 events, then all reset back to back), tokenwire and nginx alternating;
-  pooled p50/p99 over the rounds (``--base DIR``: an older checkout beside them).
+  pooled p50/p99 over the rounds (``sidecar_resets.json``).
+
+``--cpu``, ``--burst``, ``--resets`` and ``--sweep`` take ``--base DIR``: an
+older checkout run beside the others, in the same rotation.
 
 Usage: ``python bench/sidecar_bench.py [--quick | --cpu | --burst | --sweep | --resets ROUNDS]``;
 writes ``bench/results/sidecar.json`` and ``bench/results/sidecar.png``.
@@ -46,6 +50,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +154,28 @@ def run(quick: bool) -> dict[str, Any]:
     return results
 
 
+@contextlib.contextmanager
+def side_by_side(base_code: str | None, *, flags: tuple[str, ...] = STAMP_FLAGS,
+                 direct: bool = False) -> Iterator[tuple[int, dict[str, tuple[int, int | None]]]]:
+    """The fake upstream, and beside it tokenwire, nginx (one worker) and, with
+    ``base_code``, the sidecar from that directory as ``base``: yields the
+    upstream's port and ``{name: (port, pid)}`` in the order they take turns
+    (``direct`` first if asked: the upstream itself, no pid)."""
+    upstream_port = free_port()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(process([PY, LOAD, "upstream", "--port", str(upstream_port)], "upstream"))
+        targets: dict[str, tuple[int, int | None]] = {"direct": (upstream_port, None)} if direct else {}
+        side = stack.enter_context(sidecar(free_port(), upstream_port, flags=flags))
+        targets["tokenwire"] = (side.port, side.pid)
+        nginx_port = free_port()
+        ngx = stack.enter_context(nginx(nginx_port, upstream_port))
+        targets["nginx"] = (nginx_port, nginx_worker_pid(ngx))
+        if base_code is not None:
+            base = stack.enter_context(sidecar(free_port(), upstream_port, code=base_code, flags=flags))
+            targets["base"] = (base.port, base.pid)
+        yield upstream_port, targets
+
+
 def cpu_per_event(rounds: int, streams: int, events: int, interval_ms: float,
                   base_code: str | None = None) -> dict[str, Any]:
     """Proxy CPU per delivered event, tokenwire and nginx alternating, ``rounds`` each.
@@ -158,19 +185,11 @@ def cpu_per_event(rounds: int, streams: int, events: int, interval_ms: float,
     ``base_code``: also a ``base`` sidecar run from that directory (the code
     before a change), in the same rotation.
     """
-    upstream_port, sidecar_port, nginx_port, base_port = free_port(), free_port(), free_port(), free_port()
-    rows: dict[str, list[dict[str, Any]]] = {"tokenwire": [], "nginx": []}
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(process([PY, LOAD, "upstream", "--port", str(upstream_port)], "upstream"))
-        side = stack.enter_context(sidecar(sidecar_port, upstream_port, flags=STAMP_FLAGS))
-        ngx = stack.enter_context(nginx(nginx_port, upstream_port))
-        targets = {"tokenwire": (sidecar_port, side.pid), "nginx": (nginx_port, nginx_worker_pid(ngx))}
-        if base_code is not None:
-            base = stack.enter_context(sidecar(base_port, upstream_port, code=base_code, flags=STAMP_FLAGS))
-            targets["base"] = (base_port, base.pid)
-            rows["base"] = []
+    with side_by_side(base_code) as (upstream_port, targets):
+        rows: dict[str, list[dict[str, Any]]] = {name: [] for name in targets}
         for round_index in range(rounds + 1):  # round 0 warms up
             for name, (port, pid) in targets.items():
+                assert pid is not None
                 before = cpu_seconds(pid)
                 result = client("throughput", port, upstream_port, "--streams", str(streams),
                                 "--events", str(events), "--interval-ms", str(interval_ms))
@@ -199,20 +218,11 @@ def burst_rounds(rounds: int, streams: int = 200, events: int = 500,
     first event p50/p99, added latency p50/p99. ``base_code``: also a ``base``
     sidecar run from that directory, in the same rotation.
     """
-    upstream_port = free_port()
-    names = ["direct", "tokenwire", "nginx", *(["base"] if base_code is not None else [])]
-    ports = {name: free_port() for name in names}
-    ports["direct"] = upstream_port
-    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(process([PY, LOAD, "upstream", "--port", str(upstream_port)], "upstream"))
-        stack.enter_context(sidecar(ports["tokenwire"], upstream_port, flags=STAMP_FLAGS))
-        stack.enter_context(nginx(ports["nginx"], upstream_port))
-        if base_code is not None:
-            stack.enter_context(sidecar(ports["base"], upstream_port, code=base_code, flags=STAMP_FLAGS))
+    with side_by_side(base_code, direct=True) as (upstream_port, targets):
+        rows: dict[str, list[dict[str, Any]]] = {name: [] for name in targets}
         for round_index in range(rounds + 1):  # round 0 warms up
             direct_rate = 1.0
-            for name, port in ports.items():
+            for name, (port, _) in targets.items():
                 result = client("throughput", port, upstream_port, "--streams", str(streams),
                                 "--events", str(events), "--interval-ms", "10")
                 if name == "direct":
@@ -246,19 +256,11 @@ def resets_at_once(rounds: int, clients: int = 50, code: str | None = None) -> d
     delays pooled over all rounds, and the median of the rounds' own p99s.
     ``code``: run that tokenwire checkout as ``base`` beside them.
     """
-    upstream_port = free_port()
-    names = ["tokenwire", "nginx", *(["base"] if code is not None else [])]
-    ports = {name: free_port() for name in names}
-    delays: dict[str, list[float]] = {name: [] for name in names}
-    round_p99: dict[str, list[float]] = {name: [] for name in names}
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(process([PY, LOAD, "upstream", "--port", str(upstream_port)], "upstream"))
-        stack.enter_context(sidecar(ports["tokenwire"], upstream_port))
-        stack.enter_context(nginx(ports["nginx"], upstream_port))
-        if code is not None:
-            stack.enter_context(sidecar(ports["base"], upstream_port, code=code))
+    with side_by_side(code, flags=()) as (upstream_port, targets):
+        delays: dict[str, list[float]] = {name: [] for name in targets}
+        round_p99: dict[str, list[float]] = {name: [] for name in targets}
         for round_index in range(rounds + 1):  # round 0 warms up
-            for name, port in ports.items():
+            for name, (port, _) in targets.items():
                 result = client("reset", port, upstream_port, "--streams", str(clients),
                                 "--concurrency", str(clients), "--at-once")
                 summary = result["reset_to_upstream_close"]
@@ -436,7 +438,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="smaller run for a smoke check")
     parser.add_argument("--cpu", type=int, metavar="ROUNDS", default=0,
                         help="only measure proxy CPU per event (40 streams x 500 events at 5 ms), "
-                             "ROUNDS alternating rounds after a warm-up; prints, writes nothing")
+                             "ROUNDS alternating rounds after a warm-up; writes sidecar_cpu.json")
     parser.add_argument("--sweep", type=int, metavar="ROUNDS", default=0,
                         help="offered load 5k/10k/20k events/s against direct, tokenwire --workers 1/2 "
                              "and nginx 1/2 workers, ROUNDS rounds each, plus 50 resets at once; "
@@ -450,19 +452,24 @@ def main() -> int:
     parser.add_argument("--burst", type=int, metavar="ROUNDS", default=0,
                         help="only the 200 x 100 events/s run (200 streams starting at once), direct, "
                              "tokenwire and nginx alternating, ROUNDS rounds after a warm-up (with --base: "
-                             "that checkout too); prints")
+                             "that checkout too); writes sidecar_burst.json")
     parser.add_argument("--resets", type=int, metavar="ROUNDS", default=0,
                         help="only 50 clients resetting at once, tokenwire and nginx alternating, "
-                             "ROUNDS rounds after a warm-up (with --base: that checkout too); prints")
+                             "ROUNDS rounds after a warm-up (with --base: that checkout too); "
+                             "writes sidecar_resets.json")
     args = parser.parse_args()
+    RESULTS.mkdir(parents=True, exist_ok=True)
     if args.burst:
-        print(json.dumps(burst_rounds(args.burst, base_code=args.base)["medians"], indent=2))
+        burst = burst_rounds(args.burst, base_code=args.base)
+        (RESULTS / "sidecar_burst.json").write_text(json.dumps(burst, indent=2) + "\n")
+        print(json.dumps(burst["medians"], indent=2))
         return 0
     if args.resets:
-        print(json.dumps(resets_at_once(args.resets, code=args.base), indent=2))
+        resets = resets_at_once(args.resets, code=args.base)
+        (RESULTS / "sidecar_resets.json").write_text(json.dumps(resets, indent=2) + "\n")
+        print(json.dumps(resets, indent=2))
         return 0
     if args.sweep:
-        RESULTS.mkdir(parents=True, exist_ok=True)
         sweep_results = sweep(args.sweep, names=tuple(args.targets.split(",")), base_code=args.base)
         (RESULTS / f"{args.out}.json").write_text(json.dumps(sweep_results, indent=2) + "\n")
         plot_sweep(sweep_results, RESULTS / f"{args.out}.png")
@@ -470,9 +477,10 @@ def main() -> int:
         print(json.dumps(sweep_results["reset_50_at_once"], indent=2))
         return 0
     if args.cpu:
-        print(json.dumps(cpu_per_event(args.cpu, 40, 500, 5, base_code=args.base), indent=2))
+        cpu = cpu_per_event(args.cpu, 40, 500, 5, base_code=args.base)
+        (RESULTS / "sidecar_cpu.json").write_text(json.dumps(cpu, indent=2) + "\n")
+        print(json.dumps(cpu, indent=2))
         return 0
-    RESULTS.mkdir(parents=True, exist_ok=True)
     results = run(args.quick)
     results["quick"] = args.quick
     (RESULTS / "sidecar.json").write_text(json.dumps(results, indent=2) + "\n")
