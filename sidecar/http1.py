@@ -332,6 +332,7 @@ class ClientConnection(asyncio.Protocol):
                                 headers=headers, body=body, peer=self._peer,
                                 http_version=request.http_version.decode())
         self._exchange = exchange
+        exchange.send_framed = self.send_framed
         exchange.start()
         if self._write_paused:
             exchange.feed(SocketPaused())
@@ -377,6 +378,16 @@ class ClientConnection(asyncio.Protocol):
             self._transport.write(b"".join((head, size_line, data, b"\r\n")))
         else:
             self._write(head)
+
+    def send_framed(self, data: bytes, framed: bytes) -> None:
+        """``send_body(data)``, given ``framed``: ``data`` framed as
+        ``send_body`` frames a chunk (its ``%x`` size line, the data, CRLF),
+        as an upstream's chunk came. Those bytes are written as they are,
+        with no frame made and joined around the data again."""
+        if self._chunked_body and not self._held_head and self._transport is not None and not self._lost:
+            self._transport.write(framed)
+        else:
+            self.send_body(data)
 
     def end_response(self, *, abrupt: bool, reset: bool) -> None:
         """End the response: cleanly, by closing without the terminator, or by a reset."""
