@@ -116,6 +116,8 @@ class Exchange:
         # Looked at after each upstream read's write (feed_chunks): one call, no dispatch.
         self._client_closing = downstream.closing_probe()
         self._loop = asyncio.get_running_loop()
+        # The loop's clock, bound once: read on every upstream read.
+        self._now = self._loop.time
         self.request_id = request_id
         """The client's id (or one made up for it): logs, the response, the admin list."""
         self.upstream_request_id = upstream_request_id or request_id
@@ -258,7 +260,7 @@ class Exchange:
         for data in chunks:
             if not self._busy and not self._done and not self._inbox and not self._response_ended:
                 try:
-                    out = self.stream.forward_read(data, self._loop.time())
+                    out = self.stream.forward_read(data, self._now())
                 except Exception:
                     logger.exception("stream %s: driver failure; resetting the client", self.request_id)
                     self._crash()
@@ -297,7 +299,7 @@ class Exchange:
             self.feed_chunks([data])
             return
         try:
-            out = self.stream.forward_read(data, self._loop.time())
+            out = self.stream.forward_read(data, self._now())
         except Exception:
             logger.exception("stream %s: driver failure; resetting the client", self.request_id)
             self._crash()

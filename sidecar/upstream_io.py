@@ -155,9 +155,11 @@ class _BodySink:
         # A delivery that takes a one-chunk read whole, framing and all.
         self.framed = deliver if isinstance(deliver, ChunkDelivery) else None
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # Looked at on every read: bound once (a method lookup per call otherwise).
+        self._ended = self.done.done
 
     def data(self, data: bytes) -> None:
-        if self.done.done():
+        if self._ended():
             return
         framed = self.framed
         if framed is not None:
