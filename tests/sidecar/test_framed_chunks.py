@@ -2,8 +2,8 @@
 client's chunks, is forwarded as it came (``upstream_body.ChunkDelivery``,
 ``Exchange.feed_framed_chunk``, ``http1.send_framed``). The client must not
 be able to tell: whatever the upstream's size-line spelling and however many
-chunks a read holds, each read reaches the client as the one chunk the
-sidecar would have framed itself around the core's output. The upstream
+chunks a read holds, each read reaches the client as the chunks the sidecar
+frames itself around the core's output. The upstream
 sends a read only once the client has what the previous one gave, so every
 read is one socket read of the sidecar and the client's bytes are fixed."""
 
