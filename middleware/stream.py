@@ -39,7 +39,7 @@ the client is treated as gone.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Final
 
 from .accounting import GAP_BUCKETS_S
 from .attempt import RETRYABLE_STATUSES, failure_error
@@ -82,8 +82,11 @@ from .sse import SSEEvent
 
 __all__ = ["GAP_BUCKETS_S", "HEARTBEAT", "TRANSITIONS", "StreamState", "WireStream"]
 
-W, C, S = StreamState.WAITING, StreamState.COMMITTED, StreamState.STREAMING
-_NO_DEADLINE = float("inf")
+# Final: compiled, a final module name is a C static, not a lookup in the module's dict.
+W: Final = StreamState.WAITING
+C: Final = StreamState.COMMITTED
+S: Final = StreamState.STREAMING
+_NO_DEADLINE: Final = float("inf")
 
 
 class WireStream(StreamDecisions):

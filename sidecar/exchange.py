@@ -67,6 +67,7 @@ from .forwarding import client_response_headers
 from .metrics import REPLAY_UPSTREAM
 from .milestones import Milestones, open_span, request_fields, wall_clock
 from .upstream import Grant, run_attempt
+from .upstream_body import ChunkDelivery
 from .upstream_io import UpstreamStream
 
 logger = logging.getLogger("tokenwire.sidecar")
@@ -115,6 +116,8 @@ class Exchange:
         # Looked at after each upstream read's write (feed_chunks): one call, no dispatch.
         self._client_closing = downstream.closing_probe()
         self._loop = asyncio.get_running_loop()
+        # The loop's clock, bound once: read on every upstream read.
+        self._now = self._loop.time
         self.request_id = request_id
         """The client's id (or one made up for it): logs, the response, the admin list."""
         self.upstream_request_id = upstream_request_id or request_id
@@ -165,6 +168,12 @@ class Exchange:
         self._cut_at = 0.0
         # A departed client's cut attempt, not yet timed (_cut_attempt's watch).
         self._unwatched: asyncio.Task[None] | None = None
+        self.send_framed: Callable[[bytes, bytes], None] | None = None
+        """The client connection's write of a chunk the upstream framed as the
+        client's chunks are framed (``send_framed(data, framed)`` writes
+        ``framed`` where ``send_body(data)`` would write those very bytes),
+        set by a connection that frames its chunks so (HTTP/1.1); None: every
+        read goes through ``send_body``."""
 
     # ------------------------------------------------------------ public
 
@@ -251,7 +260,7 @@ class Exchange:
         for data in chunks:
             if not self._busy and not self._done and not self._inbox and not self._response_ended:
                 try:
-                    out = self.stream.forward_read(data, self._loop.time())
+                    out = self.stream.forward_read(data, self._now())
                 except Exception:
                     logger.exception("stream %s: driver failure; resetting the client", self.request_id)
                     self._crash()
@@ -271,6 +280,39 @@ class Exchange:
             self._write_batch(batch)
             # One look per read, after its write: the loop may have read this
             # client's reset earlier in this turn, or the write found it gone.
+            closing = self._client_closing
+            if closing is not None and not self._response_ended and closing():
+                self._client_left()
+        if self._milestones is not None:
+            self._milestones.after((), self._loop.time())
+
+    def feed_framed_chunk(self, data: bytes, framed: bytes) -> None:
+        """One upstream read that is exactly one chunk: ``data``, framed as
+        ``framed`` the way the client's chunks are framed (see
+        :class:`~tokenwire.sidecar.upstream_body.ChunkDelivery`). The same as
+        ``feed_chunks([data])``, except that when the core's one-call path
+        forwards ``data`` unchanged and the client connection can
+        (``send_framed``), the read goes to the client as it came: no slice of
+        the data and no new frame joined around it."""
+        send_framed = self.send_framed
+        if send_framed is None or self._busy or self._done or self._inbox or self._response_ended:
+            self.feed_chunks([data])
+            return
+        try:
+            out = self.stream.forward_read(data, self._now())
+        except Exception:
+            logger.exception("stream %s: driver failure; resetting the client", self.request_id)
+            self._crash()
+            return
+        if out is None:
+            self.feed(UpstreamData(data))
+        else:
+            if out is data:
+                send_framed(data, framed)
+            else:
+                self._downstream.send_body(out)
+            # As in feed_chunks: the loop may have read this client's reset
+            # earlier in this turn, or the write found it gone.
             closing = self._client_closing
             if closing is not None and not self._response_ended and closing():
                 self._client_left()
@@ -485,6 +527,10 @@ class Exchange:
         self.upstream_address = answer.address
         self._launch_attempt(answer)
 
+    def is_current(self, attempt: asyncio.Task[None]) -> bool:
+        """``attempt`` is the exchange's current one (not dropped, not replaced)."""
+        return attempt is self._attempt
+
     def _report_pod(self, *, ok: bool) -> None:
         """Tell the balancer how the attempt went before its first byte (once)."""
         if self._grant is not None and not self._grant_reported:
@@ -518,17 +564,14 @@ class Exchange:
             if attempt is not None and attempt is self._attempt:
                 self._attempt_connection = stream
 
-        def body_from_attempt(chunks: list[bytes]) -> None:
-            if attempt is not None and attempt is self._attempt:
-                self.feed_chunks(chunks)
-
+        body_from_attempt = _AttemptBody(self)
         self._attempt_connection = None
         attempt = self._loop.create_task(run_attempt(
             grant.upstream, method=self._method, target=self._target,
             headers=self._upstream_headers, body=self._body, timeouts=pools.timeouts,
             readable=self._upstream_readable, feed=feed_from_attempt, on_connection=connected,
             feed_body=body_from_attempt))
-        self._attempt = attempt
+        self._attempt = body_from_attempt.attempt = attempt
 
     def _abort_attempt(self) -> None:
         self._release_pod()
@@ -585,3 +628,22 @@ class Exchange:
             histogram.observe(self._loop.time() - started_at)
 
         attempt.add_done_callback(closed)
+
+
+class _AttemptBody(ChunkDelivery):
+    """An attempt's body reads, for its exchange while the attempt is the
+    current one (a dropped attempt's late reads must not reach the core)."""
+
+    def __init__(self, exchange: Exchange) -> None:
+        self.exchange = exchange
+        self.attempt: asyncio.Task[None] | None = None
+
+    def __call__(self, chunks: list[bytes]) -> None:
+        exchange = self.exchange
+        if self.attempt is not None and exchange.is_current(self.attempt):
+            exchange.feed_chunks(chunks)
+
+    def framed_chunk(self, data: bytes, framed: bytes) -> None:
+        exchange = self.exchange
+        if self.attempt is not None and exchange.is_current(self.attempt):
+            exchange.feed_framed_chunk(data, framed)

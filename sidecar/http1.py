@@ -94,6 +94,8 @@ class ClientConnection(asyncio.Protocol):
         self._config = context.config
         self._loop = asyncio.get_running_loop()
         self._transport: asyncio.Transport | None = None
+        # The transport's write, bound once (send_framed: a method lookup per event otherwise).
+        self._transport_write: Callable[[bytes], None] | None = None
         self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self._config.max_head_bytes)
         self._phase = Phase.IDLE
         self._timer: asyncio.TimerHandle | None = None
@@ -127,6 +129,7 @@ class ClientConnection(asyncio.Protocol):
         # uvloop's transports quack like asyncio.Transport without subclassing it.
         transport = typing.cast(asyncio.Transport, transport)
         self._transport = transport
+        self._transport_write = transport.write
         context = self._context
         if self._over_limit is None:
             self._over_limit = len(context.connections) >= self._config.max_connections
@@ -332,6 +335,7 @@ class ClientConnection(asyncio.Protocol):
                                 headers=headers, body=body, peer=self._peer,
                                 http_version=request.http_version.decode())
         self._exchange = exchange
+        exchange.send_framed = self.send_framed
         exchange.start()
         if self._write_paused:
             exchange.feed(SocketPaused())
@@ -377,6 +381,17 @@ class ClientConnection(asyncio.Protocol):
             self._transport.write(b"".join((head, size_line, data, b"\r\n")))
         else:
             self._write(head)
+
+    def send_framed(self, data: bytes, framed: bytes) -> None:
+        """``send_body(data)``, given ``framed``: ``data`` framed as
+        ``send_body`` frames a chunk (its ``%x`` size line, the data, CRLF),
+        as an upstream's chunk came. Those bytes are written as they are,
+        with no frame made and joined around the data again."""
+        write = self._transport_write
+        if self._chunked_body and not self._held_head and write is not None and not self._lost:
+            write(framed)
+        else:
+            self.send_body(data)
 
     def end_response(self, *, abrupt: bool, reset: bool) -> None:
         """End the response: cleanly, by closing without the terminator, or by a reset."""

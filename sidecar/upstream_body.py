@@ -14,7 +14,12 @@ chunk, as the upstream framed it, so what it writes does not depend on how
 the reads were cut; the sidecar then writes what they give in one go).
 
 It is sans-IO: ``feed(data)`` returns the body pieces, ``done`` says whether the
-last chunk and the trailer section were read. Bytes after the end are not
+last chunk and the trailer section were read. ``framed_chunk_start(data)``
+says where the data starts in a read that is exactly one whole chunk framed
+as the sidecar would frame it for its own client (a size line of lowercase hex
+digits, no leading zero, no extension): such a read can be forwarded to an
+HTTP/1.1 client as it came, framing and all (a :class:`ChunkDelivery` offers
+that), instead of slicing the data out and joining a new frame around it. Bytes after the end are not
 consumed; ``leftover`` holds them, and a response followed by anything is a
 reason to close its connection rather than pool it (the next response on it
 would start with those bytes).
@@ -44,6 +49,30 @@ _DATA_END: Final = 2
 _TRAILER: Final = 3
 _DONE: Final = 4
 _SIZE_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[^\r\n\x00]*)?\Z")
+
+
+def _canonical_size_line(data: bytes, end: int) -> tuple[int, int]:
+    """A size line at the start of ``data`` spelled as ``b"%x\\r\\n" % size``
+    spells it (lowercase hex digits, the first not ``0``, then CRLF): the size
+    and where the chunk's data starts; (-1, 0) for any other line, or one not
+    all here."""
+    size = 0
+    index = 0
+    stop = min(end, 16)
+    if end and data[0] == 48:
+        return -1, 0
+    while index < stop:
+        byte = data[index]
+        if 48 <= byte <= 57:
+            size = size * 16 + byte - 48
+        elif 97 <= byte <= 102:
+            size = size * 16 + byte - 87
+        else:
+            break
+        index += 1
+    if index == 0 or index + 1 >= end or data[index] != 13 or data[index + 1] != 10:
+        return -1, 0
+    return size, index + 2
 
 
 def _size_line(data: bytes, pos: int, end: int) -> tuple[int, int]:
@@ -89,6 +118,20 @@ class ChunkedBodyReader:
         self.done = False
         """The last chunk and the trailer section have been read (an attribute,
         not a property: it is read after every socket read)."""
+
+    def framed_chunk_start(self, data: bytes) -> int:
+        """Where the chunk's data starts if ``data`` is, at a chunk boundary,
+        exactly one whole chunk with a canonical size line (see
+        :func:`_canonical_size_line`); else 0. Changes nothing: the read is
+        one chunk, after which the reader is where it was (what ``feed`` would
+        have returned is ``[data[start:-2]]``)."""
+        if self._state != _SIZE or self._buffer:
+            return 0
+        end = len(data)
+        size, start = _canonical_size_line(data, end)
+        if size > 0 and end == start + size + 2 and data[end - 2] == 13 and data[end - 1] == 10:
+            return start
+        return 0
 
     def feed(self, data: bytes) -> list[bytes]:
         """The body bytes in ``data``, one piece per chunk (or part of one);
@@ -173,3 +216,20 @@ class ChunkedBodyReader:
         if pos < end:
             self._buffer = buffer[pos:]
         return out
+
+
+class ChunkDelivery:
+    """Where a chunked body's reads go (``UpstreamStream.deliver_chunked``):
+    called with each read's chunk data, in order, as a plain callable would be.
+    A read that is exactly one chunk framed as the sidecar frames its own
+    client's chunks (:meth:`ChunkedBodyReader.framed_chunk_start`) is offered
+    whole to :meth:`framed_chunk` instead, so the driver may forward it as it
+    came."""
+
+    def __call__(self, chunks: list[bytes]) -> None:
+        raise NotImplementedError
+
+    def framed_chunk(self, data: bytes, framed: bytes) -> None:
+        """One read that is exactly one chunk: its data, and the read itself
+        (``b"%x\\r\\n" % len(data) + data + b"\\r\\n"``, byte for byte)."""
+        self([data])

@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable
 
 import httpcore
 
-from .upstream_body import ChunkedBodyReader
+from .upstream_body import ChunkDelivery, ChunkedBodyReader
 
 # Bytes buffered from the upstream before its transport stops reading.
 _READ_HIGH_WATER_BYTES = 256 * 1024
@@ -134,11 +134,23 @@ class _BodySink:
     def __init__(self, deliver: Callable[[list[bytes]], None]) -> None:
         self.reader = ChunkedBodyReader()
         self.deliver = deliver
+        # A delivery that takes a one-chunk read whole, framing and all.
+        self.framed = deliver if isinstance(deliver, ChunkDelivery) else None
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # Looked at on every read: bound once (a method lookup per call otherwise).
+        self._ended = self.done.done
 
     def data(self, data: bytes) -> None:
-        if self.done.done():
+        if self._ended():
             return
+        framed = self.framed
+        if framed is not None:
+            # The usual read of a streaming upstream: one chunk, as the sidecar
+            # would frame it itself (it cannot end the body: its size is not 0).
+            start = self.reader.framed_chunk_start(data)
+            if start:
+                framed.framed_chunk(data[start:len(data) - 2], data)
+                return
         try:
             chunks = self.reader.feed(data)
         except httpcore.RemoteProtocolError as error:

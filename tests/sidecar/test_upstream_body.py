@@ -96,3 +96,68 @@ def test_oneWholeChunkPerRead_isOnePiece_inEverySpelling() -> None:
         reader = ChunkedBodyReader()
         assert reader.feed(size_line + b"\r\n" + b"y" * 26 + b"\r\n") == [b"y" * 26], size_line
         assert not reader.done
+
+
+def _spelled(piece: bytes, form: str) -> bytes:
+    digits = {"lower": f"{len(piece):x}", "upper": f"{len(piece):X}", "zero": f"0{len(piece):x}",
+              "padded": f"{len(piece):016x}", "extension": f"{len(piece):x};a=b",
+              "space": f"{len(piece):x} "}[form]
+    return digits.encode() + b"\r\n" + piece + b"\r\n"
+
+
+@settings(max_examples=400, deadline=None)
+@given(spec=st.lists(st.tuples(st.integers(min_value=1, max_value=700), st.binary(min_size=1, max_size=5),
+                               st.sampled_from(["lower", "upper", "zero", "padded", "extension", "space"])),
+                     min_size=1, max_size=8),
+       cuts=st.lists(st.integers(min_value=0, max_value=6000), max_size=5),
+       whole=st.booleans())
+def test_property_aFramedChunkRead_isWhatFeedWouldGive_spelledAsTheSidecarFramesIt(
+        spec: list[tuple[int, bytes, str]], cuts: list[int], whole: bool) -> None:
+    # The sidecar forwards a read that framed_chunk_start accepts as it came
+    # and never feeds it to the reader. That is only right if (1) feeding it
+    # would have given exactly its data, as one piece, and left the reader as
+    # it was (the rest of the body reads the same), and (2) the read is byte
+    # for byte what http1.send_body writes for that data: the lowercase "%x"
+    # size line, the data, CRLF. Reads are cut anywhere, or one chunk each.
+    pieces = [((seed * size)[:size], form) for size, seed, form in spec]
+    chunks = [_spelled(piece, form) for piece, form in pieces]
+    body = b"".join(chunks) + b"0\r\n\r\n"
+    if whole:
+        reads = [*chunks, b"0\r\n\r\n"]
+    else:
+        bounds = sorted({0, len(body), *(cut % (len(body) + 1) for cut in cuts)})
+        reads = [body[a:b] for a, b in itertools.pairwise(bounds)]
+    skipping, feeding = ChunkedBodyReader(), ChunkedBodyReader()
+    out_skipping: list[bytes] = []
+    out_feeding: list[bytes] = []
+    framed = 0
+    for read in reads:
+        fed = feeding.feed(read)
+        out_feeding += fed
+        start = skipping.framed_chunk_start(read)
+        if start:
+            framed += 1
+            data = read[start:len(read) - 2]
+            assert fed == [data]
+            assert read == b"%x\r\n" % len(data) + data + b"\r\n"
+            out_skipping.append(data)
+        else:
+            out_skipping += skipping.feed(read)
+    assert out_skipping == out_feeding
+    assert b"".join(out_skipping) == b"".join(piece for piece, _ in pieces)
+    assert skipping.done and feeding.done and skipping.leftover == feeding.leftover == b""
+    if reads[:-1] == chunks:
+        # Every chunk spelled as "%x" spells it (upper case without a-f digits too) went whole.
+        assert framed == sum(chunk == _spelled(piece, "lower")
+                             for chunk, (piece, _) in zip(chunks, pieces, strict=True))
+
+
+def test_framedChunkStart_onlyForOneWholeCanonicalChunk_atABoundary() -> None:
+    reader = ChunkedBodyReader()
+    one = b"1a\r\n" + b"y" * 26 + b"\r\n"
+    assert reader.framed_chunk_start(one) == 4
+    for other in (b"1A\r\n" + b"y" * 26 + b"\r\n", b"01a\r\n" + b"y" * 26 + b"\r\n",
+                  b"1a;x=y\r\n" + b"y" * 26 + b"\r\n", one + one, one[:-1], b"0\r\n\r\n", b""):
+        assert reader.framed_chunk_start(other) == 0, other
+    reader.feed(one[:10])  # inside a chunk: nothing is framed whole now
+    assert reader.framed_chunk_start(one) == 0
