@@ -53,27 +53,27 @@ def gap_bucket(gap_s: float) -> int:
     ``bisect`` boxed the gap and compared Python floats (~750).
     ``test_gapBucket_isBisectLeft_forEveryGap`` holds them to ``GAP_BUCKETS_S``,
     NaN (index 0, as ``bisect_left`` puts it) included."""
-    if not 0.005 < gap_s:
+    if not gap_s > 0.005:
         return 0
-    if not 0.01 < gap_s:
+    if not gap_s > 0.01:
         return 1
-    if not 0.025 < gap_s:
+    if not gap_s > 0.025:
         return 2
-    if not 0.05 < gap_s:
+    if not gap_s > 0.05:
         return 3
-    if not 0.1 < gap_s:
+    if not gap_s > 0.1:
         return 4
-    if not 0.25 < gap_s:
+    if not gap_s > 0.25:
         return 5
-    if not 0.5 < gap_s:
+    if not gap_s > 0.5:
         return 6
-    if not 1.0 < gap_s:
+    if not gap_s > 1.0:
         return 7
-    if not 2.5 < gap_s:
+    if not gap_s > 2.5:
         return 8
-    if not 5.0 < gap_s:
+    if not gap_s > 5.0:
         return 9
-    if not 10.0 < gap_s:
+    if not gap_s > 10.0:
         return 10
     return 11
 
