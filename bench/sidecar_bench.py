@@ -108,6 +108,13 @@ def hold(target_port: int, upstream_port: int, pid_of: Any, streams: int) -> dic
 # unlisted, no two chunks could merge and the slow-reader scenario would
 # measure the stamp, not the sidecar (51 s late, like nginx).
 STAMP_FLAGS = ("--volatile-chunk-fields", "obfuscation", "--volatile-chunk-fields", "system_fingerprint")
+# The nginx beside the sidecar keeps idle upstream connections for its default
+# keepalive_timeout, 60 s (targets.nginx: "keepalive 256"); the sidecar's
+# default is 4 s (under uvicorn's 5 s, so an engine never closes one just as a
+# request goes out on it). A burst row's rounds are more than 4 s apart, so
+# with the default every burst would also open 200 upstream connections that
+# nginx's finds open: the same keep-alive for both compares the proxies.
+NGINX_KEEPALIVE_FLAGS = ("--upstream-keepalive-s", "60")
 
 
 def run(quick: bool) -> dict[str, Any]:
@@ -216,9 +223,12 @@ def burst_rounds(rounds: int, streams: int = 200, events: int = 500,
     upstream's first chunk), which counts in delivered vs direct. Per target:
     medians over the rounds of delivered vs direct (same round's direct run),
     first event p50/p99, added latency p50/p99. ``base_code``: also a ``base``
-    sidecar run from that directory, in the same rotation.
+    sidecar run from that directory, in the same rotation. The sidecars keep
+    idle upstream connections as long as the nginx beside them (see
+    ``NGINX_KEEPALIVE_FLAGS``).
     """
-    with side_by_side(base_code, direct=True) as (upstream_port, targets):
+    flags = STAMP_FLAGS + NGINX_KEEPALIVE_FLAGS
+    with side_by_side(base_code, direct=True, flags=flags) as (upstream_port, targets):
         rows: dict[str, list[dict[str, Any]]] = {name: [] for name in targets}
         for round_index in range(rounds + 1):  # round 0 warms up
             direct_rate = 1.0
