@@ -26,8 +26,7 @@ owns the parts the stream composes (``attempt.py``, ``client_socket.py``,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from collections.abc import Sequence
 
 from .accounting import Accounting
 from .attempt import UpstreamAttempt
@@ -61,9 +60,6 @@ _LIVE = (StreamState.COMMITTED, StreamState.STREAMING)  # heartbeats run; a depa
 
 class StreamDecisions:
     """The parts of one response and the decisions over them; see the module docstring."""
-
-    _HANDLER_NAMES: ClassVar[dict[type, str]] = {}
-    """Input type → the method that handles it (filled in by ``WireStream``)."""
 
     def __init__(
         self,
@@ -122,8 +118,6 @@ class StreamDecisions:
         self._status = 0
         self._end_reason: EndReason | None = None
         self._error_code: ErrorCode | None = None
-        self._handlers: dict[type, Callable[[Any, float], None]] = {
-            kind: getattr(self, name) for kind, name in self._HANDLER_NAMES.items()}
 
     def record(self, now: float, upstream: str | None = None) -> StreamRecord:
         """The accounting record as of ``now`` (final once ``finished``);
@@ -407,6 +401,7 @@ class StreamDecisions:
         if not client.gone and (self._pending or client.write_in_flight):
             return
         self._finished = True
+        self._resume.detach()  # nothing is recorded past the end
         if not client.gone:
             self._actions.append(CloseClient(abrupt=self._close_abrupt))
         # Built when the driver reads it: after it acted on what precedes it

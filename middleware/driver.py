@@ -43,6 +43,10 @@ from .replay_store import ReplayStore, StoreUnavailable, admit, feed_replay
 from .resume import CallerKey, ResumeFrom, classify
 
 
+def _no_tick(now: float) -> None:
+    """A closed timer's ``on_tick``."""
+
+
 class DeadlineTimer:
     """One event-loop timer at the core's next deadline. See the module docstring."""
 
@@ -70,6 +74,13 @@ class DeadlineTimer:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
+
+    def close(self) -> None:
+        """Cancel, and let go of ``on_tick`` for good: it usually refers to the
+        owner of this timer (a reference cycle, which only the cyclic
+        collector would free), and a finished stream has no deadline left."""
+        self.cancel()
+        self._on_tick = _no_tick
 
     def _fire(self) -> None:
         self._handle = None

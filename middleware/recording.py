@@ -50,6 +50,10 @@ class RecorderPhase(StrEnum):
     READER = "reader"
 
 
+def _detached(action: ReplayAppend) -> None:
+    raise RuntimeError(f"a finished stream's recorder emitted {action!r}")
+
+
 class ResumeRecorder:
     """Numbers a resumable response's events and records them for the store."""
 
@@ -151,6 +155,11 @@ class ResumeRecorder:
             self.frames.clear()
         self.flush(discard=not committed)
         self.recording = False
+
+    def detach(self) -> None:
+        """Let go of ``emit`` (the stream is finished): it is the stream's own
+        method, a reference cycle only the cyclic collector would free."""
+        self._emit = _detached
 
     def flush(self, *, discard: bool = False) -> None:
         """Emit what was recorded since the last flush (and the end, once known)."""

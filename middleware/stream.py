@@ -39,7 +39,8 @@ the client is treated as gone.
 
 from __future__ import annotations
 
-from typing import ClassVar, Final
+from collections.abc import Callable
+from typing import Any, Final
 
 from .accounting import GAP_BUCKETS_S
 from .attempt import RETRYABLE_STATUSES, failure_error
@@ -93,22 +94,6 @@ class WireStream(StreamDecisions):
     """The wire core for one response. See the module docstring; the
     constructor's arguments are :class:`StreamDecisions`'s."""
 
-    _HANDLER_NAMES: ClassVar[dict[type, str]] = {
-        UpstreamHeaders: "_on_upstream_headers",
-        UpstreamData: "_on_upstream_data",
-        UpstreamEvent: "_on_upstream_event",
-        UpstreamEnded: "_on_upstream_ended",
-        UpstreamFailed: "_on_upstream_failed",
-        SocketPaused: "_on_paused",
-        SocketResumed: "_on_resumed",
-        WriteCompleted: "_on_write_completed",
-        ClientGone: "_on_client_gone",
-        StopRequested: "_on_stop",
-        Rejected: "_on_rejected",
-        ReplaySource: "_on_replay_source",
-        ReaderAttached: "_on_reader_attached",
-        Tick: "_on_tick",
-    }
 
     # ------------------------------------------------------------ public API
 
@@ -147,7 +132,7 @@ class WireStream(StreamDecisions):
 
     def handle(self, event: Input, now: float) -> list[Action]:
         """Feed one input; return the actions to execute, in order."""
-        handler = self._handlers.get(type(event))
+        handler = _HANDLERS.get(type(event))
         if handler is None:
             raise TypeError(f"not a wire core input: {event!r}")
         if self._finished:
@@ -156,7 +141,7 @@ class WireStream(StreamDecisions):
                 client.write_in_flight = False
             return []
         self._deadline_bound = None
-        handler(event, now)
+        handler(self, event, now)
         self._fire_timers(now)
         resume = self._resume
         if resume.recording:
@@ -493,3 +478,25 @@ class WireStream(StreamDecisions):
 
     def _on_tick(self, event: Tick, now: float) -> None:
         pass  # timers fire after every input; see _fire_timers
+
+
+# Input type -> the method that handles it. The class's functions, not a
+# stream's bound methods: a table of bound methods kept on the stream was a
+# reference cycle (stream -> table -> method -> stream), so every finished
+# stream's objects waited for the cyclic collector instead of being freed at once.
+_HANDLERS: Final[dict[type, Callable[[WireStream, Any, float], None]]] = {
+    UpstreamHeaders: WireStream._on_upstream_headers,
+    UpstreamData: WireStream._on_upstream_data,
+    UpstreamEvent: WireStream._on_upstream_event,
+    UpstreamEnded: WireStream._on_upstream_ended,
+    UpstreamFailed: WireStream._on_upstream_failed,
+    SocketPaused: WireStream._on_paused,
+    SocketResumed: WireStream._on_resumed,
+    WriteCompleted: WireStream._on_write_completed,
+    ClientGone: WireStream._on_client_gone,
+    StopRequested: WireStream._on_stop,
+    Rejected: WireStream._on_rejected,
+    ReplaySource: WireStream._on_replay_source,
+    ReaderAttached: WireStream._on_reader_attached,
+    Tick: WireStream._on_tick,
+}

@@ -428,7 +428,7 @@ class Exchange:
             if self.upstream_request_id != self.request_id:
                 extra["upstream_request_id"] = self.upstream_request_id
             context.log.write(record, **extra)
-        self._timer.cancel()
+        self._timer.close()
         if self._reader_wait is not None:
             self._reader_wait.cancel()
         attempt = self._attempt
@@ -548,30 +548,29 @@ class Exchange:
     def _launch_attempt(self, grant: Grant) -> None:
         pools = self._context.pools
         self._upstream_readable.set()
-        attempt: asyncio.Task[None] | None = None
-
-        def feed_from_attempt(event: Input) -> None:
-            # A dropped attempt's late reports must not reach the core.
-            if attempt is not None and attempt is self._attempt:
-                if not self._grant_reported:
-                    if isinstance(event, UpstreamHeaders):
-                        self._report_pod(ok=event.status < 500)
-                    elif isinstance(event, UpstreamFailed):
-                        self._report_pod(ok=False)
-                self.feed(event)
-
-        def connected(stream: object) -> None:
-            if attempt is not None and attempt is self._attempt:
-                self._attempt_connection = stream
-
-        body_from_attempt = _AttemptBody(self)
+        callbacks = _AttemptBody(self)
         self._attempt_connection = None
         attempt = self._loop.create_task(run_attempt(
             grant.upstream, method=self._method, target=self._target,
             headers=self._upstream_headers, body=self._body, timeouts=pools.timeouts,
-            readable=self._upstream_readable, feed=feed_from_attempt, on_connection=connected,
-            feed_body=body_from_attempt))
-        self._attempt = body_from_attempt.attempt = attempt
+            readable=self._upstream_readable, feed=callbacks.feed, on_connection=callbacks.connected,
+            feed_body=callbacks))
+        self._attempt = callbacks.attempt = attempt
+        attempt.add_done_callback(callbacks.release)
+
+    def _attempt_feed(self, attempt: asyncio.Task[None], event: Input) -> None:
+        # A dropped attempt's late reports must not reach the core.
+        if attempt is self._attempt:
+            if not self._grant_reported:
+                if isinstance(event, UpstreamHeaders):
+                    self._report_pod(ok=event.status < 500)
+                elif isinstance(event, UpstreamFailed):
+                    self._report_pod(ok=False)
+            self.feed(event)
+
+    def _attempt_connected(self, attempt: asyncio.Task[None], stream: object) -> None:
+        if attempt is self._attempt:
+            self._attempt_connection = stream
 
     def _abort_attempt(self) -> None:
         self._release_pod()
@@ -631,19 +630,40 @@ class Exchange:
 
 
 class _AttemptBody(ChunkDelivery):
-    """An attempt's body reads, for its exchange while the attempt is the
-    current one (a dropped attempt's late reads must not reach the core)."""
+    """An attempt's reports (``feed``, ``connected``) and body reads, for its
+    exchange while the attempt is the current one (a dropped attempt's late
+    reads must not reach the core).
+
+    Released once the attempt's task is done: a task that ended in an
+    exception (a cancelled one) keeps its traceback, whose frames keep their
+    arguments, these callbacks among them; holding the exchange and the task
+    past that would be a reference cycle, and every aborted stream's objects
+    would wait for the cyclic collector instead of being freed at once."""
 
     def __init__(self, exchange: Exchange) -> None:
-        self.exchange = exchange
+        self.exchange: Exchange | None = exchange
         self.attempt: asyncio.Task[None] | None = None
 
+    def release(self, task: asyncio.Task[None]) -> None:
+        self.exchange = None
+        self.attempt = None
+
+    def feed(self, event: Input) -> None:
+        exchange, attempt = self.exchange, self.attempt
+        if exchange is not None and attempt is not None:
+            exchange._attempt_feed(attempt, event)
+
+    def connected(self, stream: object) -> None:
+        exchange, attempt = self.exchange, self.attempt
+        if exchange is not None and attempt is not None:
+            exchange._attempt_connected(attempt, stream)
+
     def __call__(self, chunks: list[bytes]) -> None:
-        exchange = self.exchange
-        if self.attempt is not None and exchange.is_current(self.attempt):
+        exchange, attempt = self.exchange, self.attempt
+        if exchange is not None and attempt is not None and exchange.is_current(attempt):
             exchange.feed_chunks(chunks)
 
     def framed_chunk(self, data: bytes, framed: bytes) -> None:
-        exchange = self.exchange
-        if self.attempt is not None and exchange.is_current(self.attempt):
+        exchange, attempt = self.exchange, self.attempt
+        if exchange is not None and attempt is not None and exchange.is_current(attempt):
             exchange.feed_framed_chunk(data, framed)
