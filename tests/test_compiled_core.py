@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 OTHER_PATH_TESTS = ["tests/middleware", "tests/behaviour", "tests/sidecar/test_upstream_body.py",
                     "tests/sidecar/test_streaming.py", "tests/sidecar/test_upstream_pool.py",
                     "tests/sidecar/test_reset_burst.py", "tests/sidecar/test_upstream_conn.py",
-                    "tests/sidecar/test_framed_chunks.py"]
+                    "tests/sidecar/test_framed_chunks.py", "tests/sidecar/test_stream_garbage.py"]
 # Runs in the subprocess: a compiled copy (if any) first on the path and
 # imported before pytest starts (pytest then puts the checkout first, but the
 # packages are in sys.modules by then), the path checked, then the tests.
