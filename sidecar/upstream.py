@@ -211,7 +211,7 @@ class UpstreamPools:
         self._config = config
         self._connect_timeout_s = config.upstream_connect_timeout_s
         self._timeouts: dict[str, float | None] = {
-            "connect": self._connect_timeout_s, "pool": self._connect_timeout_s, "read": None, "write": None}
+            "connect": self._connect_timeout_s, "pool": self._connect_timeout_s}
         self._abort_url = config.abort_url
         self._abort_pool: httpcore.AsyncConnectionPool | None = None
         self._abort_tasks: set[asyncio.Task[None]] = set()

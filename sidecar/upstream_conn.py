@@ -110,7 +110,6 @@ class UpstreamConnection:
         data = await stream.read(_HEAD_READ_BYTES)
         self.answered = bool(data)
         while True:
-            searched = 0
             end = head_end(data)
             while end < 0:
                 if not data:
@@ -121,7 +120,7 @@ class UpstreamConnection:
                 more = await stream.read(_HEAD_READ_BYTES)
                 if not more:
                     raise httpcore.RemoteProtocolError("the upstream closed in the middle of a response head")
-                searched = max(0, len(data) - 2)
+                searched = max(0, len(data) - 2)  # an end may straddle the reads
                 data += more
                 end = head_end(data, searched)
             if end > MAX_HEAD_BYTES:

@@ -304,6 +304,7 @@ class UpstreamStream:
         return data
 
     def close(self) -> None:
+        """Close the connection (what is still to be written goes first)."""
         self._transport.close()
 
     def abort(self) -> None:
