@@ -97,7 +97,6 @@ from .balance import (
 )
 from .settings import SidecarConfig
 from .tasks import spawn
-from .upstream_body import ChunkedBodyReader
 from .upstream_conn import Origin, UpstreamConnection
 from .upstream_head import CHUNKED, ResponseHead
 from .upstream_io import UpstreamBackend, UpstreamStream
@@ -592,8 +591,8 @@ async def run_attempt(
     timeouts: dict[str, float | None],
     readable: asyncio.Event,
     feed: Callable[[Input], None],
+    feed_body: Callable[[list[bytes]], None],
     on_connection: Callable[[object], None] | None = None,
-    feed_body: Callable[[list[bytes]], None] | None = None,
 ) -> None:
     """One upstream request; every outcome is reported through ``feed``.
 
@@ -601,22 +600,16 @@ async def run_attempt(
     (``PauseUpstream``); TCP then pushes back on the engine. Cancel the task
     to abort: the connection is closed, not pooled. ``on_connection`` gets
     the response's network stream, so an abort can close it without waiting
-    for the cancellation to unwind. ``feed_body``, if given, takes the chunks
-    of a chunked body, those of one read at once, straight from the socket's callback
-    (pause it with the stream's ``pause_delivery``/``resume_delivery``);
-    otherwise they come through ``feed`` as ``UpstreamData``.
+    for the cancellation to unwind. ``feed_body`` takes the chunks of a
+    chunked body, those of one read at once, straight from the socket's
+    callback (pause it with the stream's ``pause_delivery``/``resume_delivery``);
+    other bodies come through ``feed`` as ``UpstreamData``.
     """
-    pool = upstream.pool
+    connection: UpstreamConnection | None = None
+    clean = False
     try:
         connection, head = await _send(upstream, method=method, target=target, headers=headers, body=body,
                                        timeouts=timeouts)
-    except asyncio.CancelledError:
-        raise
-    except Exception as error:
-        feed(_failed(error))
-        return
-    clean = False
-    try:
         network = connection.stream
         assert network is not None  # connected: it sent a head
         if on_connection is not None:
@@ -624,12 +617,9 @@ async def run_attempt(
         feed(UpstreamHeaders(head.status, head.headers))
         framing = head.framing
         if framing == CHUNKED:
-            if feed_body is not None:
-                if not readable.is_set():
-                    network.pause_delivery()
-                await network.deliver_chunked(feed_body)
-            else:
-                await _read_chunked(network, readable, feed)
+            if not readable.is_set():
+                network.pause_delivery()
+            await network.deliver_chunked(feed_body)
             # One loop turn before the connection goes back to the pool: what
             # the loop read with the last chunk (a client's reset: its
             # connection_lost is queued behind this task's wake-up) runs first,
@@ -648,17 +638,14 @@ async def run_attempt(
     except asyncio.CancelledError:
         raise
     except Exception as error:
-        feed(_failed(error))
+        feed(UpstreamFailed(failure_kind(error), f"{type(error).__name__}: {error}" if str(error)
+                            else type(error).__name__))
         return
     finally:
-        connection.finish(clean)
-        pool.release(connection)
+        if connection is not None:  # _send releases a connection it could not use
+            connection.finish(clean)
+            upstream.pool.release(connection)
     feed(UpstreamEnded())
-
-
-def _failed(error: Exception) -> UpstreamFailed:
-    return UpstreamFailed(failure_kind(error), f"{type(error).__name__}: {error}" if str(error)
-                          else type(error).__name__)
 
 
 async def _send(upstream: Upstream, *, method: bytes, target: bytes, headers: Sequence[Header],
@@ -715,19 +702,3 @@ async def _read_to_close(network: UpstreamStream, readable: asyncio.Event,
         if not data:
             return
         feed(UpstreamData(data))
-
-
-async def _read_chunked(network: UpstreamStream, readable: asyncio.Event,
-                        feed: Callable[[Input], None]) -> None:
-    """Read a chunked body to its last chunk: one ``UpstreamData`` per chunk."""
-    reader = ChunkedBodyReader()
-    while not reader.done:
-        if not readable.is_set():
-            await readable.wait()
-        data = await network.read(_BODY_READ_BYTES)
-        if not data:
-            raise httpcore.RemoteProtocolError("the upstream closed before the end of its chunked body")
-        for chunk in reader.feed(data):
-            feed(UpstreamData(chunk))
-    if reader.leftover:
-        network.unread(reader.leftover)
