@@ -219,7 +219,6 @@ class Exchange:
                 self._execute(actions)
                 self._flush()
         except Exception:
-            logger.exception("stream %s: driver failure; resetting the client", self.request_id)
             self._crash()
         self._busy = False
         self._reschedule()
@@ -244,7 +243,6 @@ class Exchange:
             self._execute(actions)
             self._flush()
         except Exception:
-            logger.exception("stream %s: driver failure; resetting the client", self.request_id)
             self._crash()
         self._run_inbox()
 
@@ -262,7 +260,6 @@ class Exchange:
                 try:
                     out = self.stream.forward_read(data, self._now())
                 except Exception:
-                    logger.exception("stream %s: driver failure; resetting the client", self.request_id)
                     self._crash()
                     return
                 if out is not None:
@@ -278,13 +275,16 @@ class Exchange:
             self.feed(UpstreamData(data))
         if batch:
             self._write_batch(batch)
-            # One look per read, after its write: the loop may have read this
-            # client's reset earlier in this turn, or the write found it gone.
-            closing = self._client_closing
-            if closing is not None and not self._response_ended and closing():
-                self._client_left()
+            self._look_for_departure()
         if self._milestones is not None:
             self._milestones.after((), self._loop.time())
+
+    def _look_for_departure(self) -> None:
+        """One look per read, after its write: the loop may have read this
+        client's reset earlier in this turn, or the write found it gone."""
+        closing = self._client_closing
+        if closing is not None and not self._response_ended and closing():
+            self._client_left()
 
     def feed_framed_chunk(self, data: bytes, framed: bytes) -> None:
         """One upstream read that is exactly one chunk: ``data``, framed as
@@ -301,7 +301,6 @@ class Exchange:
         try:
             out = self.stream.forward_read(data, self._now())
         except Exception:
-            logger.exception("stream %s: driver failure; resetting the client", self.request_id)
             self._crash()
             return
         if out is None:
@@ -311,11 +310,7 @@ class Exchange:
                 send_framed(data, framed)
             else:
                 self._downstream.send_body(out)
-            # As in feed_chunks: the loop may have read this client's reset
-            # earlier in this turn, or the write found it gone.
-            closing = self._client_closing
-            if closing is not None and not self._response_ended and closing():
-                self._client_left()
+            self._look_for_departure()
         if self._milestones is not None:
             self._milestones.after((), self._loop.time())
 
@@ -438,7 +433,9 @@ class Exchange:
         self._downstream.exchange_finished(self)
 
     def _crash(self) -> None:
-        """A bug in the driver or the core: drop both sides, never hang."""
+        """A bug in the driver or the core: drop both sides, never hang.
+        Called in the ``except`` block that caught it (the log has its traceback)."""
+        logger.exception("stream %s: driver failure; resetting the client", self.request_id)
         self._abort_attempt()
         if not self._done:
             self._done = True
