@@ -51,39 +51,18 @@ _DONE: Final = 4
 _SIZE_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[^\r\n\x00]*)?\Z")
 
 
-def _canonical_size_line(data: bytes, end: int) -> tuple[int, int]:
-    """A size line at the start of ``data`` spelled as ``b"%x\\r\\n" % size``
-    spells it (lowercase hex digits, the first not ``0``, then CRLF): the size
-    and where the chunk's data starts; (-1, 0) for any other line, or one not
-    all here."""
-    size = 0
-    index = 0
-    stop = min(end, 16)
-    if end and data[0] == 48:
-        return -1, 0
-    while index < stop:
-        byte = data[index]
-        if 48 <= byte <= 57:
-            size = size * 16 + byte - 48
-        elif 97 <= byte <= 102:
-            size = size * 16 + byte - 87
-        else:
-            break
-        index += 1
-    if index == 0 or index + 1 >= end or data[index] != 13 or data[index + 1] != 10:
-        return -1, 0
-    return size, index + 2
-
-
-def _size_line(data: bytes, pos: int, end: int) -> tuple[int, int]:
+def _size_line(data: bytes, pos: int, end: int, canonical: bool = False) -> tuple[int, int]:
     """A plain chunk-size line at ``pos``: 1 to 16 hex digits and CRLF, nothing
     else. Returns the size and where the chunk's data starts, or (-1, 0) for
     anything else (an extension, a line not all here yet, a malformed one),
-    which the reader's general path then takes.
+    which the reader's general path then takes. ``canonical``: only the line
+    ``b"%x\r\n" % size`` writes (lowercase digits, the first not ``0``).
 
     Byte by byte, not ``find``/``strip``/``int(..., 16)``: compiled, indexing
     ``bytes`` is a C array read, while each of those is a generic method call
     that parses its arguments (three a chunk, ~2,500 instructions)."""
+    if canonical and pos < end and data[pos] == 48:
+        return -1, 0
     size = 0
     index = pos
     stop = min(end, pos + 16)
@@ -93,7 +72,7 @@ def _size_line(data: bytes, pos: int, end: int) -> tuple[int, int]:
             size = size * 16 + byte - 48
         elif 97 <= byte <= 102:
             size = size * 16 + byte - 87
-        elif 65 <= byte <= 70:
+        elif 65 <= byte <= 70 and not canonical:
             size = size * 16 + byte - 55
         else:
             break
@@ -122,13 +101,13 @@ class ChunkedBodyReader:
     def framed_chunk_start(self, data: bytes) -> int:
         """Where the chunk's data starts if ``data`` is, at a chunk boundary,
         exactly one whole chunk with a canonical size line (see
-        :func:`_canonical_size_line`); else 0. Changes nothing: the read is
+        :func:`_size_line`, ``canonical``); else 0. Changes nothing: the read is
         one chunk, after which the reader is where it was (what ``feed`` would
         have returned is ``[data[start:-2]]``)."""
         if self._state != _SIZE or self._buffer:
             return 0
         end = len(data)
-        size, start = _canonical_size_line(data, end)
+        size, start = _size_line(data, 0, end, canonical=True)
         if size > 0 and end == start + size + 2 and data[end - 2] == 13 and data[end - 1] == 10:
             return start
         return 0
