@@ -20,7 +20,8 @@ from collections.abc import Sequence
 
 # h11/_abnf.py: field_name = token; field_value = (field_vchar+ ([ \t]+ field_vchar+)*)?
 # with field_vchar = [^\x00\s] (bytes: \s is space, \t, \n, \r, \f, \v).
-_TOKEN_CHARS = b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+TOKEN_CHARS = b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+"""The bytes of an HTTP token (a field name, a method)."""
 # Every byte a value may hold somewhere (not NUL, LF, CR, VT, FF); space and
 # tab only inside it, checked apart.
 _VALUE_CHARS = bytes(c for c in range(256) if c not in b"\x00\n\r\x0b\x0c")
@@ -46,7 +47,7 @@ def fields_valid(headers: Sequence[tuple[object, object]]) -> bool:
     separators = b"\n" * (count - 1)
     all_names = b"\n" + b"\n".join(names) + b"\n"
     all_values = b"\n" + b"\n".join(values) + b"\n"
-    return (all_names.translate(None, _TOKEN_CHARS) == b"\n" + separators + b"\n"
+    return (all_names.translate(None, TOKEN_CHARS) == b"\n" + separators + b"\n"
             and all_names.find(b"\n\n") < 0  # an empty name
             and all_values.translate(None, _VALUE_CHARS) == b"\n" + separators + b"\n"
             # Space or tab leading or trailing a value.

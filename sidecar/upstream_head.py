@@ -35,7 +35,7 @@ from typing import Final
 
 import httpcore
 
-from .header_fields import fields_valid
+from .header_fields import TOKEN_CHARS, fields_valid
 
 Header = tuple[bytes, bytes]
 
@@ -55,9 +55,8 @@ _BLANK_LINE = re.compile(rb"\n\r?\n")
 _CONTENT_LENGTH = re.compile(rb"[0-9]+")
 _CONTENT_LENGTH_MAX_DIGITS = 20  # h11's bound
 _OWS = b" \t"
-# Visible characters (h11's request-target is vchar+) and a token's.
+# Visible characters (h11's request-target is vchar+).
 _VCHAR = bytes(range(0x21, 0x7F))
-_TOKEN_CHARS = b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
 class ResponseHead:
@@ -84,7 +83,7 @@ def request_head(method: bytes, target: bytes, host: bytes, headers: Sequence[He
     ``headers`` in order, then a ``Content-Length`` unless they hold one.
     Raises ``httpcore.LocalProtocolError`` for what h11 would refuse to send.
     """
-    if not method or method.translate(None, _TOKEN_CHARS):
+    if not method or method.translate(None, TOKEN_CHARS):
         raise httpcore.LocalProtocolError(f"illegal method {method!r}")
     if not target or target.translate(None, _VCHAR):
         raise httpcore.LocalProtocolError(f"illegal request target {target!r}")
