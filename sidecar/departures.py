@@ -4,38 +4,46 @@ When a client leaves, its exchange closes the upstream socket at once and
 hands the rest (the stream's record, metrics, log line, the pod's release,
 the attempt task's cancellation) to :class:`Departures`. Many clients often
 leave together (a load balancer drops its connections, a front end crashes),
-and their resets reach the sidecar over a few loop turns, not one: were each
-turn's bookkeeping run on the next turn, the resets read on that turn would
-wait behind it. So the bookkeeping waits until a loop turn brings no new
-departure, and then runs in the order the clients left, in slices of at most
-:data:`SLICE_S` of loop time: a reset read meanwhile (its client's process was
-descheduled halfway through the burst, say) waits for one slice, not for all
-of them. It never waits longer than :data:`MAX_WAIT_TURNS` turns or past
-:data:`MAX_HELD` departures, so a steady trickle of departures cannot
-postpone it for ever.
+and their resets reach the sidecar over a few milliseconds, not at once (the
+process that closes them does so one by one). Every reset read before a
+bookkeeping slice must be cut before that slice runs, so:
 
-Before each slice it leaves the loop free for :data:`PAUSE_S` (unless
-:data:`MAX_HELD` departures wait, when it catches up at full speed): with nothing
-else to do the loop sleeps, and the processes the cuts woke get the CPU. A
-sidecar often shares its node's cores with the upstream it fronts (the
-engine's own API server); run back to back, 50 departures' bookkeeping keeps
-a core busy for several milliseconds, and on a busy machine the upstream
-would see its sockets closed only once the scheduler preempted the sidecar
-(measured on 2 cores: 0.1-7 ms after the FIN, against ~1 ms behind nginx,
-whose closes end its work).
+* The bookkeeping waits until the loop has gone :data:`PAUSE_S` without a new
+  departure. With nothing else to do the loop sleeps meanwhile, and the
+  processes the cuts woke get the CPU: a sidecar often shares its node's
+  cores with the upstream it fronts (the engine's own API server), and 50
+  departures' bookkeeping keeps a core busy for several milliseconds.
+* It then runs in the order the clients left, in slices of at most
+  :data:`SLICE_S` of loop time, each after another quiet :data:`PAUSE_S`.
+* Each look is scheduled behind every callback the loop's last poll queued.
+  A loop runs, on each turn, the callbacks queued before it (the timers
+  first), then polls its sockets; a reset read in a poll reaches its
+  connection's ``connection_lost`` (where the cut happens) by a callback
+  queued then. A look queued from a timer or from the previous slice would
+  otherwise run ahead of those cuts, and a reset read during a slice would
+  wait for the next slice as well.
+* It never waits longer than :data:`MAX_WAIT_S` for a quiet moment, so a
+  steady trickle of departures cannot postpone it for ever, and past
+  :data:`MAX_HELD` held departures it runs without pauses, to keep up at up
+  to a core's worth.
+
+The cancelled attempts' unwinding (their ``finally`` blocks, the connection's
+close, their done-callbacks) runs in the loop turn after their slice, before
+the next look; :data:`SLICE_S` is kept small for that reason.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 
 logger = logging.getLogger("tokenwire.sidecar")
 
-MAX_WAIT_TURNS = 8
-"""Loop turns the bookkeeping may wait for a burst of departures to end."""
+MAX_WAIT_S = 0.01
+"""Loop time the bookkeeping may wait for a quiet moment after the first held departure."""
 
 MAX_HELD = 1024
 """Departures whose bookkeeping may wait at once; past it, it runs without waiting."""
@@ -44,26 +52,25 @@ SLICE_S = 0.0005
 """Loop time the bookkeeping may take before the loop reads its sockets again."""
 
 PAUSE_S = 0.001
-"""Loop time left free before each slice (the loop may sleep meanwhile: a
-loop's timers have millisecond resolution, so one millisecond is the least
-that lets it)."""
+"""Loop time without a new departure before each slice (the loop may sleep
+meanwhile: a loop's timers have millisecond resolution, so one millisecond is
+the least that lets it)."""
 
 
 class Departures:
     """Deferred bookkeeping of departed clients (see the module docstring)."""
 
-    __slots__ = ("_added", "_pause_s", "_paused", "_queue", "_scheduled", "_seen", "_waited")
+    __slots__ = ("_added", "_held_since", "_pause_s", "_queue", "_scheduled", "_seen")
 
     def __init__(self, pause_s: float = PAUSE_S) -> None:
-        """``pause_s``: loop time left free before each slice (0: none, the
-        next slice on the next turn)."""
+        """``pause_s``: the quiet loop time before each slice (0: one loop
+        turn whose poll brought no departure)."""
         self._queue: deque[Callable[[], None]] = deque()
         self._added = 0
-        self._seen = -1
-        self._waited = 0
+        self._seen = 0
+        self._held_since = 0.0
         self._scheduled = False
         self._pause_s = pause_s
-        self._paused = False
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -74,7 +81,9 @@ class Departures:
         self._added += 1
         if not self._scheduled:
             self._scheduled = True
-            asyncio.get_running_loop().call_soon(self._check)
+            loop = asyncio.get_running_loop()
+            self._held_since = loop.time()
+            self._look_later(loop)
 
     def run_all(self) -> None:
         """Run every held bookkeeping now (shutdown: before the log closes)."""
@@ -82,38 +91,33 @@ class Departures:
         while queue:
             self._run(queue.popleft())
 
+    def _look_later(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Look again after a quiet ``pause_s`` (past ``MAX_HELD``: none),
+        behind the callbacks of every reset read by then."""
+        self._seen = self._added
+        if self._pause_s and len(self._queue) < MAX_HELD:
+            # A timer runs before the turn's queued callbacks: one hop behind them.
+            loop.call_later(self._pause_s, loop.call_soon, self._check)
+        else:
+            # Queued now, a look would run before what this turn's poll reads:
+            # one hop to the next turn, a second behind that poll's callbacks.
+            loop.call_soon(loop.call_soon, self._check)
+
     def _check(self) -> None:
-        # A turn's new resets are read after this turn's callbacks were queued,
-        # so a departure since the last look means another turn may bring more.
-        if (self._added != self._seen and self._waited < MAX_WAIT_TURNS
-                and len(self._queue) < MAX_HELD):
-            self._seen = self._added
-            self._waited += 1
-            asyncio.get_running_loop().call_soon(self._check)
-            return
         loop = asyncio.get_running_loop()
-        if self._pause_s and not self._paused and len(self._queue) < MAX_HELD:
-            # A departure read during the pause makes the next look wait again
-            # (bounded as above). Past MAX_HELD no pause: the bookkeeping
-            # must keep up with departures, at up to a core's worth.
-            self._paused = True
-            self._seen = self._added
-            loop.call_later(self._pause_s, self._check)
-            return
-        self._paused = False
-        deadline = loop.time() + SLICE_S
         queue = self._queue
+        if (self._added != self._seen and len(queue) < MAX_HELD
+                and loop.time() - self._held_since < MAX_WAIT_S):
+            self._look_later(loop)  # departures still arriving
+            return
+        # Not loop.time(): uvloop's clock moves in whole milliseconds.
+        deadline = time.monotonic() + SLICE_S
         while queue:
             self._run(queue.popleft())
-            if queue and loop.time() >= deadline:
-                # The rest on a later turn; a departure read before then goes first.
-                self._seen = self._added
-                loop.call_soon(self._check)
+            if queue and time.monotonic() >= deadline:
+                self._look_later(loop)
                 return
         self._scheduled = False
-        self._seen = -1
-        self._waited = 0
-        self._paused = False
 
     @staticmethod
     def _run(bookkeeping: Callable[[], None]) -> None:
