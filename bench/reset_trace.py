@@ -14,7 +14,9 @@ tracepoints, so every moment below is on the clock the bench stamps with:
 * ``up_kernel``: the upstream's socket takes it (CLOSE_WAIT or CLOSE);
 * ``up_stamp``: the upstream process's ``connection_lost`` stamp, the bench's figure.
 
-Per round it also reports the proxy's loop turns (``epoll_wait`` returns)
+Per round it also reports each process's time on a CPU from the first reset
+to the last upstream stamp (``cpu_ms_by``: on this 2-core VM a third busy
+process, even one not ours, is what makes a round late), the proxy's loop turns (``epoll_wait`` returns)
 between the first RST taken and the last FIN sent, and whether the proxy was
 on a CPU when the first RST arrived (``sched_switch``/``sched_wakeup``).
 
@@ -81,6 +83,7 @@ def analyse(rows: list[tuple[int, int, str, dict[str, str], str]], window: tuple
     epolls: list[tuple[int, int]] = []
     sched: list[tuple[int, str]] = []
     takers: list[tuple[int, int]] = []
+    switches: list[tuple[int, dict[str, str]]] = []
     for ns, tid, event, f, raw in rows[lo:hi]:
         if event == "tcp:tcp_receive_reset":
             rst_in.setdefault(int(f["dport"]), ns)
@@ -93,6 +96,7 @@ def analyse(rows: list[tuple[int, int, str, dict[str, str], str]], window: tuple
         elif event.startswith("syscalls:sys_exit_epoll") and tid == proxy_pid:
             epolls.append((ns, int(raw.rsplit(None, 1)[-1], 16)))
         elif event == "sched:sched_switch":
+            switches.append((ns, f))
             if f.get("next_pid") == str(proxy_pid):
                 sched.append((ns, "in"))
             elif f.get("prev_pid") == str(proxy_pid):
@@ -155,6 +159,8 @@ def analyse(rows: list[tuple[int, int, str, dict[str, str], str]], window: tuple
         by = ["upstream" if pid == upstream_pid else "other"
               for t, pid in takers if first_in <= t <= last_out]
         result["round"] = {
+            "cpu_ms_by": _cpu_by(switches, min(resets), max(s["up_stamp"] for s in streams),
+                                 {proxy_pid: "proxy", upstream_pid: "upstream"}),
             "preempted_by": {who: by.count(who) for who in set(by)},
             "preempted_ms_in_burst": round(off_preempted / 1e6, 3),
             "off_cpu_waiting_ms_in_burst": round(off_idle / 1e6, 3),
@@ -172,6 +178,31 @@ def analyse(rows: list[tuple[int, int, str, dict[str, str], str]], window: tuple
             "first_rst_in->wakeup_ms": round((woke - first_in) / 1e6, 3) if woke is not None else None,
         }
     return result
+
+
+def _cpu_by(switches: list[tuple[int, dict[str, str]]], start: int, end: int,
+            names: dict[int, str]) -> dict[str, float]:
+    """On-CPU time (ms) of each process between ``start`` and ``end``, from
+    the context switches: who held the two cores while the burst was handled
+    (the proxy and the upstream by role, the others by command name)."""
+    since: dict[int, tuple[int, str]] = {}
+    used: dict[str, float] = {}
+
+    def count(pid: int, began: int, until: int, comm: str) -> None:
+        if until > start and began < end:
+            name = names.get(pid, comm)
+            used[name] = used.get(name, 0.0) + (min(until, end) - max(began, start)) / 1e6
+
+    for ns, f in switches:
+        prev, nxt = int(f.get("prev_pid", "0")), int(f.get("next_pid", "0"))
+        ran = since.pop(prev, None)
+        if prev and ran is not None:
+            count(prev, ran[0], ns, ran[1])
+        if nxt:
+            since[nxt] = (ns, f.get("next_comm", "?"))
+    for pid, (began, comm) in since.items():  # still on a CPU when the window ended
+        count(pid, began, end, comm)
+    return {name: round(ms, 3) for name, ms in sorted(used.items(), key=lambda kv: -kv[1]) if ms >= 0.05}
 
 
 def read_stamps(pattern: str) -> dict[str, dict[int, list[int]]]:
