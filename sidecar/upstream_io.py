@@ -174,9 +174,14 @@ class UpstreamStream:
     """One upstream connection's bytes: written in one piece a request, read
     as they are buffered (see the module docstring)."""
 
-    def __init__(self, transport: asyncio.Transport, protocol: _UpstreamProtocol) -> None:
+    def __init__(self, transport: asyncio.Transport, protocol: _UpstreamProtocol, fd: int = -1) -> None:
+        """``fd``: the transport's descriptor (-1: none), for :meth:`cut`,
+        looked up once here: ``get_extra_info("socket")`` builds uvloop's
+        stand-in socket and asks the kernel for its name, ~3 µs a call, and
+        a burst of departing clients cuts its upstreams one after another."""
         self._transport = transport
         self._protocol = protocol
+        self._fd = fd
         self._loop = asyncio.get_running_loop()
         self._aborted = False
         self._cut = False
@@ -321,9 +326,9 @@ class UpstreamStream:
         transport = self._transport
         # Once closing, the descriptor may be closed already, its number
         # reused by another connection: only an open one is shut down.
-        sock = None if self._cut or transport.is_closing() else transport.get_extra_info("socket")
+        fd = -1 if self._cut or transport.is_closing() else self._fd
         transport.abort()
-        shutdown_now(sock)
+        shutdown_now(fd)
 
     def cut(self) -> None:
         """The upstream sees the close now (``shutdown(2)``); nothing more is
@@ -336,15 +341,16 @@ class UpstreamStream:
         transport = self._transport
         if transport.is_closing():
             return
+        shutdown_now(self._fd)  # first: the FIN goes out before anything else
         transport.pause_reading()
-        shutdown_now(transport.get_extra_info("socket"))
 
 
-def shutdown_now(sock: typing.Any) -> None:
-    """``shutdown(SHUT_RDWR)`` of a transport's socket: the peer sees the
-    close now, whatever the loop does next. The transport's own socket object
-    refuses ``shutdown()`` (uvloop's stand-in does); a bare ``_socket.socket``
-    on the same descriptor does it and is detached, never closing it.
+def shutdown_now(fd: int) -> None:
+    """``shutdown(SHUT_RDWR)`` of a transport's descriptor (-1: nothing to
+    do): the peer sees the close now, whatever the loop does next. The
+    transport's own socket object refuses ``shutdown()`` (uvloop's stand-in
+    does); a bare ``_socket.socket`` on the same descriptor does it and is
+    detached, never closing it.
 
     Bare, with its family, type and protocol given: ``socket.socket`` would
     ask the stand-in for its family and type (a ``getsockopt`` each) and the
@@ -353,12 +359,9 @@ def shutdown_now(sock: typing.Any) -> None:
     upstream waits for all the others' cuts. ``shutdown(2)`` does not look
     at the family the object was made with, so ``AF_INET`` serves a Unix or
     IPv6 socket too."""
-    if sock is None:
+    if fd < 0:
         return
     try:
-        fd = sock.fileno()
-        if fd < 0:
-            return
         twin = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM, 0, fd)
     except OSError:
         return
@@ -404,7 +407,9 @@ class UpstreamBackend:
             raise httpcore.ConnectError(str(error) or type(error).__name__) from error
         transport = typing.cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
+        fd = -1
         if sock is not None:
+            fd = sock.fileno()
             if tcp:
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -414,4 +419,4 @@ class UpstreamBackend:
             except OSError as error:
                 transport.abort()
                 raise httpcore.ConnectError(str(error)) from error
-        return UpstreamStream(transport, protocol)
+        return UpstreamStream(transport, protocol, fd)
