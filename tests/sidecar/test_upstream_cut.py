@@ -11,7 +11,7 @@ import tempfile
 
 import pytest
 from conftest import LoopThread
-from tokenwire.sidecar.upstream_io import shutdown_now
+from tokenwire.sidecar.upstream_io import UpstreamBackend, shutdown_now
 
 
 class _Held(asyncio.Protocol):
@@ -82,3 +82,43 @@ def test_shutdown_now_of_nothing_or_of_a_socket_whose_peer_left_does_nothing() -
         assert left.fileno() >= 0
     finally:
         left.close()
+
+
+async def _connect_and_cut(family: int, address: object) -> tuple[bytes, bool]:
+    """An upstream connection opened by the sidecar's own backend, then cut
+    as for a departed client: what the far end reads, and whether the
+    connection would still be offered for reuse."""
+    loop = asyncio.get_running_loop()
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.bind(address)  # type: ignore[arg-type]
+    listener.listen(1)
+    listener.setblocking(False)
+    try:
+        backend = UpstreamBackend()
+        if family == socket.AF_UNIX:
+            stream = await backend.connect_unix_socket(str(address), timeout=10)
+        else:
+            stream = await backend.connect_tcp("127.0.0.1", listener.getsockname()[1], timeout=10)
+        far, _ = await loop.sock_accept(listener)
+        far.setblocking(False)
+        stream.cut()
+        seen = await asyncio.wait_for(loop.sock_recv(far, 100), 10)  # b"": the FIN
+        reusable = stream.idle_and_silent()
+        stream.abort()
+        far.close()
+        return seen, reusable
+    finally:
+        listener.close()
+
+
+@pytest.mark.parametrize("family", [socket.AF_INET, socket.AF_UNIX])
+def test_a_cut_upstream_connection_sends_its_close_at_once(loop_thread: LoopThread, family: int) -> None:
+    """``UpstreamStream.cut`` shuts down the descriptor it was opened with
+    (looked up once, at connect time): the upstream reads the FIN at once,
+    before the transport is closed, and the connection is never offered for
+    reuse."""
+    with tempfile.TemporaryDirectory() as directory:
+        address: object = ("127.0.0.1", 0) if family == socket.AF_INET else os.path.join(directory, "up.sock")
+        seen, reusable = loop_thread.run(_connect_and_cut(family, address))
+    assert seen == b""
+    assert not reusable
