@@ -24,15 +24,21 @@ class _Held(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
 
 
+def _listening(family: int, address: object) -> socket.socket:
+    """A non-blocking listening socket of ``family`` bound to ``address``: the far end."""
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.bind(address)  # type: ignore[arg-type]
+    listener.listen(1)
+    listener.setblocking(False)
+    return listener
+
+
 async def _cut_one(family: int, address: object) -> tuple[bytes, bool, bool]:
     """Connect the loop to ``address``, shut the loop's side down with
     ``shutdown_now``: what the far end reads, then whether the descriptor is
     still open and the transport not closing."""
     loop = asyncio.get_running_loop()
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    listener.bind(address)  # type: ignore[arg-type]
-    listener.listen(1)
-    listener.setblocking(False)
+    listener = _listening(family, address)
     try:
         protocol = _Held()
         if family == socket.AF_UNIX:
@@ -89,10 +95,7 @@ async def _connect_and_cut(family: int, address: object) -> tuple[bytes, bool]:
     as for a departed client: what the far end reads, and whether the
     connection would still be offered for reuse."""
     loop = asyncio.get_running_loop()
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    listener.bind(address)  # type: ignore[arg-type]
-    listener.listen(1)
-    listener.setblocking(False)
+    listener = _listening(family, address)
     try:
         backend = UpstreamBackend()
         if family == socket.AF_UNIX:
