@@ -153,7 +153,8 @@ def test_departures_let_the_resets_read_meanwhile_go_first(loop_thread: LoopThre
         return order
 
     for pause_s in (0, PAUSE_S):
-        assert loop_thread.run(scenario(pause_s)) == ["slow", "cut", "cut", "next", "bookkeeping", "bookkeeping"]
+        order = loop_thread.run(scenario(pause_s))
+        assert order == ["slow", "cut", "cut", "next", "bookkeeping", "bookkeeping"]
 
 
 def test_departures_leave_the_loop_free_before_each_slice(loop_thread: LoopThread) -> None:
