@@ -44,6 +44,9 @@ logger = logging.getLogger("tokenwire.sidecar")
 # came about as late at each (CPU-bound: 174-199 ms). A few more epoll calls
 # per burst are all a small bound costs.
 _MAX_ACCEPTS_PER_TURN = 4
+# How many queued connections a listening socket's close accepts first (the
+# kernel's default listen backlog bound, net.core.somaxconn, is 4096).
+_MAX_QUEUED_AT_CLOSE = 4096
 # Out of descriptors or memory: how long accepting pauses (asyncio's own delay).
 _ACCEPT_RETRY_S = 1.0
 _RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
@@ -102,7 +105,15 @@ class Acceptor:
             self._loop.add_reader(sock.fileno(), self._accept, sock)
 
     def close(self) -> None:
-        """Stop accepting and close the listening sockets (open connections stay)."""
+        """Stop accepting and close the listening sockets (open connections stay).
+
+        The connections the kernel has already established and queued are
+        accepted first (up to :data:`_MAX_QUEUED_AT_CLOSE` a socket): closing
+        a listening socket resets them, and their clients, whose ``connect()``
+        succeeded and who may have sent a request, would get a reset instead
+        of an answer. Taken, they are served like any other connection
+        during a drain (a new request is refused with 503 and Retry-After);
+        :meth:`handed_over` waits until each is a connection of the proxy."""
         if self._closed:
             return
         self._closed = True
@@ -110,10 +121,17 @@ class Acceptor:
             self._retry.cancel()
         for sock in self.sockets:
             self._loop.remove_reader(sock.fileno())
+            self._accept(sock, _MAX_QUEUED_AT_CLOSE)
             sock.close()
 
-    def _accept(self, listener: socket.socket) -> None:
-        for _ in range(_MAX_ACCEPTS_PER_TURN):
+    async def handed_over(self) -> None:
+        """Return once every accepted connection is a transport of the proxy
+        (or dropped: a failed TLS handshake)."""
+        while self._handovers:
+            await asyncio.wait(list(self._handovers))
+
+    def _accept(self, listener: socket.socket, most: int = _MAX_ACCEPTS_PER_TURN) -> None:
+        for _ in range(most):
             try:
                 connection, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -124,7 +142,8 @@ class Acceptor:
                 if error.errno not in _RESOURCE_ERRNOS:
                     raise
                 logger.error("cannot accept connections (%s): pausing for %.1f s", error, _ACCEPT_RETRY_S)
-                self._pause()
+                if not self._closed:
+                    self._pause()
                 return
             connection.setblocking(False)
             spawn(self._handovers, self._hand_over(connection))

@@ -197,6 +197,10 @@ class Sidecar:
             listener()
         if self._server is not None:
             self._server.close()
+            # The connections it took from the backlog, before any is looked at
+            # (TLS handshakes are bounded by their own timeout; all by the drain).
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._server.handed_over(), self.config.drain_s)
         for connection in list(context.connections):
             connection.close_if_idle()
         loop = asyncio.get_running_loop()

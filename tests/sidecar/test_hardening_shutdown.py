@@ -87,3 +87,32 @@ def test_shutdown_whenSigtermWithMixedConnections_thenNoneHangAndExit0(upstream:
     assert upstream.connection_of("stalled").closed.wait(2)
     for sock in (short, stalled, idle, half_head, *(reader.sock for reader in long_streams)):
         sock.close()
+
+
+def test_shutdown_whenConnectionsWaitInTheListenBacklog_thenEachIsAnsweredNotReset(upstream: FakeUpstream) -> None:
+    """Connections the kernel already established but the sidecar has not
+    accepted yet (its backlog) when SIGTERM comes: closing the listening
+    socket would reset each, and their clients, whose connect() succeeded,
+    would get a reset for their request. They are accepted first, and served
+    or refused with 503 and Retry-After like any connection during a drain."""
+    process = spawn(["--upstream", upstream.url, "--drain-s", str(_DRAIN_S)])
+    socks = []
+    process.signal(signal.SIGSTOP)  # nothing accepted while the clients connect
+    try:
+        for _ in range(20):  # more than a loop turn accepts
+            sock = connect(process.port)
+            sock.sendall(request_bytes("GET", "/models/v1/models"))
+            socks.append(sock)
+        process.signal(signal.SIGTERM)  # pending until the process runs again
+    finally:
+        process.signal(signal.SIGCONT)
+    statuses = []
+    for sock in socks:
+        response = read_response(sock)  # status 0: closed (reset) with no answer
+        statuses.append(response.status)
+        if response.status == 503:
+            assert response.headers["retry-after"] == "1"
+        sock.close()
+    assert 0 not in statuses, f"{statuses.count(0)} of 20 queued clients got no answer"
+    assert set(statuses) <= {200, 503}
+    assert process.process.wait(_EXIT_WITHIN_S) == 0
