@@ -121,7 +121,10 @@ class Acceptor:
             self._retry.cancel()
         for sock in self.sockets:
             self._loop.remove_reader(sock.fileno())
-            self._accept(sock, _MAX_QUEUED_AT_CLOSE)
+            try:
+                self._accept(sock, _MAX_QUEUED_AT_CLOSE)
+            except OSError as error:  # what is still queued is reset by the close
+                logger.error("cannot accept the queued connections before closing (%s)", error)
             sock.close()
 
     async def handed_over(self) -> None:
