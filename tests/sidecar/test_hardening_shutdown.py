@@ -89,7 +89,7 @@ def test_shutdown_whenSigtermWithMixedConnections_thenNoneHangAndExit0(upstream:
         sock.close()
 
 
-def test_shutdown_whenConnectionsWaitInTheListenBacklog_thenEachIsAnsweredNotReset(upstream: FakeUpstream) -> None:
+def test_shutdown_whenConnectionsWaitInTheBacklog_thenEachIsAnswered(upstream: FakeUpstream) -> None:
     """Connections the kernel already established but the sidecar has not
     accepted yet (its backlog) when SIGTERM comes: closing the listening
     socket would reset each, and their clients, whose connect() succeeded,
