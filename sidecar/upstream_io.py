@@ -174,7 +174,7 @@ class UpstreamStream:
     """One upstream connection's bytes: written in one piece a request, read
     as they are buffered (see the module docstring)."""
 
-    def __init__(self, transport: asyncio.Transport, protocol: _UpstreamProtocol, fd: int = -1) -> None:
+    def __init__(self, transport: asyncio.Transport, protocol: _UpstreamProtocol, fd: int) -> None:
         """``fd``: the transport's descriptor (-1: none), for :meth:`cut`,
         looked up once here: ``get_extra_info("socket")`` builds uvloop's
         stand-in socket and asks the kernel for its name, ~3 µs a call, and
