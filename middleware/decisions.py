@@ -419,11 +419,15 @@ class StreamDecisions:
         """On a client's departure: keep the response for a reconnect if the
         grace allows; True if it is now held (not ended). ``reason``/``code``
         are what it ends with if nobody comes back."""
-        grace_s = self.config.resume_grace_s
-        hold = self._hold
-        if (not self._resume.recording or grace_s <= 0 or hold.until is not None
-                or self._state not in _LIVE):
+        if not self._may_hold():
             return False
         self._client.gone = True
-        self._actions.append(hold.hold(self._resume.resume_id, now, grace_s, reason, code))
+        self._actions.append(self._hold.hold(self._resume.resume_id, now, self.config.resume_grace_s,
+                                             reason, code))
         return True
+
+    def _may_hold(self) -> bool:
+        """A departure now would be held for a reconnect (resume on, a grace,
+        not held already, the response still live)."""
+        return (self._resume.recording and self.config.resume_grace_s > 0
+                and self._hold.until is None and self._state in _LIVE)

@@ -106,6 +106,20 @@ class WireStream(StreamDecisions):
         """True once ``Finished`` was emitted: nothing more will happen."""
         return self._finished
 
+    def departure_aborts_upstream(self) -> bool:
+        """What ``handle(ClientGone())`` would do to the upstream now, without
+        doing it: True when it would end the response with ``AbortUpstream``
+        (False when the stream is held for a reconnect, already over, or has
+        no upstream open). Reads the state only.
+
+        For a driver that closes the upstream's socket the moment a client
+        leaves and hands the core that ``ClientGone`` later, stamped with the
+        time the client left and ahead of any other input: the state is then
+        the one this answer read, so the core's actions start with the abort
+        the driver already began. When many clients leave at once, every
+        upstream is so closed before any of their bookkeeping runs."""
+        return not self._finished and self._attempt.open and self._departure_ends()
+
     @property
     def pending_bytes(self) -> int:
         return self._pending.pending_bytes
@@ -438,11 +452,19 @@ class WireStream(StreamDecisions):
         self._pending.clear()
         if self._hold_for_resume(now, EndReason.CLIENT_GONE, ErrorCode.CANCELLED):
             return
-        if self._state is StreamState.DONE or self._state not in _ENDED:
+        if self._departure_ends():
             # A complete answer the client did not get all of is still lost.
             self._end_reason = None
             self._end(EndReason.CLIENT_GONE, ErrorCode.CANCELLED, abrupt=True,
                       trigger=Trigger.ABORT)
+
+    def _departure_ends(self) -> bool:
+        """A departure now ends the response: not held for a reconnect, and
+        not over already (a complete answer the client did not get all of is
+        still lost)."""
+        if self._hold.until is not None or self._may_hold():
+            return False
+        return self._state is StreamState.DONE or self._state not in _ENDED
 
     def _on_stop(self, event: StopRequested, now: float) -> None:
         if self._state in _ENDED:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -161,7 +160,7 @@ class Exchange:
         self._grant_reported = False
         self._tried: set[str] = set()
         self._waiting_for_pod = False
-        # The client left and the upstream was cut; the rest is pending (_abort_first).
+        # The client left and the upstream was cut; the rest is pending (client_departed).
         self._departed = False
         # An attempt _cut_attempt dropped, and its connection, for _abort_attempt to end.
         self._cut: tuple[asyncio.Task[None] | None, object | None] = (None, None)
@@ -211,40 +210,36 @@ class Exchange:
             while self._inbox and not self._done:
                 queued, at = self._inbox.popleft()
                 at = self._loop.time() if at is None else at
-                actions = self.stream.handle(queued, at)
-                if isinstance(queued, ClientGone) and self._abort_first(actions):
-                    # Still busy: what arrives meanwhile queues behind the rest.
-                    self._context.departures.defer(functools.partial(self._after_abort, actions))
-                    return
-                self._execute(actions)
+                self._execute(self.stream.handle(queued, at))
                 self._flush()
         except Exception:
             self._crash()
         self._busy = False
         self._reschedule()
 
-    def _abort_first(self, actions: Sequence[Action]) -> bool:
-        """The client left and the core aborts the upstream: close the
-        upstream's socket now, before anything else the actions ask for. The
-        rest (the record, metrics, log, the pod's release, the attempt's
-        cancellation) waits in :class:`~tokenwire.sidecar.departures.Departures`,
-        so when many clients leave at once every upstream is closed before any
-        of their bookkeeping runs. False if the core does not abort (e.g. a
-        resumable stream held for a reconnect)."""
-        if not any(isinstance(action, AbortUpstream) for action in actions):
-            return False
+    def client_departed(self) -> None:
+        """The client left (its connection closed or reset, or its HTTP/2
+        stream was reset). Where the core would abort the upstream for it
+        (``WireStream.departure_aborts_upstream``), the upstream's socket is
+        closed now and the rest waits in
+        :class:`~tokenwire.sidecar.departures.Departures`: the core's
+        ``ClientGone``, stamped with this moment, then the record, metrics,
+        log, the pod's release and the attempt's cancellation. So when many
+        clients leave at once, every upstream is closed before any of their
+        bookkeeping runs, and each close costs the next client's close
+        little. Inputs that arrive meanwhile queue behind that ``ClientGone``.
+        Otherwise (a stream held for a reconnect, one already over, a core
+        busy with another input) the core takes ``ClientGone`` now."""
+        if self._done or self._departed:
+            return
+        if self._busy or self._inbox or not self.stream.departure_aborts_upstream():
+            self.feed(ClientGone())
+            return
         self._departed = True
+        self._busy = True  # what arrives meanwhile queues behind the departure
         self._cut_attempt(watch=False)
-        return True
-
-    def _after_abort(self, actions: Sequence[Action]) -> None:
-        """The rest of a departed client's actions, then whatever queued meanwhile."""
-        try:
-            self._execute(actions)
-            self._flush()
-        except Exception:
-            self._crash()
-        self._run_inbox()
+        self._inbox.append((ClientGone(), self._loop.time()))
+        self._context.departures.defer(self._run_inbox)
 
     def feed_chunks(self, chunks: list[bytes]) -> None:
         """The upstream body chunks of one socket read, in order. Each is one
@@ -284,7 +279,11 @@ class Exchange:
         client's reset earlier in this turn, or the write found it gone."""
         closing = self._client_closing
         if closing is not None and not self._response_ended and closing():
-            self._client_left()
+            # The loop reads a turn's sockets (and so delivers the upstream
+            # reads, here) before it calls any connection_lost of that turn: a
+            # burst of resets read alongside upstream data would otherwise wait
+            # for all of it to be forwarded to clients already gone.
+            self.client_departed()
 
     def feed_framed_chunk(self, data: bytes, framed: bytes) -> None:
         """One upstream read that is exactly one chunk: ``data``, framed as
@@ -313,15 +312,6 @@ class Exchange:
             self._look_for_departure()
         if self._milestones is not None:
             self._milestones.after((), self._loop.time())
-
-    def _client_left(self) -> None:
-        """The client left, seen while delivering an upstream read: tell the
-        core now. The loop reads a turn's sockets (and so delivers the upstream
-        reads, here) before it calls any ``connection_lost`` of that turn, so a
-        burst of resets read alongside upstream data would otherwise wait for
-        all of it to be forwarded to clients already gone. The connection's
-        own ``ClientGone`` follows; the core takes the second as a no-op."""
-        self.feed(ClientGone())
 
     def _write_batch(self, batch: list[bytes]) -> None:
         # A write that fills the socket calls pause_writing → SocketPaused,

@@ -43,7 +43,7 @@ import typing
 from collections.abc import Callable, Sequence
 
 import h11
-from tokenwire.middleware import ClientGone, SocketPaused, SocketResumed
+from tokenwire.middleware import SocketPaused, SocketResumed
 from tokenwire.middleware.headers import header_value
 
 from .connection import (
@@ -181,7 +181,7 @@ class ClientConnection(asyncio.Protocol):
         exchange = self._exchange
         if exchange is not None:
             # First: the exchange closes the upstream before any bookkeeping.
-            exchange.feed(ClientGone())
+            exchange.client_departed()
         self._cancel_timer()
         if self._exchange is None:
             self._release_body()

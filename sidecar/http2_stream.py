@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import h2.errors
 import h2.exceptions
-from tokenwire.middleware import ClientGone, SocketPaused, SocketResumed
+from tokenwire.middleware import SocketPaused, SocketResumed
 
 from .connection import BodyReservation, with_cors
 from .exchange import Exchange
@@ -234,7 +234,7 @@ class Http2Stream:
         self._connection.blocked.pop(self.stream_id, None)
         self.cancel_timer()
         if self.exchange is not None:
-            self.exchange.feed(ClientGone())
+            self.exchange.client_departed()
         elif self.handler is not None:
             self.handler.stream_reset()
         elif not self.finished:

@@ -1251,6 +1251,7 @@ class FakeDriver:
         self.in_flight = False
         self.client_closed = False
         self.client_went = False
+        self.aborts = 0
         self.commits: list[CommitHeaders] = []
         self.closes: list[CloseClient] = []
         self.finished: list[Finished] = []
@@ -1297,6 +1298,7 @@ class FakeDriver:
             self.attempt_text = {"content": "", "reasoning_content": ""}
         elif isinstance(action, AbortUpstream):
             self.upstream = "closed"
+            self.aborts += 1
         elif isinstance(action, PauseUpstream):
             assert not self.upstream_paused
             self.upstream_paused = True
@@ -1399,7 +1401,12 @@ class FakeDriver:
         elif name == "client_gone" and not self.client_closed:
             self.client_went = True
             self.client_closed = True
+            # (7) the core's answer ahead of the input is the input's answer: a
+            # driver cuts the upstream on it and hands ClientGone over later.
+            predicted = self.stream.departure_aborts_upstream()
+            aborts_before = self.aborts
             self.handle(ClientGone())
+            assert (self.aborts > aborts_before) is predicted
         elif name == "stop":
             self.handle(StopRequested(op[1]))
 

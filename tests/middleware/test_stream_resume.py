@@ -125,8 +125,10 @@ def test_a_failure_before_the_first_event_discards_the_stream() -> None:
 def test_a_client_that_leaves_without_grace_ends_the_stored_stream_with_cancelled() -> None:
     d = resumable()
     d.send(UpstreamData(frames_of([chunk("a")])), at=0.1)
+    assert d.stream.departure_aborts_upstream()  # what a driver cuts on, ahead of ClientGone
     d.send(ClientGone(), at=0.2)
     assert d.of(AbortUpstream) and not d.of(AwaitReader)
+    assert not d.stream.departure_aborts_upstream()  # over: nothing left to abort
     last = d.of(ReplayAppend)[-1]
     assert last.end is EndReason.CLIENT_GONE
     assert json.loads(last.frames[-1][len(b"data: "):])["error"]["code"] == "cancelled"
@@ -137,6 +139,7 @@ def test_grace_holds_the_stream_then_aborts_at_its_deadline() -> None:
     d = resumable(proxy_config(resume=True, resume_grace_s=2.0, heartbeat_s=0.5))
     d.send(UpstreamData(frames_of([chunk("a")])), at=1.0)
     written = len(d.written)
+    assert not d.stream.departure_aborts_upstream()  # held instead: a driver must not cut
     d.send(ClientGone(), at=1.5)
     assert d.of(AwaitReader) == [AwaitReader(SID, 3.5)] and d.of(AbortUpstream) == []
     assert d.stream.next_deadline() == 3.5  # no heartbeat for a departed client
@@ -188,6 +191,7 @@ def test_a_slow_client_cut_off_is_held_like_a_departure() -> None:
     d.send(Tick(), at=5.2)
     assert d.of(CloseClient) == [CloseClient(abrupt=True, reset=True)]
     assert d.of(AwaitReader) and d.of(AbortUpstream) == []
+    assert not d.stream.departure_aborts_upstream()
     d.send(ClientGone(), at=5.3)  # the driver's echo of the reset it did: still held
     assert d.of(AbortUpstream) == [] and not d.stream.finished
     d.send(Tick(), at=6.2)  # nobody came back: it ends as what it was, a slow client
