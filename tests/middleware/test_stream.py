@@ -1401,7 +1401,7 @@ class FakeDriver:
         elif name == "client_gone" and not self.client_closed:
             self.client_went = True
             self.client_closed = True
-            # (7) the core's answer ahead of the input is the input's answer: a
+            # (6) the core's answer ahead of the input is the input's answer: a
             # driver cuts the upstream on it and hands ClientGone over later.
             predicted = self.stream.departure_aborts_upstream()
             aborts_before = self.aborts
