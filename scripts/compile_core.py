@@ -27,7 +27,8 @@ from setuptools import setup
 # hands each read to the core and the client connection's write (http1) ran
 # ~6,000 instructions of interpreter per event around the compiled core; and,
 # once a stream, its upstream client (upstream_head, upstream_conn) and the
-# heads it writes (header_fields, response_head, forwarding). The ASGI driver, HTTP/2 and the rest stay Python; config.py reads TOML and signatures.
+# heads it writes (header_fields, response_head, forwarding). The ASGI driver,
+# HTTP/2 and the rest stay Python; config.py reads TOML and signatures.
 MODULES = (
     *(f"middleware/{name}" for name in (
         "accounting", "attempt", "chunks", "client_socket", "decisions", "errors", "events", "headers",
