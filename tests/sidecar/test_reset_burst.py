@@ -142,10 +142,8 @@ def test_departures_let_the_resets_read_meanwhile_go_first(loop_thread: LoopThre
             order.append("slow")
             for sock in socks:
                 reset(sock)
-            until = time.monotonic() + SLICE_S
             # ...and the kernel has taken both RSTs before the slice ends.
-            while time.monotonic() < until or not all(_tcp_closed(t) for t in made):
-                pass
+            _busy(SLICE_S, until=lambda: all(_tcp_closed(t) for t in made))
 
         departures.defer(slow)
         departures.defer(lambda: order.append("next"))  # held for the next slice
@@ -157,6 +155,14 @@ def test_departures_let_the_resets_read_meanwhile_go_first(loop_thread: LoopThre
     for pause_s in (0, PAUSE_S):
         order = loop_thread.run(scenario(pause_s))
         assert order == ["slow", "cut", "cut", "next", "bookkeeping", "bookkeeping"]
+
+
+def _busy(duration_s: float, until: Callable[[], bool] = lambda: True) -> None:
+    """Keep the loop busy for ``duration_s`` (a precise clock: uvloop's moves
+    in whole milliseconds), and then until ``until()`` holds."""
+    end = time.monotonic() + duration_s
+    while time.monotonic() < end or not until():
+        pass
 
 
 def _tcp_closed(transport: asyncio.BaseTransport) -> bool:
@@ -178,9 +184,7 @@ def test_departures_leave_the_loop_free_before_each_slice(loop_thread: LoopThrea
 
         def slow() -> None:  # takes a whole slice: one per slice
             ran_at.append(loop.time())
-            until = time.monotonic() + SLICE_S
-            while time.monotonic() < until:
-                pass
+            _busy(SLICE_S)
 
         deferred_at = loop.time()
         for _ in range(3):
@@ -222,9 +226,7 @@ def test_departures_never_wait_past_their_bounds(loop_thread: LoopThread) -> Non
         done = asyncio.Event()
 
         def slow() -> None:  # half a slice: two per slice
-            until = time.monotonic() + SLICE_S / 2
-            while time.monotonic() < until:
-                pass
+            _busy(SLICE_S / 2)
             ran.append((turn, len(departures)))
 
         for _ in range(MAX_HELD + 40):
