@@ -128,6 +128,7 @@ def micro(events_per_stream: int, streams: int) -> dict[str, float]:
         WriteCompleted,
     )
     from tokenwire.middleware.meter import TokenMeter
+    from tokenwire.middleware.chunks import carries_token
     from tokenwire.sidecar.logs import StreamLog
     from tokenwire.sidecar.metrics import SidecarMetrics
     from tokenwire.sidecar.settings import SIDECAR_WIRE_DEFAULTS
@@ -163,7 +164,7 @@ def micro(events_per_stream: int, streams: int) -> dict[str, float]:
     scrape_us = min(timeit.repeat(metrics.render, number=20, repeat=5)) / 20 * 1e6
 
     def meter_writes() -> None:
-        meter = TokenMeter(0.0)
+        meter = TokenMeter(0.0, carries_token)
         meter.queued(chunk)
         for i in range(1000):
             meter.wrote(1, i * 0.005)

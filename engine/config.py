@@ -43,10 +43,12 @@ def engine_wire_defaults() -> WireConfig:
     """The wire core's defaults as the engine needs them, set explicitly.
 
     No retries: the middleware cannot re-run a request it has already handed
-    to the app. ``[DONE]`` is the terminal marker: every complete engine
-    stream ends with it, so one that lacks it is reported as broken.
+    to the app. Each route's dialect says how its stream ends (``auto``): a
+    Chat Completions or Completions stream with ``[DONE]``, a Responses or
+    Messages stream with its terminal event, so one that lacks it is reported
+    as broken.
     """
-    return WireConfig(retry_attempts=0, terminal_marker="[DONE]")
+    return WireConfig(retry_attempts=0, terminal_marker="auto")
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .chunks import usage_of
+from .dialects.base import Dialect
 from .errors import ErrorCode
 from .events import EndReason, StreamRecord
 from .meter import GAP_BUCKETS_S as GAP_BUCKETS_S
@@ -24,11 +24,12 @@ from .meter import TokenMeter
 class Accounting:
     """Counters of one response. See the module docstring."""
 
-    __slots__ = ("bytes_out", "events_in", "events_out", "heartbeats", "meter",
+    __slots__ = ("bytes_out", "events_in", "events_out", "heartbeats", "idle_keepalives", "meter",
                  "pending_high_water_bytes", "refused_retries", "retries", "started_at", "ttfb_s",
-                 "upstream_comments", "usage")
+                 "upstream_comments", "upstream_keepalives", "usage")
 
-    def __init__(self, now: float) -> None:
+    def __init__(self, now: float, dialect: Dialect) -> None:
+        """``dialect``: what carries a token in this stream (for the time to first token)."""
         self.started_at = now
         self.events_in = 0
         self.events_out = 0
@@ -37,9 +38,13 @@ class Accounting:
         self.retries = 0
         self.refused_retries = 0
         self.upstream_comments = 0
+        self.upstream_keepalives = 0
+        """Upstream comments and keepalive events (Anthropic's ``ping``)."""
+        self.idle_keepalives = 0
+        """Of those, the ones since the last event of content."""
         self.pending_high_water_bytes = 0
         self.ttfb_s: float | None = None
-        self.meter = TokenMeter(now)
+        self.meter = TokenMeter(now, dialect.carries_token)
         self.usage: dict[str, Any] | None = None
 
     def content_written(self, events: int, now: float) -> None:
@@ -49,15 +54,9 @@ class Accounting:
             self.ttfb_s = now - self.started_at
         self.meter.wrote(events, now)
 
-    def capture_usage(self, data: str) -> None:
-        """Keep the chunk's usage block, if it has one (the last one wins)."""
-        usage = usage_of(data)
-        if usage is not None:
-            self.usage = usage
-
     def record(self, now: float, *, request_id: str, upstream: str, status: int,
                end_reason: EndReason, error_code: ErrorCode | None, coalesced_events: int,
-               dropped_events: int, stream_id: str | None = None) -> StreamRecord:
+               dropped_events: int, stream_id: str | None = None, dialect: str = "") -> StreamRecord:
         """The record as of ``now``; the other parts say the rest."""
         return StreamRecord(
             request_id=request_id,
@@ -84,4 +83,6 @@ class Accounting:
             event_gap_sum_s=self.meter.gap_sum_s,
             content_events=self.meter.content_events,
             stream_id=stream_id,
+            dialect=dialect,
+            upstream_keepalives=self.upstream_keepalives,
         )

@@ -69,6 +69,7 @@ from typing import Any
 from .asgi_exchange import EXTENSION, Exchange, StreamControl
 from .asgi_inbox import REQUEST_READ_AHEAD_BYTES
 from .config import ConfigError, WireConfig
+from .dialects import DialectTable
 from .events import StreamRecord
 from .replay_store import MemoryReplayStore, ReplayStore
 from .resume import CallerKey
@@ -84,10 +85,12 @@ OnFinished = Callable[[StreamRecord], object]
 
 DEFAULT_CONFIG = WireConfig()
 """``WireConfig()``'s defaults are the middleware's: no retries (it cannot re-run
-the app's request) and no terminal marker, because a generic SSE app ends its
-stream by ending the response, which in-process is a reliable signal. An
-OpenAI-style app that always ends with ``data: [DONE]`` may pass
-``terminal_marker="[DONE]"`` to have a stream that lacks it reported as an error."""
+the app's request), and each path's dialect (``dialect_routes``) says how its
+stream ends: an app's Chat Completions route with ``data: [DONE]``, its
+Responses and Messages routes with their own terminal events, and any other
+stream (a generic SSE app) by ending the response, which in-process is a
+reliable signal. ``terminal_marker=None`` makes a clean end complete on the
+Chat Completions routes too."""
 
 __all__ = ["DEFAULT_CONFIG", "EXTENSION", "REQUEST_READ_AHEAD_BYTES", "StreamControl",
            "TokenWireMiddleware", "listening_socket"]
@@ -128,6 +131,8 @@ class TokenWireMiddleware:
         self.request_id_header = request_id_header.lower().encode("latin-1")
         self.replay_store: ReplayStore | None = None
         self.caller_key = CallerKey.from_config(config)
+        self.dialects = DialectTable(config.dialect_routes, config.terminal_marker)
+        """Which dialect each of the app's paths speaks (``config.dialect_routes``)."""
         if config.resume:
             self.replay_store = replay_store or MemoryReplayStore.from_config(config)
             if replay_store is not None and not config.resume_owner_secret:

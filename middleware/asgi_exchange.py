@@ -360,7 +360,8 @@ class Exchange(ResponseWriter):
     def start_core(self) -> WireStream:
         self.mode = _Mode.DRIVEN
         stream = WireStream(self.config, now=self.loop.time(), request_id=self.request_id,
-                            upstreams=("app",), expect_stream=True, stream_id=self.stream_id)
+                            upstreams=("app",), expect_stream=True, stream_id=self.stream_id,
+                            dialect=self.middleware.dialects.for_path(str(self.scope.get("path", ""))))
         self.stream = stream
         self.writer_task = self.loop.create_task(self.write_loop(stream))
         return stream

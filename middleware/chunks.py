@@ -174,7 +174,7 @@ def text_value(data: str) -> re.Match[str] | None:
 # ---------------------------------------------------------------- shapes and merging
 
 
-def _dumps(obj: object) -> str:
+def dumps(obj: object) -> str:
     """Compact JSON, UTF-8 where it can be; lone surrogates (from ``\\udXXX``
     escapes split across chunks) stay escaped so the bytes are valid UTF-8."""
     text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
@@ -185,19 +185,20 @@ def _dumps(obj: object) -> str:
     return text
 
 
-def slot_by_parsing(data: str, volatile: frozenset[str]) -> Slot | None:
-    """Classify by parsing; the template is the chunk re-serialised."""
-    found = text_slot(data, volatile)
+def slot_by_parsing(found: tuple[tuple[object, ...], dict[str, Any], dict[str, Any], str] | None
+                    ) -> Slot | None:
+    """The template of what a dialect's ``text_slot`` found (None: a barrier), by
+    putting a sentinel in place of its text and re-serialising the event."""
     if found is None:
         return None
     key, chunk, holder, field = found
     text = holder[field]
     holder[field] = SENTINEL
-    template = _dumps(chunk)
+    template = dumps(chunk)
     if template.count(SENTINEL) != 1:
         return None  # the sentinel occurs in the chunk itself: keep it unmerged
     prefix, _, suffix = template.partition(json.dumps(SENTINEL))
-    return key, prefix + '"', '"' + suffix, _dumps(text)[1:-1]
+    return key, prefix + '"', '"' + suffix, dumps(text)[1:-1]
 
 
 # A JSON scalar: a string, a number, true, false or null.

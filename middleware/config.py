@@ -20,6 +20,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from .dialects.routes import AUTO_MARKER, DEFAULT_ROUTES, parse_route
+
 
 class SlowClientPolicy(StrEnum):
     """What to do with upstream events while the client cannot take them."""
@@ -99,9 +101,17 @@ class WireConfig:
     """Retries allowed as a fraction of recent requests (an Envoy-style budget)."""
     retry_budget_min_per_s: float = 3.0
     """Retries always allowed per second, whatever the ratio says."""
-    terminal_marker: str | None = None
-    """The ``data:`` that ends a complete stream (the sidecar's default: ``[DONE]``);
-    empty (``''``; None in Python) = the upstream's clean end of body is complete."""
+    terminal_marker: str | None = AUTO_MARKER
+    """The ``data:`` that ends a complete stream on the routes whose dialect ends with a
+    marker (Chat Completions, Completions, generic). ``auto``: each dialect's own
+    (``[DONE]`` for Chat Completions and Completions; none for a generic stream); empty
+    (``''``; None in Python): none, the upstream's clean end of body is complete; any
+    other value: that marker. Responses and Anthropic streams end with their own events."""
+    dialect_routes: tuple[str, ...] = DEFAULT_ROUTES
+    """``PATTERN=DIALECT`` routes, first match wins: which dialect a request path speaks
+    (chat.completions, completions, responses, anthropic.messages, generic); a path no
+    route matches is generic (its events pass exactly). Patterns are shell-style
+    (``*`` matches ``/`` too) against the path without its query."""
     socket_send_buffer_bytes: int = 16 * 1024
     """Drivers cap SO_SNDBUF so backpressure is seen before the kernel swallows it
     (Linux doubles the value). 16 KiB still carries a 100 tokens/s answer over a
@@ -164,6 +174,15 @@ class WireConfig:
             object.__setattr__(self, key, tuple(names))
         if self.terminal_marker == "":
             object.__setattr__(self, "terminal_marker", None)
+        routes = self.dialect_routes
+        if isinstance(routes, str) or not all(isinstance(r, str) for r in routes):
+            raise ConfigError("dialect_routes", f"must be a list of PATTERN=DIALECT, got {routes!r}")
+        for route in routes:
+            try:
+                parse_route(route)
+            except ValueError as error:
+                raise ConfigError("dialect_routes", str(error)) from None
+        object.__setattr__(self, "dialect_routes", tuple(routes))
         if not self.resume_owner_header or not self.resume_owner_header.isascii():
             raise ConfigError("resume_owner_header", "must be a non-empty ASCII header name")
         if self.max_line_bytes > self.max_event_bytes:

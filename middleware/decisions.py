@@ -32,6 +32,9 @@ from .accounting import Accounting
 from .attempt import UpstreamAttempt
 from .client_socket import ClientSocket
 from .config import SlowClientPolicy, WireConfig
+from .dialects.base import Dialect
+from .dialects.chat import DONE, ChatDialect
+from .dialects.routes import AUTO_MARKER
 from .errors import NO_CLIENT_RETRY, ErrorCode, WireError, upstream_timeout
 from .events import (
     AbortUpstream,
@@ -72,6 +75,7 @@ class StreamDecisions:
         expect_stream: bool = True,
         stream_id: str | None = None,
         may_repeat: bool = True,
+        dialect: Dialect | None = None,
     ) -> None:
         """``expect_stream``: the request asked for a stream, so the commit
         deadline runs from now; otherwise it starts only if the upstream
@@ -79,7 +83,10 @@ class StreamDecisions:
         ``stream_id``: the resume id of this response, required with ``config.resume``.
         ``may_repeat``: the request may reach an upstream twice
         (:func:`~tokenwire.middleware.retry.may_repeat`); if not, it is retried
-        only after a failure that proves no upstream processed it."""
+        only after a failure that proves no upstream processed it.
+        ``dialect``: the rules of the API the stream speaks, from its route
+        (:class:`~tokenwire.middleware.dialects.DialectTable`); None (a caller
+        that names no route) is Chat Completions."""
         if config.resume and not stream_id:
             raise ValueError("config.resume needs a stream_id")
         self.config = config
@@ -95,19 +102,25 @@ class StreamDecisions:
         self._client = ClientSocket(now)
         self._resume = ResumeRecorder(config, stream_id or "", self._emit)
         self._hold = ResumeHold()
-        self._acct = Accounting(now)
+        if dialect is None:
+            marker = config.terminal_marker
+            dialect = ChatDialect(DONE if marker == AUTO_MARKER else marker)
+        self._dialect = dialect = dialect.for_stream()
+        self._dialect_confirmed = False
+        self._acct = Accounting(now, dialect)
         policy = config.slow_client_policy
         # Answer text merges under every policy: ``drop`` only ever replaces
         # events of the listed (state) types, never answer content.
-        self._pending = PendingBuffer(merge=True, drop=policy is SlowClientPolicy.DROP,
+        self._pending = PendingBuffer(merge=dialect.merges, drop=policy is SlowClientPolicy.DROP,
                                       droppable_types=frozenset(config.droppable_event_types),
-                                      volatile=frozenset(config.volatile_chunk_fields))
+                                      volatile=frozenset(config.volatile_chunk_fields), dialect=dialect)
         # Config read on every input, looked up once.
         self._plain_limit_bytes = min(config.max_line_bytes, config.max_event_bytes)
-        self._marker = config.terminal_marker
+        self._marker = dialect.marker
+        self._fast_path = dialect.fast_path
         self._block_policy = policy is SlowClientPolicy.BLOCK
         self._max_pending_bytes = config.max_pending_bytes
-        self._one_call_path = not config.resume and not config.coalesce_ms
+        self._one_call_path = not config.resume and not config.coalesce_ms and self._fast_path
         # next_deadline() as of the last input (inf: none), None once an input
         # may have changed it: the one-call path's timer check (forward_read).
         self._deadline_bound: float | None = None
@@ -127,7 +140,8 @@ class StreamDecisions:
             upstream=self._attempt.upstream if upstream is None else upstream, status=self._status,
             end_reason=self._end_reason or EndReason.COMPLETE, error_code=self._error_code,
             coalesced_events=self._pending.coalesced_events,
-            dropped_events=self._pending.dropped_events, stream_id=self._resume.resume_id or None)
+            dropped_events=self._pending.dropped_events, stream_id=self._resume.resume_id or None,
+            dialect=self._dialect.name)
 
     # The accounting counters, read-only (they are the Accounting part's: a
     # property without a setter refuses an assignment). Plain properties, not a
@@ -232,7 +246,11 @@ class StreamDecisions:
         idle_s = config.upstream_idle_timeout_s
         if idle_s and now >= attempt.seen_at + idle_s and self._idle_watched():
             # A hung engine: heartbeats would otherwise hide it from the client forever.
-            self._upstream_failure(upstream_timeout(f"no data from upstream for {idle_s:g} s"),
+            # Keepalives (comments, Anthropic's pings) are not content: an engine
+            # stuck in a loop that sends only those has hung all the same.
+            kept = self._acct.idle_keepalives
+            why = f" ({kept} keepalives only)" if kept else ""
+            self._upstream_failure(upstream_timeout(f"no content from upstream for {idle_s:g} s{why}"),
                                    EndReason.UPSTREAM_TIMEOUT, now)
         if attempt.retry_at is not None and now >= attempt.retry_at:
             self._actions.append(attempt.start_retry(now))
@@ -326,8 +344,8 @@ class StreamDecisions:
             # is not an event of the stream: numbering it would shadow the
             # stored event of that number on the next reconnect.
             self._acct.meter.terminal_queued()
-            self._queue_event(SSEEvent(data=error.sse_data()), droppable=False,
-                              numbered=not self._resume.reader)
+            self._queue_event(self._dialect.own_error_event(error, self._pending.coalesced_events),
+                              droppable=False, numbered=not self._resume.reader)
             self._end(reason, error.code, abrupt=True, trigger=Trigger.ABORT)
             self._enforce_cap(now)
 
@@ -408,11 +426,18 @@ class StreamDecisions:
         # (a departed client's upstream is closed first).
         self._actions.append(Finished(build=self.record, at=now))
 
-    def _queue_event(self, event: SSEEvent, *, droppable: bool = True, numbered: bool = True) -> None:
-        """Queue one event for the client: numbered and recorded under resume."""
+    def _queue_event(self, event: SSEEvent, *, droppable: bool = True, numbered: bool = True,
+                     upstream: bool = False) -> None:
+        """Queue one event for the client: numbered and recorded under resume.
+        ``upstream``: the event is the upstream's, whose own numbering (a
+        Responses ``sequence_number``) the client gets renumbered once events
+        before it merged; the replay store keeps the upstream's."""
         if numbered and self.config.resume:
             event = self._resume.number(event)
         if not self._client.gone:
+            dialect = self._dialect
+            if upstream and dialect.renumbers:
+                event = dialect.renumber(event, self._pending.coalesced_events)
             self._pending.add_event(event, droppable=droppable)
 
     def _hold_for_resume(self, now: float, reason: EndReason, code: ErrorCode) -> bool:

@@ -16,7 +16,7 @@ import json
 from enum import IntEnum, StrEnum
 from typing import Any, ClassVar
 
-from .chunks import error_payload, message_of, status_of
+from .chunks import dumps, error_payload, message_of, status_of
 
 
 class ErrorCode(StrEnum):
@@ -132,8 +132,9 @@ class WireError(Exception):
         return json.dumps(self.to_json(), separators=(",", ":")).encode()
 
     def sse_data(self) -> str:
-        """The ``data:`` payload of the in-band error event."""
-        return json.dumps(self.to_json(), separators=(",", ":"), ensure_ascii=False)
+        """The ``data:`` payload of the in-band error event (valid UTF-8 even when an
+        engine's message holds a lone surrogate: it stays escaped)."""
+        return dumps(self.to_json())
 
     def response_headers(self) -> list[tuple[bytes, bytes]]:
         """Headers for the error response (content type, ``Retry-After``)."""

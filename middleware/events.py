@@ -296,6 +296,11 @@ class StreamRecord:
     """Events written from the first token on, the terminal marker excluded."""
     stream_id: str | None = None
     """The resume id of the stream (``config.resume``), else None."""
+    dialect: str = ""
+    """The dialect the stream spoke (``chat.completions``, ``responses``, ``generic``...)."""
+    upstream_keepalives: int = 0
+    """Upstream comments and keepalive events (Anthropic's ``ping``): never counted as
+    the upstream's activity by ``upstream_idle_timeout_s``."""
 
     @property
     def tokens_out(self) -> tuple[int, str]:
@@ -328,6 +333,8 @@ class StreamRecord:
             "tokens_out": self.tokens_out[0],
             "tokens_source": self.tokens_out[1],
             "stream_id": self.stream_id,
+            "dialect": self.dialect,
+            "upstream_keepalives": self.upstream_keepalives,
             "events_in": self.events_in,
             "events_out": self.events_out,
             "bytes_out": self.bytes_out,

@@ -14,8 +14,9 @@ A token event is one whose data is not a JSON object (a plain SSE stream has no
 role chunk: its first event is its content), or a JSON chunk with a non-empty
 text (``content``, ``reasoning_content``, ``reasoning``, a completion's
 ``text``) or a tool call (``chunks.carries_token``: the chunk format is known
-there). The role-only chunk, a finish reason alone, a usage chunk, an error and
-the terminal marker are not. The test is one regex search
+there); in another dialect, its own deltas (``Dialect.carries_token``). The
+role-only chunk, a finish reason alone, a usage chunk, an error and the
+terminal marker are not. The test is one regex search
 of the queued bytes, made only until the first token is queued: after that the
 meter costs a subtraction and a few comparisons per write.
 
@@ -29,9 +30,8 @@ tokens when the upstream reports no ``usage``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Final
-
-from .chunks import carries_token
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
                      float("inf"))
@@ -81,11 +81,13 @@ def gap_bucket(gap_s: float) -> int:
 class TokenMeter:
     """Per-stream token timing; the core calls ``queued`` and ``wrote``."""
 
-    __slots__ = ("content_events", "first_token_at", "gap_buckets", "gap_count",
+    __slots__ = ("_carries_token", "content_events", "first_token_at", "gap_buckets", "gap_count",
                  "gap_sum_s", "last_write_at", "max_gap_s", "started_at", "token_queued")
 
-    def __init__(self, started_at: float) -> None:
+    def __init__(self, started_at: float, carries_token: Callable[[bytes], bool]) -> None:
+        """``carries_token``: whether an event's data holds a token (the dialect's rule)."""
         self.started_at = started_at
+        self._carries_token = carries_token
         self.token_queued = False
         """A token event is queued (or being written) and not yet counted as written."""
         self.first_token_at: float | None = None
@@ -109,7 +111,7 @@ class TokenMeter:
 
     def queued(self, data: bytes | str) -> None:
         """Events about to go to the client (data of one event, or whole frames)."""
-        if not self.token_queued and carries_token(data.encode() if isinstance(data, str) else data):
+        if not self.token_queued and self._carries_token(data.encode() if isinstance(data, str) else data):
             self.token_queued = True
 
     def terminal_queued(self) -> None:

@@ -58,15 +58,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .chunks import (
-    SENTINEL,
-    Slot,
-    same_shape,
-    slot_by_parsing,
-    text_slot,
-    text_value,
-    volatile_value_re,
-)
+from .chunks import SENTINEL, Slot, same_shape, slot_by_parsing, volatile_value_re
+from .dialects.base import Dialect
+from .dialects.chat import ChatDialect
 from .sse import SSEEvent, encode
 
 
@@ -74,9 +68,9 @@ def _utf8_len(text: str) -> int:
     return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
 
-def _same_shape(slot: Slot, event: SSEEvent | None) -> str | None:
-    """The escaped text of ``event`` if it is an unnamed event with ``slot``'s shape."""
-    if event is None or event.event is not None or event.retry is not None or event.data is None:
+def _same_shape(slot: Slot, name: str | None, event: SSEEvent | None) -> str | None:
+    """The escaped text of ``event`` if it is an event named ``name`` with ``slot``'s shape."""
+    if event is None or event.event != name or event.retry is not None or event.data is None:
         return None
     return same_shape(slot, event.data)
 
@@ -116,10 +110,10 @@ class _Item:
             assert self.parts is not None and self.event is not None
             slot: Slot = self.slot
             data = slot[1] + "".join(self.parts) + slot[2]
-            if self.event.id is None and "\n" not in data:
+            if self.event.id is None and self.event.event is None and "\n" not in data:
                 encoded = b"data: " + data.encode() + b"\n\n"
             else:
-                encoded = encode(SSEEvent(data=data, id=self.event.id))
+                encoded = encode(SSEEvent(data=data, event=self.event.event, id=self.event.id))
         if self.dropped_before:
             return _dropped_notice(self.dropped_before) + encoded
         return encoded
@@ -128,14 +122,17 @@ class _Item:
 class PendingBuffer:
     """Bytes and events waiting for the socket; see the module docstring."""
 
-    __slots__ = ("_items", "_last_slot", "_shapes", "_volatile_re", "coalesced_events", "drop",
-                 "droppable_types", "dropped_events", "merge", "pending_bytes", "volatile")
+    __slots__ = ("_dialect", "_items", "_keep_first", "_last_slot", "_names", "_operator_volatile",
+                 "_shapes", "_volatile_re", "coalesced_events", "drop", "droppable_types",
+                 "dropped_events", "merge", "pending_bytes", "volatile")
 
     def __init__(self, *, merge: bool, drop: bool, droppable_types: frozenset[str] = frozenset(),
-                 volatile: frozenset[str] = frozenset({"obfuscation"})) -> None:
+                 volatile: frozenset[str] = frozenset({"obfuscation"}),
+                 dialect: Dialect | None = None) -> None:
         """``merge``: merge text and tool-call argument deltas; ``drop``: let a new
         event of one of ``droppable_types`` replace the queued one of its type;
-        ``volatile``: top-level chunk fields that do not block a merge."""
+        ``volatile``: top-level chunk fields that do not block a merge;
+        ``dialect``: where the text is and which events merge (default: Chat Completions)."""
         self._items: list[_Item] = []
         self._shapes: dict[tuple[str, str], Any] = {}
         self._last_slot: Slot | None = None
@@ -143,10 +140,26 @@ class PendingBuffer:
         self.merge = merge
         self.drop = drop
         self.droppable_types = droppable_types
+        self._operator_volatile = volatile
         self.volatile = volatile
         self._volatile_re = volatile_value_re(volatile)
+        self._dialect: Dialect = ChatDialect() if dialect is None else dialect
+        self._names: frozenset[str | None] = frozenset({None})
+        self._keep_first = False
+        self.use_dialect(self._dialect)
         self.coalesced_events = 0
         self.dropped_events = 0
+
+    def use_dialect(self, dialect: Dialect) -> None:
+        """Merge by ``dialect``'s rules from now on (before any event is queued)."""
+        self._dialect = dialect
+        self.merge = self.merge and dialect.merges
+        self._names = dialect.merge_names
+        self._keep_first = dialect.keep_first_volatile
+        self.volatile = self._operator_volatile | dialect.volatile
+        self._volatile_re = volatile_value_re(self.volatile)
+        self._shapes = {}
+        self._last_slot = None
 
     def __bool__(self) -> bool:
         return bool(self._items)
@@ -167,16 +180,17 @@ class PendingBuffer:
         if items and self.merge:
             last = items[-1]
             previous = self._slot(last) if last.event is not None else None
-            if previous is not None:
+            if previous is not None and last.event is not None:
                 # Most chunks have the shape of the one before: no _Item, no regex search.
-                escaped = _same_shape(previous, event)
+                escaped = _same_shape(previous, last.event.event, event)
                 newest = previous
                 if escaped is None:
                     if encoded is None:
                         encoded = encode(event)
                     item = _Item(event, encoded, 1, droppable)
                     slot = self._slot(item)  # cached on the item if it is queued instead
-                    if slot is not None and slot[0] == previous[0]:
+                    if (slot is not None and slot[0] == previous[0]
+                            and event.event == last.event.event):
                         escaped, newest = slot[3], slot
                 if escaped is not None:
                     self._merge(last, previous, event, escaped, newest)
@@ -201,7 +215,8 @@ class PendingBuffer:
         if last.parts is None:
             last.parts = [previous[3]]
             last.encoded = None
-        if newest is not previous and (newest[1], newest[2]) != (previous[1], previous[2]):
+        if (newest is not previous and not self._keep_first
+                and (newest[1], newest[2]) != (previous[1], previous[2])):
             # Only volatile fields differ (the key is equal): keep the newest values.
             last.slot = (previous[0], newest[1], newest[2], previous[3])
             grown = (_utf8_len(newest[1]) + _utf8_len(newest[2])
@@ -211,7 +226,7 @@ class PendingBuffer:
         last.parts.append(escaped)
         if event.id is not None and last.event is not None:
             # The merged event stands for the newest one: keep its id.
-            last.event = SSEEvent(data=last.event.data, id=event.id)
+            last.event = SSEEvent(data=last.event.data, event=last.event.event, id=event.id)
         added = _utf8_len(escaped)
         last.size += added
         self.pending_bytes += added
@@ -234,15 +249,16 @@ class PendingBuffer:
         slot: Slot | None = None
         last = self._last_slot
         if last is not None:
-            escaped = _same_shape(last, event)
+            escaped = _same_shape(last, event.event, event)
             if escaped is not None:
                 slot = (last[0], last[1], last[2], escaped)
                 item.slot = slot
                 return slot
-        if event.event is None and event.retry is None and data and data[0] == "{":
-            match = text_value(data)
+        dialect = self._dialect
+        if event.event in self._names and event.retry is None and data and data[0] == "{":
+            match = dialect.text_value(data)
             if match is None:
-                slot = slot_by_parsing(data, self.volatile)
+                slot = slot_by_parsing(dialect.text_slot(data, self.volatile))
             else:
                 start, end = match.span(2)
                 prefix = data[:start]
@@ -253,7 +269,7 @@ class PendingBuffer:
                     volatile_re.sub(r"\g<1>0", prefix), volatile_re.sub(r"\g<1>0", suffix))
                 key = shapes.get(shape, _UNPARSED)
                 if key is _UNPARSED:
-                    found = text_slot(prefix + SENTINEL + suffix, self.volatile)
+                    found = dialect.text_slot(prefix + SENTINEL + suffix, self.volatile)
                     if found is None:
                         key = None
                     elif found[2][found[3]] == SENTINEL:
@@ -264,7 +280,7 @@ class PendingBuffer:
                         shapes.clear()
                     shapes[shape] = key
                 if key is _UNPARSED:
-                    slot = slot_by_parsing(data, self.volatile)
+                    slot = slot_by_parsing(dialect.text_slot(data, self.volatile))
                 elif key is not None:
                     slot = (key, prefix, suffix, match.group(2))
         item.slot = slot

@@ -158,10 +158,14 @@ def classify(method: str, path: str, headers: Iterable[Header],
             raise ClientError("Last-Event-ID names another stream than the path",
                               ErrorCode.INVALID_LAST_EVENT_ID)
         return ResumeFrom(stream_id, seq)
-    if method != "POST":
+    if method not in ("POST", "GET"):
         return None
     if last_event is not None and last_event.strip():
+        # A reconnect: a POST client's, or a browser EventSource's own on a GET
+        # stream. Never generated again: resumed, or refused (an unknown id).
         return ResumeFrom(*parse_event_id(last_event.decode("latin-1")))
+    if method == "GET":
+        return None
     key = header_value(headers, b"idempotency-key")
     if key is None:
         return None

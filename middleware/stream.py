@@ -44,8 +44,10 @@ from typing import Any, Final
 
 from .accounting import GAP_BUCKETS_S
 from .attempt import RETRYABLE_STATUSES, failure_error
-from .chunks import error_object, plain_event_count
+from .chunks import plain_event_count
 from .decisions import HEARTBEAT, StreamDecisions
+from .dialects.base import ERROR, FAILED, KEEPALIVE, TERMINAL, Dialect
+from .dialects.routes import AUTO_MARKER, detect
 from .errors import (
     NO_CLIENT_RETRY,
     ErrorCode,
@@ -224,6 +226,7 @@ class WireStream(StreamDecisions):
         acct = self._acct
         acct.events_in += count
         attempt.seen_at = now
+        acct.idle_keepalives = 0
         size = len(data)
         if size > acct.pending_high_water_bytes:
             acct.pending_high_water_bytes = size
@@ -301,19 +304,22 @@ class WireStream(StreamDecisions):
             return
         if attempt.status is None:
             raise LocalProtocolError("UpstreamData before UpstreamHeaders")
-        attempt.seen_at = now
         if attempt.late_error_body is not None:
+            attempt.seen_at = now
             attempt.read_late_error(event.data)
             return
         if attempt.passthrough:
+            attempt.seen_at = now
             self._pending.add_bytes(event.data)
             self._after_queue(now)
             return
         client = self._client
-        if (self._state is S and not self._pending and not client.paused
+        if (self._state is S and self._fast_path and not self._pending and not client.paused
                 and not client.write_in_flight and attempt.parser.at_boundary):
             count = plain_event_count(event.data, self._plain_limit_bytes, self._marker)
             if count:
+                attempt.seen_at = now
+                self._acct.idle_keepalives = 0
                 # The client keeps up and these are ordinary text chunks: they
                 # go out as they came, with nothing to merge them with, so
                 # parsing and re-encoding them would only cost time.
@@ -341,50 +347,86 @@ class WireStream(StreamDecisions):
             return
         if attempt.status is None or attempt.passthrough:
             raise LocalProtocolError("UpstreamEvent needs an event-stream UpstreamHeaders first")
-        attempt.seen_at = now
         if attempt.late_error_body is not None:
+            attempt.seen_at = now
             return  # the events of an error answer are not the answer
         self._on_sse_event(event.event, now)
 
     def _on_sse_event(self, event: SSEEvent, now: float) -> None:
+        acct = self._acct
         if event.comment is not None:
             # Upstream keepalives are replaced by our own downstream heartbeats.
-            self._acct.upstream_comments += 1
+            acct.upstream_comments += 1
+            acct.upstream_keepalives += 1
+            acct.idle_keepalives += 1
             return
-        self._acct.events_in += 1
-        data = event.data
-        error = error_object(data) if data is not None and '"error"' in data else None
-        if error is not None and self._state is W:
-            # An error as the first event is the engine refusing this request
-            # (a bad prompt, too many tokens): the response is that error, with
-            # the status it carries, and another attempt would only be refused
-            # again, so it is never retried.
-            self._fail(UpstreamErrorEvent(error), EndReason.UPSTREAM_ERROR, now)
-            return
-        if self._state is W:
-            self._commit_sse(now)
-        if error is not None:
-            self._acct.meter.terminal_queued()
-            self._queue_event(SSEEvent(data=UpstreamErrorEvent(error).sse_data()), droppable=False)
+        acct.events_in += 1
+        dialect = self._dialect
+        if not self._dialect_confirmed:
+            self._dialect_confirmed = True
+            if self._resume.reader:
+                dialect = self._speak(detect(event, self.config.terminal_marker))
+            elif not dialect.confirms(event):
+                # A shape tokenwire does not know: passed exactly (no merging, no
+                # error or terminal rule but the operator's marker).
+                marker = self.config.terminal_marker
+                dialect = self._speak(Dialect(None if marker == AUTO_MARKER else marker))
+        kind = dialect.classify(event)
+        if kind == KEEPALIVE:
+            acct.upstream_keepalives += 1
+            acct.idle_keepalives += 1
+        else:
+            # The content-inactivity clock: only events of content or state move it.
+            self._attempt.seen_at = now
+            acct.idle_keepalives = 0
+        if kind == ERROR:
+            payload = dialect.error_payload(event)
+            if self._state is W and dialect.first_error_is_status:
+                # An error as the first event is the engine refusing this request
+                # (a bad prompt, too many tokens): the response is that error, with
+                # the status it carries, and another attempt would only be refused
+                # again, so it is never retried.
+                self._fail(UpstreamErrorEvent(payload), EndReason.UPSTREAM_ERROR, now)
+                return
+            if self._state is W:
+                self._commit_sse(now)
+            acct.meter.terminal_queued()
+            self._queue_event(dialect.forwarded_error(event, payload), droppable=False, upstream=True)
             self._end(EndReason.UPSTREAM_ERROR, ErrorCode.UPSTREAM_FAILED, abrupt=True,
                       trigger=Trigger.ABORT)
             self._enforce_cap(now)
             return
-        marker = self.config.terminal_marker
-        if marker is not None and data == marker:
-            self._acct.meter.terminal_queued()
-            self._queue_event(event, droppable=False)
-            self._end(EndReason.COMPLETE, None, abrupt=False, trigger=Trigger.FINISH)
+        if self._state is W:
+            self._commit_sse(now)
+        acct.usage = dialect.usage(event, acct.usage)
+        if kind in (TERMINAL, FAILED):
+            acct.meter.terminal_queued()
+            self._queue_event(event, droppable=False, upstream=True)
+            if kind == TERMINAL:
+                self._end(EndReason.COMPLETE, None, abrupt=False, trigger=Trigger.FINISH)
+            else:
+                # The engine's own report of its failure, in the dialect's terminal
+                # event: the body ends as the client would have read it directly.
+                self._end(EndReason.UPSTREAM_ERROR, ErrorCode.UPSTREAM_FAILED, abrupt=False,
+                          trigger=Trigger.FINISH)
             self._enforce_cap(now)
             return
-        if data is not None and '"usage"' in data:
-            self._acct.capture_usage(data)
-        if data is not None and self._acct.meter.awaiting_token:
-            self._acct.meter.queued(data)
-        self._queue_event(event)
+        data = event.data
+        if data is not None and acct.meter.awaiting_token:
+            acct.meter.queued(data)
+        self._queue_event(event, upstream=True)
         if self._state is C:
             self._transition(Trigger.SEND)
         self._after_queue(now)
+
+    def _speak(self, dialect: Dialect) -> Dialect:
+        """Apply ``dialect``'s rules from the first event on (the route's did not
+        fit, or a resumed stream's path names none)."""
+        self._dialect = dialect
+        self._marker = dialect.marker
+        self._fast_path = dialect.fast_path
+        self._pending.use_dialect(dialect)
+        return dialect
 
     def _on_upstream_ended(self, event: UpstreamEnded, now: float) -> None:
         attempt = self._attempt
@@ -410,11 +452,11 @@ class WireStream(StreamDecisions):
             self._upstream_failure(UpstreamError("upstream closed the stream before any event",
                                                  ErrorCode.UPSTREAM_FAILED),
                                    EndReason.UPSTREAM_ERROR, now)
-        elif self.config.terminal_marker is None and not truncated:
+        elif not self._dialect.terminal_required and not truncated:
             self._end(EndReason.COMPLETE, None, abrupt=False, trigger=Trigger.FINISH)
         else:
             why = ("a truncated final event" if truncated
-                   else f"no {self.config.terminal_marker}")
+                   else f"no {self._dialect.terminal_name}")
             self._fail(UpstreamError(f"upstream ended the stream early ({why})",
                                      ErrorCode.UPSTREAM_FAILED), EndReason.UPSTREAM_ERROR, now)
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from opentelemetry.trace import Tracer
 from tokenwire.middleware import RetryBudget
+from tokenwire.middleware.dialects import DialectTable
 from tokenwire.middleware.replay_store import ReplayStore
 from tokenwire.middleware.resume import CallerKey
 
@@ -49,3 +50,9 @@ class SidecarContext:
     """Called once when shutdown begins (``draining`` is set): gRPC health watches."""
     departures: Departures = field(default_factory=Departures)
     """The bookkeeping of departed clients, run after their upstreams are closed."""
+    dialects: DialectTable = field(init=False)
+    """Which dialect each request path speaks (the config's ``dialect_routes``)."""
+
+    def __post_init__(self) -> None:
+        wire = self.config.wire
+        self.dialects = DialectTable(wire.dialect_routes, wire.terminal_marker)

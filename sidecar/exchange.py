@@ -145,7 +145,8 @@ class Exchange:
             # not the core's index: it names one placeholder.
             upstreams=("",), retry_budget=context.retry_budget,
             expect_stream=expect_stream, stream_id=self.stream_id,
-            may_repeat=may_repeat(method, self._upstream_headers))
+            may_repeat=may_repeat(method, self._upstream_headers),
+            dialect=context.dialects.for_path(target.decode("latin-1")))
         self._milestones = (Milestones(self.stream, self._log_fields, span)
                            if span is not None or Milestones.wanted() else None)
         self._write_high_water_bytes = context.config.wire.write_high_water_bytes

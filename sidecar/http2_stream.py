@@ -17,10 +17,23 @@ A WINDOW_UPDATE lets the waiting bytes go and the exchange hears
 ``SocketResumed``. Other streams on the connection keep flowing meanwhile.
 
 How the stream ends is the core's choice, carried by ``CloseClient``: a finished
-answer ends with END_STREAM; an abrupt end (after an in-band error event, the
-same case that closes an HTTP/1.1 connection without its chunked terminator)
-with RST_STREAM(INTERNAL_ERROR) once the bytes before it are out, so a dead
-stream never looks finished; a reset drops what waits and resets at once.
+answer ends with END_STREAM; a reset (a client that stopped reading, a driver
+failure) drops what waits and sends RST_STREAM(INTERNAL_ERROR) at once. An
+abrupt end (after an in-band error event: the case that closes an HTTP/1.1
+connection without its chunked terminator) ends with trailers,
+``tokenwire-error-code`` and ``tokenwire-error-number`` (the core's error code,
+as gRPC calls end), on a HEADERS frame with END_STREAM, once every DATA byte
+before them went to h2, the send windows' included. The SSE body already says the answer failed (its error
+event, no terminal marker); the trailers say so to a plain HTTP client.
+
+Why not RST_STREAM after the error event: the clients drop it. curl (7.88)
+fails the transfer as soon as it reads the reset and discards the DATA it read
+in the same pass; Chromium (fetch, EventSource) errors the body and drops what
+its renderer had not read yet, even when a PING acknowledged first proves the
+network stack had every DATA frame. RST_STREAM(NO_ERROR) is no better: curl then
+exits 0 with no error signal at all, and Chromium takes it for a clean end.
+A client that stopped reading would hold the trailers back forever, so
+``close_flush_timeout_s`` after the abrupt end the stream is reset instead.
 """
 
 from __future__ import annotations
@@ -34,6 +47,7 @@ from typing import TYPE_CHECKING, Protocol
 import h2.errors
 import h2.exceptions
 from tokenwire.middleware import SocketPaused, SocketResumed
+from tokenwire.middleware.errors import ErrorCode
 
 from .connection import BodyReservation, with_cors
 from .exchange import Exchange
@@ -88,8 +102,15 @@ class StreamHandler(Protocol):
 
 class _End(enum.Enum):
     END_STREAM = "end_stream"
-    RESET = "reset"
     TRAILERS = "trailers"
+
+
+def error_trailers(code: ErrorCode | None) -> list[Header]:
+    """The trailers of an answer that failed after its head: the core's error
+    code and number (``internal_error`` where it named none)."""
+    code = code or ErrorCode.INTERNAL
+    return [(b"tokenwire-error-code", code.value.encode()),
+            (b"tokenwire-error-number", code.number.encode())]
 
 
 class Http2Stream:
@@ -159,18 +180,24 @@ class Http2Stream:
         self._ending(_End.TRAILERS)
 
     def end_response(self, *, abrupt: bool, reset: bool) -> None:
-        """End the stream as the core says: END_STREAM for a finished answer,
-        RST_STREAM(INTERNAL_ERROR) for a dead one (after what is already queued,
-        unless ``reset``)."""
+        """End the stream as the core says: END_STREAM for a finished answer;
+        for a dead one (``abrupt``), after every byte before it, the error
+        trailers with END_STREAM (see the module docstring); ``reset``:
+        RST_STREAM(INTERNAL_ERROR) now, what waits dropped."""
         if reset:
             self._waiting.clear()
             self.reset(h2.errors.ErrorCodes.INTERNAL_ERROR)
             return
-        if abrupt:
-            # A client that stopped reading would hold the reset back forever.
-            self.set_timer(self._connection.context.config.wire.close_flush_timeout_s,
-                            lambda: self.reset(h2.errors.ErrorCodes.INTERNAL_ERROR))
-        self._ending(_End.RESET if abrupt else _End.END_STREAM)
+        if not abrupt:
+            self._ending(_End.END_STREAM)
+            return
+        exchange = self.exchange
+        self._trailers = error_trailers(exchange.stream.error_code if exchange is not None else None)
+        # A client that stopped reading would hold the error event and the
+        # trailers back forever: reset then, which still says the answer failed.
+        self.set_timer(self._connection.context.config.wire.close_flush_timeout_s,
+                       lambda: self.reset(h2.errors.ErrorCodes.INTERNAL_ERROR))
+        self._ending(_End.TRAILERS)
 
     def closing_probe(self) -> Callable[[], bool] | None:
         """None: a stream's reset (RST_STREAM, the connection's loss) reaches
@@ -261,9 +288,6 @@ class Http2Stream:
 
     def _finish_end(self) -> None:
         end, self._end = self._end, None
-        if end is _End.RESET:
-            self.reset(h2.errors.ErrorCodes.INTERNAL_ERROR)
-            return
         if end is _End.TRAILERS:
             trailers = self._trailers
             self._send(lambda: self._h2.send_headers(self.stream_id, trailers, end_stream=True))

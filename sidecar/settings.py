@@ -32,12 +32,13 @@ from .cors import normalize_origin
 
 ENV_PREFIX = "TOKENWIRE_"
 
-SIDECAR_WIRE_DEFAULTS = WireConfig(retry_attempts=2, terminal_marker="[DONE]", upstream_idle_timeout_s=300.0)
-"""The wire defaults of a proxy in front of an OpenAI-compatible engine: unlike
-the middleware, the sidecar can re-send a request that failed before its first
-byte, an OpenAI stream that lacks its ``[DONE]`` was cut short, and an engine
-that sends nothing for 5 minutes after its headers has hung (Envoy's stream
-idle timeout)."""
+SIDECAR_WIRE_DEFAULTS = WireConfig(retry_attempts=2, upstream_idle_timeout_s=300.0)
+"""The wire defaults of a proxy in front of an engine: unlike the middleware,
+the sidecar can re-send a request that failed before its first byte, and an
+engine that sends no content for 5 minutes after its headers has hung (Envoy's
+stream idle timeout). How a complete stream ends is each route's dialect's
+(``dialect_routes``: ``[DONE]`` for Chat Completions, ``response.completed``
+for Responses, ``message_stop`` for Messages), as in the middleware."""
 
 
 @dataclass(frozen=True, slots=True)

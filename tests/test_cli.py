@@ -55,7 +55,7 @@ def test_terminal_marker_help_shows_what_to_type(capsys: pytest.CaptureFixture[s
     marker = out[out.index("--terminal-marker TERMINAL_MARKER"):]
     marker = marker[:marker.index("--socket-send-buffer-bytes")]
     assert "empty ('';" in marker and "``" not in marker
-    assert "default [DONE]" in marker
+    assert "default auto" in marker
     assert "default ''" in out[out.index("--admin-listen ADMIN_LISTEN"):]
 
 

@@ -11,7 +11,8 @@ nothing the core has not decided already:
   ``INVALID_ARGUMENT``);
 * each SSE data event becomes one length-prefixed message (comments, i.e.
   heartbeats, and the ``[DONE]`` marker become nothing; HTTP/2 keeps the
-  connection alive);
+  connection alive); half a surrogate pair split across chunks waits in the
+  call's :class:`~.transcode.TextCarry` for its other half;
 * a clean end (the core saw the engine finish) becomes ``grpc-status: 0``;
   any other end carries the in-band error event's code, or, where none came,
   ``UNAVAILABLE``: a truncated answer never ends with 0.
@@ -31,9 +32,10 @@ from tokenwire.middleware.errors import ErrorCode, GrpcStatus, grpc_status_of
 from tokenwire.middleware.headers import STREAM_ID_HEADER
 from tokenwire.middleware.sse import SSEParser
 
-from .framing import encode_message, parse_timeout
+from .framing import encode_message, parse_timeout, valid_text
 from .metadata import GRPC_CONTENT_TYPE, OK, CallStatus, Header
 from .routing import StreamMethod
+from .transcode import TextCarry
 
 _DONE = "[DONE]"
 
@@ -86,6 +88,7 @@ def status_of_error_json(text: str, http_status: int | None) -> CallStatus:
         message = str(error)
     if not message:
         message = " ".join(text.split())[:200]
+    message = valid_text(message)  # a lone ``\udXXX`` escape in the engine's message
     code = _code_of(name)
     status = grpc_status_of(code, http_status)
     if name is None:
@@ -121,6 +124,7 @@ class ResponseTranscoder:
         self._in_band: CallStatus | None = None
         self._override: CallStatus | None = None
         self._whole: bytearray | None = None  # a 200 answer that is not an event stream
+        self._texts = TextCarry()
         self.messages_out = 0
 
     @property
@@ -150,7 +154,7 @@ class ResponseTranscoder:
             self._whole += data
             return b""
         out: list[bytes] = []
-        to_message = self._method.to_message
+        to_message, texts = self._method.to_message, self._texts
         for payload, event_id in self._events(data):
             if payload == _DONE:
                 continue
@@ -158,7 +162,8 @@ class ResponseTranscoder:
                                                   and payload.startswith("{")):
                 self._in_band = status_of_error_json(payload, None)
                 continue
-            out.append(encode_message(to_message(payload, event_id).SerializeToString()))
+            out += [encode_message(message.SerializeToString())
+                    for message in texts.messages(to_message, payload, event_id)]
         self.messages_out += len(out)
         return b"".join(out)
 
@@ -221,7 +226,11 @@ class ResponseTranscoder:
         if self._whole and status is OK:
             # The engine answered with one JSON object: it is the one message.
             text = self._whole.decode("utf-8", "replace")
-            last = encode_message(self._method.to_message(text, None).SerializeToString())
+            last = encode_message(self._method.to_message(text, None, None).SerializeToString())
+            self.messages_out += 1
+        elif self._started and (flushed := self._texts.flush()) is not None:
+            # Half a surrogate pair that nothing completed: U+FFFD, before the trailers.
+            last = encode_message(flushed.SerializeToString())
             self.messages_out += 1
         if self._started:
             return Ending(status.trailers(), trailers_only=False, status=status, data=last)

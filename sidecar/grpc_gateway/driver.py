@@ -406,4 +406,10 @@ class StreamCall:
 
 
 def _json_bytes(body: dict[str, Any]) -> bytes:
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    """Compact UTF-8 JSON; with a lone surrogate (a ``\\udXXX`` escape in
+    ``extra_json``, not UTF-8) all escaped, so the engine reads what the client wrote."""
+    text = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        return json.dumps(body, separators=(",", ":")).encode()

@@ -1,4 +1,5 @@
-"""gRPC over HTTP/2 framing: length-prefixed messages, timeouts, content types.
+"""gRPC over HTTP/2 framing: length-prefixed messages, timeouts, content types,
+the text a protobuf string (or ``grpc-message``) can carry.
 
 A gRPC message on the wire is one flag byte (1 = compressed), a 4-byte
 big-endian length, then that many bytes (PROTOCOL-HTTP2.md, "Length-Prefixed-
@@ -9,6 +10,7 @@ header alone, before buffering it.
 
 from __future__ import annotations
 
+import re
 import struct
 
 from tokenwire.middleware.errors import GrpcStatus
@@ -18,6 +20,21 @@ DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 
 _HEADER = struct.Struct(">BI")
 _TIMEOUT_UNITS_S = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def valid_text(text: str) -> str:
+    """``text`` as UTF-8 can carry it, for a protobuf string field (which
+    refuses anything else) or ``grpc-message``: two surrogate code points
+    that make a pair become their character, a lone surrogate becomes U+FFFD.
+
+    A ``str`` holds a surrogate only from a JSON ``\\udXXX`` escape with no
+    partner in the same string (a pair split across chunks, or just a broken
+    one); everything else passes through untouched, checked at ASCII speed.
+    """
+    if text.isascii() or _SURROGATE.search(text) is None:
+        return text
+    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
 
 
 class GrpcCallError(Exception):

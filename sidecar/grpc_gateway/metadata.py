@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 from tokenwire.middleware.errors import ErrorCode, GrpcStatus
 
+from .framing import valid_text
+
 Header = tuple[bytes, bytes]
 
 GRPC_CONTENT_TYPE = b"application/grpc"
@@ -24,9 +26,10 @@ _MESSAGE_MAX_CHARS = 1024
 
 
 def percent_encode(text: str) -> bytes:
-    """``grpc-message`` encoding: UTF-8, then every byte outside 0x20..0x7E and ``%`` as ``%XX``."""
+    """``grpc-message`` encoding: UTF-8 (a lone surrogate as U+FFFD), then every
+    byte outside 0x20..0x7E and ``%`` as ``%XX``."""
     out = bytearray()
-    for byte in text.encode("utf-8"):
+    for byte in valid_text(text).encode("utf-8"):
         if 0x20 <= byte <= 0x7E and byte != 0x25:
             out.append(byte)
         else:

@@ -10,7 +10,14 @@ from google.protobuf.message import Message
 
 from tokenwire.v1 import streaming_pb2 as pb
 
-from .transcode import chat_chunk, chat_request_body, completion_chunk, completion_request_body
+from .transcode import (
+    Chunk,
+    TextCarry,
+    chat_chunk,
+    chat_request_body,
+    completion_chunk,
+    completion_request_body,
+)
 
 HEALTH_CHECK = b"/grpc.health.v1.Health/Check"
 HEALTH_WATCH = b"/grpc.health.v1.Health/Watch"
@@ -31,7 +38,8 @@ class StreamMethod:
     request_type: type[Message]
     upstream_target: bytes
     to_body: Callable[[Any], dict[str, Any]]
-    to_message: Callable[[str, str | None], Message]
+    to_message: Callable[[str, str | None, TextCarry | None], Chunk]
+    """(SSE data, event id, the call's text carry) → the response message."""
 
 
 STREAM_METHODS: dict[bytes, StreamMethod] = {

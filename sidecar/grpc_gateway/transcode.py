@@ -6,11 +6,20 @@ type still reaches the engine; ``"stream": true`` is always set. Each chunk
 the wire core sends becomes one response message: its fields typed, its JSON
 kept whole in ``chunk_json``. Chunks the core merged under backpressure
 arrive here as one chunk, so they become one message with the exact text.
+
+Protobuf strings are UTF-8; JSON strings are UTF-16 with ``\\udXXX`` escapes,
+and an engine behind a gateway that slices UTF-16 (JavaScript's strings) may
+end one chunk's text with the high half of a surrogate pair and start the
+next with the low half. Over SSE the escapes pass through and the client's
+JSON parser joins them; here :class:`TextCarry` holds the high half back and
+joins it (a lone surrogate that nothing completes becomes U+FFFD), and every
+other string from JSON goes through :func:`~.framing.valid_text`.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from google.protobuf.message import DecodeError, Message
@@ -19,9 +28,13 @@ from tokenwire.middleware.errors import GrpcStatus
 
 from tokenwire.v1 import streaming_pb2 as pb
 
-from .framing import GrpcCallError
+from .framing import GrpcCallError, valid_text
 
 JSONObject = dict[str, Any]
+Chunk = pb.ChatCompletionChunk | pb.CompletionChunk
+TextKey = tuple[int, int]
+"""A streamed text field: (choice index, tool-call index), -1 for the choice's
+own text (``content``, or a completion's ``text``)."""
 
 
 def _extra(text: str, where: str) -> JSONObject:
@@ -95,7 +108,76 @@ def _int(value: object) -> int:
 
 
 def _str(value: object) -> str:
-    return value if isinstance(value, str) else ""
+    return valid_text(value) if isinstance(value, str) else ""
+
+
+class TextCarry:
+    """One call's streamed text fields, carried across chunks as valid UTF-8.
+
+    :meth:`text` takes a field's text from each chunk: a high surrogate at its
+    end (half a pair split across chunks) is held back, per field, and put
+    before that field's next text, where the low half joins it into the
+    character; if the next text does not start with one, it is U+FFFD. What is
+    still held when a message with no text comes (role, finish, usage) goes
+    out before it, and what is held when the stream ends goes out last, as
+    U+FFFD (:meth:`flush`). Sans-IO; one per call.
+    """
+
+    __slots__ = ("_held", "_last", "_texts")
+
+    def __init__(self) -> None:
+        self._held: dict[TextKey, str] = {}
+        self._last: Chunk | None = None  # the last message with text: what a flush looks like
+        self._texts = False  # the message being built has text
+
+    def text(self, key: TextKey, text: str) -> str:
+        """Field ``key``'s text in this chunk, as the message carries it."""
+        if text:
+            self._texts = True
+        held = self._held.pop(key, "")
+        text = held + text
+        if text and "\ud800" <= text[-1] <= "\udbff":
+            self._held[key] = text[-1]
+            text = text[:-1]
+        return valid_text(text)
+
+    def messages(self, to_message: Callable[[str, str | None, TextCarry | None], Chunk],
+                 data: str, event_id: str | None) -> list[Chunk]:
+        """The message for one event; after a :meth:`flush` if it has no text."""
+        self._texts = False
+        message = to_message(data, event_id, self)
+        if self._texts:
+            self._last = message
+            return [message]
+        flushed = self.flush()
+        return [message] if flushed is None else [flushed, message]
+
+    def flush(self) -> Chunk | None:
+        """What is held, as U+FFFD in each field, in a message of its own (the
+        last text message's id, model and created; no ``chunk_json``: no engine
+        chunk is its own), or None when nothing is."""
+        held, self._held = self._held, {}
+        if not held or self._last is None:
+            return None
+        last = self._last
+        out = type(last)(id=last.id, model=last.model, created=last.created)
+        choices: dict[int, pb.ChatChoiceDelta | pb.CompletionChoiceDelta] = {}
+        for index, call in sorted(held):
+            choice = choices.get(index)
+            if choice is None:
+                choice = choices[index] = out.choices.add(index=index)
+            if isinstance(choice, pb.CompletionChoiceDelta):
+                choice.text = "\ufffd"
+            elif call < 0:
+                choice.content = "\ufffd"
+            else:
+                choice.tool_calls.add(index=call, function_arguments="\ufffd")
+        return out
+
+
+def _text(carry: TextCarry | None, key: TextKey, value: object) -> str:
+    text = value if isinstance(value, str) else ""
+    return valid_text(text) if carry is None else carry.text(key, text)
 
 
 def _usage(target: pb.Usage, usage: object) -> None:
@@ -117,9 +199,11 @@ def _head(chunk: pb.ChatCompletionChunk | pb.CompletionChunk, obj: JSONObject, d
         _usage(chunk.usage, obj["usage"])
 
 
-def chat_chunk(data: str, event_id: str | None = None) -> pb.ChatCompletionChunk:
+def chat_chunk(data: str, event_id: str | None = None,
+               carry: TextCarry | None = None) -> pb.ChatCompletionChunk:
     """One ``chat.completion.chunk`` (or, from an engine that did not stream,
-    the whole ``chat.completion``) as a message."""
+    the whole ``chat.completion``) as a message; its text through ``carry``
+    (without one, a lone surrogate is U+FFFD at once)."""
     chunk = pb.ChatCompletionChunk()
     obj = chunk_object(data)
     if obj is None:
@@ -137,7 +221,7 @@ def chat_chunk(data: str, event_id: str | None = None) -> pb.ChatCompletionChunk
         if not isinstance(delta, dict):
             continue
         out.role = _str(delta.get("role"))
-        out.content = _str(delta.get("content"))
+        out.content = _text(carry, (out.index, -1), delta.get("content"))
         calls = delta.get("tool_calls")
         for call in calls if isinstance(calls, list) else ():
             if not isinstance(call, dict):
@@ -149,12 +233,13 @@ def chat_chunk(data: str, event_id: str | None = None) -> pb.ChatCompletionChunk
             function = call.get("function")
             if isinstance(function, dict):
                 tool.function_name = _str(function.get("name"))
-                tool.function_arguments = _str(function.get("arguments"))
+                tool.function_arguments = _text(carry, (out.index, tool.index), function.get("arguments"))
     return chunk
 
 
-def completion_chunk(data: str, event_id: str | None = None) -> pb.CompletionChunk:
-    """One ``text_completion`` chunk as a message."""
+def completion_chunk(data: str, event_id: str | None = None,
+                     carry: TextCarry | None = None) -> pb.CompletionChunk:
+    """One ``text_completion`` chunk as a message; its text through ``carry``."""
     chunk = pb.CompletionChunk()
     obj = chunk_object(data)
     if obj is None:
@@ -166,6 +251,6 @@ def completion_chunk(data: str, event_id: str | None = None) -> pb.CompletionChu
         if isinstance(choice, dict):
             out = chunk.choices.add()
             out.index = _int(choice.get("index"))
-            out.text = _str(choice.get("text"))
+            out.text = _text(carry, (out.index, -1), choice.get("text"))
             out.finish_reason = _str(choice.get("finish_reason"))
     return chunk

@@ -26,7 +26,7 @@ import uvicorn
 from tokenwire.middleware import TokenWireMiddleware
 from tokenwire.sidecar import Sidecar, SidecarConfig, StreamLog
 
-from .scenarios import PLAYED, Scenario, scenario_app
+from .scenarios import PLAYED, Scenario, path_of, scenario_app
 
 
 class Driver(Protocol):
@@ -81,7 +81,7 @@ async def fetch(port: int, scenario: Scenario) -> bytes:
     await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
     reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 20)
     played = PLAYED[scenario.name] = asyncio.Event()
-    writer.write(f"GET /{scenario.name} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    writer.write(f"GET {path_of(scenario)} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                  f"Connection: close\r\n\r\n".encode())
     if scenario.client_stall_s:
         # asyncio reads eagerly; stop it so the kernel buffers fill up.
@@ -157,8 +157,10 @@ class SidecarDriver:
 async def fetch_h2(port: int, scenario: Scenario) -> bytes:
     """``fetch`` over HTTP/2 with prior knowledge, the answer rendered as the
     HTTP/1.1 bytes it stands for, so the suite holds it to the same reference:
-    END_STREAM is the chunked terminator, RST_STREAM a body cut without it, and
-    a body without Content-Length is chunked (HTTP/2 frames every body). A
+    END_STREAM is the chunked terminator, unless trailers name an error
+    (``tokenwire-error-code``: how the sidecar ends a dead stream), which, like
+    RST_STREAM, is a body cut without it, and a body without Content-Length is
+    chunked (HTTP/2 frames every body). A
     stalled client is one that neither reads nor opens its window: its stream
     window is 4 KiB, credited only once the stall is over."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
@@ -168,7 +170,7 @@ async def fetch_h2(port: int, scenario: Scenario) -> bytes:
         conn.local_settings = h2.settings.Settings(
             client=True, initial_values={h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 4096})
     conn.initiate_connection()
-    conn.send_headers(1, [(b":method", b"GET"), (b":path", f"/{scenario.name}".encode()),
+    conn.send_headers(1, [(b":method", b"GET"), (b":path", path_of(scenario).encode()),
                           (b":scheme", b"http"), (b":authority", b"127.0.0.1")], end_stream=True)
     played = PLAYED[scenario.name] = asyncio.Event()
     writer.write(conn.data_to_send())
@@ -181,7 +183,7 @@ async def fetch_h2(port: int, scenario: Scenario) -> bytes:
         if rest_s > 0:
             await asyncio.sleep(rest_s)
     status, headers, body, complete = b"", [], bytearray(), False
-    ended = False
+    ended = failed = False
     try:
         while not ended:
             data = await asyncio.wait_for(reader.read(65536), 20)
@@ -195,8 +197,11 @@ async def fetch_h2(port: int, scenario: Scenario) -> bytes:
                 elif isinstance(event, h2.events.DataReceived):
                     body += event.data or b""
                     conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                elif isinstance(event, h2.events.TrailersReceived):
+                    failed = any(bytes(name) == b"tokenwire-error-code" for name, _ in event.headers or [])
                 elif isinstance(event, h2.events.StreamEnded):
-                    complete = ended = True
+                    ended = True
+                    complete = not failed
                 elif isinstance(event, h2.events.StreamReset | h2.events.ConnectionTerminated):
                     ended = True
             writer.write(conn.data_to_send())

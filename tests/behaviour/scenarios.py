@@ -180,12 +180,18 @@ async def play_steps(steps: Iterable[Step], send: Callable[[Message], Awaitable[
             raise failure()
 
 
+def path_of(scenario: Scenario) -> str:
+    """The request path of a scenario: its name, on a Chat Completions route (the
+    scenarios are OpenAI streams; a shape that is not one is generic all the same)."""
+    return f"/{scenario.name}/v1/chat/completions"
+
+
 async def scenario_app(scope: Scope, receive: Callable[[], Awaitable[Message]],
                        send: Callable[[Message], Awaitable[None]]) -> None:
-    """Plays ``/<scenario name>`` as an upstream would."""
+    """Plays ``/<scenario name>/...`` (:func:`path_of`) as an upstream would."""
     if scope["type"] != "http":
         return
-    scenario = SCENARIOS_BY_NAME[scope["path"].strip("/")]
+    scenario = SCENARIOS_BY_NAME[scope["path"].strip("/").split("/")[0]]
     try:
         await send({"type": "http.response.start", "status": scenario.status,
                     "headers": list(scenario.headers)})

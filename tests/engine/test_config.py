@@ -59,10 +59,11 @@ def test_wire_keys_take_the_engine_prefix_and_the_same_precedence(tmp_path: Path
 
 
 def test_the_engine_sets_its_wire_defaults_explicitly() -> None:
-    """The middleware's defaults may change; the engine's stream ends with [DONE] and
-    cannot be retried once handed over, whatever they are."""
+    """The middleware's defaults may change; the engine's streams end with their
+    dialect's terminal event ([DONE] on its OpenAI routes) and cannot be retried once
+    handed over, whatever they are."""
     wire = EngineConfig().wire
-    assert (wire.retry_attempts, wire.terminal_marker) == (0, "[DONE]")
+    assert (wire.retry_attempts, wire.terminal_marker) == (0, "auto")
     assert build_engine_config(flags={"retry_attempts": "1"}).wire.retry_attempts == 1
 
 

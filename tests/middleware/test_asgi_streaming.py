@@ -118,7 +118,10 @@ def test_slowClient_whenItStopsReading_thenAppIsNotStalledAndPendingStaysBounded
     # it off, and never finish; a free one finishes well within it (measured:
     # in under the time the reading client took, as most of its events merge).
     deadline_s = max(1.0, 3 * served_s)
-    config = DEFAULT_CONFIG.replace(max_pending_bytes=256 * 1024, write_deadline_s=deadline_s)
+    # The app's /stream is OpenAI chunks without [DONE]: routed as Chat Completions,
+    # with a clean end complete, so its text merges for the stalled reader.
+    config = DEFAULT_CONFIG.replace(max_pending_bytes=256 * 1024, write_deadline_s=deadline_s,
+                                    dialect_routes=("/stream=chat.completions",), terminal_marker=None)
     app = TokenWireMiddleware(framework_app("starlette", produce), config,
                               on_finished=hooks.on_finished, on_abort=hooks.on_abort)
     with running_server(app, server, send_buffer_bytes=16 * 1024) as port:

@@ -15,9 +15,9 @@ def test_defaults_followDesign() -> None:
     assert config.max_pending_bytes == 1 << 20
     assert config.slow_client_policy is SlowClientPolicy.COALESCE
     assert config.coalesce_ms == 0.0
-    # The middleware's defaults: it cannot re-run its app, and a generic SSE app
-    # ends its stream by ending its response.
-    assert (config.retry_attempts, config.terminal_marker) == (0, None)
+    # The middleware's defaults: it cannot re-run its app, and each route's
+    # dialect says how its stream ends (a generic SSE app's by ending its response).
+    assert (config.retry_attempts, config.terminal_marker) == (0, "auto")
     assert config.volatile_chunk_fields == ("obfuscation",)
     assert config.droppable_event_types == ()
 
@@ -61,7 +61,7 @@ def _another_valid_value(value: Any) -> Any:
     if isinstance(value, int | float):
         return value + 1
     if isinstance(value, tuple):
-        return (*value, "x")
+        return (*value, "/x=generic" if any("=" in v for v in value) else "x")
     if value is None:
         return "[DONE]"
     return value + "x" if value else "x"

@@ -43,7 +43,7 @@ def test_carriesToken_table(data: str, token: bool) -> None:
 
 
 def test_meter_whenRoleChunkFirst_thenTimesFromTheFirstToken() -> None:
-    meter = TokenMeter(10.0)
+    meter = TokenMeter(10.0, carries_token)
     meter.queued(chunk(role="assistant", text=""))
     meter.wrote(1, 10.1)  # the role chunk: not a token
     assert meter.ttft_s is None and meter.content_events == 0

@@ -719,7 +719,9 @@ def test_coalesceWindow_whenCoalesceMsSet_thenWritesBatchedForWindow() -> None:
 
 
 def test_drop_whenSocketPaused_thenNewestPerEventTypeKeptAndDoneNeverDropped() -> None:
-    d = Driver(proxy_config(slow_client_policy=SlowClientPolicy.DROP,
+    # A state stream of named events is no OpenAI stream: generic, ended by the
+    # operator's marker.
+    d = Driver(proxy_config(slow_client_policy=SlowClientPolicy.DROP, terminal_marker=DONE,
                             droppable_event_types=("progress", "status")))
     d.sse_headers()
     d.send(event("p0", event="progress"))
@@ -1232,6 +1234,9 @@ CONFIGS = st.builds(
     retry_attempts=st.sampled_from([0, 1, 3]),
     retry_backoff_s=st.sampled_from([0.0, 0.1]),
     max_line_bytes=st.just(1 << 16),
+    # Named: a run whose first event is a named one is generic (not an OpenAI
+    # stream), and the operator's marker ends it as it ends a chat stream.
+    terminal_marker=st.just("[DONE]"),
 )
 
 

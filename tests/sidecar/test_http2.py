@@ -111,18 +111,21 @@ def test_http2_whenTwentyStreamsOnOneConnection_thenAllFlowAtOnce(
             assert _text(bytes(state.body)) == expected_text(20)
 
 
-def test_http2_whenStreamFinishes_thenEndStream_whenUpstreamDies_thenRstInternalError(
+def test_http2_whenStreamFinishes_thenEndStream_whenUpstreamDies_thenErrorTrailers(
         start_sidecar: Callable[..., RunningSidecar]) -> None:
     """A finished answer ends with END_STREAM; one cut after its first byte gets
-    its in-band error event, then RST_STREAM(INTERNAL_ERROR): never a clean end."""
+    its in-band error event, then trailers naming the error on END_STREAM
+    (test_http2_error_ending.py: why not RST_STREAM)."""
     sidecar = start_sidecar()
     with H2Client(sidecar.port) as client:
         good = client.request(CHAT_PATH, method="POST", body=CHAT, headers=chat_headers(3))
         dead = client.request("/die/v1/chat/completions", method="POST", body=CHAT,
                               headers=chat_headers(5))
         finished, died = client.response(good), client.response(dead)
-    assert finished.ended and finished.reset_code is None
-    assert died.reset_code == 2 and not died.ended  # INTERNAL_ERROR
+    assert finished.ended and finished.reset_code is None and finished.trailers == []
+    assert died.ended and died.reset_code is None
+    assert dict(died.trailers) == {b"tokenwire-error-code": b"upstream_failed",
+                                   b"tokenwire-error-number": b"E7307"}
     events = sse_datas(bytes(died.body))
     assert json.loads(events[-1])["error"]["code"] == "upstream_failed"
 

@@ -1,0 +1,415 @@
+"""The stream dialects in the wire core: each API's end, errors, usage, merging
+and keepalives, in virtual time (fixtures written from the public API
+references of OpenAI Responses and Anthropic Messages streaming)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from tokenwire.middleware import (
+    CloseClient,
+    ConfigError,
+    EndReason,
+    ErrorCode,
+    FailureKind,
+    SocketPaused,
+    SocketResumed,
+    SSEEvent,
+    Tick,
+    UpstreamData,
+    UpstreamEnded,
+    UpstreamFailed,
+    WireConfig,
+)
+from tokenwire.middleware.dialects import DialectTable, parse_route
+from tokenwire.middleware.sse import encode
+
+from .wire_harness import Driver, chunk, parse_all, proxy_config
+
+TABLE = DialectTable()
+
+
+def driver(path: str, config: WireConfig | None = None, **kwargs: Any) -> Driver:
+    config = config or proxy_config()
+    table = DialectTable(config.dialect_routes, config.terminal_marker)
+    d = Driver(config, dialect=table.for_path(path), **kwargs)
+    d.sse_headers()
+    return d
+
+
+def named(name: str, body: dict[str, Any]) -> bytes:
+    return encode(SSEEvent(data=json.dumps(body, separators=(",", ":")), event=name))
+
+
+# ---------------------------------------------------------------- Responses
+
+
+def response_obj(status: str, text: str = "", usage: dict[str, int] | None = None) -> dict[str, Any]:
+    return {"id": "resp_1", "object": "response", "created_at": 1, "status": status, "model": "m",
+            "output": [{"type": "message", "id": "msg_1", "status": status, "role": "assistant",
+                        "content": [{"type": "output_text", "text": text, "annotations": []}]}],
+            "usage": usage}
+
+
+class ResponsesScript:
+    """A Responses stream, numbered as the API numbers it."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.frames: list[bytes] = []
+
+    def add(self, kind: str, **fields: Any) -> bytes:
+        frame = named(kind, {"type": kind, **fields, "sequence_number": self.seq})
+        self.seq += 1
+        self.frames.append(frame)
+        return frame
+
+    def opening(self) -> list[bytes]:
+        return [self.add("response.created", response=response_obj("in_progress")),
+                self.add("response.output_item.added", output_index=0,
+                         item={"type": "message", "id": "msg_1", "status": "in_progress",
+                               "role": "assistant", "content": []}),
+                self.add("response.content_part.added", item_id="msg_1", output_index=0,
+                         content_index=0, part={"type": "output_text", "text": "", "annotations": []})]
+
+    def delta(self, text: str) -> bytes:
+        return self.add("response.output_text.delta", item_id="msg_1", output_index=0, content_index=0,
+                        delta=text, logprobs=[])
+
+    def completed(self, text: str, kind: str = "response.completed") -> bytes:
+        status = {"response.completed": "completed", "response.incomplete": "incomplete",
+                  "response.failed": "failed"}[kind]
+        return self.add(kind, response=response_obj(status, text, {"input_tokens": 3, "output_tokens": 7,
+                                                                   "total_tokens": 10}))
+
+
+def responses_text(events: list[SSEEvent]) -> str:
+    return "".join(json.loads(e.data or "{}").get("delta", "") for e in events
+                   if e.event == "response.output_text.delta")
+
+
+def test_responses_whenComplete_thenPassedExactlyWithUsageAndTtft() -> None:
+    d = driver("/v1/responses")
+    script = ResponsesScript()
+    for frame in [*script.opening(), script.delta("Hel"), script.delta("lo"), script.completed("Hello")]:
+        d.send(UpstreamData(frame), at=d.now + 0.1)
+    d.send(UpstreamEnded())
+    assert d.written == b"".join(script.frames)
+    assert d.of(CloseClient) == [CloseClient(abrupt=False)]
+    record = d.finished.record
+    assert (record.end_reason, record.dialect) == (EndReason.COMPLETE, "responses")
+    assert record.tokens_out == (7, "usage")
+    assert record.ttft_s == pytest.approx(0.4)  # the first delta, not response.created
+
+
+@pytest.mark.parametrize("kind", ["response.incomplete", "response.completed"])
+def test_responses_whenIncompleteOrCompleted_thenFinished(kind: str) -> None:
+    d = driver("/v1/responses")
+    script = ResponsesScript()
+    for frame in [*script.opening(), script.delta("a"), script.completed("a", kind)]:
+        d.send(UpstreamData(frame))
+    d.send(UpstreamEnded())
+    assert d.finished.record.end_reason is EndReason.COMPLETE
+
+
+def test_responses_whenFailedEvent_thenForwardedAndEndedCleanlyButRecordedAsUpstreamError() -> None:
+    d = driver("/v1/responses")
+    script = ResponsesScript()
+    for frame in [*script.opening(), script.delta("a"), script.completed("a", "response.failed")]:
+        d.send(UpstreamData(frame))
+    d.send(UpstreamEnded())
+    assert d.written == b"".join(script.frames)
+    assert d.of(CloseClient) == [CloseClient(abrupt=False)]
+    record = d.finished.record
+    assert (record.end_reason, record.error_code) == (EndReason.UPSTREAM_ERROR, ErrorCode.UPSTREAM_FAILED)
+
+
+def test_responses_whenEofWithoutTerminal_thenErrorEventInTheDialectsShapeAndCut() -> None:
+    d = driver("/v1/responses")
+    script = ResponsesScript()
+    for frame in [*script.opening(), script.delta("a")]:
+        d.send(UpstreamData(frame))
+    d.send(UpstreamEnded())
+    last = parse_all(d.written)[-1]
+    assert last.event == "error"
+    body = json.loads(last.data or "")
+    assert body["type"] == "error" and body["code"] == "upstream_failed"
+    assert body["sequence_number"] == script.seq  # the next number after the last event
+    assert "response.completed" in body["message"]
+    assert body["error"]["tokenwire"]["number"] == "E7307"
+    assert d.of(CloseClient) == [CloseClient(abrupt=True)]
+
+
+def test_responses_whenUpstreamErrorEvent_thenForwardedAsItCameAndCut() -> None:
+    d = driver("/v1/responses")
+    script = ResponsesScript()
+    for frame in script.opening():
+        d.send(UpstreamData(frame))
+    error = script.add("error", code="server_error", message="the engine fell over", param=None)
+    d.send(UpstreamData(error))
+    assert d.written == b"".join(script.frames)
+    assert d.of(CloseClient) == [CloseClient(abrupt=True)]
+    assert d.finished.record.end_reason is EndReason.UPSTREAM_ERROR
+
+
+def test_responses_whenSlowReader_thenDeltasMergeAndNumbersStayContiguous() -> None:
+    d = driver("/v1/responses")
+    script = ResponsesScript()
+    d.send(UpstreamData(b"".join(script.opening())))
+    d.send(SocketPaused())
+    words = [f"w{i} " for i in range(50)]
+    for word in words:
+        d.send(UpstreamData(script.delta(word)))
+    d.send(UpstreamData(script.add("response.output_text.done", item_id="msg_1", output_index=0,
+                                   content_index=0, text="".join(words))))
+    d.send(UpstreamData(script.completed("".join(words))))
+    d.send(SocketResumed())
+    d.send(UpstreamEnded())
+    events = parse_all(d.written)
+    numbers = [json.loads(e.data or "")["sequence_number"] for e in events]
+    assert numbers == list(range(len(events)))
+    assert responses_text(events) == "".join(words)
+    assert len([e for e in events if e.event == "response.output_text.delta"]) == 1
+    assert d.finished.record.coalesced_events == 49
+    assert d.finished.record.end_reason is EndReason.COMPLETE
+
+
+def test_responses_whenDeltasOfTwoParts_thenEachMergesApart() -> None:
+    d = driver("/v1/responses")
+    script = ResponsesScript()
+    d.send(UpstreamData(b"".join(script.opening())))
+    d.send(SocketPaused())
+    for i in range(4):
+        d.send(UpstreamData(script.add("response.output_text.delta", item_id="msg_1", output_index=0,
+                                       content_index=i // 2, delta=f"{i}", logprobs=[])))
+    d.send(UpstreamData(script.completed("")))
+    d.send(SocketResumed())
+    deltas = [json.loads(e.data or "") for e in parse_all(d.written) if e.event == "response.output_text.delta"]
+    assert [(x["content_index"], x["delta"]) for x in deltas] == [(0, "01"), (1, "23")]
+
+
+def test_responses_whenSlowClientCutAfterMerges_thenErrorCarriesTheNextClientNumber() -> None:
+    d = driver("/v1/responses", proxy_config(max_pending_bytes=400_000))
+    script = ResponsesScript()
+    d.send(UpstreamData(b"".join(script.opening())))
+    d.send(SocketPaused())
+    for _ in range(10):
+        d.send(UpstreamData(script.delta("x")))
+    d.send(UpstreamFailed(FailureKind.PROTOCOL, "connection reset"))
+    d.send(SocketResumed())
+    events = parse_all(d.written)
+    numbers = [json.loads(e.data or "")["sequence_number"] for e in events]
+    assert numbers == list(range(len(events)))
+    assert events[-1].event == "error"
+
+
+# ---------------------------------------------------------------- Anthropic Messages
+
+
+class MessagesScript:
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+
+    def add(self, kind: str, **fields: Any) -> bytes:
+        frame = named(kind, {"type": kind, **fields})
+        self.frames.append(frame)
+        return frame
+
+    def opening(self) -> list[bytes]:
+        return [self.add("message_start", message={
+                    "id": "msg_1", "type": "message", "role": "assistant", "model": "m", "content": [],
+                    "stop_reason": None, "stop_sequence": None,
+                    "usage": {"input_tokens": 25, "output_tokens": 1}}),
+                self.add("content_block_start", index=0, content_block={"type": "text", "text": ""})]
+
+    def text(self, text: str, index: int = 0) -> bytes:
+        return self.add("content_block_delta", index=index, delta={"type": "text_delta", "text": text})
+
+    def closing(self) -> list[bytes]:
+        return [self.add("content_block_stop", index=0),
+                self.add("message_delta", delta={"stop_reason": "end_turn", "stop_sequence": None},
+                         usage={"output_tokens": 15}),
+                self.add("message_stop")]
+
+
+def messages_text(events: list[SSEEvent], index: int = 0) -> str:
+    out = []
+    for e in events:
+        if e.event == "content_block_delta":
+            body = json.loads(e.data or "")
+            if body["index"] == index:
+                out.append(body["delta"].get("text") or body["delta"].get("partial_json") or "")
+    return "".join(out)
+
+
+def test_messages_whenComplete_thenPassedExactlyWithUsageMerged() -> None:
+    d = driver("/v1/messages")
+    script = MessagesScript()
+    for frame in [*script.opening(), script.add("ping"), script.text("Hi"), *script.closing()]:
+        d.send(UpstreamData(frame), at=d.now + 0.1)
+    d.send(UpstreamEnded())
+    assert d.written == b"".join(script.frames)
+    record = d.finished.record
+    assert (record.end_reason, record.dialect) == (EndReason.COMPLETE, "anthropic.messages")
+    assert record.usage == {"input_tokens": 25, "output_tokens": 15}
+    assert record.tokens_out == (15, "usage")
+    assert record.ttft_s == pytest.approx(0.4)
+    assert record.upstream_keepalives == 1
+
+
+def test_messages_whenEofWithoutMessageStop_thenAnthropicErrorEventAndCut() -> None:
+    d = driver("/v1/messages")
+    script = MessagesScript()
+    for frame in [*script.opening(), script.text("Hi")]:
+        d.send(UpstreamData(frame))
+    d.send(UpstreamEnded())
+    last = parse_all(d.written)[-1]
+    assert last.event == "error"
+    body = json.loads(last.data or "")
+    assert body["type"] == "error" and body["error"]["type"] == "api_error"
+    assert "message_stop" in body["error"]["message"]
+    assert body["error"]["tokenwire"]["code"] == "upstream_failed"
+    assert d.of(CloseClient) == [CloseClient(abrupt=True)]
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_messages_whenUpstreamErrorEvent_thenForwardedInBandWithItsNameEvenFirst(first: bool) -> None:
+    d = driver("/v1/messages")
+    script = MessagesScript()
+    if not first:
+        for frame in script.opening():
+            d.send(UpstreamData(frame))
+    error = script.add("error", error={"type": "overloaded_error", "message": "Overloaded"})
+    d.send(UpstreamData(error))
+    assert d.commit.status == 200
+    assert d.written == b"".join(script.frames)
+    assert d.of(CloseClient) == [CloseClient(abrupt=True)]
+    assert d.finished.record.end_reason is EndReason.UPSTREAM_ERROR
+
+
+def test_messages_whenUpstreamDiesWhileWaiting_thenRealStatusAsToday() -> None:
+    d = driver("/v1/messages", proxy_config(retry_attempts=0))
+    d.send(UpstreamEnded())
+    assert d.commit.status == 502
+
+
+def test_messages_whenSlowReader_thenDeltasOfOneBlockMergeAndOthersAreBarriers() -> None:
+    d = driver("/v1/messages")
+    script = MessagesScript()
+    d.send(UpstreamData(b"".join(script.opening())))
+    d.send(SocketPaused())
+    for i in range(20):
+        d.send(UpstreamData(script.text(f"t{i} ")))
+    d.send(UpstreamData(script.add("content_block_stop", index=0)))
+    d.send(UpstreamData(script.add("content_block_start", index=1, content_block={
+        "type": "tool_use", "id": "toolu_1", "name": "get", "input": {}})))
+    for part in ['{"ci', 'ty": ', '"Paris"}']:
+        d.send(UpstreamData(script.add("content_block_delta", index=1,
+                                       delta={"type": "input_json_delta", "partial_json": part})))
+    d.send(UpstreamData(script.add("content_block_stop", index=1)))
+    d.send(UpstreamData(script.add("message_delta", delta={"stop_reason": "tool_use"},
+                                   usage={"output_tokens": 30})))
+    d.send(UpstreamData(script.add("message_stop")))
+    d.send(SocketResumed())
+    d.send(UpstreamEnded())
+    events = parse_all(d.written)
+    assert messages_text(events, 0) == "".join(f"t{i} " for i in range(20))
+    assert json.loads(messages_text(events, 1)) == {"city": "Paris"}
+    assert len([e for e in events if e.event == "content_block_delta"]) == 2
+    assert [e.event for e in events if e.event != "content_block_delta"] == [
+        e.event for e in parse_all(b"".join(script.frames)) if e.event != "content_block_delta"]
+    assert d.finished.record.end_reason is EndReason.COMPLETE
+
+
+def test_messages_whenOnlyPingsAfterTheFirstToken_thenContentInactivityTimeout() -> None:
+    d = driver("/v1/messages", proxy_config(upstream_idle_timeout_s=2.0, heartbeat_s=0.5))
+    script = MessagesScript()
+    for frame in [*script.opening(), script.text("Hi")]:
+        d.send(UpstreamData(frame), at=1.0)
+    for i in range(1, 12):
+        d.send(UpstreamData(named("ping", {"type": "ping"})), at=1.0 + i * 0.25)
+        d.send(UpstreamData(b": keepalive\n\n"), at=1.0 + i * 0.25)
+        if d.stream.finished:
+            break
+    d.send(Tick(), at=3.1)
+    record = d.finished.record
+    assert (record.end_reason, record.error_code) == (EndReason.UPSTREAM_TIMEOUT, ErrorCode.UPSTREAM_TIMEOUT)
+    assert record.upstream_keepalives >= 14
+    body = json.loads(parse_all(d.written)[-1].data or "")
+    assert body["error"]["type"] == "timeout_error"
+    assert "keepalives only" in body["error"]["message"]
+
+
+def test_chat_whenOnlyCommentsAfterTheFirstToken_thenContentInactivityTimeout() -> None:
+    d = driver("/v1/chat/completions", proxy_config(upstream_idle_timeout_s=2.0))
+    d.send(UpstreamData(f"data: {chunk('a')}\n\n".encode()), at=1.0)
+    for i in range(1, 20):
+        if d.stream.finished:
+            break
+        d.send(UpstreamData(b": ping\n\n"), at=1.0 + i * 0.5)
+    assert d.finished.record.end_reason is EndReason.UPSTREAM_TIMEOUT
+
+
+# ---------------------------------------------------------------- Chat, generic, routes
+
+
+def test_chat_whenEofWithoutDone_thenStillAnInBandErrorAndCut() -> None:
+    d = driver("/v1/chat/completions")
+    d.send(UpstreamData(f"data: {chunk('a')}\n\n".encode()))
+    d.send(UpstreamEnded())
+    body = json.loads(parse_all(d.written)[-1].data or "")
+    assert body["error"]["code"] == "upstream_failed" and "[DONE]" in body["error"]["message"]
+    assert d.of(CloseClient) == [CloseClient(abrupt=True)]
+
+
+def test_generic_whenUnknownRoute_thenPassedExactlyNothingMergedCleanEofComplete() -> None:
+    d = driver("/my/app/stream")
+    frames = [f"data: {chunk(f'w{i}')}\n\n".encode() for i in range(5)]
+    frames.append(b'data: {"error": {"message": "an app\'s own event"}}\n\n')
+    d.send(UpstreamData(frames[0]))
+    d.send(SocketPaused())
+    for frame in frames[1:]:
+        d.send(UpstreamData(frame))
+    d.send(SocketResumed())
+    d.send(UpstreamEnded())
+    assert d.written == b"".join(frames)
+    record = d.finished.record
+    assert (record.end_reason, record.dialect, record.coalesced_events) == (EndReason.COMPLETE, "generic", 0)
+
+
+def test_route_whenFirstEventDoesNotFitItsDialect_thenGenericAndPassedExactly() -> None:
+    d = driver("/v1/chat/completions")
+    frames = [named("message_start", {"type": "message_start"}), b"data: plain text\n\n"]
+    for frame in frames:
+        d.send(UpstreamData(frame))
+    d.send(UpstreamEnded())
+    assert d.written == b"".join(frames)
+    assert (d.finished.record.end_reason, d.finished.record.dialect) == (EndReason.COMPLETE, "generic")
+
+
+def test_generic_whenOperatorNamedAMarker_thenItIsRequired() -> None:
+    d = driver("/stream", proxy_config(terminal_marker="END"))
+    d.send(UpstreamData(b"data: a\n\n"))
+    d.send(UpstreamEnded())
+    assert d.finished.record.end_reason is EndReason.UPSTREAM_ERROR
+
+
+def test_table_routes() -> None:
+    assert TABLE.for_path("/v1/chat/completions?x=1").name == "chat.completions"
+    assert TABLE.for_path("/openai/deployments/d/chat/completions").name == "chat.completions"
+    assert TABLE.for_path("/v1/completions").name == "completions"
+    assert TABLE.for_path("/v1/responses").name == "responses"
+    assert TABLE.for_path("/v1/messages").name == "anthropic.messages"
+    assert TABLE.for_path("/v1/messages/count_tokens").name == "generic"
+    own = DialectTable(("/gen=anthropic.messages", "*=responses"))
+    assert own.for_path("/gen").name == "anthropic.messages"
+    assert own.for_path("/anything").name == "responses"
+    assert parse_route(" /a = generic ") == ("/a", "generic")
+
+
+@pytest.mark.parametrize("routes", [("nope",), ("/a=klingon",), ("=generic",)])
+def test_config_whenRouteIsBad_thenConfigErrorNamesTheKey(routes: tuple[str, ...]) -> None:
+    with pytest.raises(ConfigError, match="dialect_routes"):
+        WireConfig(dialect_routes=routes)
