@@ -127,8 +127,8 @@ def micro(events_per_stream: int, streams: int) -> dict[str, float]:
         WireStream,
         WriteCompleted,
     )
-    from tokenwire.middleware.meter import TokenMeter
     from tokenwire.middleware.chunks import carries_token
+    from tokenwire.middleware.meter import TokenMeter
     from tokenwire.sidecar.logs import StreamLog
     from tokenwire.sidecar.metrics import SidecarMetrics
     from tokenwire.sidecar.settings import SIDECAR_WIRE_DEFAULTS

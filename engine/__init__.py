@@ -10,6 +10,9 @@ Modules, one idea each:
 - ``runner``: the engine thread and its one hand-off per step to asyncio;
 - ``scheduler_process``: that thread in a process of its own, behind two pipes (the
   default with two CPUs or more);
-- ``service``, ``openai_requests``, ``api``, ``streaming``, ``metrics``: the HTTP side;
+- ``service``, ``api``, ``streaming``, ``metrics``: the HTTP side, one path for every API;
+- ``dialect`` (+ ``request_fields``): what an API dialect is; ``openai_dialect`` (+
+  ``openai_requests``), ``responses_api``, ``messages_api``: OpenAI Chat Completions and
+  Completions, the OpenAI Responses API, the Anthropic Messages API;
 - ``server``: ``tokenwire engine`` / ``python -m tokenwire.engine.server``.
 """

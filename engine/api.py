@@ -1,10 +1,13 @@
-"""The OpenAI-compatible HTTP API, as a Starlette app.
+"""The engine's HTTP API, as a Starlette app: three dialects over one scheduler.
 
-Handlers are thin: validate (``openai_requests.py``), tokenize, submit to the
-:class:`~tokenwire.engine.service.EngineService`, then turn outputs into
-OpenAI-shaped JSON or SSE chunks. Errors become OpenAI error bodies here, in
-one function, ``_error_response``; after the first SSE byte they travel in-band
-as ``data: {"error": ...}`` and the stream ends without ``[DONE]``.
+``POST /v1/chat/completions`` and ``/v1/completions`` (OpenAI), ``/v1/responses``
+(the OpenAI Responses API) and ``/v1/messages`` (the Anthropic Messages API)
+are one handler, ``_Handlers.generate``, given the route's dialect
+(``dialect.py``): validate, check the model, tokenize, submit to the
+:class:`~tokenwire.engine.service.EngineService`, then stream the dialect's
+events (``_ResponseStream``) or answer in one body. Refusals before the first
+byte are the dialect's error body with its status; after it, failures travel
+in-band in the dialect's shape. A client that leaves aborts its sequence.
 """
 
 from __future__ import annotations
@@ -14,12 +17,10 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from json.encoder import encode_basestring
 from typing import Any
 
-from opentelemetry.context import Context
 from opentelemetry.trace import TracerProvider
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -34,16 +35,13 @@ from tokenwire.engine.backend import (
     RequestRejected,
 )
 from tokenwire.engine.config import EngineConfig
+from tokenwire.engine.dialect import Answer, AnswerContext, Conversation, Dialect, Prompt, failed
 from tokenwire.engine.loader import LoadedModel
+from tokenwire.engine.messages_api import MessagesDialect
 from tokenwire.engine.metrics import CONTENT_TYPE, EngineMetrics
-from tokenwire.engine.openai_requests import (
-    ChatRequest,
-    CompletionRequest,
-    ProtocolError,
-    SamplingFields,
-    parse_chat_request,
-    parse_completion_request,
-)
+from tokenwire.engine.openai_dialect import ChatDialect, CompletionsDialect
+from tokenwire.engine.request_fields import ProtocolError, SamplingFields
+from tokenwire.engine.responses_api import ResponsesDialect
 from tokenwire.engine.runner import EngineRunner, Runner
 from tokenwire.engine.sampling import SamplingParams
 from tokenwire.engine.scheduler import ContinuousBatchingScheduler
@@ -54,10 +52,8 @@ from tokenwire.middleware.errors import ErrorCode, error_object
 from tokenwire.middleware.tracing import extract_text, get_tracer
 
 REQUEST_ID_HEADER = "x-request-id"
-_quote: Callable[[str], str] = encode_basestring
-"""``json.dumps(text, ensure_ascii=False)`` without building an encoder per call: the
-C function that call ends in (the same bytes; ``test_api`` compares)."""
 _MAX_REQUEST_ID_CHARS = 128
+Endpoint = Callable[[Request], Awaitable[Response | PushedEventStream[RequestOutput]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +116,10 @@ def build_app(
 
     app = _EngineStarlette(
         routes=[
-            Route("/v1/completions", handlers.completions, methods=["POST"]),
-            Route("/v1/chat/completions", handlers.chat_completions, methods=["POST"]),
+            Route("/v1/completions", handlers.generate(CompletionsDialect()), methods=["POST"]),
+            Route("/v1/chat/completions", handlers.generate(ChatDialect()), methods=["POST"]),
+            Route("/v1/responses", handlers.generate(ResponsesDialect()), methods=["POST"]),
+            Route("/v1/messages", handlers.generate(MessagesDialect()), methods=["POST"]),
             Route("/v1/models", handlers.models, methods=["GET"]),
             Route("/v1/abort/{request_id}", handlers.abort, methods=["POST"]),
             Route("/health", handlers.health, methods=["GET"]),
@@ -150,35 +148,41 @@ class _Handlers:
 
     # -- endpoints ----------------------------------------------------------------
 
-    async def completions(self, request: Request) -> Response | PushedEventStream[RequestOutput]:
-        return await self._generate(request, chat=False)
+    def generate(self, dialect: Dialect[Any]) -> Endpoint:
+        """The endpoint of a route that generates, in ``dialect``."""
 
-    async def chat_completions(self, request: Request) -> Response | PushedEventStream[RequestOutput]:
-        return await self._generate(request, chat=True)
+        async def endpoint(request: Request) -> Response | PushedEventStream[RequestOutput]:
+            return await self._generate(request, dialect)
 
-    async def _generate(self, request: Request, *, chat: bool) -> Response | PushedEventStream[RequestOutput]:
-        """Both completion endpoints: parse, check, tokenize, submit, then stream or answer whole."""
+        return endpoint
+
+    async def _generate(
+        self, request: Request, dialect: Dialect[Any],
+    ) -> Response | PushedEventStream[RequestOutput]:
+        """Every generating endpoint: parse, check, tokenize, submit, then stream or answer whole."""
         request_id = _request_id(request)
         # From the outermost wrapper (access_log.RECEIVED_KEY) when there is one: the
         # time a client waits includes the middleware's and the framework's share.
         received_s = request.scope.get(RECEIVED_KEY) or time.monotonic()
-        parsed: CompletionRequest | ChatRequest
+        headers = {REQUEST_ID_HEADER: request_id}
         try:
-            body = await _json_body(request)
-            if chat:
-                parsed = parse_chat_request(body)
-                self._check_model(parsed.model)
-                prompt_ids = self._apply_chat_template(parsed)
-            else:
-                parsed = parse_completion_request(body)
-                self._check_model(parsed.model)
-                prompt_ids = self._tokenize_prompt(parsed)
-            handle = self._submit(request_id, prompt_ids, parsed.sampling,
-                                  "chat" if chat else "completions", parsed.user, received_s,
-                                  extract_text(request.headers), streaming=parsed.stream)
+            parsed = dialect.parse(await _json_body(request))
+            self._check_model(parsed.model)
+            prompt_ids = self._tokenize(dialect.prompt(parsed))
+            params = _sampling_params(parsed.sampling, len(prompt_ids), self._engine.max_model_len,
+                                      self._engine.loaded.default_temperature)
+            handle = self._engine.service.submit(
+                GenerationRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=params),
+                endpoint=dialect.endpoint, model=self._engine.model_name, user=parsed.user,
+                received_s=received_s, trace_context=extract_text(request.headers),
+                streaming=parsed.stream,
+            )
         except (ProtocolError, RequestRejected) as error:
-            return _error_response(error, request_id)
-        stream = _ResponseStream(self._engine, handle, parsed, chat=chat)
+            status, body = dialect.refusal(error)
+            return JSONResponse(body, status_code=status, headers=headers)
+        context = AnswerContext(request_id=request_id, model=self._engine.model_name,
+                                created=int(time.time()), prompt_tokens=len(prompt_ids), params=params)
+        stream = _ResponseStream(self._engine, handle, dialect.answer(parsed, context))
         if parsed.stream:
             return stream.response()
         return await stream.whole_response(request)
@@ -223,75 +227,51 @@ class _Handlers:
         raise ProtocolError(f"The model `{model}` does not exist.", param="model",
                             http_status=404)
 
-    def _tokenize_prompt(self, parsed: CompletionRequest) -> tuple[int, ...]:
-        if isinstance(parsed.prompt, str):
-            return tuple(self._tokenizer(parsed.prompt).input_ids)
-        out_of_range = [t for t in parsed.prompt if not 0 <= t < self._vocab_size]
+    def _tokenize(self, prompt: Prompt) -> tuple[int, ...]:
+        if isinstance(prompt, Conversation):
+            return self._apply_chat_template(prompt)
+        if isinstance(prompt, str):
+            return tuple(self._tokenizer(prompt).input_ids)
+        out_of_range = [t for t in prompt if not 0 <= t < self._vocab_size]
         if out_of_range:
             raise ProtocolError(
                 f"prompt token ids must be in [0, {self._vocab_size}); got {out_of_range[:5]}",
                 param="prompt",
             )
-        return parsed.prompt
+        return prompt
 
-    def _apply_chat_template(self, parsed: ChatRequest) -> tuple[int, ...]:
+    def _apply_chat_template(self, conversation: Conversation) -> tuple[int, ...]:
         if not getattr(self._tokenizer, "chat_template", None):
             raise ProtocolError("this model has no chat template; use /v1/completions",
-                                param="messages")
-        messages = [{"role": m.role, "content": m.content} for m in parsed.messages]
+                                param=conversation.param)
+        messages = [{"role": m.role, "content": m.content} for m in conversation.messages]
+        continue_final = conversation.continue_final
         token_ids = self._tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            messages, add_generation_prompt=not continue_final, continue_final_message=continue_final,
+            tokenize=True, return_dict=False,
         )
         return tuple(int(t) for t in token_ids)
 
-    def _submit(
-        self, request_id: str, prompt_ids: tuple[int, ...], sampling: SamplingFields,
-        endpoint: str, user: str | None, received_s: float, trace_context: Context | None = None,
-        *, streaming: bool = False,
-    ) -> RequestHandle:
-        params = _sampling_params(sampling, len(prompt_ids), self._engine.max_model_len,
-                                  self._engine.loaded.default_temperature)
-        return self._engine.service.submit(
-            GenerationRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=params),
-            endpoint=endpoint, model=self._engine.model_name, user=user, received_s=received_s,
-            trace_context=trace_context, streaming=streaming,
-        )
-
 
 class _ResponseStream:
-    """Turns one request's outputs into OpenAI chunks or one OpenAI response."""
+    """Turns one request's outputs into its dialect's events or one body (``answer``)."""
 
-    def __init__(
-        self, engine: EngineApp, handle: RequestHandle,
-        parsed: CompletionRequest | ChatRequest, *, chat: bool,
-    ) -> None:
+    def __init__(self, engine: EngineApp, handle: RequestHandle, answer: Answer) -> None:
         self._engine = engine
         self._handle = handle
-        self._parsed = parsed
-        self._chat = chat
-        self._id = f"{'chatcmpl' if chat else 'cmpl'}-{handle.request_id}"
-        self._created = int(time.time())
-        self._object = "chat.completion.chunk" if chat else "text_completion"
-        # The body of every text-only chunk, split around its text: a token's
-        # chunk is then one json.dumps of the text, not of the whole dict (the
-        # event loop builds tens of thousands a second at 64 streams).
-        marker = "\u0001tokenwire-text\u0001"
-        template = self._chunk(marker, None)
-        quoted = json.dumps(marker, ensure_ascii=False)
-        self._text_prefix, self._text_suffix = template.split(quoted, 1)
+        self._answer = answer
 
     def response(self) -> PushedEventStream[RequestOutput]:
         """The streamed answer: the engine's hand-off pushes each output into it
         (``RequestHandle.sink``), which writes it at once; see ``streaming.py``."""
-        first = self._chunk({"role": "assistant", "content": ""}, None) if self._chat else None
         response = PushedEventStream(self._render, {REQUEST_ID_HEADER: self._handle.request_id},
-                                     first_event=first, on_close=self._closed)
+                                     first_event=self._answer.opening(), on_close=self._closed)
         self._engine.service.attach(self._handle, response.push)
         return response
 
     def _render(self, batch: list[RequestOutput]) -> tuple[list[str], bool]:
         """SSE events for outputs delivered together (usually one), and whether the
-        stream ends with them (``[DONE]`` or an in-band error)."""
+        stream ends with them (the dialect's last events, or its in-band error)."""
         handle = self._handle
         final = batch[-1]
         text = final.text if len(batch) == 1 else "".join(output.text for output in batch)
@@ -299,19 +279,14 @@ class _ResponseStream:
             handle.finished = True
             if text and handle.first_token_sent_s is None:
                 self._engine.service.first_token_sent(handle)
-            if final.finish_reason in ("abort", "error"):
-                error = _sse(_finish_error(final.finish_reason, final.error))
-                return ([self._chunk(text, None), error] if text else [error]), True
-            events = [self._chunk(text, final.finish_reason, final.stop_reason)]
-            if self._parsed.include_usage:
-                events.append(_sse(self._usage_chunk(final.prompt_tokens, final.completion_tokens)))
-            events.append("data: [DONE]\n\n")
-            return events, True
+            if failed(final):
+                return self._answer.failure(text, final), True
+            return self._answer.closing(text, final), True
         if not text:
             return [], False
         if handle.first_token_sent_s is None:
             self._engine.service.first_token_sent(handle)
-        return [self._text_prefix + _quote(text) + self._text_suffix], False
+        return [self._answer.delta(text)], False
 
     def _closed(self) -> None:
         """The response is over, or torn down (client gone): free the row if it still runs."""
@@ -332,26 +307,12 @@ class _ResponseStream:
             return Response(status_code=499)
         text, final = collector.result()
         headers = {REQUEST_ID_HEADER: self._handle.request_id}
-        if final.finish_reason in ("abort", "error"):
-            body, status = _finish_error(final.finish_reason, final.error), 500
+        if failed(final):
+            status, body = self._answer.error_body(final)
             return JSONResponse(body, status_code=status, headers=headers)
-        usage = _usage(final.prompt_tokens, final.completion_tokens)
-        if self._chat:
-            choice: dict[str, Any] = {
-                "index": 0, "message": {"role": "assistant", "content": text},
-                "logprobs": None, "finish_reason": final.finish_reason,
-                "stop_reason": final.stop_reason,
-            }
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None,
-                      "finish_reason": final.finish_reason, "stop_reason": final.stop_reason}
-            obj = "text_completion"
-        body = {"id": self._id, "object": obj, "created": self._created,
-                "model": self._engine.model_name, "choices": [choice], "usage": usage}
-        return JSONResponse(body, headers=headers)
+        return JSONResponse(self._answer.body(text, final), headers=headers)
 
-    async def _collect(self) -> tuple[str, Any]:
+    async def _collect(self) -> tuple[str, RequestOutput]:
         parts: list[str] = []
         while True:
             output = await self._handle.outputs.get()
@@ -359,34 +320,6 @@ class _ResponseStream:
             if output.finished:
                 self._handle.finished = True
                 return "".join(parts), output
-
-    def _chunk(
-        self, content: str | dict[str, str], finish_reason: str | None,
-        stop_reason: int | str | None = None,
-    ) -> str:
-        if self._chat:
-            if isinstance(content, dict):
-                delta: dict[str, str] = content
-            else:
-                delta = {"content": content} if content else {}
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
-                                      "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": content, "logprobs": None,
-                      "finish_reason": finish_reason}
-        if finish_reason is not None:
-            choice["stop_reason"] = stop_reason
-        chunk: dict[str, Any] = {"id": self._id, "object": self._object,
-                                 "created": self._created, "model": self._engine.model_name,
-                                 "choices": [choice]}
-        if self._parsed.include_usage:
-            chunk["usage"] = None
-        return _sse(chunk)
-
-    def _usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-        return {"id": self._id, "object": self._object, "created": self._created,
-                "model": self._engine.model_name, "choices": [],
-                "usage": _usage(prompt_tokens, completion_tokens)}
 
 
 def _sampling_params(sampling: SamplingFields, prompt_tokens: int, max_model_len: int,
@@ -408,37 +341,6 @@ def _sampling_params(sampling: SamplingFields, prompt_tokens: int, max_model_len
     except ValueError as error:
         field_name = str(error).split(":", 1)[0]
         raise ProtocolError(str(error), param=field_name) from None
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def _finish_error(reason: str | None, message: str | None) -> dict[str, Any]:
-    if reason == "abort":
-        return error_object("the request was aborted", "server_error", ErrorCode.CANCELLED, param=None)
-    return error_object(message or "generation failed", "server_error", ErrorCode.INTERNAL, param=None)
-
-
-def _sse(payload: dict[str, Any] | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(
-        payload, separators=(",", ":"), ensure_ascii=False)
-    return f"data: {data}\n\n"
-
-
-def _error_response(error: ProtocolError | RequestRejected, request_id: str) -> Response:
-    """The one place a refused request becomes an HTTP error body."""
-    status = error.http_status
-    if status == 503:
-        kind, ours = "server_error", ErrorCode.UPSTREAM_UNAVAILABLE
-    else:
-        kind, ours = "invalid_request_error", ErrorCode.BAD_REQUEST
-    body = error_object(error.message, kind, ours, param=error.param)
-    if status == 404:
-        # OpenAI's own code for an unknown model; tokenwire's stays bad_request.
-        body["error"]["code"] = "model_not_found"  # type: ignore[index]
-    return JSONResponse(body, status_code=status, headers={REQUEST_ID_HEADER: request_id})
 
 
 def _request_id(request: Request) -> str:

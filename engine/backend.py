@@ -18,11 +18,15 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 class RequestRejected(Exception):
     """The request can never be served as asked (the client's fault) or not now (ours)."""
 
-    def __init__(self, message: str, *, http_status: int = 400, param: str | None = None) -> None:
+    def __init__(self, message: str, *, http_status: int = 400, param: str | None = None,
+                 overloaded: bool = False) -> None:
         super().__init__(message)
         self.message = message
         self.http_status = http_status
         self.param = param
+        self.overloaded = overloaded
+        """Refused for load (the waiting queue is full), not because the engine is down:
+        a dialect that tells the two apart says so (Anthropic's 529 ``overloaded_error``)."""
 
 
 @dataclass(frozen=True, slots=True)

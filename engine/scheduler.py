@@ -540,7 +540,7 @@ def check_request(request: GenerationRequest, config: EngineConfig, *, max_model
     if waiting >= config.max_waiting:
         raise RequestRejected(
             f"the engine already has {waiting} requests waiting; retry later",
-            http_status=503,
+            http_status=503, overloaded=True,
         )
 
 

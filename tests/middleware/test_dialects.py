@@ -186,7 +186,8 @@ def test_responses_whenDeltasOfTwoParts_thenEachMergesApart() -> None:
                                        content_index=i // 2, delta=f"{i}", logprobs=[])))
     d.send(UpstreamData(script.completed("")))
     d.send(SocketResumed())
-    deltas = [json.loads(e.data or "") for e in parse_all(d.written) if e.event == "response.output_text.delta"]
+    deltas = [json.loads(e.data or "") for e in parse_all(d.written)
+              if e.event == "response.output_text.delta"]
     assert [(x["content_index"], x["delta"]) for x in deltas] == [(0, "01"), (1, "23")]
 
 
