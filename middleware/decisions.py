@@ -131,6 +131,7 @@ class StreamDecisions:
         self._status = 0
         self._end_reason: EndReason | None = None
         self._error_code: ErrorCode | None = None
+        self._error: WireError | None = None
 
     def record(self, now: float, upstream: str | None = None) -> StreamRecord:
         """The accounting record as of ``now`` (final once ``finished``);
@@ -328,6 +329,8 @@ class StreamDecisions:
     def _fail(self, error: WireError, reason: EndReason, now: float) -> None:
         """End the response with ``error``: a real status before the first byte,
         in-band after it, a bare abrupt close for a passthrough body."""
+        if self._end_reason is None:
+            self._error = error
         if self._state is StreamState.WAITING:
             body = error.body()
             headers = (*error.response_headers(), (b"content-length", str(len(body)).encode()))

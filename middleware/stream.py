@@ -56,6 +56,7 @@ from .errors import (
     SSEProtocolError,
     UpstreamError,
     UpstreamErrorEvent,
+    WireError,
 )
 from .events import (
     Action,
@@ -145,6 +146,15 @@ class WireStream(StreamDecisions):
     def error_code(self) -> ErrorCode | None:
         """The code the stream ended with (None while it runs or if it completed)."""
         return self._error_code
+
+    @property
+    def error(self) -> WireError | None:
+        """The error the stream ended with, as tokenwire put it on the wire (its
+        code, message and HTTP status), or the engine's own error event; None
+        while it runs, if it completed, or if it ended without one (a departed
+        or slow client: ``error_code`` still says why). For a driver that maps
+        an ending to its own protocol (the gRPC gateway's status)."""
+        return self._error
 
     def handle(self, event: Input, now: float) -> list[Action]:
         """Feed one input; return the actions to execute, in order."""
@@ -390,6 +400,8 @@ class WireStream(StreamDecisions):
                 return
             if self._state is W:
                 self._commit_sse(now)
+            if self._end_reason is None:
+                self._error = UpstreamErrorEvent(payload if "error" in payload else {"error": payload})
             acct.meter.terminal_queued()
             self._queue_event(dialect.forwarded_error(event, payload), droppable=False, upstream=True)
             self._end(EndReason.UPSTREAM_ERROR, ErrorCode.UPSTREAM_FAILED, abrupt=True,
