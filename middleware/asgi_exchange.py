@@ -195,9 +195,10 @@ class Exchange(ResponseWriter):
         method = str(self.scope.get("method", "GET"))
         headers = [(bytes(k).lower(), bytes(v)) for k, v in self.scope.get("headers", ())]
         body = await self.inbox.read_body() if needs_body(method, headers) else b""
+        query = bytes(self.scope.get("query_string", b"")).decode("latin-1")
         entry = await enter_resume(store, self.middleware.caller_key, method=method,
-                                   path=str(self.scope.get("path", "")), headers=headers, body=body,
-                                   stream_id=self.stream_id, open_now=False)
+                                   path=str(self.scope.get("path", "")), query=query, headers=headers,
+                                   body=body, stream_id=self.stream_id, open_now=False)
         self.owner = entry.owner
         if entry.refusal is not None:
             stream = self.start_core()

@@ -40,7 +40,7 @@ from .errors import WireError
 from .events import AwaitReader, Input, ReplaySource
 from .headers import Header
 from .replay_store import ReplayStore, StoreUnavailable, admit, feed_replay
-from .resume import CallerKey, ResumeFrom, classify
+from .resume import CallerKey, Idempotent, ResumeFrom, classify
 
 
 def _no_tick(now: float) -> None:
@@ -113,10 +113,10 @@ def needs_body(method: str, headers: Sequence[Header]) -> bool:
 
 async def enter_resume(store: ReplayStore, caller_key: CallerKey, *, method: str, path: str,
                        headers: Sequence[Header], body: bytes, stream_id: str,
-                       open_now: bool) -> ResumeEntry:
+                       open_now: bool, query: str = "") -> ResumeEntry:
     """Classify a request for resume and admit it against the store.
 
-    ``path``: the target without its query; ``body``: the whole body when
+    ``path``: the target without its query (``query``); ``body``: the whole body when
     :func:`needs_body` says so; ``stream_id``: the id this request's own
     stream gets if it generates; ``open_now``: open that stream in the store
     now whatever the request is (else only for an idempotent request, and the
@@ -124,7 +124,7 @@ async def enter_resume(store: ReplayStore, caller_key: CallerKey, *, method: str
     """
     owner = caller_key.owner(headers)
     try:
-        route = classify(method, path, headers, body)
+        route = classify(method, path, headers, body, query)
         source = await admit(store, route, stream_id=stream_id, owner=owner, open_now=open_now)
     except WireError as error:
         return ResumeEntry(owner, refusal=error)
@@ -133,7 +133,7 @@ async def enter_resume(store: ReplayStore, caller_key: CallerKey, *, method: str
         return ResumeEntry(owner, unresumable=error)
     if source is not None:
         return ResumeEntry(owner, replay=source, reconnect=isinstance(route, ResumeFrom))
-    return ResumeEntry(owner, opened=open_now or route is not None)
+    return ResumeEntry(owner, opened=open_now or isinstance(route, Idempotent))
 
 
 async def replay(store: ReplayStore, source: ResumeFrom, *, readable: asyncio.Event,

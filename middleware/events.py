@@ -241,7 +241,9 @@ class ReplayAppend:
     ``end`` is set once, with the last append. ``overflow``: the stream passed
     ``resume_max_bytes`` and nothing more of it will be stored. ``discard``:
     the stream failed before its first event, so there is nothing to resume and
-    its idempotency key is released for a retry.
+    its idempotency key is released for a retry. ``alias``: another name the
+    stream may be resumed by while it is kept (a Responses ``response.id``:
+    ``GET /v1/responses/{alias}?stream=true``).
     """
 
     stream_id: str
@@ -250,6 +252,7 @@ class ReplayAppend:
     end: EndReason | None = None
     overflow: bool = False
     discard: bool = False
+    alias: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

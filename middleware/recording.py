@@ -57,7 +57,7 @@ def _detached(action: ReplayAppend) -> None:
 class ResumeRecorder:
     """Numbers a resumable response's events and records them for the store."""
 
-    __slots__ = ("_emit", "_max_bytes", "_retry_ms", "committed", "end", "first_seq", "frames",
+    __slots__ = ("_emit", "_max_bytes", "_retry_ms", "alias", "committed", "end", "first_seq", "frames",
                  "overflow", "reader", "recorded_bytes", "recording", "resume_id", "retry_due",
                  "seq")
 
@@ -78,6 +78,7 @@ class ResumeRecorder:
         self.end: EndReason | None = None
         self.overflow = False
         self.committed = False  # the event stream's headers went out
+        self.alias: str | None = None  # another name of the stream, for the next flush
 
     @property
     def phase(self) -> RecorderPhase:
@@ -164,10 +165,11 @@ class ResumeRecorder:
     def flush(self, *, discard: bool = False) -> None:
         """Emit what was recorded since the last flush (and the end, once known)."""
         frames = self.frames
-        if not frames and self.end is None and not self.overflow:
+        if not frames and self.end is None and not self.overflow and self.alias is None:
             return
         self._emit(ReplayAppend(self.resume_id, self.first_seq, tuple(frames), end=self.end,
-                                overflow=self.overflow, discard=discard))
+                                overflow=self.overflow, discard=discard, alias=self.alias))
+        self.alias = None
         self.first_seq += len(frames)
         self.frames = []
 

@@ -15,6 +15,8 @@ one shard):
   replica holding a detached stream waits on with ``BLPOP``;
 * ``tw:k:<key>`` — ``<stream> <body digest>`` for an idempotency key,
   claimed with ``SET NX``.
+* ``tw:r:<alias>`` — the stream an alias names (a Responses ``response.id``),
+  expiring with it.
 
 Every key gets ``EXPIRE ttl`` on each append, so a stream lives ``resume_ttl_s``
 after its last event. :meth:`append` only queues: one writer task sends the
@@ -39,6 +41,7 @@ from .replay_store import KeyReused, ReplayUnavailable, StoreUnavailable, Stream
 logger = logging.getLogger("tokenwire.resume")
 
 _BLOCK_MS = 1000
+_ALIAS = "tw:r:"
 _ERROR_LOG_EVERY_S = 10.0
 _READ_COUNT = 1024
 # The first read is small: its events go out while the rest of a long backlog
@@ -70,6 +73,7 @@ class RedisReplayStore:
         self._queue: asyncio.Queue[ReplayAppend] | None = None
         self._writer: asyncio.Task[None] | None = None
         self._claims: dict[str, str] = {}  # stream -> its idempotency key, while it is written here
+        self._aliases: dict[str, str] = {}  # stream -> its alias's key, while it is written here
         self.write_errors = 0
         self._error_logged_at = -_ERROR_LOG_EVERY_S
 
@@ -83,6 +87,13 @@ class RedisReplayStore:
     async def owner(self, stream_id: str) -> str | None:
         try:
             value = await self._redis.hget(_keys(stream_id)[1], "owner")
+        except self._outages as error:
+            raise StoreUnavailable(f"redis: {error}") from error
+        return None if value is None else bytes(value).decode("ascii", "replace")
+
+    async def resolve(self, alias: str) -> str | None:
+        try:
+            value = await self._redis.get(_ALIAS + alias)
         except self._outages as error:
             raise StoreUnavailable(f"redis: {error}") from error
         return None if value is None else bytes(value).decode("ascii", "replace")
@@ -164,8 +175,16 @@ class RedisReplayStore:
                     pipe.hset(meta, "overflow", "1")
                 if action.end is not None:
                     pipe.hset(meta, "end", action.end.value)
+                if action.alias is not None:
+                    self._aliases[action.stream_id] = _ALIAS + action.alias
                 pipe.expire(events, self._ttl)
                 pipe.expire(meta, self._ttl)
+                alias = self._aliases.get(action.stream_id)
+                if alias is not None:
+                    # The alias lives as long as its stream, like an idempotency key.
+                    pipe.set(alias, action.stream_id, ex=self._ttl)
+                    if action.end is not None:
+                        del self._aliases[action.stream_id]
                 claim = self._claims.get(action.stream_id)
                 if claim is not None:
                     # The key lives as long as its stream, however long that runs.

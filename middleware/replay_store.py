@@ -44,6 +44,7 @@ from .events import (
 from .headers import SSE_HEADERS
 from .resume import (
     Idempotent,
+    ResumeAlias,
     ResumeFrom,
     key_reused,
     replay_unavailable,
@@ -94,6 +95,10 @@ class ReplayStore(Protocol):
         """The owner hash ``stream_id`` was opened with; None for an unknown stream."""
         ...
 
+    async def resolve(self, alias: str) -> str | None:
+        """The stream an ``alias`` (``ReplayAppend.alias``) names; None if none does."""
+        ...
+
     def append(self, action: ReplayAppend) -> None:
         """Store what the core handed out (never blocks; writes may be queued)."""
         ...
@@ -121,6 +126,7 @@ class _Stored:
     end: EndReason | None = None
     overflow: bool = False
     key: str | None = None
+    alias: str | None = None
     owner: str = ""
     touched_at: float = 0.0
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -142,6 +148,7 @@ class MemoryReplayStore:
         self._clock = clock
         self._streams: dict[str, _Stored] = {}  # oldest first
         self._keys: dict[str, tuple[str, str]] = {}  # key -> (stream, digest)
+        self._aliases: dict[str, str] = {}  # alias -> stream
         self.stored_bytes = 0
         self.evicted_streams = 0
         self._swept_at = clock()
@@ -174,6 +181,11 @@ class MemoryReplayStore:
         stored = self._streams.get(stream_id)
         return None if stored is None else stored.owner
 
+    async def resolve(self, alias: str) -> str | None:
+        self._sweep()
+        stream_id = self._aliases.get(alias)
+        return stream_id if stream_id is not None and stream_id in self._streams else None
+
     def append(self, action: ReplayAppend) -> None:
         stored = self._streams.get(action.stream_id)
         if stored is None:
@@ -186,6 +198,9 @@ class MemoryReplayStore:
         stored.bytes += added
         self.stored_bytes += added
         stored.overflow = stored.overflow or action.overflow
+        if action.alias is not None:
+            stored.alias = action.alias
+            self._aliases[action.alias] = action.stream_id
         if action.end is not None:
             stored.end = action.end
         stored.touched_at = self._clock()
@@ -238,6 +253,8 @@ class MemoryReplayStore:
             self.stored_bytes -= stored.bytes
         if stored.key is not None and self._keys.get(stored.key, ("",))[0] == stream_id:
             del self._keys[stored.key]
+        if stored.alias is not None and self._aliases.get(stored.alias) == stream_id:
+            del self._aliases[stored.alias]
         stored.notify()  # readers see it gone
 
     def _evict(self) -> None:
@@ -274,8 +291,8 @@ def open_replay_store(url: str, config: WireConfig) -> ReplayStore:
     raise ConfigError("resume_store", f"expected memory or redis://HOST:PORT/DB, got {url!r}")
 
 
-async def admit(store: ReplayStore, route: ResumeFrom | Idempotent | None, *, stream_id: str,
-                owner: str, open_now: bool) -> ResumeFrom | None:
+async def admit(store: ReplayStore, route: ResumeFrom | ResumeAlias | Idempotent | None, *,
+                stream_id: str, owner: str, open_now: bool) -> ResumeFrom | None:
     """Where a request's answer comes from: the stream to replay, or None to
     generate (as ``stream_id``, opened in the store for ``owner`` when the
     request is idempotent or ``open_now``).
@@ -288,6 +305,14 @@ async def admit(store: ReplayStore, route: ResumeFrom | Idempotent | None, *, st
     which may still be generated, just not resumed.
     """
     try:
+        if isinstance(route, ResumeAlias):
+            # A name this store does not know, or another caller's, is the
+            # engine's to answer (it may keep responses of its own): generated
+            # as an ordinary request, which reads nothing of the stored stream.
+            named = await store.resolve(route.alias)
+            if named is not None and same_caller(await store.owner(named), owner):
+                return ResumeFrom(named, route.after_seq)
+            route = None
         if isinstance(route, ResumeFrom):
             if not same_caller(await store.owner(route.stream_id), owner):
                 raise stream_not_found(route.stream_id)

@@ -35,6 +35,7 @@ import hmac
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from urllib.parse import parse_qs
 
 from .config import WireConfig
 from .errors import ClientError, ErrorCode, LocalError
@@ -135,12 +136,40 @@ class Idempotent:
     digest: str
 
 
+@dataclass(frozen=True, slots=True)
+class ResumeAlias:
+    """``GET .../responses/{alias}?stream=true[&starting_after=N]``: the Responses
+    API's resume form (OpenAI's and vLLM's), for the stream the engine named
+    ``alias``; ``after_seq`` is the stored event after which it resumes (the
+    event whose ``sequence_number`` is N is stored as N + 1)."""
+
+    alias: str
+    after_seq: int
+
+
+def _responses_resume(path: str, query: str) -> ResumeAlias | None:
+    """The Responses resume form, or None for any other request (a plain
+    retrieve without ``stream=true`` is the engine's)."""
+    _, sep, alias = path.rpartition("/responses/")
+    if not sep or not alias or "/" in alias:
+        return None
+    fields = parse_qs(query, keep_blank_values=True)
+    if fields.get("stream", [""])[-1].lower() != "true":
+        return None
+    after = fields.get("starting_after", [""])[-1]
+    if after and not (after.isascii() and after.isdigit() and len(after) <= 12):
+        raise ClientError(f"starting_after must be a sequence number, got {after[:40]!r}",
+                          ErrorCode.BAD_REQUEST)
+    return ResumeAlias(alias, int(after) + 1 if after else 0)
+
+
 def classify(method: str, path: str, headers: Iterable[Header],
-             body: bytes) -> ResumeFrom | Idempotent | None:
+             body: bytes, query: str = "") -> ResumeFrom | ResumeAlias | Idempotent | None:
     """Which kind of resume request this is; None for an ordinary request.
 
-    ``path`` is the request target without its query. Raises ClientError for
-    a malformed ``Last-Event-ID``/``Idempotency-Key`` or stream path.
+    ``path`` is the request target without its query, ``query`` the query.
+    Raises ClientError for a malformed ``Last-Event-ID``/``Idempotency-Key``,
+    stream path or ``starting_after``.
     """
     headers = list(headers)
     last_event = header_value(headers, b"last-event-id")
@@ -165,7 +194,7 @@ def classify(method: str, path: str, headers: Iterable[Header],
         # stream. Never generated again: resumed, or refused (an unknown id).
         return ResumeFrom(*parse_event_id(last_event.decode("latin-1")))
     if method == "GET":
-        return None
+        return _responses_resume(path, query)
     key = header_value(headers, b"idempotency-key")
     if key is None:
         return None

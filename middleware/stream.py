@@ -381,6 +381,8 @@ class WireStream(StreamDecisions):
                 # error or terminal rule but the operator's marker).
                 marker = self.config.terminal_marker
                 dialect = self._speak(Dialect(None if marker == AUTO_MARKER else marker))
+            elif self._resume.recording:
+                self._resume.alias = dialect.stream_alias(event)
         kind = dialect.classify(event)
         if kind == KEEPALIVE:
             acct.upstream_keepalives += 1
@@ -404,8 +406,9 @@ class WireStream(StreamDecisions):
                 self._error = UpstreamErrorEvent(payload if "error" in payload else {"error": payload})
             acct.meter.terminal_queued()
             self._queue_event(dialect.forwarded_error(event, payload), droppable=False, upstream=True)
-            self._end(EndReason.UPSTREAM_ERROR, ErrorCode.UPSTREAM_FAILED, abrupt=True,
-                      trigger=Trigger.ABORT)
+            ends = dialect.error_is_terminal
+            self._end(EndReason.UPSTREAM_ERROR, ErrorCode.UPSTREAM_FAILED, abrupt=not ends,
+                      trigger=Trigger.FINISH if ends else Trigger.ABORT)
             self._enforce_cap(now)
             return
         if self._state is W:

@@ -17,7 +17,7 @@ stamp="$out/stamp"
 mode="${1:-}"
 
 clean() {
-    rm -f middleware/*.so sidecar/*.so "$stamp"
+    rm -f middleware/*.so middleware/dialects/*.so sidecar/*.so "$stamp"
 }
 
 if [ "$mode" = "--clean" ]; then clean; exit 0; fi
@@ -35,7 +35,7 @@ if [ "$mode" = "--out" ]; then
     tree="$(realpath "$2")"; work="$tree/.build"
 else
     if [ "$mode" != "--force" ] && [ -f "$stamp" ] && ls middleware/_core__mypyc*.so >/dev/null 2>&1 \
-        && [ -z "$(find middleware sidecar scripts/compile_core.py scripts/compile-core.sh -maxdepth 1 \
+        && [ -z "$(find middleware middleware/dialects sidecar scripts/compile_core.py scripts/compile-core.sh -maxdepth 1 \
                    -newer "$stamp" \( -name '*.py' -o -name '*.sh' \))" ]; then
         exit 0
     fi
@@ -64,7 +64,7 @@ start=$(date +%s)
     if [ "$mode" != "--out" ]; then clean; fi
     exit 1
 }
-echo "compile-core: done in $(( $(date +%s) - start )) s: $(ls "$tree"/tokenwire/*/*.so | wc -l) extensions"
+echo "compile-core: done in $(( $(date +%s) - start )) s: $(ls "$tree"/tokenwire/*/*.so "$tree"/tokenwire/*/*/*.so | wc -l) extensions"
 if [ "$mode" = "--out" ]; then
     # The engine and the gRPC messages resolve from the checkout.
     rm -f "$tree/tokenwire/engine" "$tree/tokenwire/v1"
@@ -72,5 +72,6 @@ if [ "$mode" = "--out" ]; then
 fi
 # New files, not overwritten ones: a running process keeps the old ones mapped.
 cp "$tree"/tokenwire/middleware/*.so middleware/
+cp "$tree"/tokenwire/middleware/dialects/*.so middleware/dialects/
 cp "$tree"/tokenwire/sidecar/*.so sidecar/
 mv "$work/stamp.new" "$stamp"

@@ -32,7 +32,10 @@ from setuptools import setup
 MODULES = (
     *(f"middleware/{name}" for name in (
         "accounting", "attempt", "chunks", "client_socket", "decisions", "errors", "events", "headers",
-        "lifecycle", "meter", "pending", "recording", "retry", "sse", "stream")),
+        "lifecycle", "meter", "pending", "recording", "retry", "sse", "stream",
+        # The dialects: the core asks them of every parsed event (compiled, a
+        # native method call; interpreted, a Python call from compiled code).
+        "dialects/base", "dialects/chat", "dialects/responses", "dialects/anthropic")),
     "sidecar/upstream_body",
     "sidecar/upstream_head",
     "sidecar/upstream_conn",
@@ -51,7 +54,7 @@ def main() -> None:
     paths = [f"tokenwire/{module}.py" for module in MODULES]
     setup(
         name="tokenwire-core",
-        packages=["tokenwire.middleware", "tokenwire.sidecar"],
+        packages=["tokenwire.middleware", "tokenwire.middleware.dialects", "tokenwire.sidecar"],
         ext_modules=mypycify(["--config-file", config_toml, *paths], opt_level="2",
                              target_dir=target_dir, group_name="tokenwire.middleware._core"),
     )

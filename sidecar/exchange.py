@@ -457,10 +457,10 @@ class Exchange:
         assert store is not None and caller_key is not None and self.stream_id is not None
         # Opened whatever the request looks like: an answer that turns out not
         # to be an event stream is discarded by the core at its end.
+        path, _, query = self._target.decode("latin-1").partition("?")
         entry = await enter_resume(
-            store, caller_key, method=self._method.decode("latin-1"),
-            path=self._target.partition(b"?")[0].decode("latin-1"), headers=self._upstream_headers,
-            body=self._body, stream_id=self.stream_id, open_now=True)
+            store, caller_key, method=self._method.decode("latin-1"), path=path, query=query,
+            headers=self._upstream_headers, body=self._body, stream_id=self.stream_id, open_now=True)
         if entry.refusal is not None:
             self.feed(Rejected(entry.refusal))
             return

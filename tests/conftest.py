@@ -73,7 +73,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
     root = Path(__file__).resolve().parents[1]
     stale = sorted(
-        f"{folder}/{source.name}" for folder in ("middleware", "sidecar")
+        f"{folder}/{source.name}" for folder in ("middleware", "middleware/dialects", "sidecar")
         for suffix in importlib.machinery.EXTENSION_SUFFIXES
         for built in (root / folder).glob(f"*{suffix}")
         if (source := root / folder / (built.name[: -len(suffix)] + ".py")).exists()

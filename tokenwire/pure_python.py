@@ -20,7 +20,7 @@ from types import ModuleType
 
 ENV_VAR = "TOKENWIRE_PURE_PYTHON"
 # The packages that may hold compiled modules.
-PACKAGES = ("tokenwire.middleware", "tokenwire.sidecar")
+PACKAGES = ("tokenwire.middleware", "tokenwire.middleware.dialects", "tokenwire.sidecar")
 
 
 class SourcesFirst:

@@ -83,6 +83,7 @@ class AnthropicDialect(Dialect):
 
     name = "anthropic.messages"
     merges = True
+    error_is_terminal = True
     merge_names = frozenset({"content_block_delta"})
 
     def __init__(self) -> None:

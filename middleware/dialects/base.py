@@ -64,6 +64,10 @@ class Dialect:
     """An upstream error as the first event becomes the response's HTTP status
     (Chat Completions); otherwise it is forwarded in-band as the client would
     have read it directly (the Responses and Anthropic SDKs raise on it there)."""
+    error_is_terminal: bool = False
+    """The API's own error event is its terminal failure signal (its SDKs read it
+    so, and its servers end the body after it): forwarded, then the body ends as a
+    finished one would, recorded as the upstream's failure. Otherwise the body is cut."""
     renumbers: bool = False
     """Events carry a contiguous ``sequence_number`` that merging must keep contiguous."""
     keep_first_volatile: bool = False
@@ -128,6 +132,11 @@ class Dialect:
         """Whether an event's data (or whole ``data:`` frames) holds a token, for the
         time to first token: any data but an empty one or a JSON shape without text."""
         return _chat_carries_token(data)
+
+    def stream_alias(self, event: SSEEvent) -> str | None:
+        """The name the API gives the stream in its first event, by which a client
+        may resume it (a Responses ``response.id``); None where it has none."""
+        return None
 
     # ---------------------------------------------------------------- merging
 

@@ -77,6 +77,7 @@ class ResponsesDialect(Dialect):
 
     name = "responses"
     merges = True
+    error_is_terminal = True
     renumbers = True
     keep_first_volatile = True
     merge_names = frozenset({None, *DELTAS})
@@ -129,6 +130,14 @@ class ResponsesDialect(Dialect):
         response = obj.get("response") if obj is not None else None
         found = response.get("usage") if isinstance(response, dict) else None
         return found if isinstance(found, dict) else current
+
+    def stream_alias(self, event: SSEEvent) -> str | None:
+        if _type_of(event) != "response.created":
+            return None
+        obj = _parsed(event.data)
+        response = obj.get("response") if obj is not None else None
+        ident = response.get("id") if isinstance(response, dict) else None
+        return ident if isinstance(ident, str) and 0 < len(ident) <= 128 and ident.isprintable() else None
 
     def carries_token(self, data: bytes) -> bool:
         return _TOKEN_RE.search(data) is not None

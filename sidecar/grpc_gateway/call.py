@@ -6,16 +6,21 @@ the end. It turns each into what an HTTP/2 stream sends for gRPC and decides
 nothing the core has not decided already:
 
 * a 200 event-stream head becomes the initial metadata (the stream id, the
-  request id); an error status with its JSON body becomes a trailers-only
-  response whose status follows the HTTP status (the engine's 400 →
-  ``INVALID_ARGUMENT``);
+  request id); an error status becomes a trailers-only response whose status
+  follows the HTTP status (the engine's 400 → ``INVALID_ARGUMENT``);
 * each SSE data event becomes one length-prefixed message (comments, i.e.
   heartbeats, and the ``[DONE]`` marker become nothing; HTTP/2 keeps the
   connection alive); half a surrogate pair split across chunks waits in the
   call's :class:`~.transcode.TextCarry` for its other half;
 * a clean end (the core saw the engine finish) becomes ``grpc-status: 0``;
-  any other end carries the in-band error event's code, or, where none came,
-  ``UNAVAILABLE``: a truncated answer never ends with 0.
+  any other end carries the core's typed ending (:class:`CoreEnding`: the
+  :class:`~tokenwire.middleware.errors.WireError` it ended with, or only its
+  code, as for a slow client it cut), mapped by
+  :func:`~tokenwire.middleware.errors.grpc_status_of`: a truncated answer
+  never ends with 0. The in-band error event the core wrote last is that
+  ending, so it becomes the trailers, not a message. Nothing the core wrote
+  is parsed back for its meaning; only an engine's error body that the core
+  passed through unchanged is (see :meth:`ResponseTranscoder.on_end`).
 
 The client's ``grpc-timeout`` is a :class:`Deadline`: when it passes, the
 driver stops the stream through the core (so the upstream is aborted as for a
@@ -27,8 +32,10 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from tokenwire.middleware.errors import ErrorCode, GrpcStatus, grpc_status_of
+from tokenwire.middleware.errors import ErrorCode, GrpcStatus, WireError, grpc_status_of
+from tokenwire.middleware.events import EndReason
 from tokenwire.middleware.headers import STREAM_ID_HEADER
 from tokenwire.middleware.sse import SSEParser
 
@@ -38,6 +45,29 @@ from .routing import StreamMethod
 from .transcode import TextCarry
 
 _DONE = "[DONE]"
+
+
+class CoreEnding(Protocol):
+    """How the wire core says its stream ended: the ``WireStream`` properties
+    the transcoder maps (a ``WireStream`` is one)."""
+
+    @property
+    def end_reason(self) -> EndReason | None: ...
+
+    @property
+    def error_code(self) -> ErrorCode | None: ...
+
+    @property
+    def error(self) -> WireError | None: ...
+
+
+# What a call that ended with a code but no error object says, by the core's
+# end reason: a slow client it cut (nothing could reach it), or an engine's
+# failure reported in the dialect's own terminal event (``response.failed``).
+_WHY = {
+    EndReason.SLOW_CLIENT: "the client did not read the answer in time",
+    EndReason.UPSTREAM_ERROR: "the engine reported a failure",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,9 +97,24 @@ def _code_of(name: str | None) -> ErrorCode | None:
         return None
 
 
-def status_of_error_json(text: str, http_status: int | None) -> CallStatus:
-    """The call status for an error object (``{"error": {..., "tokenwire": {code, number}}}``),
-    as the core puts it in an error body or an in-band error event."""
+def _typed_status(error: WireError, http_status: int | None) -> CallStatus:
+    """The call status for the error the core ended with; ``http_status``: the
+    status it went out with before the first message (None after: in-band, only
+    the code counts)."""
+    # valid_text: an engine's message may hold a lone ``\udXXX`` escape.
+    return CallStatus(grpc_status_of(error.code, http_status), valid_text(error.message), error.code)
+
+
+def _passthrough_status(text: str, http_status: int) -> CallStatus:
+    """The call status for an engine's error answer that the core passed through
+    unchanged (a non-event-stream 4xx/5xx body).
+
+    This is the one error body the gateway parses, because nothing types it:
+    the core forwards it byte for byte and ends the stream complete, with no
+    error and no code (it is the engine's answer, not tokenwire's). Its
+    ``error.message`` is the engine's own word on what went wrong, the best
+    message there is; a ``"tokenwire"`` code in it is another tokenwire's,
+    behind us, and is kept."""
     try:
         payload = json.loads(text)
     except ValueError:
@@ -121,7 +166,6 @@ class ResponseTranscoder:
         self._started = False
         self._error_status: int | None = None
         self._error_body = bytearray()
-        self._in_band: CallStatus | None = None
         self._override: CallStatus | None = None
         self._whole: bytearray | None = None  # a 200 answer that is not an event stream
         self._texts = TextCarry()
@@ -145,22 +189,25 @@ class ResponseTranscoder:
         return [(b"content-type", GRPC_CONTENT_TYPE), (b"grpc-accept-encoding", b"identity"),
                 *((name, value) for name, value in headers if name in self._keep)]
 
-    def on_body(self, data: bytes) -> bytes:
-        """Length-prefixed messages for SSE bytes from the core (may be ``b""``)."""
+    def on_body(self, data: bytes, core: CoreEnding) -> bytes:
+        """Length-prefixed messages for SSE bytes from ``core`` (may be ``b""``)."""
         if self._error_status is not None:
             self._error_body += data[:64 * 1024 - len(self._error_body)]
             return b""
         if self._whole is not None:
             self._whole += data
             return b""
+        events = self._events(data)
+        error = core.error
+        if error is not None and events and events[-1][0] == error.sse_data():
+            # The core ended with this error: its in-band event is the last thing
+            # it writes (nothing is queued after it), so it is this write's last
+            # event. It becomes the trailers (on_end), not a message.
+            events.pop()
         out: list[bytes] = []
         to_message, texts = self._method.to_message, self._texts
-        for payload, event_id in self._events(data):
+        for payload, event_id in events:
             if payload == _DONE:
-                continue
-            if payload.startswith('{"error"') or ('"error"' in payload and '"choices"' not in payload
-                                                  and payload.startswith("{")):
-                self._in_band = status_of_error_json(payload, None)
                 continue
             out += [encode_message(message.SerializeToString())
                     for message in texts.messages(to_message, payload, event_id)]
@@ -204,22 +251,38 @@ class ResponseTranscoder:
         self._override = CallStatus(GrpcStatus.DEADLINE_EXCEEDED, "the call's deadline passed",
                                     ErrorCode.CANCELLED)
 
-    def on_end(self, *, abrupt: bool, reset: bool, code: ErrorCode | None = None) -> Ending:
-        """The trailers (or trailers-only response) for the core's ``CloseClient``;
-        ``code``: the stream's error code where the core sent no error event
-        (a reset: the client stopped reading)."""
+    def on_end(self, core: CoreEnding, *, abrupt: bool, reset: bool) -> Ending:
+        """The trailers (or trailers-only response) for ``core``'s ``CloseClient``,
+        from its typed ending: the error it ended with (a status of its own before
+        the first message, in-band after), else the code it ended with (a slow
+        client it cut: nothing on the wire says why), else a clean end."""
+        error = core.error
         if self._override is not None:
             status = self._override
         elif self._error_status is not None:
-            status = status_of_error_json(self._error_body.decode("utf-8", "replace"), self._error_status)
-        elif self._in_band is not None:
-            status = self._in_band
+            if error is not None:
+                # Its own error answer (or the engine's error event that became the
+                # status), or an engine's error answer that broke off: the status
+                # the answer had decides.
+                status = _typed_status(error, self._error_status)
+            else:
+                status = _passthrough_status(self._error_body.decode("utf-8", "replace"),
+                                             self._error_status)
+        elif error is not None:
+            # In-band (or never written: a slow client cut after it): its HTTP
+            # status never went out, so only its code counts.
+            status = _typed_status(error, None)
+        elif (code := core.error_code) is not None:
+            reason = core.end_reason
+            why = "the answer broke off" if reason is None else _WHY.get(reason, "the answer broke off")
+            status = CallStatus(grpc_status_of(code), why, code)
         elif reset:
-            code = code or ErrorCode.BACKPRESSURE_EXCEEDED
-            status = CallStatus(grpc_status_of(code), "the client did not read the answer in time", code)
+            # The core has not ended (resume holds the stream for a reconnect, and
+            # its code with it; or the driver failed): the client is cut all the same.
+            code = ErrorCode.BACKPRESSURE_EXCEEDED
+            status = CallStatus(grpc_status_of(code), _WHY[EndReason.SLOW_CLIENT], code)
         elif abrupt:
-            status = CallStatus(GrpcStatus.UNAVAILABLE, "the answer broke off",
-                                code or ErrorCode.UPSTREAM_FAILED)
+            status = CallStatus(GrpcStatus.UNAVAILABLE, "the answer broke off", ErrorCode.UPSTREAM_FAILED)
         else:
             status = OK
         last = b""

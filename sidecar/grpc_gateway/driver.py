@@ -36,7 +36,7 @@ from ..connection import Peer, new_exchange
 from ..context import SidecarContext
 from ..exchange import Exchange
 from . import health, reflection
-from .call import Deadline, ResponseTranscoder
+from .call import CoreEnding, Deadline, ResponseTranscoder
 from .framing import GrpcCallError, MessageReader, encode_message, is_grpc_content_type
 from .metadata import GRPC_CONTENT_TYPE, OK, CallStatus
 from .routing import HEALTH_CHECK, HEALTH_WATCH, REFLECTION_PATHS, STREAM_METHODS, StreamMethod, is_grpc_path
@@ -345,14 +345,13 @@ class StreamCall:
             self._stream.respond_head(200, initial)
 
     def send_body(self, data: bytes) -> None:
-        out = self.transcoder.on_body(data)
+        out = self.transcoder.on_body(data, self._core())
         if out:
             self._stream.send_body(out)
 
     def end_response(self, *, abrupt: bool, reset: bool) -> None:
         stream = self._stream
-        code = self._exchange.stream.error_code if self._exchange is not None else None
-        ending = self.transcoder.on_end(abrupt=abrupt, reset=reset, code=code)
+        ending = self.transcoder.on_end(self._core(), abrupt=abrupt, reset=reset)
         if ending.data:
             stream.send_body(ending.data)
         # A reset (the client stopped reading): what waits is dropped, the
@@ -382,6 +381,13 @@ class StreamCall:
         self._stream.exchange = exchange  # the stream tells it of resets and send windows
         exchange.start()
         self._stream.update_paused()
+
+    def _core(self) -> CoreEnding:
+        """The exchange's wire core, whose typed ending the transcoder maps. Only
+        the exchange makes the ``Downstream`` calls, so it exists by then."""
+        if self._exchange is None:
+            raise RuntimeError("a Downstream call before the call's exchange was made")
+        return self._exchange.stream
 
     def _peer(self) -> Peer:
         return self._stream.connection.peer

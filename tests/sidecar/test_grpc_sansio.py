@@ -241,7 +241,7 @@ class CoreCall:
             if isinstance(action, CommitHeaders):
                 self.initial = self.transcoder.on_headers(action.status, action.headers)
             elif isinstance(action, CloseClient):
-                self.ending = self.transcoder.on_end(abrupt=action.abrupt, reset=action.reset)
+                self.ending = self.transcoder.on_end(self.core, abrupt=action.abrupt, reset=action.reset)
             elif isinstance(action, AbortUpstream):
                 self.aborted = True
             elif isinstance(action, Finished):
@@ -250,7 +250,7 @@ class CoreCall:
             data = self.core.data_to_send(self.now)
             if not data:
                 break
-            self.wire += self.transcoder.on_body(data)
+            self.wire += self.transcoder.on_body(data, self.core)
             self._run(self.core.handle(WriteCompleted(), self.now))
 
     def messages(self, kind: type = pb.ChatCompletionChunk) -> list:  # type: ignore[type-arg]
@@ -378,6 +378,98 @@ def test_a_slow_client_is_cut_with_resource_exhausted_and_the_upstream_aborted()
     assert trailers[b"grpc-status"] == b"%d" % GrpcStatus.RESOURCE_EXHAUSTED
 
 
+# The call's ending is the core's typed one (WireStream.error, .error_code), never
+# a parse of the JSON the core wrote: each of these would mislead such a parse.
+
+
+def test_a_chunk_with_a_null_error_field_is_an_answer_not_an_ending() -> None:
+    """Some engines put ``"error": null`` in every chunk: the core reads them as
+    chunks (an error is a non-null ``error`` without ``choices``), so they are
+    messages and the finished call is OK, whatever their text starts with."""
+    call = CoreCall()
+    call.feed(UpstreamHeaders(200, SSE_HEADERS))
+    for text in ("Hel", "lo"):
+        call.feed(event(json.dumps({"error": None, **json.loads(chunk(text))})))
+    call.feed(event(json.dumps({"error": None, "id": "x", "choices": [], "usage": {
+        "prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}})))
+    call.feed(event("[DONE]"))
+    call.feed(UpstreamEnded())
+    messages = call.messages()
+    assert [m.choices[0].content for m in messages[:2]] == ["Hel", "lo"]
+    assert messages[2].usage.total_tokens == 3
+    assert _status(call.ending) == {b"grpc-status": b"0"}
+
+
+def test_an_engine_error_event_that_reads_like_a_chunk_ends_the_call_with_its_own_message() -> None:
+    """An in-band error event whose text names ``"choices"`` (its ``param``) and
+    does not start with ``{"error"``: the core ended the stream with it, so it is
+    the trailers (the engine's message, ``upstream_failed``), not a message."""
+    call = CoreCall()
+    call.feed(UpstreamHeaders(200, SSE_HEADERS))
+    call.feed(event(chunk("partial")))
+    call.feed(event(json.dumps({"id": "chatcmpl-1", "error": {
+        "message": "n is over the limit", "type": "invalid_request_error", "param": "choices"}})))
+    assert call.core.error is not None and call.core.error_code is ErrorCode.UPSTREAM_FAILED
+    assert [m.choices[0].content for m in call.messages()] == ["partial"]
+    assert b"over the limit" not in bytes(call.wire)  # no message carries it as chunk_json
+    trailers = _status(call.ending)
+    assert trailers[b"grpc-status"] == b"%d" % GrpcStatus.UNAVAILABLE  # in-band: the code decides
+    assert percent_decode(trailers[b"grpc-message"]) == "n is over the limit"
+    assert (trailers[b"tokenwire-error-code"], trailers[b"tokenwire-error-number"]) == (
+        b"upstream_failed", b"E7307")
+
+
+def test_the_cores_own_in_band_error_maps_from_its_code_not_its_http_status() -> None:
+    """An operator's cancel after the first message: the core's LocalError has
+    HTTP status 503, which never went out; its code (``cancelled``) decides."""
+    call = CoreCall()
+    call.feed(UpstreamHeaders(200, SSE_HEADERS))
+    call.feed(event(chunk("a")))
+    call.feed(StopRequested(EndReason.CANCELLED))
+    assert call.core.error is not None and call.core.error.http_status == 503
+    assert len(call.messages()) == 1
+    trailers = _status(call.ending)
+    assert trailers[b"grpc-status"] == b"%d" % GrpcStatus.CANCELLED
+    assert percent_decode(trailers[b"grpc-message"]) == "the stream was cancelled by an operator"
+    assert trailers[b"tokenwire-error-number"] == b"E7301"
+
+
+def test_a_send_timeout_cut_writes_no_error_and_ends_with_the_cores_code() -> None:
+    """A client that takes nothing for write_deadline_s: the core cuts it with no
+    error event (nothing could reach it) and no WireError; its ``error_code``
+    says which cut it was: ``send_timeout`` (E7303), not ``backpressure_exceeded``."""
+    call = CoreCall()
+    call.feed(UpstreamHeaders(200, SSE_HEADERS))
+    call.feed(event(chunk("a")))
+    call.paused = True
+    call.feed(SocketPaused())
+    call.feed(event(chunk("b")))
+    call.now = SIDECAR_WIRE_DEFAULTS.write_deadline_s + 1.0
+    call.feed(Tick())
+    assert call.core.error is None and call.core.error_code is ErrorCode.SEND_TIMEOUT
+    assert call.ending is not None and call.aborted
+    assert b"error" not in bytes(call.wire)
+    trailers = _status(call.ending)
+    assert trailers[b"grpc-status"] == b"%d" % GrpcStatus.RESOURCE_EXHAUSTED
+    assert (trailers[b"tokenwire-error-code"], trailers[b"tokenwire-error-number"]) == (
+        b"send_timeout", b"E7303")
+    assert percent_decode(trailers[b"grpc-message"]) == "the client did not read the answer in time"
+
+
+def test_an_engines_first_error_event_is_a_trailers_only_status_from_its_http_status() -> None:
+    """An error as the first event is the response's status (the core's
+    UpstreamErrorEvent, with the status its object stands for: 429)."""
+    call = CoreCall()
+    call.feed(UpstreamHeaders(200, SSE_HEADERS))
+    call.feed(event(json.dumps({"error": {"message": "slow down", "type": "rate_limit", "code": 429}})))
+    assert call.core.error is not None and call.core.error.http_status == 429
+    assert call.initial is None and call.ending is not None and call.ending.trailers_only
+    trailers = _status(call.ending)
+    assert trailers[b"grpc-status"] == b"%d" % GrpcStatus.RESOURCE_EXHAUSTED
+    assert percent_decode(trailers[b"grpc-message"]) == "slow down"
+    assert trailers[b"tokenwire-error-code"] == b"upstream_failed"
+
+
 def test_a_deadline_stops_the_stream_through_the_core_and_ends_deadline_exceeded() -> None:
     call = CoreCall()
     deadline = Deadline.from_headers([(b"grpc-timeout", b"2S")], now=0.0)
@@ -490,7 +582,8 @@ def test_reflection_lists_and_describes_the_services() -> None:
 def test_transcoder_reads_any_split_of_the_cores_output(writes: list[bytes]) -> None:
     transcoder = ResponseTranscoder(CHAT)
     transcoder.on_headers(200, SSE_HEADERS)
-    wire = b"".join(transcoder.on_body(data) for data in writes)
+    core = WireStream(SIDECAR_WIRE_DEFAULTS, now=0.0, request_id="r")  # running: no ending yet
+    wire = b"".join(transcoder.on_body(data, core) for data in writes)
     (raw,) = MessageReader().feed(wire)
     message = pb.ChatCompletionChunk()
     message.ParseFromString(raw)

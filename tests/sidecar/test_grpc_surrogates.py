@@ -31,7 +31,6 @@ from tokenwire.middleware import (
     UpstreamHeaders,
 )
 from tokenwire.middleware.events import FailureKind
-from tokenwire.sidecar.grpc_gateway.call import ResponseTranscoder
 from tokenwire.sidecar.grpc_gateway.framing import MessageReader, valid_text
 from tokenwire.sidecar.grpc_gateway.metadata import percent_decode, percent_encode
 
@@ -236,24 +235,25 @@ def test_lone_surrogates_in_ids_names_and_the_whole_answer_are_fffd() -> None:
         "id" + FFFD, "m" + FFFD, "c" + FFFD, "function" + FFFD, "f" + FFFD)
     assert _status(call) == b"0"
 
-    whole = ResponseTranscoder(CHAT)  # an engine that did not stream: one JSON object
-    whole.on_headers(200, ((b"content-type", b"application/json"),))
-    whole.on_body(json.dumps({"id": "x", "choices": [{"index": 0, "finish_reason": "stop", "message": {
-        "role": "assistant", "content": "a" + HIGH}}]}).encode())
-    ending = whole.on_end(abrupt=False, reset=False)
-    (raw,) = MessageReader().feed(ending.data)
+    whole = CoreCall()  # an engine that did not stream: one JSON object
+    whole.feed(UpstreamHeaders(200, ((b"content-type", b"application/json"),)))
+    answer = {"id": "x", "choices": [{"index": 0, "finish_reason": "stop",
+                                      "message": {"role": "assistant", "content": "a" + HIGH}}]}
+    whole.feed(UpstreamData(json.dumps(answer).encode()))
+    whole.feed(UpstreamEnded())
+    assert whole.ending is not None
+    (raw,) = MessageReader().feed(whole.ending.data)
     assert pb.ChatCompletionChunk.FromString(raw).choices[0].content == "a" + FFFD
 
 
 def test_a_lone_surrogate_in_an_error_message_is_fffd_in_grpc_message() -> None:
-    # An in-band error event as the core writes one (fed to the transcoder as is).
-    transcoder = ResponseTranscoder(CHAT)
-    transcoder.on_headers(200, SSE_HEADERS)
-    error = {"error": {"message": "bad " + HIGH + " input", "tokenwire": {"code": "upstream_failed"}}}
-    assert transcoder.on_body(b"data: %b\n\n" % json.dumps(error).encode()) == b""
-    ending = transcoder.on_end(abrupt=True, reset=False)
-    assert percent_decode(dict(ending.headers)[b"grpc-message"]) == "bad " + FFFD + " input"
-    assert dict(ending.headers)[b"tokenwire-error-code"] == b"upstream_failed"
+    call = _started()  # the engine's error event after the first message: in-band
+    call.feed(_say("a"))
+    call.feed(event(json.dumps({"error": {"message": "bad " + HIGH + " input"}})))
+    assert _contents(call) == ["a"]  # the error event is the trailers, not a message
+    assert call.ending is not None
+    assert percent_decode(dict(call.ending.headers)[b"grpc-message"]) == "bad " + FFFD + " input"
+    assert dict(call.ending.headers)[b"tokenwire-error-code"] == b"upstream_failed"
 
     call = CoreCall()  # the engine's error answer before the first byte
     call.feed(UpstreamHeaders(400, ((b"content-type", b"application/json"),)))
