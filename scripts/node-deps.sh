@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the npm packages of the client compatibility suite (openai-node,
-# eventsource, and @grpc/grpc-js for the gRPC tests) into
+# eventsource, the Anthropic TypeScript SDK, the Vercel AI SDK with its OpenAI
+# and Anthropic providers, and @grpc/grpc-js for the gRPC tests) into
 # tests/compat/clients/node/node_modules, exactly as locked in
 # its package-lock.json, only when missing or older than the lock file.
 # Node itself comes from Debian (scripts/system-deps.sh nodejs npm).
