@@ -25,7 +25,8 @@ Its phases (:class:`AttemptPhase`, derived from its fields)::
 * CLOSED: the connection is done; nothing more is read from it.
 
 ``paused`` (the ``block`` policy asked the driver to stop reading) is a flag
-beside the phase, and ``seen_at`` (the upstream's last byte) times
+beside the phase, and ``seen_at`` (the upstream's last event of content or
+state: comments and keepalive events do not count) times
 ``upstream_idle_timeout_s``. *Whether* to retry is the stream's decision (it
 depends on the lifecycle and the budget); this part keeps the mechanics.
 """
