@@ -372,7 +372,8 @@ class WireStream(StreamDecisions):
             return
         acct.events_in += 1
         dialect = self._dialect
-        if not self._dialect_confirmed:
+        if not self._dialect_confirmed and event.data is not None:
+            # The first event with data says (an ``id:`` or ``retry:`` alone says nothing).
             self._dialect_confirmed = True
             if self._resume.reader:
                 dialect = self._speak(detect(event, self.config.terminal_marker))
@@ -440,6 +441,7 @@ class WireStream(StreamDecisions):
         self._dialect = dialect
         self._marker = dialect.marker
         self._fast_path = dialect.fast_path
+        self._one_call_path = self._one_call_path and dialect.fast_path
         self._pending.use_dialect(dialect)
         return dialect
 

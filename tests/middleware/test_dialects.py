@@ -392,6 +392,15 @@ def test_route_whenFirstEventDoesNotFitItsDialect_thenGenericAndPassedExactly() 
     assert (d.finished.record.end_reason, d.finished.record.dialect) == (EndReason.COMPLETE, "generic")
 
 
+def test_route_whenTheFirstEventCarriesNoData_thenTheFirstWithDataConfirms() -> None:
+    d = driver("/v1/chat/completions")
+    d.send(UpstreamData(b"retry: 1000\n\n"))
+    d.send(UpstreamData(f"data: {chunk('a')}\n\n".encode()))
+    d.send(UpstreamEnded())
+    assert d.finished.record.dialect == "chat.completions"
+    assert d.finished.record.end_reason is EndReason.UPSTREAM_ERROR  # no [DONE]: the chat rule holds
+
+
 def test_generic_whenOperatorNamedAMarker_thenItIsRequired() -> None:
     d = driver("/stream", proxy_config(terminal_marker="END"))
     d.send(UpstreamData(b"data: a\n\n"))
