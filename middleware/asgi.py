@@ -38,7 +38,7 @@ An event-stream response is *driven*: a :class:`WireStream` is created and
   the app, ``CloseClient`` ends the response (``abrupt``: the ASGI call returns
   without the final empty body, so the server closes the connection without
   the chunked terminator and the client sees a truncated body),
-  ``Finished`` calls ``on_finished`` and logs the record as one JSON line.
+  ``Finished`` calls ``on_finished`` and logs the record as one line.
 
 Every wire rule (headers, heartbeats, deadlines, coalescing, error events) is
 the core's; this module only moves messages. The app can watch its stream
@@ -57,6 +57,16 @@ through a core fed ``ReplaySource`` (``driver.py``'s ``enter_resume`` and
 ``replay``, as in every driver); the app never sees those requests. While
 the core holds a departed client's stream for ``resume_grace_s``, the app is
 not told of the disconnect (it keeps generating into the store).
+
+Telemetry: each stream's record is one ``stream ended`` line of the
+``tokenwire.middleware`` logger, its fields beside the message
+(``middleware/logs.py``). Servers configure their own loggers, not the root
+one, so at the first request, where the program configured no logging, the
+middleware gives that logger a handler of its own on stderr, in
+``log_format`` (``json`` or ``text``; ``off``: no stream lines); where it
+did, the line goes to its handlers, at its level. ``metrics`` counts the
+sidecar's stream metrics on a ``prometheus_client`` registry
+(``middleware/prometheus.py``), served at ``metrics_path`` if one is given.
 """
 
 from __future__ import annotations
@@ -64,15 +74,21 @@ from __future__ import annotations
 import logging
 import socket
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .asgi_exchange import EXTENSION, Exchange, StreamControl
 from .asgi_inbox import REQUEST_READ_AHEAD_BYTES
 from .config import ConfigError, WireConfig
 from .dialects import DialectTable
 from .events import StreamRecord
+from .logs import FieldsInMessage, LogFormat, install_default_handler
 from .replay_store import MemoryReplayStore, ReplayStore
 from .resume import CallerKey
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from .prometheus import MiddlewareMetrics
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -96,6 +112,7 @@ __all__ = ["DEFAULT_CONFIG", "EXTENSION", "REQUEST_READ_AHEAD_BYTES", "StreamCon
            "TokenWireMiddleware", "listening_socket"]
 
 logger = logging.getLogger("tokenwire.middleware")
+LOG_FORMATS = (LogFormat.JSON.value, LogFormat.TEXT.value, "off")
 
 
 class TokenWireMiddleware:
@@ -109,6 +126,22 @@ class TokenWireMiddleware:
     value becomes the request id. ``replay_store``: where resumable streams
     are kept with ``config.resume`` (default: an in-memory store; pass a
     :class:`~tokenwire.middleware.replay_redis.RedisReplayStore` so replicas share them).
+
+    ``log_format``: each stream's record is one ``stream ended`` line of the
+    ``tokenwire.middleware`` logger; where the program configured no logging
+    (uvicorn, hypercorn and granian configure only their own loggers), the
+    middleware writes it on stderr in this format: ``json`` (one object a
+    line) or ``text``; ``off`` sets that logger to WARNING, for the process
+    (no stream lines). Where logging is configured, the line goes to its
+    handlers at its level, the fields also in the message (for
+    ``logging.basicConfig``'s format).
+
+    ``metrics``: ``True`` counts the sidecar's stream metrics on
+    ``prometheus_client.REGISTRY`` (the app's, which
+    ``prometheus_client.make_asgi_app()`` serves); a ``CollectorRegistry``:
+    on that one (``middleware/prometheus.py``). ``metrics_path`` (e.g.
+    ``/metrics``) has the middleware answer that path with the registry's
+    exposition, before the app.
     """
 
     def __init__(
@@ -120,6 +153,9 @@ class TokenWireMiddleware:
         on_finished: OnFinished | None = None,
         request_id_header: str = "x-request-id",
         replay_store: ReplayStore | None = None,
+        log_format: LogFormat | str = LogFormat.JSON,
+        metrics: bool | CollectorRegistry = False,
+        metrics_path: str | None = None,
     ) -> None:
         if config.retry_attempts != 0:
             raise ConfigError("retry_attempts", "must be 0 for the ASGI middleware: it cannot "
@@ -138,12 +174,51 @@ class TokenWireMiddleware:
             if replay_store is not None and not config.resume_owner_secret:
                 logger.warning("resume_owner_secret is empty: a reconnect served by another process "
                                "sharing this replay store will not find its stream")
+        if str(log_format) not in LOG_FORMATS:
+            raise ConfigError("log_format", f"must be one of {', '.join(LOG_FORMATS)}, not {log_format!r}")
+        self.log_format = str(log_format)
+        self._log_ready = False
+        if not any(isinstance(f, FieldsInMessage) for f in logger.filters):
+            logger.addFilter(FieldsInMessage())
+        if self.log_format == "off":
+            logger.setLevel(logging.WARNING)
+        self.metrics: MiddlewareMetrics | None = None
+        """The Prometheus metrics this middleware counts on (None: ``metrics`` off)."""
+        self.metrics_path = metrics_path
+        self._metrics_app: ASGIApp | None = None
+        if metrics is not False and metrics is not None:
+            from .prometheus import MiddlewareMetrics
+
+            self.metrics = MiddlewareMetrics.on(None if metrics is True else metrics)
+            self.on_finished = self.metrics.counting(on_finished)
+            if metrics_path is not None:
+                self._metrics_app = self.metrics.asgi_app()
+        elif metrics_path is not None:
+            raise ConfigError("metrics_path", "needs metrics (True or a prometheus_client registry)")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        await Exchange(self, scope, receive, send).run()
+        if not self._log_ready:
+            # Decided now: by the first request the server and the app have
+            # configured logging, if they do.
+            self._log_ready = True
+            if self.log_format != "off":
+                install_default_handler(logger, self.log_format)
+        metrics = self.metrics
+        if metrics is None:
+            await Exchange(self, scope, receive, send).run()
+            return
+        if self._metrics_app is not None and scope.get("path") == self.metrics_path:
+            await self._metrics_app(scope, receive, send)
+            return
+        exchange = Exchange(self, scope, receive, send)
+        metrics.opened(exchange, str(scope.get("http_version", "1.1")))
+        try:
+            await exchange.run()
+        finally:
+            metrics.closed(exchange)
 
 
 def listening_socket(host: str, port: int, config: WireConfig = DEFAULT_CONFIG,

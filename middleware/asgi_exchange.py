@@ -55,6 +55,7 @@ from .events import (
     UpstreamHeaders,
 )
 from .headers import is_event_stream
+from .logs import wall_clock
 from .replay_store import StoreUnavailable
 from .resume import new_stream_id
 from .stream import WireStream
@@ -441,8 +442,16 @@ class Exchange(ResponseWriter):
             except Exception:
                 logger.exception("on_finished hook failed for request %s", self.request_id)
         if logger.isEnabledFor(logging.INFO):
-            # Structured fields (tokenwire.middleware.logs formats them as JSON or text).
-            logger.info("stream ended", extra={"fields": record.to_json()})
+            # Structured fields (tokenwire.middleware.logs formats them as JSON or text),
+            # with the request's, and the start as a wall-clock time, as the sidecar's.
+            scope = self.scope
+            client = scope.get("client")
+            fields = {**record.to_json(), "method": str(scope.get("method", "")),
+                      "path": str(scope.get("path", "")),
+                      "client": str(client[0]) if client else "",
+                      "http_version": str(scope.get("http_version", "")),
+                      "started_at": wall_clock(record.started_at, self.loop.time())}
+            logger.info("stream ended", extra={"fields": fields})
 
     # ------------------------------------------------------------ timer
 

@@ -34,6 +34,18 @@ class SlowClientPolicy(StrEnum):
     """Stop reading the upstream (TCP backpressure reaches the engine)."""
 
 
+class NonStreamAnswer(StrEnum):
+    """What a streaming request answered with a 2xx body that is not an event stream gets."""
+
+    AUTO = "auto"
+    """``reject`` on the routes of a known dialect (an OpenAI or Anthropic client
+    would read an empty answer and raise nothing), ``pass`` on generic ones."""
+    PASS = "pass"
+    """Passed through as it came (recorded ``not_event_stream``)."""
+    REJECT = "reject"
+    """Answered with 502 and an error naming the content type and the upstream."""
+
+
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the key."""
 
@@ -89,6 +101,10 @@ class WireConfig:
     """Top-level OpenAI chunk fields that carry no content (padding, per-chunk
     timestamps or sequence numbers): they do not block a merge, and a merged
     chunk keeps the newest value."""
+    non_event_stream_answer: NonStreamAnswer = NonStreamAnswer.AUTO
+    """A streaming request answered 2xx with a body that is not ``text/event-stream``:
+    ``reject`` (502 naming the content type), ``pass`` (as it came), or ``auto``
+    (reject on the Chat Completions, Completions, Responses and Messages routes)."""
     coalesce_ms: float = 0.0
     """Optional fixed batching window for writes (0 = latency first)."""
     retry_attempts: int = 0
@@ -158,6 +174,14 @@ class WireConfig:
             raise ConfigError("resume", f"must be true or false, got {self.resume!r}")
         if not isinstance(self.retry_attempts, int) or self.retry_attempts < 0:
             raise ConfigError("retry_attempts", f"must be a whole number >= 0, got {self.retry_attempts!r}")
+        if not isinstance(self.non_event_stream_answer, NonStreamAnswer):
+            try:
+                answer = NonStreamAnswer(self.non_event_stream_answer)
+            except ValueError:
+                choices = ", ".join(a.value for a in NonStreamAnswer)
+                raise ConfigError("non_event_stream_answer",
+                                  f"must be one of {choices}, got {self.non_event_stream_answer!r}") from None
+            object.__setattr__(self, "non_event_stream_answer", answer)
         if not isinstance(self.slow_client_policy, SlowClientPolicy):
             try:
                 policy = SlowClientPolicy(self.slow_client_policy)

@@ -76,6 +76,7 @@ class StreamDecisions:
         stream_id: str | None = None,
         may_repeat: bool = True,
         dialect: Dialect | None = None,
+        hide_usage_chunk: bool = False,
     ) -> None:
         """``expect_stream``: the request asked for a stream, so the commit
         deadline runs from now; otherwise it starts only if the upstream
@@ -86,7 +87,11 @@ class StreamDecisions:
         only after a failure that proves no upstream processed it.
         ``dialect``: the rules of the API the stream speaks, from its route
         (:class:`~tokenwire.middleware.dialects.DialectTable`); None (a caller
-        that names no route) is Chat Completions."""
+        that names no route) is Chat Completions. ``hide_usage_chunk``: the driver
+        asked the engine for usage the client did not ask for
+        (:meth:`~tokenwire.middleware.dialects.Dialect.ask_usage`): the usage-only
+        chunk is read into the record and not forwarded, so the client sees what it
+        would have seen directly."""
         if config.resume and not stream_id:
             raise ValueError("config.resume needs a stream_id")
         self.config = config
@@ -126,6 +131,9 @@ class StreamDecisions:
         self._deadline_bound: float | None = None
         # The response as a whole.
         self._commit_at: float | None = now + config.commit_deadline_s if expect_stream else None
+        self._expect_stream = expect_stream
+        self._hide_usage_chunk = hide_usage_chunk
+        self._passthrough_reason = EndReason.COMPLETE  # a passed-through answer's, at its end
         self._finished = False
         self._close_abrupt = False
         self._status = 0
@@ -359,9 +367,14 @@ class StreamDecisions:
         if resume.recording and resume.end is None:
             resume.record_end(reason)
         if self._end_reason is None:
-            # The record says a complete answer went to a resuming reader, not to its client.
-            detached = reason is EndReason.COMPLETE and self._hold.reader_attached
-            self._end_reason = EndReason.DETACHED if detached else reason
+            # The record says a complete answer went to a resuming reader, not to its
+            # client; or, held with nobody come back yet, to neither.
+            recorded = reason
+            if reason is EndReason.COMPLETE and self._hold.reader_attached:
+                recorded = EndReason.DETACHED
+            elif reason is EndReason.COMPLETE and self._hold.until is not None:
+                recorded = EndReason.DEPARTED
+            self._end_reason = recorded
             self._error_code = code
         self._close_abrupt = abrupt
         self._commit_at = None

@@ -34,6 +34,16 @@ class EndReason(StrEnum):
     DETACHED = "detached"
     """The client left, a resuming reader attached within ``resume_grace_s``, and
     the answer was completed into the replay store for it."""
+    DEPARTED = "departed"
+    """The client left and no reader attached while the answer was completed into
+    the replay store during ``resume_grace_s``: generated, but its client got only
+    ``events_out`` events (a later reader may still replay it)."""
+    UPSTREAM_STATUS = "upstream_status"
+    """The upstream answered with an error status (>= 400), passed through as it came."""
+    NOT_EVENT_STREAM = "not_event_stream"
+    """A streaming request was answered with a body that is not an event stream
+    (a wrong port's HTML page): refused with 502 or passed through, as
+    ``non_event_stream_answer`` says."""
     WORKER_LOST = "worker_lost"
     """The sidecar worker process serving the stream died (``--workers``); written
     by the supervisor, never by the core."""

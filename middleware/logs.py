@@ -12,6 +12,16 @@ Authorization header, a cookie, a prompt or a completion.
 The sidecar and the engine call :func:`configure_logging` once, at start, from
 their ``log_level`` and ``log_format`` keys; libraries (uvicorn) log through
 the same handler.
+
+The ASGI middleware runs in a program it does not own: uvicorn, hypercorn and
+granian configure their own loggers, never the root one, so a record of
+``tokenwire.middleware`` would reach no handler. :func:`install_default_handler`
+gives such a logger a :class:`DefaultHandler` (this format, on stderr) only
+when nothing would handle its records, and that handler stands aside as soon
+as the program configures logging itself (no line twice). Where the program's
+own handlers write the line with a formatter that knows nothing of ``fields``
+(``logging.basicConfig``'s ``%(message)s``), :class:`FieldsInMessage` puts
+them in the message too: ``stream ended request_id="..." status=200 ...``.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import functools
 import json
 import logging
 import sys
+import time
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, TextIO
@@ -41,16 +52,45 @@ def rfc3339(created_s: float) -> str:
     return f"{_second(whole_s)}.{micros:06d}Z"
 
 
+def wall_clock(loop_time_s: float, now_loop_s: float) -> str:
+    """A reading of the event loop's clock (the core's ``now``) as RFC 3339 UTC."""
+    return rfc3339(time.time() - (now_loop_s - loop_time_s))
+
+
 @functools.lru_cache(maxsize=4)
 def _second(whole_s: int) -> str:
     # Every line of one second shares this part: formatting a date costs more than the line.
     return datetime.fromtimestamp(whole_s, UTC).strftime("%Y-%m-%dT%H:%M:%S")
 
 
+class FieldsMessage:
+    """A log message with its fields: ``str()`` is ``text key=value ...``, for a
+    formatter that shows only the message; tokenwire's formatters write ``text``
+    as ``msg`` and the fields beside it (:func:`fields_of`)."""
+
+    __slots__ = ("fields", "text")
+
+    def __init__(self, text: str, fields: dict[str, Any]) -> None:
+        self.text = text
+        self.fields = fields
+
+    def __str__(self) -> str:
+        pairs = key_values(self.fields)
+        return f"{self.text} {pairs}" if pairs else self.text
+
+
+def key_values(fields: dict[str, Any]) -> str:
+    """``key=value ...`` (values as JSON; None left out): the text format's fields."""
+    return " ".join(f"{key}={json.dumps(value, ensure_ascii=False, default=str)}"
+                    for key, value in fields.items() if value is not None)
+
+
 def fields_of(record: logging.LogRecord) -> dict[str, Any]:
     """The standard fields of a line, then the caller's ``extra={"fields": ...}``."""
+    message = record.msg
+    text = message.text if isinstance(message, FieldsMessage) else record.getMessage()
     out: dict[str, Any] = {"ts": rfc3339(record.created), "level": record.levelname.lower(),
-                           "logger": record.name, "msg": record.getMessage()}
+                           "logger": record.name, "msg": text}
     extra = getattr(record, "fields", None)
     if isinstance(extra, dict):
         out.update(extra)
@@ -73,8 +113,7 @@ class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out = fields_of(record)
         head = f"{out.pop('ts')} {out.pop('level').upper()} {out.pop('logger')}: {out.pop('msg')}"
-        pairs = " ".join(f"{key}={json.dumps(value, ensure_ascii=False, default=str)}"
-                         for key, value in out.items() if value is not None)
+        pairs = key_values(out)
         line = f"{head} {pairs}" if pairs else head
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
@@ -82,6 +121,7 @@ class TextFormatter(logging.Formatter):
 
 
 def formatter(log_format: LogFormat | str) -> logging.Formatter:
+    """``json``: :class:`JsonFormatter`; ``text``: :class:`TextFormatter`."""
     return JsonFormatter() if LogFormat(log_format) is LogFormat.JSON else TextFormatter()
 
 
@@ -102,3 +142,72 @@ def configure_logging(level: str, log_format: LogFormat | str, stream: TextIO | 
 
 
 _HEADER_LOGGERS = ("httpcore", "httpx", "hpack", "h2", "h11")
+
+
+class FieldsInMessage(logging.Filter):
+    """A logger's filter: a record with ``extra={"fields": ...}`` and a plain
+    message gets a :class:`FieldsMessage`, so any formatter shows the fields."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict) and isinstance(record.msg, str) and not record.args:
+            record.msg = FieldsMessage(record.msg, fields)
+        return True
+
+
+def handled_elsewhere(logger: logging.Logger, besides: logging.Handler | None = None) -> bool:
+    """Whether a record of ``logger`` reaches a handler other than ``besides``
+    (the program configured logging for it: on the logger, an ancestor, the root)."""
+    current: logging.Logger | None = logger
+    while current is not None:
+        if any(handler is not besides for handler in current.handlers):
+            return True
+        if not current.propagate:
+            return False
+        current = current.parent
+    return False
+
+
+class DefaultHandler(logging.Handler):
+    """The handler :func:`install_default_handler` gives a logger: one line per
+    record on ``stream`` (stderr as it is at each line, when None), and none
+    while another handler in the logger's chain writes the record."""
+
+    def __init__(self, logger: logging.Logger, log_format: LogFormat | str,
+                 stream: TextIO | None = None) -> None:
+        super().__init__()
+        self.logger = logger
+        self.stream = stream
+        self.setFormatter(formatter(log_format))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if handled_elsewhere(self.logger, self):
+            return  # the program configured logging after this handler was installed
+        try:
+            line = self.format(record)
+            stream = self.stream if self.stream is not None else sys.stderr
+            stream.write(line + "\n")
+            stream.flush()
+        except RecursionError:
+            raise
+        except Exception:
+            self.handleError(record)
+
+
+def install_default_handler(logger: logging.Logger, log_format: LogFormat | str,
+                            stream: TextIO | None = None) -> DefaultHandler | None:
+    """Give ``logger`` a :class:`DefaultHandler` (and the level INFO, if it has
+    none of its own) when nothing would handle its records; returns it, or
+    None where logging is configured (or the handler was installed before:
+    then its format becomes ``log_format``)."""
+    for handler in logger.handlers:
+        if isinstance(handler, DefaultHandler):
+            handler.setFormatter(formatter(log_format))
+            return None
+    if handled_elsewhere(logger):
+        return None
+    handler = DefaultHandler(logger, log_format, stream)
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    return handler

@@ -45,8 +45,9 @@ from typing import Any, Final
 from .accounting import GAP_BUCKETS_S
 from .attempt import RETRYABLE_STATUSES, failure_error
 from .chunks import plain_event_count
+from .config import NonStreamAnswer
 from .decisions import HEARTBEAT, StreamDecisions
-from .dialects.base import ERROR, FAILED, KEEPALIVE, TERMINAL, Dialect
+from .dialects.base import ERROR, FAILED, GENERIC, KEEPALIVE, TERMINAL, Dialect
 from .dialects.routes import AUTO_MARKER, detect
 from .errors import (
     NO_CLIENT_RETRY,
@@ -78,7 +79,7 @@ from .events import (
     UpstreamHeaders,
     WriteCompleted,
 )
-from .headers import is_compressed, is_event_stream, passthrough_headers
+from .headers import header_value, is_compressed, is_event_stream, passthrough_headers
 from .lifecycle import ENDED as _ENDED
 from .lifecycle import TRANSITIONS, StreamState, Trigger
 from .meter import TokenMeter
@@ -300,6 +301,22 @@ class WireStream(StreamDecisions):
             if self._commit_at is None:
                 self._commit_at = now + self.config.commit_deadline_s
             return
+        if self._expect_stream and 200 <= event.status < 300:
+            # A streaming request answered with something else (a wrong port's HTML
+            # page, an engine that ignored "stream"): an SDK would read no event
+            # and raise nothing, so on a known dialect's route it is refused.
+            answer = self.config.non_event_stream_answer
+            if answer is NonStreamAnswer.REJECT or (answer is NonStreamAnswer.AUTO
+                                                    and self._dialect.name != GENERIC):
+                kind = header_value(event.headers, b"content-type") or b"no content-type"
+                self._fail(UpstreamError(
+                    f"the upstream answered a streaming request with "
+                    f"{kind.decode('latin-1')[:100]!r}, not text/event-stream",
+                    ErrorCode.UPSTREAM_FAILED, http_status=502), EndReason.NOT_EVENT_STREAM, now)
+                return
+            self._passthrough_reason = EndReason.NOT_EVENT_STREAM
+        if event.status >= 400:
+            self._passthrough_reason = EndReason.UPSTREAM_STATUS
         # Anything else (JSON, an error status with its own body) goes through
         # unchanged: the upstream's own answer is the best error message.
         attempt.passthrough = True
@@ -427,6 +444,8 @@ class WireStream(StreamDecisions):
                           trigger=Trigger.FINISH)
             self._enforce_cap(now)
             return
+        if self._hide_usage_chunk and dialect.is_usage_only(event):
+            return  # asked for by tokenwire, read into the record above: not the client's
         data = event.data
         if data is not None and acct.meter.awaiting_token:
             acct.meter.queued(data)
@@ -456,7 +475,11 @@ class WireStream(StreamDecisions):
             self._fail(attempt.late_error(), EndReason.UPSTREAM_ERROR, now)
             return
         if attempt.passthrough:
-            self._end(EndReason.COMPLETE, None, abrupt=False, trigger=Trigger.FINISH)
+            # An error status or a body that is not the stream asked for is passed
+            # through whole, but the record says what it was.
+            reason = self._passthrough_reason
+            self._end(reason, None if reason is EndReason.COMPLETE else ErrorCode.UPSTREAM_FAILED,
+                      abrupt=False, trigger=Trigger.FINISH)
             return
         attempt.parser.close()
         truncated = attempt.parser.discarded_bytes > 0

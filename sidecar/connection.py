@@ -156,6 +156,11 @@ def new_exchange(context: SidecarContext, downstream: Downstream, *, method: byt
     """The exchange that forwards one whole request (``headers`` as HTTP/1.1
     has them, ``Host`` included), not yet started."""
     config = context.config
+    dialect = context.dialects.for_path(target.decode("latin-1"))
+    # Usage asked of the engine for the record, where the client did not ask.
+    asked = dialect.ask_usage(body) if config.request_usage and method == b"POST" else None
+    if asked is not None:
+        body = asked
     id_header = config.request_id_header.encode()
     request_id = request_id_from(headers, id_header)
     upstream_id = upstream_request_id(headers, id_header, request_id)
@@ -169,4 +174,4 @@ def new_exchange(context: SidecarContext, downstream: Downstream, *, method: byt
         context, downstream, request_id=request_id, upstream_request_id=upstream_id, method=method,
         target=target, upstream_headers=upstream_headers, body=body,
         expect_stream=wants_stream(headers, body), http_version=http_version,
-        client_address=peer.host or "")
+        client_address=peer.host or "", dialect=dialect, hide_usage_chunk=asked is not None)

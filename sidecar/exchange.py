@@ -56,7 +56,9 @@ from tokenwire.middleware import (
     WireStream,
     WriteCompleted,
 )
+from tokenwire.middleware.dialects import Dialect
 from tokenwire.middleware.driver import DeadlineTimer, enter_resume, replay, wait_for_reader
+from tokenwire.middleware.logs import wall_clock
 from tokenwire.middleware.resume import new_stream_id
 from tokenwire.middleware.retry import may_repeat
 
@@ -64,7 +66,7 @@ from .balance import Refusal
 from .context import SidecarContext
 from .forwarding import client_response_headers
 from .metrics import REPLAY_UPSTREAM
-from .milestones import Milestones, open_span, request_fields, wall_clock
+from .milestones import Milestones, open_span, request_fields
 from .upstream import Grant, run_attempt
 from .upstream_body import ChunkDelivery
 from .upstream_io import UpstreamStream
@@ -113,6 +115,8 @@ class Exchange:
         expect_stream: bool,
         http_version: str = "1.1",
         client_address: str = "",
+        dialect: Dialect | None = None,
+        hide_usage_chunk: bool = False,
     ) -> None:
         self._context = context
         self._downstream = downstream
@@ -146,7 +150,8 @@ class Exchange:
             upstreams=("",), retry_budget=context.retry_budget,
             expect_stream=expect_stream, stream_id=self.stream_id,
             may_repeat=may_repeat(method, self._upstream_headers),
-            dialect=context.dialects.for_path(target.decode("latin-1")))
+            dialect=dialect if dialect is not None else context.dialects.for_path(target.decode("latin-1")),
+            hide_usage_chunk=hide_usage_chunk)
         self._milestones = (Milestones(self.stream, self._log_fields, span)
                            if span is not None or Milestones.wanted() else None)
         self._write_high_water_bytes = context.config.wire.write_high_water_bytes

@@ -19,7 +19,6 @@ the query) is logged: no Authorization, no cookie, no prompt, no completion.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,7 +32,6 @@ from tokenwire.middleware import (
     StreamRecord,
     WireStream,
 )
-from tokenwire.middleware.logs import rfc3339
 from tokenwire.middleware.tracing import extract, loop_wall_ns, set_attributes, with_span_headers
 
 Header = tuple[bytes, bytes]
@@ -46,11 +44,6 @@ def request_fields(method: bytes, target: bytes, client_address: str, http_versi
     return {"method": method.decode("latin-1"),
             "path": target.partition(b"?")[0].decode("latin-1", "replace"),
             "client": client_address, "http_version": http_version}
-
-
-def wall_clock(loop_time_s: float, now_loop_s: float) -> str:
-    """A reading of the event loop's clock (the core's ``now``) as RFC 3339 UTC."""
-    return rfc3339(time.time() - (now_loop_s - loop_time_s))
 
 
 def open_span(tracer: Tracer | None, request_id: str, fields: dict[str, Any],

@@ -86,6 +86,11 @@ class SidecarConfig:
     """Request bytes held in memory across all connections (bodies are read whole, and
     kept until their answer ends, for retries); a body that would go beyond it gets 503
     with Retry-After."""
+    request_usage: bool = True
+    """A streamed Chat Completions or Completions request that does not say
+    ``stream_options.include_usage`` is sent with it, so the record counts the
+    engine's tokens; the usage chunk is not forwarded to that client (off for an
+    engine that rejects the field)."""
     drop_underscore_headers: bool = True
     """Request headers with ``_`` in their name are not forwarded (nginx's
     ``underscores_in_headers off``): ``X_Real_IP`` and ``X-Real-IP`` may be one header

@@ -416,6 +416,17 @@ def test_alertRules_nameOnlyMetricsAndEndReasonsTheSidecarHas() -> None:
         assert {"severity"} <= set(rule["labels"]) and rule["annotations"]["summary"]
 
 
+def test_alertRules_fireForEveryUpstreamFailure_underPromtoolsRuleTests() -> None:
+    """An engine that answers every request with a 500, or streaming requests with
+    an HTML page, fires TokenwireUpstreamErrors; a healthy one does not
+    (conf/examples/tokenwire-alerts.test.yml)."""
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool comes with Debian's prometheus package (scripts/system-deps.sh)"
+    done = subprocess.run([promtool, "test", "rules", str(EXAMPLES / "tokenwire-alerts.test.yml")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_prometheusConfig_loadsTheRulesFile_andScrapesThePodsAnnotation() -> None:
     (config,) = yaml_documents("prometheus.yml")
     for rule_file in config["rule_files"]:

@@ -32,6 +32,8 @@ from ..chunks import carries_token as _chat_carries_token
 from ..errors import WireError
 from ..sse import SSEEvent
 
+GENERIC: Final = "generic"
+"""The name of the generic dialect: a stream of a shape tokenwire does not know."""
 CONTENT: Final = 0
 """An event of the answer: forwarded, and activity of the upstream."""
 TERMINAL: Final = 1
@@ -57,7 +59,7 @@ class Dialect:
     ``marker``: the ``data`` that ends a complete stream (None: a clean end of
     body is complete)."""
 
-    name: str = "generic"
+    name: str = GENERIC
     merges: bool = False
     """Text deltas of consecutive events merge for a slow reader."""
     first_error_is_status: bool = False
@@ -132,6 +134,15 @@ class Dialect:
         """Whether an event's data (or whole ``data:`` frames) holds a token, for the
         time to first token: any data but an empty one or a JSON shape without text."""
         return _chat_carries_token(data)
+
+    def ask_usage(self, body: bytes) -> bytes | None:
+        """The request body asking the engine for usage in the stream, where the API
+        has a way to ask and the client did not; None: the body stays as it is."""
+        return None
+
+    def is_usage_only(self, event: SSEEvent) -> bool:
+        """The event carries nothing but usage (the chunk :meth:`ask_usage` asked for)."""
+        return False
 
     def stream_alias(self, event: SSEEvent) -> str | None:
         """The name the API gives the stream in its first event, by which a client

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..chunks import error_object, text_slot, text_value, usage_of
+from ..chunks import chunk_object, dumps, error_object, text_slot, text_value, usage_of
 from ..errors import UpstreamErrorEvent
 from ..sse import SSEEvent
 from .base import CONTENT, ERROR, TERMINAL, Dialect, Found
@@ -67,6 +67,28 @@ class ChatDialect(Dialect):
             return current
         found = usage_of(data)
         return current if found is None else found
+
+    def ask_usage(self, body: bytes) -> bytes | None:
+        # A client that said anything about include_usage (true or false) is heard.
+        if b'"stream"' not in body:
+            return None
+        obj = chunk_object(body.decode("utf-8", "replace"))
+        if obj is None or obj.get("stream") is not True:
+            return None
+        options = obj.get("stream_options")
+        if options is None:
+            options = {}
+        elif not isinstance(options, dict) or "include_usage" in options:
+            return None
+        obj["stream_options"] = {**options, "include_usage": True}
+        return dumps(obj).encode()
+
+    def is_usage_only(self, event: SSEEvent) -> bool:
+        data = event.data
+        if data is None or '"usage"' not in data:
+            return False
+        obj = chunk_object(data)
+        return obj is not None and obj.get("choices") == [] and isinstance(obj.get("usage"), dict)
 
     def text_value(self, data: str) -> re.Match[str] | None:
         return text_value(data)

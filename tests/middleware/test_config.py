@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from tokenwire.middleware import ConfigError, SlowClientPolicy, TokenWireMiddleware, WireConfig
+from tokenwire.middleware.config import NonStreamAnswer
 
 
 def test_defaults_followDesign() -> None:
@@ -56,8 +57,8 @@ def test_config_isFrozen() -> None:
 def _another_valid_value(value: Any) -> Any:
     if isinstance(value, bool):
         return not value
-    if isinstance(value, SlowClientPolicy):
-        return next(p for p in SlowClientPolicy if p is not value)
+    if isinstance(value, SlowClientPolicy | NonStreamAnswer):
+        return next(p for p in type(value) if p is not value)
     if isinstance(value, int | float):
         return value + 1
     if isinstance(value, tuple):

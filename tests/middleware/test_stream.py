@@ -1108,7 +1108,7 @@ def fresh() -> WireStream:
     [event("x")],
     [UpstreamEnded()],
     [UpstreamHeaders(200, SSE_HEADERS), UpstreamHeaders(200, SSE_HEADERS)],
-    [UpstreamHeaders(200, ((b"content-type", b"application/json"),)), event("x")],
+    [UpstreamHeaders(400, ((b"content-type", b"application/json"),)), event("x")],
 ], ids=["write_completed_without_write", "data_before_headers", "event_before_headers",
         "ended_before_headers", "headers_twice", "event_on_passthrough"])
 def test_localProtocolError_whenInputNotAllowedInState(inputs: list[Any]) -> None:

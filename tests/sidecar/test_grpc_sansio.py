@@ -222,10 +222,10 @@ def test_a_malformed_request_message_is_internal() -> None:
 class CoreCall:
     """The wire core and a transcoder wired as the sidecar's exchange wires them."""
 
-    def __init__(self, method: object = CHAT, **config: object) -> None:
+    def __init__(self, method: object = CHAT, *, expect_stream: bool = True, **config: object) -> None:
         self.now = 0.0
         wire = replace(SIDECAR_WIRE_DEFAULTS, **{"heartbeat_s": 0.0, **config})  # type: ignore[arg-type]
-        self.core = WireStream(wire, now=0.0, request_id="r1")
+        self.core = WireStream(wire, now=0.0, request_id="r1", expect_stream=expect_stream)
         self.transcoder = ResponseTranscoder(method)  # type: ignore[arg-type]
         self.initial: list[tuple[bytes, bytes]] | None = None
         self.wire = bytearray()

@@ -235,7 +235,7 @@ def test_lone_surrogates_in_ids_names_and_the_whole_answer_are_fffd() -> None:
         "id" + FFFD, "m" + FFFD, "c" + FFFD, "function" + FFFD, "f" + FFFD)
     assert _status(call) == b"0"
 
-    whole = CoreCall()  # an engine that did not stream: one JSON object
+    whole = CoreCall(expect_stream=False)  # a call that asked for no stream: one JSON object
     whole.feed(UpstreamHeaders(200, ((b"content-type", b"application/json"),)))
     answer = {"id": "x", "choices": [{"index": 0, "finish_reason": "stop",
                                       "message": {"role": "assistant", "content": "a" + HIGH}}]}

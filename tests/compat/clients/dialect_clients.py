@@ -6,7 +6,8 @@ Servers (``running_dialect_servers``): the dialect upstream
 (``dialect_scripts.DialectUpstream``) directly under uvicorn, inside
 ``TokenWireMiddleware`` (its defaults) under uvicorn, and behind a sidecar
 built from the flags a user types (``tokenwire sidecar --upstream URL``), as
-``servers.py`` builds the Chat Completions grid's ``plain`` profile.
+``servers.py`` builds the Chat Completions grid's ``plain`` profile; and the
+same two again with its ``heartbeat`` profile (``--heartbeat-s 0.15``).
 
 A slow reader (``stall`` given) takes the first event, calls ``stall()``
 (:func:`wait_settled`: until the upstream wrote the whole answer, at most 0.5 s
@@ -34,7 +35,7 @@ from tokenwire.sidecar.tools.cli import load_sidecar_config
 from .dialect_scripts import SLOW_TOOL, DialectUpstream
 from .outcome import jsonable
 from .py_clients import TIMEOUT_S, _http2_client, speaks_h2
-from .servers import Servers, _Records, stall_max_s
+from .servers import MIDDLEWARE_CONFIG, SIDECAR_FLAGS, Servers, _Records, stall_max_s
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm: no fetch at import
 
@@ -54,6 +55,9 @@ RESPONSES_TOOLS = [{"type": "function", "name": SLOW_TOOL, "description": "Write
                     "parameters": WRITE_FILE_SCHEMA, "strict": False}]
 
 Stall = Callable[[], None]
+DIALECT_PROFILES = ("plain", "heartbeat")
+"""The tokenwire configurations the dialect rows read through (``servers.py``'s):
+the defaults, and heartbeats every ``servers.HEARTBEAT_S`` (the ``heartbeats`` rows)."""
 
 
 @dataclass
@@ -147,17 +151,21 @@ def wait_settled(servers: Servers, case: str) -> None:
 async def _start(servers: Servers, stack: contextlib.AsyncExitStack) -> None:
     app = servers.upstream
     direct = f"http://127.0.0.1:{await stack.enter_async_context(serve(app))}"
-    servers.urls[("direct", "plain")] = direct
-    wrapped = TokenWireMiddleware(app, on_finished=servers.records.append)
-    port = await stack.enter_async_context(
-        serve(wrapped, send_buffer_bytes=wrapped.config.socket_send_buffer_bytes))
-    servers.urls[("middleware", "plain")] = f"http://127.0.0.1:{port}"
-    config = load_sidecar_config(["--upstream", direct, "--listen", "127.0.0.1:0", "--admin-listen", "",
-                                  "--drain-s", "0"], {})
-    sidecar = Sidecar(config, log=_Records(servers.records, servers.http_versions))
-    await sidecar.start()
-    stack.push_async_callback(sidecar.shutdown)
-    servers.urls[("sidecar", "plain")] = f"http://127.0.0.1:{sidecar.address[1]}"
+    for profile in DIALECT_PROFILES:
+        servers.urls[("direct", profile)] = direct
+        config = MIDDLEWARE_CONFIG[profile]
+        wrapped = (TokenWireMiddleware(app, on_finished=servers.records.append) if config is None
+                   else TokenWireMiddleware(app, config, on_finished=servers.records.append))
+        port = await stack.enter_async_context(
+            serve(wrapped, send_buffer_bytes=wrapped.config.socket_send_buffer_bytes))
+        servers.urls[("middleware", profile)] = f"http://127.0.0.1:{port}"
+        sidecar_config = load_sidecar_config(["--upstream", direct, "--listen", "127.0.0.1:0",
+                                              "--admin-listen", "", "--drain-s", "0",
+                                              *SIDECAR_FLAGS[profile]], {})
+        sidecar = Sidecar(sidecar_config, log=_Records(servers.records, servers.http_versions))
+        await sidecar.start()
+        stack.push_async_callback(sidecar.shutdown)
+        servers.urls[("sidecar", profile)] = f"http://127.0.0.1:{sidecar.address[1]}"
 
 
 @contextlib.contextmanager

@@ -13,7 +13,9 @@ A request's path picks the script, as in ``scripts.py``:
 (``messages``, ``responses``, ``chat/completions``) is the client's own and is
 what tells tokenwire the dialect. ``/finished/<case>`` answers ``yes`` once the
 case's answer is all written, or tokenwire ended its stream (a slow reader
-stalls until then).
+stalls until then). The ``heartbeats`` scripts are read through tokenwire's
+``heartbeat`` profile (``PROFILE``: heartbeats every ``servers.HEARTBEAT_S``),
+every other one through ``plain``.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from behaviour.scenarios import Fail, Send, Step, play_steps
+from behaviour.scenarios import Fail, Send, Silence, Step, play_steps
 
 from .scripts import GAP_S, SCRIPTS, WORDS, Message, Scope, Script, UpstreamFailure, _arguments
+from .servers import HEARTBEAT_S
 
 THOUGHTS = ["Let", " me", " think", " about", " the", " file", "."]
 BEFORE_FAILURE = 4
@@ -40,6 +43,12 @@ bytes: unmerged, twice ``max_pending_bytes`` (1 MiB); merged, well under it.
 The ``*.done`` events and ``response.completed`` repeat the text, as the API's
 do (~0.45 MB that no merging can save)."""
 SLOW_TOOL = "write_file"
+PREFILL_S = 4 * HEARTBEAT_S
+"""The ``heartbeats`` scripts' silent prefill (after the first event(s)): four
+heartbeat intervals of the ``heartbeat`` profile, so tokenwire writes several."""
+PING_EVERY_S = 2 * HEARTBEAT_S
+"""``heartbeats_pings``: the engine's own ``ping`` every two heartbeat intervals
+of the prefill, so tokenwire's heartbeats and the engine's pings interleave."""
 
 
 def sse(event_type: str, obj: dict[str, Any], gap_s: float = GAP_S) -> Send:
@@ -136,6 +145,20 @@ def _anthropic_text() -> list[Step]:
     return [a.start(), blocks[0], a.ping(), *blocks[1:], *a.end("end_turn", len(WORDS))]
 
 
+def _anthropic_heartbeats(*, pings: bool) -> list[Step]:
+    """``text`` with a silent prefill after ``message_start`` (``PREFILL_S``); with
+    ``pings`` the engine keeps the connection alive itself meanwhile: a ``ping``
+    right away and every ``PING_EVERY_S`` (three in the prefill, one more after
+    ``content_block_start``, as in ``text``)."""
+    a = _Anthropic("msg_01CompatPings" if pings else "msg_01CompatHeartbeats")
+    blocks = a.text_block(0, WORDS)
+    prefill: list[Step] = [Silence(PREFILL_S)]
+    if pings:
+        gaps = round(PREFILL_S / PING_EVERY_S)
+        prefill = [a.ping(), *(s for _ in range(gaps) for s in (Silence(PING_EVERY_S), a.ping()))]
+    return [a.start(), *prefill, blocks[0], a.ping(), *blocks[1:], *a.end("end_turn", len(WORDS))]
+
+
 def _anthropic_tools() -> list[Step]:
     """Extended thinking, a sentence, then a tool call (``tool_use``)."""
     a = _Anthropic("msg_01CompatTools")
@@ -175,6 +198,8 @@ def _anthropic() -> dict[str, list[Step]]:
         # Everything but the terminal event: the stop reason came, message_stop did not.
         "eof_no_terminal": text[:-1],
         "slow_reader": _anthropic_slow(),
+        "heartbeats": _anthropic_heartbeats(pings=False),
+        "heartbeats_pings": _anthropic_heartbeats(pings=True),
     }
 
 
@@ -294,6 +319,14 @@ def _responses_text() -> list[Step]:
     return [*r.head(), *r.message("msg_compat_text", WORDS), r.completed(len(WORDS))]
 
 
+def _responses_heartbeats() -> list[Step]:
+    """``text`` with a silent prefill (``PREFILL_S``) after ``response.created`` and
+    ``response.in_progress``."""
+    r = _Responses("resp_compat_heartbeats")
+    return [*r.head(), Silence(PREFILL_S), *r.message("msg_compat_heartbeats", WORDS),
+            r.completed(len(WORDS))]
+
+
 def _responses_tools() -> list[Step]:
     """Reasoning, a sentence, then a function call with its arguments in fragments."""
     r = _Responses("resp_compat_tools")
@@ -335,6 +368,7 @@ def _responses() -> dict[str, list[Step]]:
         # Everything but the terminal event: every item is done, response.completed never comes.
         "eof_no_terminal": text[:-1],
         "slow_reader": _responses_slow(),
+        "heartbeats": _responses_heartbeats(),
     }
 
 
@@ -350,6 +384,10 @@ DIALECT_SCRIPTS: dict[str, Script] = {f"{d}_{f}": Script(tuple(s)) for d, fs in 
                                       for f, s in fs.items()}
 DIALECT_SCRIPTS.update({f"chat_{f}": SCRIPTS[f] for f in CHAT_FEATURES})
 SLOW_FEATURES = frozenset({"slow_reader"})
+HEARTBEAT_FEATURES = frozenset({"heartbeats", "heartbeats_pings"})
+"""A silent prefill: read through the ``heartbeat`` profile, the record must show heartbeats."""
+PROFILE = {feature: "heartbeat" for feature in HEARTBEAT_FEATURES}
+"""The tokenwire configuration (``servers.py``'s profile) a feature is read through; others ``plain``."""
 TOKENWIRE_ENDINGS = frozenset({"cut_mid_event", "eof_no_terminal", "upstream_death"})
 """Endings only tokenwire reports (as an in-band error): directly the client
 sees a broken or a silently ended stream, so they are asserted, not compared."""
@@ -357,6 +395,12 @@ sees a broken or a silently ended stream, so they are asserted, not compared."""
 
 def script_name(dialect: str, feature: str) -> str:
     return f"{dialect}_{feature}"
+
+
+def script_keepalives(name: str) -> int:
+    """How many keepalive events (Anthropic's ``ping``) a script sends."""
+    steps = DIALECT_SCRIPTS[name].steps
+    return sum(s.data.startswith(b"event: ping\n") for s in steps if isinstance(s, Send))
 
 
 def script_bytes(name: str) -> int:

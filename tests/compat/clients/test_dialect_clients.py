@@ -7,14 +7,18 @@ says.
 Each row also checks the upstream requests its case caused (as many as
 directly), that the client asked for its dialect's route, and, for a slow
 reader, from the accounting record, that the stream completed and its events
-were merged. Cases run in batches the first time a row needs one: the Python
-clients' in threads (the slow readers one by one after), the Node clients' in
-one ``node`` process beside them.
+were merged; for a silent prefill (``heartbeats``, read through the
+``heartbeat`` profile), that heartbeats were written and the engine's own
+keepalives (Anthropic's ``ping``) were counted and forwarded as they came.
+Cases run in batches the first time a row needs one: the Python clients' in
+threads (the slow readers one by one after), the Node clients' in one
+``node`` process beside them.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from collections.abc import Callable, Iterator
@@ -22,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from .dialect_clients import (
@@ -34,7 +39,17 @@ from .dialect_clients import (
     wait_settled,
 )
 from .dialect_outcome import assert_tokenwire_ending, compare
-from .dialect_scripts import FEATURES, ROUTES, SLOW_FEATURES, TOKENWIRE_ENDINGS, script_bytes, script_name
+from .dialect_scripts import (
+    FEATURES,
+    HEARTBEAT_FEATURES,
+    PROFILE,
+    ROUTES,
+    SLOW_FEATURES,
+    TOKENWIRE_ENDINGS,
+    script_bytes,
+    script_keepalives,
+    script_name,
+)
 from .py_clients import speaks_h2
 from .servers import DRIVERS, TARGETS, Servers, stall_max_s
 
@@ -64,6 +79,11 @@ missing ``message_stop``) never reaches the application (checked: an upstream
 ``overloaded_error`` there is not raised either). Its row is compared as
 directly (the whole answer, no error), and the record says tokenwire failed it."""
 PYTHON_THREADS = 12
+HEARTBEAT = b": keepalive\n"
+"""tokenwire's heartbeat: a comment line, no blank line after it."""
+WIRE_CASES = [(dialect, feature) for dialect in FEATURES for feature in FEATURES[dialect]
+              if feature in HEARTBEAT_FEATURES]
+"""The silent prefills, also read by plain HTTP (``test_heartbeats_on_the_wire``)."""
 ROWS = [(dialect, client, feature) for dialect in FEATURES
         for client in (*PY_CLIENTS[dialect], *NODE_CLIENTS[dialect]) for feature in FEATURES[dialect]]
 
@@ -75,7 +95,7 @@ def case_id(client: str, feature: str, target: str) -> str:
 def base_url(servers: Servers, dialect: str, client: str, feature: str, target: str) -> str:
     """The base URL one case's client is configured with (its path names the case and the script)."""
     case = case_id(client, feature, target)
-    root = f"{servers.url(target, 'plain')}/{case}/{script_name(dialect, feature)}"
+    root = f"{servers.url(target, PROFILE.get(feature, 'plain'))}/{case}/{script_name(dialect, feature)}"
     return root if client in AT_ROOT else f"{root}/v1"
 
 
@@ -166,6 +186,24 @@ def test_dialect_client_through_tokenwire_as_directly(dialect: str, client: str,
         record = servers.record_of(case_id(client, feature, driver))
         assert record.end_reason.value == "complete", record
         assert record.coalesced_events > 0, f"the slow reader got no merged event: {record}"
+    if feature in HEARTBEAT_FEATURES:
+        assert_heartbeats(servers, dialect, client, feature, driver, direct, through)
+
+
+def assert_heartbeats(servers: Servers, dialect: str, client: str, feature: str, driver: str,
+                      direct: DialectOutcome, through: DialectOutcome) -> None:
+    """The silent prefill: the stream completed, tokenwire wrote heartbeats, and
+    the engine's own keepalives (``ping``) were counted and reached the client as
+    they came (the SDKs drop ``ping`` before the application sees it: the bytes
+    are checked on the wire, by ``test_heartbeats_on_the_wire``)."""
+    record = servers.record_of(case_id(client, feature, driver))
+    assert record.end_reason.value == "complete", record
+    assert record.heartbeats > 0, f"no heartbeat during the silent prefill: {record}"
+    pings = script_keepalives(script_name(dialect, feature))
+    assert record.upstream_keepalives == pings, \
+        f"{record.upstream_keepalives} upstream keepalives recorded, the script sent {pings}: {record}"
+    for target, out in (("direct", direct), (driver, through)):
+        assert out.error is None, f"{target}: {out.error}"
 
 
 def test_slow_scripts_are_the_sizes_the_readme_gives() -> None:
@@ -188,3 +226,50 @@ def test_h2_row_reached_the_sidecar_over_http2(client: str, dialect_servers: Ser
         record = servers.record_of(case_id(name, "text", "sidecar"))
         spoken[name] = servers.http_versions[record.request_id]
     assert spoken == {client: "2", client.removesuffix("-h2"): "1.1"}
+
+
+def wire_client(dialect: str) -> str:
+    """The bare HTTP reader's name in its case ids (configured with ``.../v1``)."""
+    return f"raw-http-{dialect}"
+
+
+@pytest.fixture(scope="module")
+def wire_bodies(dialect_servers: Servers) -> dict[str, bytes]:
+    """Each silent prefill's body as it came on the wire, read with a bare HTTP
+    client (no SDK between), directly and through each driver, all at once."""
+    servers = dialect_servers
+
+    def read(dialect: str, feature: str, target: str) -> bytes:
+        url = f"{base_url(servers, dialect, wire_client(dialect), feature, target)}/{ROUTES[dialect]}"
+        with httpx.stream("POST", url, json={"stream": True}, timeout=30) as response:
+            assert response.status_code == 200, response
+            return b"".join(response.iter_raw())
+
+    cases = [(dialect, feature, target) for dialect, feature in WIRE_CASES for target in TARGETS]
+    with ThreadPoolExecutor(max_workers=len(cases)) as pool:
+        futures = {case_id(wire_client(dialect), feature, target): pool.submit(read, dialect, feature, target)
+                   for dialect, feature, target in cases}
+        return {key: future.result() for key, future in futures.items()}
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+@pytest.mark.parametrize(("dialect", "feature"), WIRE_CASES, ids=[f"{d}-{f}" for d, f in WIRE_CASES])
+def test_heartbeats_on_the_wire(dialect: str, feature: str, driver: str, dialect_servers: Servers,
+                                wire_bodies: dict[str, bytes]) -> None:
+    """What the SDKs hide (they skip comments, and Anthropic's drop ``ping``): through
+    tokenwire the body is the upstream's byte for byte, with heartbeat lines between
+    its events only (after an event's blank line, none after them), as many as the
+    record says, several during the prefill; the engine's pings are there as they came."""
+    direct = wire_bodies[case_id(wire_client(dialect), feature, "direct")]
+    through = wire_bodies[case_id(wire_client(dialect), feature, driver)]
+    assert HEARTBEAT not in direct
+    assert through.replace(HEARTBEAT, b"") == direct, "through tokenwire, beside heartbeats, the body differs"
+    beats = [m.start() for m in re.finditer(re.escape(HEARTBEAT), through)]
+    assert all(through[:at].endswith((b"\n\n", HEARTBEAT)) for at in beats), "a heartbeat inside an event"
+    assert not any(through[at + len(HEARTBEAT):].startswith(b"\n") for at in beats), \
+        "a blank line after a heartbeat (it would end an empty event)"
+    record = dialect_servers.record_of(case_id(wire_client(dialect), feature, driver))
+    assert record.end_reason.value == "complete", record
+    assert len(beats) == record.heartbeats >= 2, f"{len(beats)} heartbeats on the wire: {record}"
+    pings = script_keepalives(script_name(dialect, feature))
+    assert through.count(b'event: ping\ndata: {"type":"ping"}\n\n') == pings == record.upstream_keepalives

@@ -1,0 +1,91 @@
+"""Truthful endings in the record (virtual time): an upstream error status, a
+streaming request answered with something that is not an event stream, and a
+client that left while its answer was completed into the replay store."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tokenwire.middleware import (
+    AbortUpstream,
+    ClientGone,
+    EndReason,
+    ErrorCode,
+    ReaderAttached,
+    UpstreamData,
+    UpstreamEnded,
+    UpstreamHeaders,
+    WireConfig,
+)
+from tokenwire.middleware.dialects import DialectTable
+
+from .wire_harness import Driver, chunk, proxy_config
+
+HTML = ((b"content-type", b"text/html"),)
+JSON = ((b"content-type", b"application/json"),)
+
+
+def driver(path: str = "/v1/chat/completions", config: WireConfig | None = None, **kwargs: object) -> Driver:
+    config = config or proxy_config(retry_attempts=0)
+    return Driver(config, dialect=DialectTable(config.dialect_routes, config.terminal_marker).for_path(path),
+                  **kwargs)
+
+
+@pytest.mark.parametrize("status", [400, 429, 500, 503])
+def test_an_upstream_error_status_is_passed_through_and_recorded_as_one(status: int) -> None:
+    d = driver()
+    d.send(UpstreamHeaders(status, JSON))
+    d.send(UpstreamData(b'{"error": {"message": "no"}}'))
+    d.send(UpstreamEnded())
+    assert d.commit.status == status and d.written == b'{"error": {"message": "no"}}'
+    record = d.finished.record
+    assert (record.end_reason, record.error_code) == (EndReason.UPSTREAM_STATUS, ErrorCode.UPSTREAM_FAILED)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses", "/v1/messages"])
+def test_a_streaming_request_answered_with_html_on_a_known_route_is_a_clear_502(path: str) -> None:
+    d = driver(path)
+    d.send(UpstreamHeaders(200, HTML))
+    assert d.commit.status == 502
+    body = json.loads(d.written)
+    assert "text/html" in body["error"]["message"] and "text/event-stream" in body["error"]["message"]
+    assert [a.reason for a in d.of(AbortUpstream)] == [EndReason.NOT_EVENT_STREAM]
+    assert d.finished.record.end_reason is EndReason.NOT_EVENT_STREAM
+
+
+def test_on_a_generic_route_or_when_configured_it_is_passed_through_and_recorded() -> None:
+    for d in (driver("/my/stream"), driver(config=proxy_config(non_event_stream_answer="pass"))):
+        d.send(UpstreamHeaders(200, HTML))
+        d.send(UpstreamData(b"<html>wrong port</html>"))
+        d.send(UpstreamEnded())
+        assert d.commit.status == 200 and d.written == b"<html>wrong port</html>"
+        assert d.finished.record.end_reason is EndReason.NOT_EVENT_STREAM
+
+
+def test_a_request_that_asked_for_no_stream_gets_its_json_and_is_complete() -> None:
+    d = driver(expect_stream=False)
+    d.send(UpstreamHeaders(200, JSON))
+    d.send(UpstreamData(b"{}"))
+    d.send(UpstreamEnded())
+    assert d.finished.record.end_reason is EndReason.COMPLETE
+
+
+@pytest.mark.parametrize("reader", [False, True])
+def test_a_client_that_left_during_the_grace_is_departed_unless_a_reader_came(reader: bool) -> None:
+    d = driver(config=proxy_config(resume=True, resume_grace_s=5.0), stream_id="s1")
+    d.sse_headers()
+    d.send(UpstreamData(f"data: {chunk('a')}\n\n".encode()), at=1.0)
+    d.send(ClientGone(), at=1.5)
+    if reader:
+        d.send(ReaderAttached(), at=1.6)
+    d.send(UpstreamData(f"data: {chunk('b')}\n\ndata: [DONE]\n\n".encode()), at=2.0)
+    record = d.finished.record
+    assert record.end_reason is (EndReason.DETACHED if reader else EndReason.DEPARTED)
+    assert record.events_out == 1  # what the client itself received
+    assert d.of(AbortUpstream) == []  # the answer completed: nothing to abort
+
+
+def test_config_refuses_an_unknown_answer_policy() -> None:
+    with pytest.raises(ValueError, match="non_event_stream_answer"):
+        WireConfig(non_event_stream_answer="maybe")  # type: ignore[arg-type]
