@@ -50,9 +50,13 @@ CHOICE_KEYS = frozenset({"index", "delta", "text", "finish_reason", "logprobs", 
 TEXT_FIELDS = ("content", "reasoning_content", "reasoning")
 """The delta fields that carry answer text."""
 TOOL_CALL_KEYS = frozenset({"index", "id", "type", "function"})
-# Keys whose values never block a merge: the choices (compared on their own)
-# and ``created``, a timestamp that Ollama stamps on every chunk afresh.
-ALWAYS_VOLATILE = frozenset({"choices", "created"})
+# Keys whose values never block a merge: the choices (compared on their own),
+# ``created``, a timestamp that Ollama stamps on every chunk afresh, and
+# ``usage``, cumulative where an engine puts it in every chunk (vLLM's
+# continuous_usage_stats, the way to bill aborted streams): a merged chunk keeps
+# the newest, which is the usage as of its last text. Chunks merge only if both
+# carry usage or neither does (the key says which).
+ALWAYS_VOLATILE = frozenset({"choices", "created", "usage"})
 
 Slot = tuple[tuple[object, ...], str, str, str]
 """A mergeable chunk as a template: (merge key, prefix, suffix, escaped text);
@@ -78,11 +82,12 @@ def text_slot(data: str, volatile: frozenset[str]) -> tuple[
         return None
     if not isinstance(chunk, dict) or not chunk.keys() <= CHUNK_KEYS | volatile:
         return None
-    if chunk.get("usage") is not None:
+    usage = chunk.get("usage")
+    if usage is not None and not isinstance(usage, dict):
         return None
     # Every top-level value but the choices and the volatile fields must match.
-    same = tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in chunk.items()
-                        if k not in ALWAYS_VOLATILE and k not in volatile))
+    same = (*sorted((k, json.dumps(v, sort_keys=True)) for k, v in chunk.items()
+                    if k not in ALWAYS_VOLATILE and k not in volatile), ("usage", usage is not None))
     found = _choice_slot(chunk)
     if found is None:
         return None

@@ -15,12 +15,15 @@ merged into one chunk whose text is the exact concatenation. So are the
 argument fragments of one tool call (``delta.tool_calls[0].function.arguments``
 with no ``id`` or ``name``: the fragments after the call's first chunk), keyed
 by the call's index, so a client accumulates exactly the same call. Anything
-else — a role-only chunk, a tool call's first chunk, a finish reason, usage,
-logprobs, unknown keys with values, non-JSON, named events, comments — is a
-barrier: kept as its own event, never merged across.
+else — a role-only chunk, a tool call's first chunk, a finish reason, a
+usage-only chunk, logprobs, unknown keys with values, non-JSON, comments — is
+a barrier: kept as its own event, never merged across. Named events merge only
+in a dialect that names which (``dialects/``: Responses and Anthropic deltas).
 
-Top-level chunk fields other than ``choices`` and ``created`` (a timestamp
-that Ollama renews on every chunk) must be equal for chunks to merge, except
+Top-level chunk fields other than ``choices``, ``created`` (a timestamp
+that Ollama renews on every chunk) and ``usage`` (cumulative where an engine
+sends it in every chunk: the merged chunk keeps the newest, the usage as of its
+last text; chunks merge only if both or neither carry it) must be equal for chunks to merge, except
 the ``volatile`` ones (``WireConfig.volatile_chunk_fields``:
 OpenAI's random ``obfuscation`` padding, a gateway's per-chunk timestamp or
 sequence number). Those carry no content, so a merged chunk may keep just the

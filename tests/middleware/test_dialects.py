@@ -425,3 +425,28 @@ def test_table_routes() -> None:
 def test_config_whenRouteIsBad_thenConfigErrorNamesTheKey(routes: tuple[str, ...]) -> None:
     with pytest.raises(ConfigError, match="dialect_routes"):
         WireConfig(dialect_routes=routes)
+
+
+def test_chat_whenEveryChunkCarriesCumulativeUsage_thenASlowReaderStillGetsMergedChunks() -> None:
+    """vLLM's continuous_usage_stats: usage in every chunk used to make each a barrier."""
+    d = driver("/v1/chat/completions")
+    d.send(UpstreamData(f"data: {chunk(role='assistant', text='')}\n\n".encode()))
+    d.send(SocketPaused())
+    frames = [f"data: {chunk(f'w{i} ', usage={'prompt_tokens': 3, 'completion_tokens': i + 1})}\n\n"
+              for i in range(5000)]
+    for frame in frames:
+        d.send(UpstreamData(frame.encode()))
+    final = {"prompt_tokens": 3, "completion_tokens": 5000, "total_tokens": 5003}
+    d.send(UpstreamData(f"data: {chunk(finish='stop', usage=final)}\n\ndata: [DONE]\n\n".encode()))
+    d.send(SocketResumed())
+    d.send(UpstreamEnded())
+    events = parse_all(d.written)
+    bodies = [json.loads(e.data or "") for e in events if e.data != "[DONE]"]
+    text = "".join(b["choices"][0]["delta"].get("content") or "" for b in bodies)
+    assert text == "".join(f"w{i} " for i in range(5000))
+    # The merged chunk carries the usage as of its last text; the final usage is forwarded exactly.
+    assert bodies[1]["usage"]["completion_tokens"] == 5000 and bodies[-1]["usage"] == final
+    record = d.finished.record
+    assert record.coalesced_events == 4999 and record.end_reason is EndReason.COMPLETE
+    assert record.pending_high_water_bytes < proxy_config().max_pending_bytes
+    assert record.tokens_out == (5000, "usage")

@@ -158,7 +158,9 @@ def test_grpc_whenCompletions_thenTextChunks(start_sidecar: Callable[..., Runnin
         assert call.code() is grpc.StatusCode.OK
     (request,) = upstream.requests_with("g-cmpl")
     assert request.path == "/v1/completions"
-    assert json.loads(request.body) == {"model": "m", "max_tokens": 3, "prompt": "p", "stream": True}
+    # Usage is asked of the engine for the record (request_usage), not forwarded.
+    assert json.loads(request.body) == {"model": "m", "max_tokens": 3, "prompt": "p", "stream": True,
+                                        "stream_options": {"include_usage": True}}
 
 
 # ---------------------------------------------------------------- cancel, deadline, upstream death
