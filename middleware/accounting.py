@@ -25,8 +25,8 @@ class Accounting:
     """Counters of one response. See the module docstring."""
 
     __slots__ = ("bytes_out", "events_in", "events_out", "heartbeats", "idle_keepalives", "meter",
-                 "pending_high_water_bytes", "refused_retries", "retries", "started_at", "ttfb_s",
-                 "upstream_comments", "upstream_keepalives", "usage")
+                 "pending_high_water_bytes", "refused_retries", "retries", "started_at", "tokens_in",
+                 "ttfb_s", "upstream_comments", "upstream_keepalives", "usage")
 
     def __init__(self, now: float, dialect: Dialect) -> None:
         """``dialect``: what carries a token in this stream (for the time to first token)."""
@@ -38,6 +38,8 @@ class Accounting:
         self.retries = 0
         self.refused_retries = 0
         self.upstream_comments = 0
+        self.tokens_in = 0
+        """Token pieces as the engine sent them, before merging (``Dialect.count_tokens``)."""
         self.upstream_keepalives = 0
         """Upstream comments and keepalive events (Anthropic's ``ping``)."""
         self.idle_keepalives = 0
@@ -85,4 +87,5 @@ class Accounting:
             stream_id=stream_id,
             dialect=dialect,
             upstream_keepalives=self.upstream_keepalives,
+            tokens_counted=self.tokens_in,
         )

@@ -426,3 +426,11 @@ def carries_token(data: bytes) -> bool:
     # Non-JSON data is content: a plain event stream's first event is its text.
     body = data[6:] if data.startswith(b"data: ") else data
     return not body.lstrip().startswith((b"{", b"[", b"\"")) and bool(body.strip())
+
+
+def count_tokens(data: bytes) -> int:
+    """How many token pieces ``data`` (an event's data, or whole ``data:`` frames)
+    holds: its non-empty texts and tool-call fragments, one a chunk as an engine
+    sends one token a chunk, found by the :func:`carries_token` regex. The record's
+    count where no usage came; the role chunk, a finish reason and usage count none."""
+    return len(_TOKEN_RE.findall(data))

@@ -314,17 +314,20 @@ class StreamRecord:
     upstream_keepalives: int = 0
     """Upstream comments and keepalive events (Anthropic's ``ping``): never counted as
     the upstream's activity by ``upstream_idle_timeout_s``."""
+    tokens_counted: int = 0
+    """Token pieces the engine sent, counted before any merge (its texts and tool-call
+    fragments, one a chunk; never a role chunk, a finish reason or usage)."""
 
     @property
     def tokens_out(self) -> tuple[int, str]:
         """(tokens, source): the upstream's ``usage.completion_tokens`` where it
-        sent one (source ``usage``), else ``content_events`` (source ``counted``)."""
+        sent one (source ``usage``), else ``tokens_counted`` (source ``counted``)."""
         usage = self.usage
         if usage is not None:
             completion = usage.get("completion_tokens", usage.get("output_tokens"))
             if isinstance(completion, int) and not isinstance(completion, bool):
                 return completion, "usage"
-        return self.content_events, "counted"
+        return self.tokens_counted, "counted"
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable dict (one log line)."""
@@ -348,6 +351,7 @@ class StreamRecord:
             "stream_id": self.stream_id,
             "dialect": self.dialect,
             "upstream_keepalives": self.upstream_keepalives,
+            "tokens_counted": self.tokens_counted,
             "events_in": self.events_in,
             "events_out": self.events_out,
             "bytes_out": self.bytes_out,

@@ -236,6 +236,7 @@ class WireStream(StreamDecisions):
             return None
         acct = self._acct
         acct.events_in += count
+        acct.tokens_in += self._dialect.count_tokens(data)
         attempt.seen_at = now
         acct.idle_keepalives = 0
         size = len(data)
@@ -347,6 +348,7 @@ class WireStream(StreamDecisions):
             if count:
                 attempt.seen_at = now
                 self._acct.idle_keepalives = 0
+                self._acct.tokens_in += self._dialect.count_tokens(event.data)
                 # The client keeps up and these are ordinary text chunks: they
                 # go out as they came, with nothing to merge them with, so
                 # parsing and re-encoding them would only cost time.
@@ -447,8 +449,10 @@ class WireStream(StreamDecisions):
         if self._hide_usage_chunk and dialect.is_usage_only(event):
             return  # asked for by tokenwire, read into the record above: not the client's
         data = event.data
-        if data is not None and acct.meter.awaiting_token:
-            acct.meter.queued(data)
+        if data is not None:
+            acct.tokens_in += dialect.count_tokens(data.encode())
+            if acct.meter.awaiting_token:
+                acct.meter.queued(data)
         self._queue_event(event, upstream=True)
         if self._state is C:
             self._transition(Trigger.SEND)

@@ -53,6 +53,17 @@ REPLAY_UPSTREAM = "replay"
 LabelKey = tuple[str, str, str]
 
 
+# How the ``--workers`` supervisor reports the gauges below for its N workers
+# (sidecar/workers.py; the pods' gauges: upstream_metrics.py). Counters and
+# histograms add up; of the gauges, a process's own figures add up, its start
+# time and descriptor limit are the earliest and lowest, ``*_info`` stays 1.
+PROCESS_GAUGES = frozenset({"tokenwire_active_streams", "tokenwire_active_connections",
+                            "process_virtual_memory_bytes", "process_resident_memory_bytes",
+                            "process_open_fds"})
+EARLIEST_GAUGES = frozenset({"tokenwire_start_time_seconds", "process_start_time_seconds",
+                             "process_max_fds"})
+
+
 def status_class(status: int) -> str:
     """``2xx``... for a status; ``none`` before one was sent."""
     return f"{status // 100}xx" if status >= 100 else "none"
@@ -260,6 +271,9 @@ class SidecarMetrics:
         self.client_requests = Counter("tokenwire_client_requests",
                                        "Requests read from clients, by protocol (http/1.1, h2).",
                                        ["protocol"], registry=r)
+        # Counted by the --workers supervisor (SupervisorMetrics); 0 here, so the
+        # series is there in every mode and the supervisor's sum is its own count.
+        self.streams_lost = streams_lost_counter(r)
         self.replays = Counter("tokenwire_replays",
                                "Streams served from the replay store instead of an upstream, by kind "
                                "(reconnect: Last-Event-ID or GET /v1/streams; idempotent: a repeated "
@@ -302,6 +316,29 @@ class SidecarMetrics:
             self.retries.inc(record.retries)
         if record.refused_retries:
             self.refused_retries.inc(record.refused_retries)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def streams_lost_counter(registry: CollectorRegistry) -> Counter:
+    """``tokenwire_streams_lost_total{reason}``, its ``worker_lost`` series at 0 from the start."""
+    counter = Counter("tokenwire_streams_lost", "Streams lost with the process that served them, by "
+                      "reason (worker_lost: open on a --workers worker that died; the supervisor logs a "
+                      "worker_lost record for each).", ["reason"], registry=registry)
+    counter.labels("worker_lost")
+    return counter
+
+
+class SupervisorMetrics:
+    """What the ``--workers`` supervisor counts itself, beside its workers' figures."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.worker_lost = streams_lost_counter(self.registry).labels("worker_lost")
+        self.worker_restarts = Counter("tokenwire_worker_restarts",
+                                       "Worker processes that died (the supervisor starts each one again).",
+                                       registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

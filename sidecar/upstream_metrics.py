@@ -30,6 +30,18 @@ if TYPE_CHECKING:
     from .upstream import UpstreamPools
 
 
+# How the ``--workers`` supervisor reports these gauges once for the N workers
+# (sidecar/workers.py): every worker reads the same pod (its health checks, its
+# load polls), so a pod's figures are the pod's, reported once: the highest of
+# the workers' readings (up: 1 if any worker may send new streams there, which
+# is what ``up`` says; load: the most recent readings differ by a poll at most,
+# and the highest never hides a backlog). A worker's own streams and queue are
+# its own: they add up.
+POD_GAUGES = frozenset({"tokenwire_upstream_up", "tokenwire_upstream_load_waiting",
+                        "tokenwire_upstream_load_running", "tokenwire_upstream_load_cache_use"})
+PROCESS_GAUGES = frozenset({"tokenwire_upstream_open_streams", "tokenwire_upstream_queue_depth"})
+
+
 class UpstreamCollector(Collector):
     """The families above, for one sidecar's pools."""
 

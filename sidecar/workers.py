@@ -12,20 +12,48 @@ traffic; it
   and every worker binds the same port;
 * starts the workers, each with a private admin listener on 127.0.0.1, and
   waits for their ready lines before printing its own;
-* serves the one public admin port (``admin_listen``): ``/metrics`` is the sum
-  of every worker's samples, ``GET /streams`` the union (each entry says its
-  ``worker``), ``DELETE /streams/{id}`` asks each worker until one had it,
-  anything else is answered by a live worker;
+* serves the one public admin port (``admin_listen``): ``/metrics`` adds up
+  the workers' figures (see "Metrics" below), ``GET /streams`` is the union
+  (each entry says its ``worker``), ``DELETE /streams/{id}`` asks each worker
+  until one had it, anything else is answered by a live worker;
 * forwards SIGTERM/SIGINT (every worker drains, then the supervisor exits) and
   SIGHUP (every worker reloads its TLS certificates);
 * restarts a worker that dies. The streams it held end with it; the
   supervisor writes a ``worker_lost`` record for each stream the worker listed
   at its last poll (every ``_POLL_S``: a stream opened after that poll and lost
-  with the worker goes unrecorded).
+  with the worker goes unrecorded), and counts as many in
+  ``tokenwire_streams_lost_total{reason="worker_lost"}``: the log and the
+  counter come from the same list, so they agree.
 
-Each worker's ``/metrics`` counts only its own streams; a restarted worker's
-counters start again from zero, so the sums can go down across a restart
-(Prometheus ``rate()`` treats that as a counter reset only per series).
+Metrics
+-------
+Each worker's ``/metrics`` counts only its own streams. The supervisor reads
+every worker's at each scrape of its own (and every ``_METRICS_POLL_S``
+between scrapes) and keeps the last answer of each; a worker that does not
+answer in time counts with its last one. Its ``/metrics`` is then, family by
+family (the ``# TYPE`` lines say which):
+
+* counters and histograms: the sum of the workers' samples, plus the last
+  totals of every worker that died (kept by the supervisor when it sees the
+  death), so a sum never goes down when a worker is killed and its restarted
+  successor counts from zero. What a dead worker counted after the
+  supervisor's last read of it (``_METRICS_POLL_S`` at most) is lost, never
+  counted twice. ``*_created`` samples are the earliest.
+* gauges: a process's own figures add up (open streams, connections, memory:
+  ``PROCESS_GAUGES`` in metrics.py and upstream_metrics.py); a pod's figures,
+  which every worker reads of the same pod (``tokenwire_upstream_up``, the
+  load readings: ``POD_GAUGES``), are reported once, the highest; start times
+  and limits are the earliest and the lowest, ``*_info`` stays 1. A dead
+  worker's gauges go with it.
+* the supervisor's own: ``tokenwire_streams_lost_total{reason="worker_lost"}``,
+  ``tokenwire_worker_restarts_total``.
+
+Why not prometheus-client's multiprocess mode (one mmap file per process,
+read by the supervisor): the stream figures are computed at scrape time from
+the open streams' records (metrics.py), which a collector cannot write to a
+file, and the per-pod figures are read from each worker's balancer the same
+way; the supervisor keeping each dead worker's last totals gives the same
+never-decreasing sums without a per-event write.
 """
 
 from __future__ import annotations
@@ -34,20 +62,25 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
+import operator
 import os
 import signal
 import socket
 import sys
 import time
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 import h11
+from prometheus_client import CONTENT_TYPE_LATEST
 from tokenwire.middleware import EndReason, StreamRecord
 from tokenwire.middleware.headers import header_value
 
+from . import metrics as sidecar_metrics
+from . import upstream_metrics
 from .admin import AdminAccess, serve_one
 from .logs import StreamLog
 from .settings import SidecarConfig, parse_host_port, read_admin_token
@@ -60,6 +93,9 @@ WORKER_ENV = "TOKENWIRE_WORKER_INDEX"
 
 # How often the supervisor reads each worker's open streams (for worker_lost records).
 _POLL_S = 0.25
+# How often it reads each worker's /metrics between scrapes (what a dead worker
+# counted after the last read is lost from the sums).
+_METRICS_POLL_S = 1.0
 # A worker that dies sooner than this after starting is restarted only after this long.
 _RESTART_BACKOFF_S = 1.0
 _READY_TIMEOUT_S = 60.0
@@ -76,6 +112,12 @@ class Worker:
     started_at: float
     streams: list[dict[str, Any]] = field(default_factory=list)
     restarts: int = 0
+    metrics: Exposition | None = None
+    """Its last ``/metrics`` answer, parsed (None: none yet, or folded in at its death)."""
+    retired: bool = False
+    """Dead, and its last totals folded into the supervisor's: it counts no more."""
+    scrape_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """One read of its ``/metrics`` at a time, so the answers are kept in the order given."""
 
 
 async def _fetch(address: tuple[str, int], method: str, path: str, token: str = "",
@@ -98,55 +140,129 @@ async def _fetch(address: tuple[str, int], method: str, path: str, token: str = 
     content_type = b"application/octet-stream"
     for line in lines[1:]:
         name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-type":
+        name = name.strip().lower()
+        if name == b"content-type":
             content_type = value.strip()
+        elif name == b"content-length" and int(value) != len(body):
+            # Cut short (the worker died while answering): a partial /metrics is no answer.
+            raise ValueError(f"{len(body)} of {int(value)} body bytes")
     return status, content_type, body
 
 
-_EARLIEST_SAMPLES = frozenset({b"process_start_time_seconds", b"tokenwire_start_time_seconds",
-                               b"process_max_fds"})
+@dataclass
+class Family:
+    """One metric family of a Prometheus text exposition."""
+
+    name: bytes
+    kind: bytes = b"untyped"
+    comments: list[bytes] = field(default_factory=list)
+    """Its ``# HELP`` and ``# TYPE`` lines."""
+    samples: dict[bytes, float] = field(default_factory=dict)
+    """``name{labels}`` -> value, in the order they came."""
+
+
+Exposition = dict[bytes, Family]
+"""A text exposition's families by name, in the order they came."""
+
+_SAMPLE_SUFFIXES = (b"_total", b"_bucket", b"_count", b"_sum", b"_created", b"_gcount", b"_gsum")
+_TOTAL_KINDS = frozenset({b"counter", b"histogram", b"gaugehistogram", b"summary", b"untyped"})
+_HIGHEST_GAUGES = frozenset(name.encode() for name in upstream_metrics.POD_GAUGES)
+_LOWEST_GAUGES = frozenset(name.encode() for name in sidecar_metrics.EARLIEST_GAUGES)
+
+
+def parse_exposition(text: bytes) -> Exposition:
+    """The families of a Prometheus text exposition (format 0.0.4, as
+    prometheus-client writes it: a family's samples follow its TYPE line)."""
+    families: Exposition = {}
+    current: Family | None = None
+    for line in text.splitlines():
+        if not line:
+            continue
+        if line.startswith(b"#"):
+            parts = line.split(None, 3)
+            if len(parts) >= 3 and parts[1] in (b"HELP", b"TYPE"):
+                current = families.get(parts[2])
+                if current is None:
+                    current = families[parts[2]] = Family(parts[2])
+                if parts[1] == b"TYPE" and len(parts) == 4:
+                    current.kind = parts[3].strip()
+                if line not in current.comments:
+                    current.comments.append(line)
+            continue
+        key, _, value = line.rpartition(b" ")
+        try:
+            number = float(value)
+        except ValueError:
+            continue
+        name = key.partition(b"{")[0]
+        if current is None or (name != current.name and not any(
+                name == current.name + suffix for suffix in _SAMPLE_SUFFIXES)):
+            current = families.get(name)
+            if current is None:
+                current = families[name] = Family(name)
+        current.samples[key] = number
+    return families
+
+
+def _is_total(family: Family) -> bool:
+    """Counts that only grow while a process lives (kept across a worker's death)."""
+    return family.kind in _TOTAL_KINDS or family.name.endswith(b"_created")
+
+
+def _combine(family: Family) -> Callable[[float, float], float]:
+    """How the workers' samples of ``family`` make one (see the module docstring):
+    the gauges named in neither set add up, like ``PROCESS_GAUGES``."""
+    name = family.name
+    if family.kind == b"gauge":
+        if name.endswith(b"_created") or name in _LOWEST_GAUGES:
+            return min
+        if name.endswith(b"_info") or name in _HIGHEST_GAUGES:
+            return max
+    return operator.add
+
+
+def merge_expositions(expositions: Sequence[Exposition]) -> Exposition:
+    """Several processes' families as one (see the module docstring)."""
+    merged: Exposition = {}
+    for exposition in expositions:
+        for name, family in exposition.items():
+            into = merged.get(name)
+            if into is None:
+                merged[name] = Family(name, family.kind, list(family.comments), dict(family.samples))
+                continue
+            combine = _combine(into)
+            for key, value in family.samples.items():
+                old = into.samples.get(key)
+                into.samples[key] = value if old is None else combine(old, value)
+    return merged
+
+
+def _number(value: float) -> bytes:
+    if math.isnan(value):
+        return b"NaN"
+    if math.isinf(value):
+        return b"+Inf" if value > 0 else b"-Inf"
+    return repr(value).encode()
+
+
+def render_exposition(families: Exposition) -> bytes:
+    out: list[bytes] = []
+    for family in families.values():
+        out += family.comments
+        out += [key + b" " + _number(value) for key, value in family.samples.items()]
+    return b"\n".join(out) + b"\n"
+
+
+def totals_of(exposition: Exposition) -> Exposition:
+    """The families of ``exposition`` that only grow (counters, histograms, their ``_created``)."""
+    return {name: family for name, family in exposition.items() if _is_total(family)}
 
 
 def sum_metrics(texts: Sequence[bytes]) -> bytes:
-    """Prometheus text exposition of several processes, summed sample by sample
-    (counters, gauges, histogram buckets, sums and counts all add up), except
-    ``*_info`` samples (1 everywhere) and start times and limits (the earliest,
-    the lowest)."""
-    order: list[bytes] = []
-    comments: dict[bytes, bytes] = {}
-    values: dict[bytes, float] = {}
-    for text in texts:
-        for line in text.splitlines():
-            if not line:
-                continue
-            if line.startswith(b"#"):
-                if line not in comments:
-                    comments[line] = line
-                    order.append(line)
-                continue
-            key, _, value = line.rpartition(b" ")
-            try:
-                number = float(value)
-            except ValueError:
-                continue
-            if key not in values:
-                values[key] = number
-                order.append(key)
-                continue
-            name = key.partition(b"{")[0]
-            if name.endswith(b"_info"):
-                values[key] = max(values[key], number)  # 1 in every worker: still 1
-            elif name in _EARLIEST_SAMPLES:
-                values[key] = min(values[key], number)
-            else:
-                values[key] += number
-    out: list[bytes] = []
-    for key in order:
-        if key in comments:
-            out.append(key)
-        else:
-            out.append(key + b" " + repr(values[key]).encode())
-    return b"\n".join(out) + b"\n"
+    """Several processes' ``/metrics`` as one: counters and histograms add up,
+    a process's own gauges add up, a pod's are the highest, ``*_info`` stays
+    1, start times and limits are the earliest and lowest."""
+    return render_exposition(merge_expositions([parse_exposition(text) for text in texts]))
 
 
 class Supervisor:
@@ -163,6 +279,9 @@ class Supervisor:
         self._admin: asyncio.Server | None = None
         self._log = StreamLog.open(config.log_file)
         self._tasks: set[asyncio.Task[None]] = set()
+        self.metrics = sidecar_metrics.SupervisorMetrics()
+        self._retired: Exposition = {}
+        """The last totals of every worker that died, added up."""
         # The public admin port asks what a single sidecar's would (issue: the
         # admin surface), and the workers' own admin ports get the token along.
         self._access = AdminAccess(read_admin_token(config), config.metrics_public)
@@ -206,6 +325,7 @@ class Supervisor:
                 self._admin = await asyncio.start_server(self._serve_admin, admin_host, admin_port,
                                                          reuse_address=True)
             self._spawn(self._poll_streams())
+            self._spawn(self._poll_metrics())
             scheme = "https" if self.config.tls else "http"
             ready = (f"ready listen={self._listen[0]}:{self._listen[1]} scheme={scheme} "
                      f"workers={len(self.workers)}")
@@ -287,6 +407,7 @@ class Supervisor:
             return
         logger.error("worker %d (pid %d) exited with status %d; %d open streams lost; restarting",
                      worker.index, worker.process.pid, status, len(worker.streams))
+        self._retire(worker)
         self._record_lost(worker)
         if time.monotonic() - worker.started_at < _RESTART_BACKOFF_S:
             await asyncio.sleep(_RESTART_BACKOFF_S)
@@ -298,8 +419,18 @@ class Supervisor:
                 logger.error("worker %d did not restart: %s", worker.index, error)
                 await asyncio.sleep(_RESTART_BACKOFF_S)
 
+    def _retire(self, worker: Worker) -> None:
+        """Keep a dead worker's last totals: its successor counts from zero."""
+        if worker.metrics is not None:
+            self._retired = merge_expositions([self._retired, totals_of(worker.metrics)])
+        worker.metrics = None
+        worker.retired = True
+        self.metrics.worker_restarts.inc()
+
     def _record_lost(self, worker: Worker) -> None:
-        """A ``worker_lost`` record for each stream the dead worker last listed."""
+        """A ``worker_lost`` record for each stream the dead worker last listed,
+        and as many in ``tokenwire_streams_lost_total``."""
+        self.metrics.worker_lost.inc(len(worker.streams))
         now = time.time()
         for entry in worker.streams:
             age_s = float(entry.get("age_s") or 0.0)
@@ -320,10 +451,34 @@ class Supervisor:
                 if worker.process.returncode is not None:
                     continue
                 with contextlib.suppress(OSError, TimeoutError, ValueError, IndexError):
-                    status, _, body = await _fetch(worker.admin, "GET", "/streams", timeout_s=1.0)
+                    status, _, body = await _fetch(worker.admin, "GET", "/streams", self._access.token,
+                                                   timeout_s=1.0)
                     if status == 200 and worker.process.returncode is None:
                         worker.streams = json.loads(body)
             await asyncio.sleep(_POLL_S)
+
+    async def _scrape(self, worker: Worker) -> None:
+        """Read one worker's ``/metrics`` and keep it (a failed read keeps the last)."""
+        async with worker.scrape_lock:
+            if worker.retired or worker.process.returncode is not None:
+                return
+            with contextlib.suppress(OSError, TimeoutError, ValueError, IndexError):
+                status, _, body = await _fetch(worker.admin, "GET", "/metrics", self._access.token)
+                if status == 200 and not worker.retired:
+                    worker.metrics = parse_exposition(body)
+
+    async def _poll_metrics(self) -> None:
+        while True:
+            await asyncio.sleep(_METRICS_POLL_S)
+            await asyncio.gather(*(self._scrape(worker) for worker in self._live()))
+
+    def render_metrics(self) -> bytes:
+        """The workers' last ``/metrics``, the dead workers' totals and the
+        supervisor's own counters, as one exposition."""
+        known = [worker.metrics for _, worker in sorted(self.workers.items())
+                 if worker.metrics is not None and not worker.retired]
+        own = parse_exposition(self.metrics.render())
+        return render_exposition(merge_expositions([*known, self._retired, own]))
 
     # ------------------------------------------------------------ the admin port
 
@@ -348,10 +503,8 @@ class Supervisor:
         quoted = target.split(b"?", 1)[0].decode("ascii", "replace")
         json_type = b"application/json"
         if method in (b"GET", b"HEAD") and path == "/metrics":
-            answers = await self._gather("GET", "/metrics")
-            texts = [a[2] for _, a in answers if a is not None and a[0] == 200]
-            content_type = next((a[1] for _, a in answers if a is not None), b"text/plain")
-            return 200, content_type, sum_metrics(texts)
+            await asyncio.gather(*(self._scrape(worker) for worker in self._live()))
+            return 200, CONTENT_TYPE_LATEST.encode(), self.render_metrics()
         if method in (b"GET", b"HEAD") and path == "/streams":
             streams: list[Any] = []
             for worker, answer in await self._gather("GET", "/streams"):

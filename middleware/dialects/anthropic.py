@@ -44,6 +44,8 @@ _TEXT_VALUE_RE: Final = re.compile(
     r'((?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*)"')
 # A non-empty text, JSON fragment or thought, or the start of a tool call.
 _TOKEN_RE: Final = re.compile(rb'"(?:text|partial_json|thinking)" ?: ?"[^"]|"type" ?: ?"tool_use"')
+# A delta's piece (the count where no usage came; a block's start carries none).
+_PIECE_RE: Final = re.compile(rb'"(?:text|partial_json|thinking)" ?: ?"[^"]')
 
 _OVERLOADED = frozenset({ErrorCode.UPSTREAM_UNAVAILABLE, ErrorCode.SHUTDOWN})
 
@@ -135,6 +137,9 @@ class AnthropicDialect(Dialect):
             return current
         # message_delta's counts are cumulative: they replace message_start's.
         return {**(current or {}), **found}
+
+    def count_tokens(self, data: bytes) -> int:
+        return len(_PIECE_RE.findall(data))
 
     def carries_token(self, data: bytes) -> bool:
         return _TOKEN_RE.search(data) is not None

@@ -29,6 +29,7 @@ import re
 from typing import Any, Final
 
 from ..chunks import carries_token as _chat_carries_token
+from ..chunks import count_tokens as _chat_count_tokens
 from ..errors import WireError
 from ..sse import SSEEvent
 
@@ -129,6 +130,11 @@ class Dialect:
     def usage(self, event: SSEEvent, current: dict[str, Any] | None) -> dict[str, Any] | None:
         """The usage block after this event (``current`` if it carries none)."""
         return current
+
+    def count_tokens(self, data: bytes) -> int:
+        """The token pieces in an event's data (or whole frames) as the engine sent
+        them, before any merge: the record's count where no usage came."""
+        return _chat_count_tokens(data)
 
     def carries_token(self, data: bytes) -> bool:
         """Whether an event's data (or whole ``data:`` frames) holds a token, for the

@@ -52,6 +52,8 @@ _TEXT_VALUE_RE: Final = re.compile(
     r'"(delta)"[ \t\r\n]*:[ \t\r\n]*"((?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*)"')
 # A non-empty delta, or a tool call's item.
 _TOKEN_RE: Final = re.compile(rb'"delta" ?: ?"[^"]|"type" ?: ?"function_call"')
+# A delta's piece (the count where no usage came: an item's events repeat it whole).
+_PIECE_RE: Final = re.compile(rb'"delta" ?: ?"[^"]')
 
 
 def _parsed(data: str | None) -> dict[str, Any] | None:
@@ -138,6 +140,9 @@ class ResponsesDialect(Dialect):
         response = obj.get("response") if obj is not None else None
         ident = response.get("id") if isinstance(response, dict) else None
         return ident if isinstance(ident, str) and 0 < len(ident) <= 128 and ident.isprintable() else None
+
+    def count_tokens(self, data: bytes) -> int:
+        return len(_PIECE_RE.findall(data))
 
     def carries_token(self, data: bytes) -> bool:
         return _TOKEN_RE.search(data) is not None

@@ -13,6 +13,8 @@ from tokenwire.middleware import (
     EndReason,
     ErrorCode,
     ReaderAttached,
+    SocketPaused,
+    SocketResumed,
     UpstreamData,
     UpstreamEnded,
     UpstreamHeaders,
@@ -89,3 +91,20 @@ def test_a_client_that_left_during_the_grace_is_departed_unless_a_reader_came(re
 def test_config_refuses_an_unknown_answer_policy() -> None:
     with pytest.raises(ValueError, match="non_event_stream_answer"):
         WireConfig(non_event_stream_answer="maybe")  # type: ignore[arg-type]
+
+
+def test_without_usage_the_count_is_the_engines_pieces_before_merging_not_the_events_written() -> None:
+    """20,000 tokens to a slow reader were once recorded as the 325 merged events."""
+    d = driver()
+    d.sse_headers()
+    d.send(UpstreamData(f"data: {chunk(role='assistant', text='')}\n\n".encode()))
+    d.send(SocketPaused())
+    for i in range(2000):
+        d.send(UpstreamData(f"data: {chunk(f'w{i}')}\n\n".encode()))
+    d.send(UpstreamData(b'event: progress\ndata: {"step": 1}\n\n'))  # no token
+    d.send(UpstreamData(f"data: {chunk(finish='stop')}\n\ndata: [DONE]\n\n".encode()))
+    d.send(SocketResumed())
+    d.send(UpstreamEnded())
+    record = d.finished.record
+    assert record.coalesced_events == 1999
+    assert record.tokens_out == (2000, "counted")

@@ -75,7 +75,7 @@ def test_core_whenRoleChunkThenSilentPrefill_thenTtftIsTheTokensNotTheRoles() ->
     assert record.max_event_gap_s == pytest.approx(0.02)
     assert record.event_gap_sum_s == pytest.approx(0.85 - 0.81)
     assert record.content_events == 3  # Hel, lo, the finish chunk; not [DONE]
-    assert record.tokens_out == (3, "counted")
+    assert record.tokens_out == (2, "counted")  # the tokens: Hel, lo (the finish chunk carries none)
 
 
 def test_core_whenFirstTokenTakesTheFastPath_thenStillMetered() -> None:
