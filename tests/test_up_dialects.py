@@ -50,6 +50,8 @@ PROMPT = "Tell me about the sea."
 _STOP_TEXTS = (".", "\n", ",")
 _LOG_WAIT_S = 10.0
 """How long a log line may lag the answer it is about (both children echo through ``up``)."""
+_STOP_WAIT_S = 15.0
+"""How long the engine's and the sidecar's own children may take to end after ``up`` has."""
 _BANNER_API = re.compile(r"^\s*API \(sidecar[^)]*\)\s+(http://\S+)/v1\s*$")
 
 
@@ -113,41 +115,59 @@ def _process_groups(pid: int) -> list[int]:
     return []
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _live_members(groups: list[int]) -> list[int]:
+    """The processes of ``groups`` that still run (a zombie waiting for init to reap
+    it, as multiprocessing's resource tracker is for a moment, has ended)."""
+    live = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            state, _, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+            if int(pgrp) in groups and state not in ("Z", "X"):
+                live.append(int(stat.parent.name))
+    return live
+
+
+def _wait_gone(groups: list[int], timeout_s: float = _STOP_WAIT_S) -> list[int]:
+    """Waits for ``groups`` to end; the processes still running after ``timeout_s``."""
+    deadline_s = time.monotonic() + timeout_s
+    while (live := _live_members(groups)) and time.monotonic() < deadline_s:
+        time.sleep(0.1)
+    return live
 
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     pytest.importorskip("torch")
     cache_dir = tmp_path_factory.mktemp("tokenwire-cache")
-    model_dir = _with_stop_tokens(tiny_model(cache_dir, timeout_s=300), tmp_path_factory.mktemp("model") / MODEL)
+    built = tiny_model(cache_dir, timeout_s=300)
+    model_dir = _with_stop_tokens(built, tmp_path_factory.mktemp("model") / MODEL)
     log_path = tmp_path_factory.mktemp("up") / "up.log"
     groups: list[int] = []
+    process = None
     try:
         # tokenwire_up reads up's output until its banner (up bounds its children's
-        # start itself: 300 s for the engine, 30 s for the sidecar, then it exits).
+        # start itself: 300 s for the engine, 30 s for the sidecar, then it exits), and
+        # at the end stops it with SIGTERM, as Ctrl-C would.
         with tokenwire_up(model_dir, cache_dir, log_path) as running:
+            process = running.process
             groups = _process_groups(running.pid)
-            assert running.process.stdout is not None
-            api_line = running.process.stdout.readline()  # the banner is printed whole, at once
+            assert process.stdout is not None
+            api_line = process.stdout.readline()  # the banner is printed whole, at once
             printed = _BANNER_API.match(api_line)
             assert printed is not None, f"no API line in up's banner: {api_line!r}"
             assert printed.group(1) == f"http://127.0.0.1:{running.port}"
             yield Up(printed.group(1), log_path)
-        assert running.process.returncode == 0, log_path.read_text()[-3000:]  # SIGTERM: "stopped"
+        assert process.returncode == 0, log_path.read_text()[-3000:]  # "stopped"
     finally:
-        left = [pgid for pgid in groups if _group_alive(pgid)]
-        for pgid in left:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGKILL)
-        assert not left, f"up left its children's process groups {left} running"
+        if process is not None and process.poll() is None:  # tokenwire_up's wait ran out
+            process.kill()
+            process.wait()
+        left = _wait_gone(groups)
+        if left:
+            for pgid in groups:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pgid, signal.SIGKILL)
+        assert not left, f"up left processes {left} of its children's groups {groups} running"
 
 
 def _request_id(name: str) -> str:
