@@ -54,7 +54,7 @@ from .events import (
     UpstreamFailed,
     UpstreamHeaders,
 )
-from .headers import is_event_stream
+from .headers import is_event_stream, wants_summary
 from .logs import wall_clock
 from .replay_store import StoreUnavailable
 from .resume import new_stream_id
@@ -363,7 +363,8 @@ class Exchange(ResponseWriter):
         self.mode = _Mode.DRIVEN
         stream = WireStream(self.config, now=self.loop.time(), request_id=self.request_id,
                             upstreams=("app",), expect_stream=True, stream_id=self.stream_id,
-                            dialect=self.middleware.dialects.for_path(str(self.scope.get("path", ""))))
+                            dialect=self.middleware.dialects.for_path(str(self.scope.get("path", ""))),
+                            summary=wants_summary(self.scope.get("headers", ())))
         self.stream = stream
         self.writer_task = self.loop.create_task(self.write_loop(stream))
         return stream

@@ -428,9 +428,12 @@ def carries_token(data: bytes) -> bool:
     return not body.lstrip().startswith((b"{", b"[", b"\"")) and bool(body.strip())
 
 
-def count_tokens(data: bytes) -> int:
-    """How many token pieces ``data`` (an event's data, or whole ``data:`` frames)
-    holds: its non-empty texts and tool-call fragments, one a chunk as an engine
-    sends one token a chunk, found by the :func:`carries_token` regex. The record's
-    count where no usage came; the role chunk, a finish reason and usage count none."""
-    return len(_TOKEN_RE.findall(data))
+_TOKEN_TEXT_RE = re.compile(_TOKEN_RE.pattern.decode())
+
+
+def count_tokens(data: str) -> int:
+    """How many token pieces an event's data holds: its non-empty texts and
+    tool-call fragments, one a chunk as an engine sends one token a chunk (the
+    :func:`carries_token` regex). The record's count where no usage came; the role
+    chunk, a finish reason and usage count none."""
+    return len(_TOKEN_TEXT_RE.findall(data))

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 from .accounting import Accounting
 from .attempt import UpstreamAttempt
+from .chunks import dumps
 from .client_socket import ClientSocket
 from .config import SlowClientPolicy, WireConfig
 from .dialects.base import Dialect
@@ -77,6 +78,7 @@ class StreamDecisions:
         may_repeat: bool = True,
         dialect: Dialect | None = None,
         hide_usage_chunk: bool = False,
+        summary: bool = False,
     ) -> None:
         """``expect_stream``: the request asked for a stream, so the commit
         deadline runs from now; otherwise it starts only if the upstream
@@ -91,7 +93,9 @@ class StreamDecisions:
         asked the engine for usage the client did not ask for
         (:meth:`~tokenwire.middleware.dialects.Dialect.ask_usage`): the usage-only
         chunk is read into the record and not forwarded, so the client sees what it
-        would have seen directly."""
+        would have seen directly. ``summary``: the client asked for the stream's
+        figures (``Tokenwire-Summary: true``): a complete stream gets one
+        ``event: tokenwire.summary`` just before its terminal event."""
         if config.resume and not stream_id:
             raise ValueError("config.resume needs a stream_id")
         self.config = config
@@ -133,6 +137,7 @@ class StreamDecisions:
         self._commit_at: float | None = now + config.commit_deadline_s if expect_stream else None
         self._expect_stream = expect_stream
         self._hide_usage_chunk = hide_usage_chunk
+        self._summary = summary
         self._passthrough_reason = EndReason.COMPLETE  # a passed-through answer's, at its end
         self._finished = False
         self._close_abrupt = False
@@ -441,6 +446,22 @@ class StreamDecisions:
         # Built when the driver reads it: after it acted on what precedes it
         # (a departed client's upstream is closed first).
         self._actions.append(Finished(build=self.record, at=now))
+
+    def _summary_event(self, now: float) -> SSEEvent:
+        """The stream's figures as of its terminal event, for a client that asked
+        (in the spirit of vLLM's per-request metrics): time to first token, tokens
+        and their source, tokens per second from the first token on, the duration.
+        Unnumbered: it is tokenwire's, not the stream's."""
+        acct = self._acct
+        record = self.record(now)
+        tokens, source = record.tokens_out
+        first = acct.meter.first_token_at
+        rate = tokens / (now - first) if first is not None and now > first else None
+        body = {"ttft_s": None if record.ttft_s is None else round(record.ttft_s, 6), "tokens": tokens,
+                "tokens_source": source, "tokens_per_s": None if rate is None else round(rate, 3),
+                "duration_s": round(now - acct.started_at, 6), "events_out": record.events_out,
+                "coalesced_events": record.coalesced_events, "retries": record.retries}
+        return SSEEvent(data=dumps(body), event="tokenwire.summary")
 
     def _queue_event(self, event: SSEEvent, *, droppable: bool = True, numbered: bool = True,
                      upstream: bool = False) -> None:

@@ -315,8 +315,10 @@ class StreamRecord:
     """Upstream comments and keepalive events (Anthropic's ``ping``): never counted as
     the upstream's activity by ``upstream_idle_timeout_s``."""
     tokens_counted: int = 0
-    """Token pieces the engine sent, counted before any merge (its texts and tool-call
-    fragments, one a chunk; never a role chunk, a finish reason or usage)."""
+    """Token pieces the engine sent, counted before any merge: a parsed event's texts
+    and tool-call fragments (never a role chunk, a finish reason, usage or another
+    named event), and one for each plain chunk that took the keeps-up path unparsed
+    (so a finish chunk that came that way counts one)."""
 
     @property
     def tokens_out(self) -> tuple[int, str]:

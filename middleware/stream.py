@@ -236,7 +236,9 @@ class WireStream(StreamDecisions):
             return None
         acct = self._acct
         acct.events_in += count
-        acct.tokens_in += self._dialect.count_tokens(data)
+        # Plain chunks count one piece each (a scan for the text here would cost a
+        # third of this path; a finish chunk that came this way counts one too).
+        acct.tokens_in += count
         attempt.seen_at = now
         acct.idle_keepalives = 0
         size = len(data)
@@ -348,7 +350,7 @@ class WireStream(StreamDecisions):
             if count:
                 attempt.seen_at = now
                 self._acct.idle_keepalives = 0
-                self._acct.tokens_in += self._dialect.count_tokens(event.data)
+                self._acct.tokens_in += count  # one piece each, as in forward_read
                 # The client keeps up and these are ordinary text chunks: they
                 # go out as they came, with nothing to merge them with, so
                 # parsing and re-encoding them would only cost time.
@@ -435,6 +437,9 @@ class WireStream(StreamDecisions):
             self._commit_sse(now)
         acct.usage = dialect.usage(event, acct.usage)
         if kind in (TERMINAL, FAILED):
+            if kind == TERMINAL and self._summary:
+                acct.meter.terminal_queued()  # no token: off the count its write adds
+                self._queue_event(self._summary_event(now), droppable=False, numbered=False)
             acct.meter.terminal_queued()
             self._queue_event(event, droppable=False, upstream=True)
             if kind == TERMINAL:
@@ -450,7 +455,7 @@ class WireStream(StreamDecisions):
             return  # asked for by tokenwire, read into the record above: not the client's
         data = event.data
         if data is not None:
-            acct.tokens_in += dialect.count_tokens(data.encode())
+            acct.tokens_in += dialect.count_tokens(data)
             if acct.meter.awaiting_token:
                 acct.meter.queued(data)
         self._queue_event(event, upstream=True)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tokenwire.middleware import ClientError, ErrorCode
-from tokenwire.middleware.headers import header_value
+from tokenwire.middleware.headers import header_value, wants_summary
 
 from . import cors
 from .context import SidecarContext
@@ -174,4 +174,5 @@ def new_exchange(context: SidecarContext, downstream: Downstream, *, method: byt
         context, downstream, request_id=request_id, upstream_request_id=upstream_id, method=method,
         target=target, upstream_headers=upstream_headers, body=body,
         expect_stream=wants_stream(headers, body), http_version=http_version,
-        client_address=peer.host or "", dialect=dialect, hide_usage_chunk=asked is not None)
+        client_address=peer.host or "", dialect=dialect, hide_usage_chunk=asked is not None,
+        summary=wants_summary(headers))

@@ -117,6 +117,7 @@ class Exchange:
         client_address: str = "",
         dialect: Dialect | None = None,
         hide_usage_chunk: bool = False,
+        summary: bool = False,
     ) -> None:
         self._context = context
         self._downstream = downstream
@@ -151,7 +152,7 @@ class Exchange:
             expect_stream=expect_stream, stream_id=self.stream_id,
             may_repeat=may_repeat(method, self._upstream_headers),
             dialect=dialect if dialect is not None else context.dialects.for_path(target.decode("latin-1")),
-            hide_usage_chunk=hide_usage_chunk)
+            hide_usage_chunk=hide_usage_chunk, summary=summary)
         self._milestones = (Milestones(self.stream, self._log_fields, span)
                            if span is not None or Milestones.wanted() else None)
         self._write_high_water_bytes = context.config.wire.write_high_water_bytes

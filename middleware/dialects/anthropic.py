@@ -45,7 +45,7 @@ _TEXT_VALUE_RE: Final = re.compile(
 # A non-empty text, JSON fragment or thought, or the start of a tool call.
 _TOKEN_RE: Final = re.compile(rb'"(?:text|partial_json|thinking)" ?: ?"[^"]|"type" ?: ?"tool_use"')
 # A delta's piece (the count where no usage came; a block's start carries none).
-_PIECE_RE: Final = re.compile(rb'"(?:text|partial_json|thinking)" ?: ?"[^"]')
+_PIECE_RE: Final = re.compile(r'"(?:text|partial_json|thinking)" ?: ?"[^"]')
 
 _OVERLOADED = frozenset({ErrorCode.UPSTREAM_UNAVAILABLE, ErrorCode.SHUTDOWN})
 
@@ -138,7 +138,7 @@ class AnthropicDialect(Dialect):
         # message_delta's counts are cumulative: they replace message_start's.
         return {**(current or {}), **found}
 
-    def count_tokens(self, data: bytes) -> int:
+    def count_tokens(self, data: str) -> int:
         return len(_PIECE_RE.findall(data))
 
     def carries_token(self, data: bytes) -> bool:

@@ -131,9 +131,9 @@ class Dialect:
         """The usage block after this event (``current`` if it carries none)."""
         return current
 
-    def count_tokens(self, data: bytes) -> int:
-        """The token pieces in an event's data (or whole frames) as the engine sent
-        them, before any merge: the record's count where no usage came."""
+    def count_tokens(self, data: str) -> int:
+        """The token pieces in a parsed event's data as the engine sent it, before
+        any merge: the record's count where no usage came."""
         return _chat_count_tokens(data)
 
     def carries_token(self, data: bytes) -> bool:

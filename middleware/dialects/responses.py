@@ -53,7 +53,7 @@ _TEXT_VALUE_RE: Final = re.compile(
 # A non-empty delta, or a tool call's item.
 _TOKEN_RE: Final = re.compile(rb'"delta" ?: ?"[^"]|"type" ?: ?"function_call"')
 # A delta's piece (the count where no usage came: an item's events repeat it whole).
-_PIECE_RE: Final = re.compile(rb'"delta" ?: ?"[^"]')
+_PIECE_RE: Final = re.compile(r'"delta" ?: ?"[^"]')
 
 
 def _parsed(data: str | None) -> dict[str, Any] | None:
@@ -141,7 +141,7 @@ class ResponsesDialect(Dialect):
         ident = response.get("id") if isinstance(response, dict) else None
         return ident if isinstance(ident, str) and 0 < len(ident) <= 128 and ident.isprintable() else None
 
-    def count_tokens(self, data: bytes) -> int:
+    def count_tokens(self, data: str) -> int:
         return len(_PIECE_RE.findall(data))
 
     def carries_token(self, data: bytes) -> bool:

@@ -22,7 +22,7 @@ from tokenwire.middleware import (
 )
 from tokenwire.middleware.dialects import DialectTable
 
-from .wire_harness import Driver, chunk, proxy_config
+from .wire_harness import Driver, chunk, parse_all, proxy_config
 
 HTML = ((b"content-type", b"text/html"),)
 JSON = ((b"content-type", b"application/json"),)
@@ -108,3 +108,34 @@ def test_without_usage_the_count_is_the_engines_pieces_before_merging_not_the_ev
     record = d.finished.record
     assert record.coalesced_events == 1999
     assert record.tokens_out == (2000, "counted")
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+def test_a_client_that_asked_gets_the_figures_just_before_the_terminal_event(path: str) -> None:
+    d = driver(path, summary=True)
+    d.sse_headers(at=0.0)
+    if path == "/v1/messages":
+        frames = [b'event: message_start\ndata: {"type":"message_start","message":{"usage":'
+                  b'{"input_tokens":2,"output_tokens":1}}}\n\n',
+                  b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+                  b'"delta":{"type":"text_delta","text":"Hi"}}\n\n',
+                  b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"end_turn"},'
+                  b'"usage":{"output_tokens":4}}\n\n',
+                  b'event: message_stop\ndata: {"type":"message_stop"}\n\n']
+    else:
+        frames = [f"data: {chunk(t)}\n\n".encode() for t in ("a", "b", "c", "d")] + [b"data: [DONE]\n\n"]
+    for at, frame in enumerate(frames, start=1):
+        d.send(UpstreamData(frame), at=at * 0.5)
+    d.send(UpstreamEnded())
+    events = parse_all(d.written)
+    summary = events[-2]
+    assert summary.event == "tokenwire.summary" and summary.id is None
+    body = json.loads(summary.data or "")
+    assert body["tokens"] == 4 and body["ttft_s"] is not None and body["tokens_per_s"] > 0
+    # The summary is tokenwire's, not a content event: the delta and message_delta, or the four chunks.
+    assert d.finished.record.content_events == (2 if path == "/v1/messages" else 4)
+    plain = driver(path)
+    plain.sse_headers()
+    for frame in frames:
+        plain.send(UpstreamData(frame))
+    assert all(e.event != "tokenwire.summary" for e in parse_all(plain.written))  # never unasked

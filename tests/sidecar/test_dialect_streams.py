@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 import pytest
 from clients import request_bytes
 from conftest import RunningSidecar
@@ -167,3 +168,23 @@ def test_an_engine_sending_only_keepalives_after_its_first_token_is_timed_out(
     record = sidecar.record("stuck-1")
     assert (record.end_reason, record.error_code) == ("upstream_timeout", "upstream_timeout")
     assert record.upstream_keepalives >= 4
+
+
+def test_a_client_that_asks_gets_its_figures_as_a_last_named_event(start_sidecar: StartSidecar) -> None:
+    """``Tokenwire-Summary: true``: the stream's figures just before [DONE], never unasked."""
+    sidecar = start_sidecar()
+    seen: dict[bool, list[SSEEvent]] = {}
+    for asked in (True, False):
+        headers = {"x-fake-tokens": "6", "X-Request-Id": f"summary-{asked}",
+                   **({"Tokenwire-Summary": "true"} if asked else {})}
+        with httpx.stream("POST", f"{sidecar.url}/normal/v1/chat/completions", headers=headers,
+                          content=b'{"stream": true}', timeout=30) as response:
+            parser = SSEParser()
+            seen[asked] = [e for piece in response.iter_bytes() for e in parser.feed(piece)
+                           if e.comment is None]
+    summary = seen[True][-2]
+    assert summary.event == "tokenwire.summary" and seen[True][-1].data == "[DONE]"
+    body = json.loads(summary.data or "")
+    record = sidecar.record("summary-True")
+    assert body["tokens"] == record.tokens_out[0] and body["ttft_s"] is not None
+    assert not any(e.event == "tokenwire.summary" for e in seen[False])
