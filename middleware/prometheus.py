@@ -6,8 +6,8 @@ Theory of operation
 :class:`MiddlewareMetrics` per ``prometheus_client`` registry, shared by every
 middleware of the process on it (a registry refuses a metric name twice). The
 figures are the sidecar's (``sidecar/metrics.py``; ``middleware/`` does not
-import it, so the few lines both need are kept alike here), with the same
-names, help and labels, so one dashboard reads both drivers:
+import it, so the pieces both need live here and the sidecar imports them),
+with the same names, help and labels, so one dashboard reads both drivers:
 
 * per-event figures (time to first token and byte, the inter-token gaps,
   bytes, events, heartbeats, coalesced and dropped events) are never observed
@@ -54,9 +54,10 @@ if TYPE_CHECKING:
 
 STREAM_LABELS = ("upstream", "status_class", "http_version")
 LabelKey = tuple[str, str, str]
-_DURATION_BUCKETS_S = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, float("inf"))
+DURATION_BUCKETS_S = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, float("inf"))
 
-_COUNTERS = (
+# The per-stream figures both drivers export (attribute of StreamFigures, name, help).
+STREAM_COUNTERS = (
     ("bytes_out", "tokenwire_bytes_out", "Body bytes written to clients."),
     ("events_in", "tokenwire_events_in", "Events read from upstreams."),
     ("events_out", "tokenwire_events_out", "Events written to clients (merged events count once)."),
@@ -66,7 +67,7 @@ _COUNTERS = (
     ("coalesced_events", "tokenwire_coalesced_events", "Events merged into another while a client was slow."),
     ("dropped_events", "tokenwire_dropped_events", "Events replaced under the drop policy."),
 )
-_HISTOGRAMS = (
+STREAM_HISTOGRAMS = (
     ("ttft", "tokenwire_time_to_first_token_seconds",
      "Request start to the first event carrying a token (text, reasoning, a tool call) "
      "handed to the client's socket; the role-only chunk does not count."),
@@ -90,8 +91,42 @@ def build_version() -> str:
         return "unknown"
 
 
+def build_info_gauge(registry: CollectorRegistry, program: str) -> Gauge:
+    """``tokenwire_build_info{version,python,program}``, set to 1."""
+    gauge = Gauge("tokenwire_build_info", "Always 1; the labels say what runs.",
+                  ["version", "python", "program"], registry=registry)
+    gauge.labels(build_version(), platform.python_version(), program).set(1)
+    return gauge
+
+
 @dataclass(slots=True)
-class _HistogramSum:
+class EndMetrics:
+    """The metrics counted from a stream's final record (both drivers)."""
+
+    stream_duration: Histogram
+    streams_ended: Counter
+    stream_errors: Counter
+    tokens_out: Counter
+
+    @classmethod
+    def on(cls, registry: CollectorRegistry) -> EndMetrics:
+        return cls(
+            Histogram("tokenwire_stream_duration_seconds", "Request start to the end of the response, "
+                      "by how it ended.", [*STREAM_LABELS, "reason"], buckets=DURATION_BUCKETS_S,
+                      registry=registry),
+            Counter("tokenwire_streams_ended", "Finished streams by end reason.",
+                    [*STREAM_LABELS, "reason"], registry=registry),
+            Counter("tokenwire_stream_errors", "Streams that ended with an error, "
+                    "by its stable code (number and name).", ["number", "code"], registry=registry),
+            Counter("tokenwire_tokens_out", "Tokens sent to clients, counted when each "
+                    "stream ends: from the upstream's usage (source=usage) where it sent "
+                    "one, else its content events (source=counted).",
+                    ["upstream", "source"], registry=registry),
+        )
+
+
+@dataclass(slots=True)
+class HistogramSum:
     """Bucket counts (not cumulative), sum and count of one labelled histogram."""
 
     bounds: tuple[float, ...]
@@ -111,6 +146,9 @@ class _HistogramSum:
             self.counts[i] += count
         self.total += total
 
+    def add(self, other: HistogramSum) -> None:
+        self.add_counts(other.counts, other.total)
+
     def exposition(self) -> tuple[list[tuple[str, float]], float]:
         cumulative = 0
         buckets: list[tuple[str, float]] = []
@@ -121,12 +159,12 @@ class _HistogramSum:
 
 
 @dataclass(slots=True)
-class _StreamFigures:
+class StreamFigures:
     """What the streams of one label set add up to."""
 
-    ttft: _HistogramSum = field(default_factory=lambda: _HistogramSum(LATENCY_BUCKETS_S))
-    ttfb: _HistogramSum = field(default_factory=lambda: _HistogramSum(LATENCY_BUCKETS_S))
-    inter_token: _HistogramSum = field(default_factory=lambda: _HistogramSum(GAP_BUCKETS_S))
+    ttft: HistogramSum = field(default_factory=lambda: HistogramSum(LATENCY_BUCKETS_S))
+    ttfb: HistogramSum = field(default_factory=lambda: HistogramSum(LATENCY_BUCKETS_S))
+    inter_token: HistogramSum = field(default_factory=lambda: HistogramSum(GAP_BUCKETS_S))
     bytes_out: int = 0
     events_in: int = 0
     events_out: int = 0
@@ -149,10 +187,10 @@ class _StreamFigures:
         self.coalesced_events += record.coalesced_events
         self.dropped_events += record.dropped_events
 
-    def add(self, other: _StreamFigures) -> None:
-        self.ttft.add_counts(other.ttft.counts, other.ttft.total)
-        self.ttfb.add_counts(other.ttfb.counts, other.ttfb.total)
-        self.inter_token.add_counts(other.inter_token.counts, other.inter_token.total)
+    def add(self, other: StreamFigures) -> None:
+        self.ttft.add(other.ttft)
+        self.ttfb.add(other.ttfb)
+        self.inter_token.add(other.inter_token)
         self.bytes_out += other.bytes_out
         self.events_in += other.events_in
         self.events_out += other.events_out
@@ -160,6 +198,47 @@ class _StreamFigures:
         self.heartbeats += other.heartbeats
         self.coalesced_events += other.coalesced_events
         self.dropped_events += other.dropped_events
+
+
+def fold_record(table: dict[LabelKey, StreamFigures], record: StreamRecord, http_version: str) -> None:
+    """Adds ``record`` to the figures of its label set in ``table``."""
+    key = (record.upstream, status_class(record.status), http_version)
+    figures = table.get(key)
+    if figures is None:
+        figures = table[key] = StreamFigures()
+    figures.add_record(record)
+
+
+def copy_figures(table: dict[LabelKey, StreamFigures]) -> dict[LabelKey, StreamFigures]:
+    """A copy of ``table`` that adding to leaves ``table`` as it is."""
+    totals: dict[LabelKey, StreamFigures] = {}
+    for key, figures in table.items():
+        totals[key] = copy = StreamFigures()
+        copy.add(figures)
+    return totals
+
+
+def add_live(totals: dict[LabelKey, StreamFigures], live: Iterable[tuple[StreamRecord, str]]) -> None:
+    """Adds the records of the open streams (each with its HTTP version) to
+    ``totals``, those not committed yet (no status: no ``status_class``) left out."""
+    for record, http_version in live:
+        if record.status >= 100:
+            fold_record(totals, record, http_version)
+
+
+def stream_families(totals: dict[LabelKey, StreamFigures]) -> Iterator[Metric]:
+    """The exposition of the per-stream figures: the histograms, then the counters."""
+    for attribute, name, documentation in STREAM_HISTOGRAMS:
+        family = HistogramMetricFamily(name, documentation, labels=STREAM_LABELS)
+        for key, figures in sorted(totals.items()):
+            buckets, total = getattr(figures, attribute).exposition()
+            family.add_metric(list(key), buckets, total)
+        yield family
+    for attribute, name, documentation in STREAM_COUNTERS:
+        counter = CounterMetricFamily(name, documentation, labels=STREAM_LABELS)
+        for key, figures in sorted(totals.items()):
+            counter.add_metric(list(key), float(getattr(figures, attribute)))
+        yield counter
 
 
 @dataclass(slots=True)
@@ -188,24 +267,14 @@ class MiddlewareMetrics(Collector):
         self._lock = threading.Lock()
         self._open: dict[Exchange, _Open] = {}
         self._by_request: dict[str, list[Exchange]] = {}
-        self._finished: dict[LabelKey, _StreamFigures] = {}
-        r = registry
-        self.build_info = Gauge("tokenwire_build_info", "Always 1; the labels say what runs.",
-                                ["version", "python", "program"], registry=r)
-        self.build_info.labels(build_version(), platform.python_version(), "middleware").set(1)
-        self.stream_duration = Histogram(
-            "tokenwire_stream_duration_seconds", "Request start to the end of the response, "
-            "by how it ended.", [*STREAM_LABELS, "reason"], buckets=_DURATION_BUCKETS_S, registry=r)
-        self.streams_ended = Counter("tokenwire_streams_ended", "Finished streams by end reason.",
-                                     [*STREAM_LABELS, "reason"], registry=r)
-        self.stream_errors = Counter("tokenwire_stream_errors", "Streams that ended with an error, "
-                                     "by its stable code (number and name).", ["number", "code"],
-                                     registry=r)
-        self.tokens_out = Counter("tokenwire_tokens_out", "Tokens sent to clients, counted when each "
-                                  "stream ends: from the upstream's usage (source=usage) where it sent "
-                                  "one, else its content events (source=counted).",
-                                  ["upstream", "source"], registry=r)
-        r.register(self)
+        self._finished: dict[LabelKey, StreamFigures] = {}
+        self.build_info = build_info_gauge(registry, "middleware")
+        ended = EndMetrics.on(registry)
+        self.stream_duration = ended.stream_duration
+        self.streams_ended = ended.streams_ended
+        self.stream_errors = ended.stream_errors
+        self.tokens_out = ended.tokens_out
+        registry.register(self)
 
     @classmethod
     def on(cls, registry: CollectorRegistry | None = None) -> MiddlewareMetrics:
@@ -279,57 +348,34 @@ class MiddlewareMetrics(Collector):
             stream = exchange.stream
             if stream is None:
                 return  # passed through: not a stream
-            record = stream.record(exchange.loop.time())
-            key = (record.upstream, status_class(record.status), state.http_version)
-            figures = self._finished.get(key)
-            if figures is None:
-                figures = self._finished[key] = _StreamFigures()
-            figures.add_record(record)
+            fold_record(self._finished, stream.record(exchange.loop.time()), state.http_version)
 
     # ------------------------------------------------------------ the collector
 
-    def _totals(self) -> tuple[dict[LabelKey, _StreamFigures], int]:
-        totals: dict[LabelKey, _StreamFigures] = {}
+    def _totals(self) -> tuple[dict[LabelKey, StreamFigures], int]:
         active = 0
+        live: list[tuple[StreamRecord, str]] = []
         with self._lock:
-            for key, finished in self._finished.items():
-                totals[key] = copy = _StreamFigures()
-                copy.add(finished)
+            totals = copy_figures(self._finished)
             for exchange, state in self._open.items():
                 stream = exchange.stream
                 if stream is None:
                     continue
                 if not stream.finished:
                     active += 1
-                record = stream.record(exchange.loop.time())
-                if record.status < 100:
-                    continue  # not committed yet: see the module docstring
-                key = (record.upstream, status_class(record.status), state.http_version)
-                live = totals.get(key)
-                if live is None:
-                    live = totals[key] = _StreamFigures()
-                live.add_record(record)
+                live.append((stream.record(exchange.loop.time()), state.http_version))
+            add_live(totals, live)  # the uncommitted left out: see the module docstring
         return totals, active
 
     def collect(self) -> Iterator[Metric]:
         totals, active = self._totals()
-        for attribute, name, documentation in _HISTOGRAMS:
-            family = HistogramMetricFamily(name, documentation, labels=STREAM_LABELS)
-            for key, figures in sorted(totals.items()):
-                buckets, total = getattr(figures, attribute).exposition()
-                family.add_metric(list(key), buckets, total)
-            yield family
-        for attribute, name, documentation in _COUNTERS:
-            counter = CounterMetricFamily(name, documentation, labels=STREAM_LABELS)
-            for key, figures in sorted(totals.items()):
-                counter.add_metric(list(key), float(getattr(figures, attribute)))
-            yield counter
+        yield from stream_families(totals)
         yield GaugeMetricFamily(*_ACTIVE, value=active)
 
     def describe(self) -> Iterator[Metric]:
         """The names (so a registry refuses a second collector of them)."""
-        for _, name, documentation in _HISTOGRAMS:
+        for _, name, documentation in STREAM_HISTOGRAMS:
             yield HistogramMetricFamily(name, documentation, labels=STREAM_LABELS)
-        for _, name, documentation in _COUNTERS:
+        for _, name, documentation in STREAM_COUNTERS:
             yield CounterMetricFamily(name, documentation, labels=STREAM_LABELS)
         yield GaugeMetricFamily(*_ACTIVE)

@@ -24,14 +24,13 @@ Usage is ``message_start.message.usage`` updated by each ``message_delta.usage``
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any, Final
 
 from ..chunks import dumps
 from ..errors import ClientError, ErrorCode, WireError
 from ..sse import SSEEvent
-from .base import CONTENT, ERROR, KEEPALIVE, TERMINAL, Dialect, Found
+from .base import CONTENT, ERROR, KEEPALIVE, TERMINAL, Dialect, Found, parsed_object, type_of
 
 EVENTS: Final = frozenset({"message_start", "content_block_start", "content_block_delta",
                            "content_block_stop", "message_delta", "message_stop", "ping", "error"})
@@ -61,25 +60,6 @@ def error_type(error: WireError) -> str:
     return "api_error"
 
 
-def _parsed(data: str | None) -> dict[str, Any] | None:
-    if not data or not data.startswith("{"):
-        return None
-    try:
-        obj = json.loads(data)
-    except ValueError:
-        return None
-    return obj if isinstance(obj, dict) else None
-
-
-def _type_of(event: SSEEvent) -> str | None:
-    """The event's type: its SSE name, else its data's ``type``."""
-    if event.event is not None:
-        return event.event
-    obj = _parsed(event.data)
-    kind = obj.get("type") if obj is not None else None
-    return kind if isinstance(kind, str) else None
-
-
 class AnthropicDialect(Dialect):
     """Anthropic Messages; see the module docstring."""
 
@@ -104,10 +84,10 @@ class AnthropicDialect(Dialect):
         return False
 
     def confirms(self, event: SSEEvent) -> bool:
-        return _type_of(event) in EVENTS
+        return type_of(event) in EVENTS
 
     def classify(self, event: SSEEvent) -> int:
-        kind = _type_of(event)
+        kind = type_of(event)
         if kind == "message_stop":
             return TERMINAL
         if kind == "ping":
@@ -117,7 +97,7 @@ class AnthropicDialect(Dialect):
         return CONTENT
 
     def error_payload(self, event: SSEEvent) -> dict[str, Any]:
-        return _parsed(event.data) or {}
+        return parsed_object(event.data) or {}
 
     def own_error_event(self, error: WireError, merged: int) -> SSEEvent:
         body = {"type": "error", "error": {"type": error_type(error), "message": error.message,
@@ -128,7 +108,7 @@ class AnthropicDialect(Dialect):
         data = event.data
         if data is None or '"usage"' not in data:
             return current
-        obj = _parsed(data)
+        obj = parsed_object(data)
         if obj is None:
             return current
         holder = obj.get("message") if obj.get("type") == "message_start" else obj
@@ -148,7 +128,7 @@ class AnthropicDialect(Dialect):
         return _TEXT_VALUE_RE.search(data)
 
     def text_slot(self, data: str, volatile: frozenset[str]) -> Found | None:
-        obj = _parsed(data)
+        obj = parsed_object(data)
         if (obj is None or obj.get("type") != "content_block_delta"
                 or obj.keys() != {"type", "index", "delta"}):
             return None

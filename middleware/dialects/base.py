@@ -29,6 +29,7 @@ import re
 from typing import Any, Final
 
 from ..chunks import carries_token as _chat_carries_token
+from ..chunks import chunk_object
 from ..chunks import count_tokens as _chat_count_tokens
 from ..errors import WireError
 from ..sse import SSEEvent
@@ -52,6 +53,21 @@ Slot = tuple[tuple[object, ...], str, str, str]
 """A mergeable event as a template (``chunks.Slot``): (merge key, prefix, suffix, escaped text)."""
 Found = tuple[tuple[object, ...], dict[str, Any], dict[str, Any], str]
 """What :meth:`Dialect.text_slot` finds: (merge key, the parsed object, the holder, the text field)."""
+
+
+def parsed_object(data: str | None) -> dict[str, Any] | None:
+    """An event's data parsed, when it is a JSON object (else None, without parsing
+    data that cannot be one)."""
+    return chunk_object(data) if data and data.startswith("{") else None
+
+
+def type_of(event: SSEEvent) -> str | None:
+    """A named-event API's event type: its SSE name, else its data's ``type``."""
+    if event.event is not None:
+        return event.event
+    obj = parsed_object(event.data)
+    kind = obj.get("type") if obj is not None else None
+    return kind if isinstance(kind, str) else None
 
 
 class Dialect:

@@ -36,7 +36,7 @@ from typing import Any, Final
 from ..chunks import dumps
 from ..errors import WireError
 from ..sse import SSEEvent
-from .base import CONTENT, ERROR, FAILED, TERMINAL, Dialect, Found
+from .base import CONTENT, ERROR, FAILED, TERMINAL, Dialect, Found, parsed_object, type_of
 
 DELTAS: Final = frozenset({"response.output_text.delta", "response.reasoning_text.delta",
                            "response.reasoning_summary_text.delta", "response.refusal.delta",
@@ -54,24 +54,6 @@ _TEXT_VALUE_RE: Final = re.compile(
 _TOKEN_RE: Final = re.compile(rb'"delta" ?: ?"[^"]|"type" ?: ?"function_call"')
 # A delta's piece (the count where no usage came: an item's events repeat it whole).
 _PIECE_RE: Final = re.compile(r'"delta" ?: ?"[^"]')
-
-
-def _parsed(data: str | None) -> dict[str, Any] | None:
-    if not data or not data.startswith("{"):
-        return None
-    try:
-        obj = json.loads(data)
-    except ValueError:
-        return None
-    return obj if isinstance(obj, dict) else None
-
-
-def _type_of(event: SSEEvent) -> str | None:
-    if event.event is not None:
-        return event.event
-    obj = _parsed(event.data)
-    kind = obj.get("type") if obj is not None else None
-    return kind if isinstance(kind, str) else None
 
 
 class ResponsesDialect(Dialect):
@@ -105,11 +87,11 @@ class ResponsesDialect(Dialect):
         return False
 
     def confirms(self, event: SSEEvent) -> bool:
-        kind = _type_of(event)
+        kind = type_of(event)
         return kind is not None and (kind.startswith("response.") or kind == "error")
 
     def classify(self, event: SSEEvent) -> int:
-        kind = _type_of(event)
+        kind = type_of(event)
         if kind == "error":
             return ERROR
         if kind is None:
@@ -117,7 +99,7 @@ class ResponsesDialect(Dialect):
         return ENDS.get(kind, CONTENT)
 
     def error_payload(self, event: SSEEvent) -> dict[str, Any]:
-        return _parsed(event.data) or {}
+        return parsed_object(event.data) or {}
 
     def own_error_event(self, error: WireError, merged: int) -> SSEEvent:
         body = {"type": "error", "code": error.code.value, "message": error.message, "param": None,
@@ -126,17 +108,17 @@ class ResponsesDialect(Dialect):
 
     def usage(self, event: SSEEvent, current: dict[str, Any] | None) -> dict[str, Any] | None:
         data = event.data
-        if data is None or '"usage"' not in data or _type_of(event) not in ENDS:
+        if data is None or '"usage"' not in data or type_of(event) not in ENDS:
             return current
-        obj = _parsed(data)
+        obj = parsed_object(data)
         response = obj.get("response") if obj is not None else None
         found = response.get("usage") if isinstance(response, dict) else None
         return found if isinstance(found, dict) else current
 
     def stream_alias(self, event: SSEEvent) -> str | None:
-        if _type_of(event) != "response.created":
+        if type_of(event) != "response.created":
             return None
-        obj = _parsed(event.data)
+        obj = parsed_object(event.data)
         response = obj.get("response") if obj is not None else None
         ident = response.get("id") if isinstance(response, dict) else None
         return ident if isinstance(ident, str) and 0 < len(ident) <= 128 and ident.isprintable() else None
@@ -153,7 +135,7 @@ class ResponsesDialect(Dialect):
         return _TEXT_VALUE_RE.search(data)
 
     def text_slot(self, data: str, volatile: frozenset[str]) -> Found | None:
-        obj = _parsed(data)
+        obj = parsed_object(data)
         if obj is None or obj.get("type") not in DELTAS or not obj.keys() <= _KEYS | volatile:
             return None
         if not isinstance(obj.get("delta"), str) or obj.get("logprobs") not in (None, []):
