@@ -39,10 +39,9 @@ from tokenwire.engine.dialect import (
 )
 from tokenwire.engine.request_fields import (
     Accepts,
-    ChatMessage,
+    ConversationRequest,
     MessageShape,
     ProtocolError,
-    SamplingFields,
     check_fields,
     expect,
     flatten_content,
@@ -51,11 +50,10 @@ from tokenwire.engine.request_fields import (
     is_one_of,
     optional,
     optional_int,
-    optional_number,
-    optional_top_p,
+    parse_basic_sampling,
     parse_messages,
-    parse_stop,
     require,
+    with_system,
 )
 
 _FIELDS = frozenset({"model", "max_tokens", "messages", "system", "temperature", "top_p", "top_k",
@@ -83,17 +81,12 @@ _STOP_REASONS = {"length": "max_tokens"}
 
 
 @dataclass(frozen=True, slots=True)
-class MessagesRequest:
-    """A validated ``/v1/messages`` request."""
+class MessagesRequest(ConversationRequest):
+    """A validated ``/v1/messages`` request; its ``messages`` are ``system`` (as a system
+    message) first, then ``messages``."""
 
-    model: str | None
-    messages: tuple[ChatMessage, ...]
-    """``system`` (as a system message) first, then ``messages``."""
     continue_final: bool
     """The last message is the assistant's: the answer continues it."""
-    sampling: SamplingFields
-    stream: bool
-    user: str | None
 
 
 def parse_messages_request(body: object) -> MessagesRequest:
@@ -105,8 +98,8 @@ def parse_messages_request(body: object) -> MessagesRequest:
                             param="max_tokens")
     messages = parse_messages(require(fields, "messages"), "messages", _MESSAGES)
     system = fields.get("system")
-    if system is not None:
-        messages = (ChatMessage("system", flatten_content(system, "system", _MESSAGES)), *messages)
+    messages = with_system(messages, None if system is None
+                           else flatten_content(system, "system", _MESSAGES))
     metadata = optional(fields, "metadata", dict) or {}
     user = metadata.get("user_id")
     top_k = optional_int(fields, "top_k", minimum=0)
@@ -117,10 +110,8 @@ def parse_messages_request(body: object) -> MessagesRequest:
         model=optional(fields, "model", str),
         messages=messages,
         continue_final=messages[-1].role == "assistant",
-        sampling=SamplingFields(max_tokens=max_tokens,
-                                temperature=optional_number(fields, "temperature", 0.0, 1.0),
-                                top_p=optional_top_p(fields), top_k=top_k or 0,
-                                stop=parse_stop(stop, "stop_sequences")),
+        sampling=parse_basic_sampling(fields, max_tokens=max_tokens, max_temperature=1.0,
+                                      top_k=top_k or 0, stop_field="stop_sequences"),
         stream=optional(fields, "stream", bool) or False,
         user=None if user is None else expect(user, str, "metadata.user_id"),
     )

@@ -22,6 +22,7 @@ from tokenwire.engine.request_fields import (
     MAX_SEED,
     Accepts,
     ChatMessage,
+    ConversationRequest,
     MessageShape,
     ProtocolError,
     SamplingFields,
@@ -64,15 +65,10 @@ class CompletionRequest:
 
 
 @dataclass(frozen=True, slots=True)
-class ChatRequest:
+class ChatRequest(ConversationRequest):
     """A validated ``/v1/chat/completions`` request."""
 
-    model: str | None
-    messages: tuple[ChatMessage, ...]
-    sampling: SamplingFields
-    stream: bool
     include_usage: bool
-    user: str | None
 
 
 _UNIMPLEMENTED: dict[str, Accepts] = {

@@ -58,6 +58,17 @@ class ChatMessage:
 
 
 @dataclass(frozen=True, slots=True)
+class ConversationRequest:
+    """What every dialect's validated conversation request holds (each adds its own fields)."""
+
+    model: str | None
+    messages: tuple[ChatMessage, ...]
+    sampling: SamplingFields
+    stream: bool
+    user: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class MessageShape:
     """How one dialect spells a list of messages (see :func:`parse_messages`)."""
 
@@ -261,6 +272,28 @@ def optional_top_p(fields: dict[str, Any]) -> float:
     if top_p is not None and top_p == 0.0:
         raise ProtocolError("top_p must be greater than 0", param="top_p")
     return 1.0 if top_p is None else top_p
+
+
+def with_system(messages: tuple[ChatMessage, ...], system: str | None) -> tuple[ChatMessage, ...]:
+    """``messages`` after ``system`` as a system message (as they are when ``None``)."""
+    return messages if system is None else (ChatMessage("system", system), *messages)
+
+
+def parse_basic_sampling(
+    fields: dict[str, Any],
+    *,
+    max_tokens: int | None,
+    max_temperature: float,
+    top_k: int = 0,
+    stop_field: str | None = None,
+) -> SamplingFields:
+    """``temperature`` (0 to ``max_temperature``), ``top_p`` and, where named, the stop
+    strings of ``stop_field``, checked in that order; the rest as given."""
+    temperature = optional_number(fields, "temperature", 0.0, max_temperature)
+    top_p = optional_top_p(fields)
+    stop = () if stop_field is None else parse_stop(fields.get(stop_field), stop_field)
+    return SamplingFields(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                          top_k=top_k, stop=stop)
 
 
 def parse_stream_options(fields: dict[str, Any], allowed: frozenset[str]) -> dict[str, bool]:

@@ -45,9 +45,9 @@ from tokenwire.engine.openai_requests import INFORMATIONAL
 from tokenwire.engine.request_fields import (
     Accepts,
     ChatMessage,
+    ConversationRequest,
     MessageShape,
     ProtocolError,
-    SamplingFields,
     check_fields,
     is_none,
     is_none_or_empty,
@@ -57,11 +57,11 @@ from tokenwire.engine.request_fields import (
     is_one_of,
     optional,
     optional_int,
-    optional_number,
-    optional_top_p,
+    parse_basic_sampling,
     parse_messages,
     parse_stream_options,
     require,
+    with_system,
 )
 
 _FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
@@ -94,17 +94,12 @@ _INPUT = MessageShape(
 
 
 @dataclass(frozen=True, slots=True)
-class ResponsesRequest:
-    """A validated ``/v1/responses`` request."""
+class ResponsesRequest(ConversationRequest):
+    """A validated ``/v1/responses`` request; its ``messages`` are ``instructions`` (as a
+    system message) first, then ``input``."""
 
-    model: str | None
-    messages: tuple[ChatMessage, ...]
-    """``instructions`` (as a system message) first, then ``input``."""
     instructions: str | None
     max_output_tokens: int | None
-    sampling: SamplingFields
-    stream: bool
-    user: str | None
     metadata: dict[str, Any] | None
 
 
@@ -123,8 +118,7 @@ def parse_responses_request(body: object) -> ResponsesRequest:
                                         "this engine (only messages)", param=f"input[{index}].type")
         messages = parse_messages(given, "input", _INPUT)
     instructions = optional(fields, "instructions", str)
-    if instructions is not None:
-        messages = (ChatMessage("system", instructions), *messages)
+    messages = with_system(messages, instructions)
     max_output_tokens = optional_int(fields, "max_output_tokens", minimum=1)
     parse_stream_options(fields, frozenset({"include_obfuscation"}))  # no padding is added anyway
     return ResponsesRequest(
@@ -132,9 +126,7 @@ def parse_responses_request(body: object) -> ResponsesRequest:
         messages=messages,
         instructions=instructions,
         max_output_tokens=max_output_tokens,
-        sampling=SamplingFields(max_tokens=max_output_tokens,
-                                temperature=optional_number(fields, "temperature", 0.0, 2.0),
-                                top_p=optional_top_p(fields)),
+        sampling=parse_basic_sampling(fields, max_tokens=max_output_tokens, max_temperature=2.0),
         stream=optional(fields, "stream", bool) or False,
         user=optional(fields, "user", str),
         metadata=optional(fields, "metadata", dict),
