@@ -13,6 +13,10 @@ nothing the core has not decided already:
   connection alive); half a surrogate pair split across chunks waits in the
   call's :class:`~.transcode.TextCarry` for its other half;
 * a clean end (the core saw the engine finish) becomes ``grpc-status: 0``;
+  for a call that asked (``tokenwire-summary: true`` metadata) the core's
+  ``event: tokenwire.summary`` is no message: its figures ride on those
+  trailers (:func:`summary_trailers`: ``tokenwire-ttft-s``,
+  ``tokenwire-tokens``, ...);
   any other end carries the core's typed ending (:class:`CoreEnding`: the
   :class:`~tokenwire.middleware.errors.WireError` it ended with, or only its
   code, as for a slow client it cut), mapped by
@@ -45,6 +49,30 @@ from .routing import StreamMethod
 from .transcode import TextCarry
 
 _DONE = "[DONE]"
+SUMMARY_EVENT = "tokenwire.summary"
+"""The core's named event with a stream's figures (``Tokenwire-Summary: true``)."""
+SUMMARY_KEYS = ("ttft_s", "tokens", "tokens_source", "tokens_per_s", "duration_s", "events_out",
+                "coalesced_events", "retries")
+"""The summary's fields, each a trailer ``tokenwire-`` + the key with dashes."""
+
+
+def summary_trailers(text: str) -> list[Header]:
+    """The trailers for a ``tokenwire.summary`` event's data: one per figure it
+    has (``tokenwire-ttft-s: 0.0123``), none for a null one (no first token)."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return []
+    if not isinstance(body, dict):
+        return []
+    out: list[Header] = []
+    for key in SUMMARY_KEYS:
+        value = body.get(key)
+        if value is None or isinstance(value, (dict, list)):
+            continue
+        name = b"tokenwire-" + key.replace("_", "-").encode()
+        out.append((name, str(value).encode("ascii", "replace")))
+    return out
 
 
 class CoreEnding(Protocol):
@@ -151,6 +179,8 @@ class Ending:
     status: CallStatus
     data: bytes = b""
     """A last message to send before the trailers (an answer that was not a stream)."""
+    extra: tuple[Header, ...] = ()
+    """Trailers after the status's own (the summary a call asked for); in ``headers`` too."""
 
 
 class ResponseTranscoder:
@@ -169,6 +199,7 @@ class ResponseTranscoder:
         self._override: CallStatus | None = None
         self._whole: bytearray | None = None  # a 200 answer that is not an event stream
         self._texts = TextCarry()
+        self._summary: list[Header] = []  # the core's tokenwire.summary, as trailers
         self.messages_out = 0
 
     @property
@@ -206,7 +237,12 @@ class ResponseTranscoder:
             events.pop()
         out: list[bytes] = []
         to_message, texts = self._method.to_message, self._texts
-        for payload, event_id in events:
+        for payload, event_id, name in events:
+            if name == SUMMARY_EVENT:
+                # Only a call that asked gets one (the core queues it then): its
+                # figures become the trailers, never a chat message.
+                self._summary = summary_trailers(payload)
+                continue
             if payload == _DONE:
                 continue
             out += [encode_message(message.SerializeToString())
@@ -214,13 +250,13 @@ class ResponseTranscoder:
         self.messages_out += len(out)
         return b"".join(out)
 
-    def _events(self, data: bytes) -> list[tuple[str, str | None]]:
-        """The data events (payload, id) in the core's output. The core writes
+    def _events(self, data: bytes) -> list[tuple[str, str | None, str | None]]:
+        """The data events (payload, id, event name) in the core's output. The core writes
         canonical SSE (LF line ends, ``data:``/``id:``/``retry:`` lines, comment
         lines for heartbeats), whole events per write, so a split on blank
         lines does; anything else (a CR) takes the full parser."""
         if data.find(b"\r") >= 0 or self._carry:  # not ``in``: see chunks.plain_event_count
-            return [(e.data, e.id) for e in self._parser.feed(data)
+            return [(e.data, e.id, e.event) for e in self._parser.feed(data)
                     if e.data is not None and e.comment is None]
         blocks = data.split(b"\n\n")
         rest = blocks[-1]
@@ -230,20 +266,23 @@ class ResponseTranscoder:
             # An event cut between two writes: the parser takes it from here on.
             self._carry = True
             self._parser.feed(rest)
-        events: list[tuple[str, str | None]] = []
+        events: list[tuple[str, str | None, str | None]] = []
         for block in blocks[:-1]:
             if block.startswith(b"data: ") and b"\n" not in block:
-                events.append((block[6:].decode("utf-8", "replace"), None))
+                events.append((block[6:].decode("utf-8", "replace"), None, None))
                 continue
             lines: list[bytes] = []
             event_id: str | None = None
+            name: str | None = None
             for line in block.split(b"\n"):
                 if line.startswith(b"data:"):
                     lines.append(line[6:] if line.startswith(b"data: ") else line[5:])
                 elif line.startswith(b"id:"):
                     event_id = line[3:].strip().decode("utf-8", "replace")
+                elif line.startswith(b"event:"):
+                    name = line[6:].strip().decode("utf-8", "replace")
             if lines:
-                events.append((b"\n".join(lines).decode("utf-8", "replace"), event_id))
+                events.append((b"\n".join(lines).decode("utf-8", "replace"), event_id, name))
         return events
 
     def deadline_passed(self) -> None:
@@ -295,6 +334,10 @@ class ResponseTranscoder:
             # Half a surrogate pair that nothing completed: U+FFFD, before the trailers.
             last = encode_message(flushed.SerializeToString())
             self.messages_out += 1
+        # The figures the call asked for, on an OK ending only (the core queues
+        # them just before a clean end; anything that cut the call after wins).
+        extra = tuple(self._summary) if status is OK else ()
         if self._started:
-            return Ending(status.trailers(), trailers_only=False, status=status, data=last)
-        return Ending(status.trailers_only(), trailers_only=True, status=status)
+            return Ending([*status.trailers(), *extra], trailers_only=False, status=status, data=last,
+                          extra=extra)
+        return Ending([*status.trailers_only(), *extra], trailers_only=True, status=status, extra=extra)

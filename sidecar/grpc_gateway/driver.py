@@ -52,12 +52,15 @@ _GRPC_ONLY = frozenset({b"content-type", b"content-length", b"te", b"grpc-timeou
                         b"grpc-accept-encoding", b"grpc-message-type", b"accept", b"accept-encoding"})
 
 
-def _end(stream: Http2Stream, status: CallStatus, *, started: bool, drop_waiting: bool = False) -> None:
-    """End a call: trailers after the initial metadata, else a trailers-only response."""
+def _end(stream: Http2Stream, status: CallStatus, *, started: bool, drop_waiting: bool = False,
+         extra: Sequence[Header] = ()) -> None:
+    """End a call: trailers after the initial metadata, else a trailers-only
+    response; ``extra``: trailers after the status's (a summary the call asked for)."""
     if started:
-        stream.send_trailers(status.trailers(), drop_waiting=drop_waiting)
+        stream.send_trailers([*status.trailers(), *extra], drop_waiting=drop_waiting)
     else:
-        stream.send_trailers([(b":status", b"200"), *status.trailers_only()], drop_waiting=drop_waiting)
+        stream.send_trailers([(b":status", b"200"), *status.trailers_only(), *extra],
+                             drop_waiting=drop_waiting)
     # A client that stopped reading would hold the trailers back forever.
     stream.set_timer(_flush_timeout_s(stream), lambda: stream.reset(h2.errors.ErrorCodes.CANCEL))
 
@@ -356,7 +359,8 @@ class StreamCall:
             stream.send_body(ending.data)
         # A reset (the client stopped reading): what waits is dropped, the
         # trailers (not flow-controlled) say why.
-        _end(stream, ending.status, started=not ending.trailers_only, drop_waiting=reset)
+        _end(stream, ending.status, started=not ending.trailers_only, drop_waiting=reset,
+             extra=ending.extra)
 
     def closing_probe(self) -> Callable[[], bool] | None:
         return self._stream.closing_probe()
