@@ -24,12 +24,8 @@ stream served from the replay store), ``status_class`` (``2xx``, ``4xx``,
 
 from __future__ import annotations
 
-import platform
 import time
-from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
-from importlib import metadata
 
 from prometheus_client import (
     CollectorRegistry,
@@ -39,18 +35,25 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
-from tokenwire.middleware import GAP_BUCKETS_S, StreamRecord
-from tokenwire.middleware.meter import LATENCY_BUCKETS_S
+from tokenwire.middleware import StreamRecord
+from tokenwire.middleware.prometheus import (
+    EndMetrics,
+    LabelKey,
+    StreamFigures,
+    add_live,
+    build_info_gauge,
+    copy_figures,
+    fold_record,
+    status_class,
+    stream_families,
+)
 
-_DURATION_BUCKETS_S = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, float("inf"))
 _ABORT_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0)
 
-STREAM_LABELS = ("upstream", "status_class", "http_version")
 REPLAY_UPSTREAM = "replay"
 """The ``upstream`` label of streams served from the replay store (a reconnect)."""
-LabelKey = tuple[str, str, str]
 
 
 # How the ``--workers`` supervisor reports the gauges below for its N workers
@@ -64,93 +67,6 @@ EARLIEST_GAUGES = frozenset({"tokenwire_start_time_seconds", "process_start_time
                              "process_max_fds"})
 
 
-def status_class(status: int) -> str:
-    """``2xx``... for a status; ``none`` before one was sent."""
-    return f"{status // 100}xx" if status >= 100 else "none"
-
-
-def build_version() -> str:
-    try:
-        return metadata.version("tokenwire")
-    except metadata.PackageNotFoundError:
-        return "unknown"
-
-
-@dataclass(slots=True)
-class _HistogramSum:
-    """Bucket counts (not cumulative), sum and count of one labelled histogram."""
-
-    bounds: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not self.counts:
-            self.counts = [0] * len(self.bounds)
-
-    def observe(self, value: float) -> None:
-        self.counts[min(bisect_left(self.bounds, value), len(self.bounds) - 1)] += 1
-        self.total += value
-
-    def add_counts(self, counts: Iterable[int], total: float) -> None:
-        for i, count in enumerate(counts):
-            self.counts[i] += count
-        self.total += total
-
-    def add(self, other: _HistogramSum) -> None:
-        self.add_counts(other.counts, other.total)
-
-    def exposition(self) -> tuple[list[tuple[str, float]], float]:
-        cumulative = 0
-        buckets: list[tuple[str, float]] = []
-        for bound, count in zip(self.bounds, self.counts, strict=True):
-            cumulative += count
-            buckets.append(("+Inf" if bound == float("inf") else repr(bound), float(cumulative)))
-        return buckets, self.total
-
-
-@dataclass(slots=True)
-class _StreamFigures:
-    """What the streams of one label set add up to."""
-
-    ttft: _HistogramSum = field(default_factory=lambda: _HistogramSum(LATENCY_BUCKETS_S))
-    ttfb: _HistogramSum = field(default_factory=lambda: _HistogramSum(LATENCY_BUCKETS_S))
-    inter_token: _HistogramSum = field(default_factory=lambda: _HistogramSum(GAP_BUCKETS_S))
-    bytes_out: int = 0
-    events_in: int = 0
-    events_out: int = 0
-    content_events: int = 0
-    heartbeats: int = 0
-    coalesced_events: int = 0
-    dropped_events: int = 0
-
-    def add_record(self, record: StreamRecord) -> None:
-        if record.ttft_s is not None:
-            self.ttft.observe(record.ttft_s)
-        if record.ttfb_s is not None:
-            self.ttfb.observe(record.ttfb_s)
-        self.inter_token.add_counts(record.event_gap_buckets, record.event_gap_sum_s)
-        self.bytes_out += record.bytes_out
-        self.events_in += record.events_in
-        self.events_out += record.events_out
-        self.content_events += record.content_events
-        self.heartbeats += record.heartbeats
-        self.coalesced_events += record.coalesced_events
-        self.dropped_events += record.dropped_events
-
-    def add(self, other: _StreamFigures) -> None:
-        self.ttft.add(other.ttft)
-        self.ttfb.add(other.ttfb)
-        self.inter_token.add(other.inter_token)
-        self.bytes_out += other.bytes_out
-        self.events_in += other.events_in
-        self.events_out += other.events_out
-        self.content_events += other.content_events
-        self.heartbeats += other.heartbeats
-        self.coalesced_events += other.coalesced_events
-        self.dropped_events += other.dropped_events
-
-
 LiveRecords = Callable[[], Iterable[tuple[StreamRecord, str]]]
 """The records of the open streams as of now, each with its client's HTTP version."""
 
@@ -158,67 +74,20 @@ LiveRecords = Callable[[], Iterable[tuple[StreamRecord, str]]]
 class _StreamCollector(Collector):
     """Finished totals plus the open streams' records, at scrape time."""
 
-    _COUNTERS = (
-        ("bytes_out", "tokenwire_bytes_out", "Body bytes written to clients."),
-        ("events_in", "tokenwire_events_in", "Events read from upstreams."),
-        ("events_out", "tokenwire_events_out", "Events written to clients (merged events count once)."),
-        ("content_events", "tokenwire_content_events",
-         "Events written from the first token on, the terminal marker excluded."),
-        ("heartbeats", "tokenwire_heartbeats", "Heartbeat comments written."),
-        ("coalesced_events", "tokenwire_coalesced_events",
-         "Events merged into another while a client was slow."),
-        ("dropped_events", "tokenwire_dropped_events", "Events replaced under the drop policy."),
-    )
-
     def __init__(self, live: LiveRecords) -> None:
         self._live = live
-        self._finished: dict[LabelKey, _StreamFigures] = {}
+        self._finished: dict[LabelKey, StreamFigures] = {}
 
     def fold(self, record: StreamRecord, http_version: str) -> None:
-        key = (record.upstream, status_class(record.status), http_version)
-        figures = self._finished.get(key)
-        if figures is None:
-            figures = self._finished[key] = _StreamFigures()
-        figures.add_record(record)
+        fold_record(self._finished, record, http_version)
 
-    def _totals(self) -> dict[LabelKey, _StreamFigures]:
-        totals: dict[LabelKey, _StreamFigures] = {}
-        for key, finished in self._finished.items():
-            totals[key] = copy = _StreamFigures()
-            copy.add(finished)
-        for record, http_version in self._live():
-            if record.status < 100:
-                continue  # not committed yet: see the module docstring
-            key = (record.upstream, status_class(record.status), http_version)
-            live = totals.get(key)
-            if live is None:
-                live = totals[key] = _StreamFigures()
-            live.add_record(record)
+    def _totals(self) -> dict[LabelKey, StreamFigures]:
+        totals = copy_figures(self._finished)
+        add_live(totals, self._live())  # the uncommitted left out: see the module docstring
         return totals
 
     def collect(self) -> Iterator[Metric]:
-        totals = self._totals()
-        histograms = (
-            ("ttft", "tokenwire_time_to_first_token_seconds",
-             "Request start to the first event carrying a token (text, reasoning, a tool call) "
-             "handed to the client's socket; the role-only chunk does not count."),
-            ("ttfb", "tokenwire_time_to_first_byte_seconds",
-             "Request start to the first event of any kind handed to the client's socket."),
-            ("inter_token", "tokenwire_inter_token_seconds",
-             "Gaps between writes to the client from the first token on (merged events are one "
-             "arrival)."),
-        )
-        for attribute, name, documentation in histograms:
-            family = HistogramMetricFamily(name, documentation, labels=STREAM_LABELS)
-            for key, figures in sorted(totals.items()):
-                buckets, total = getattr(figures, attribute).exposition()
-                family.add_metric(list(key), buckets, total)
-            yield family
-        for attribute, name, documentation in self._COUNTERS:
-            counter = CounterMetricFamily(name, documentation, labels=STREAM_LABELS)
-            for key, figures in sorted(totals.items()):
-                counter.add_metric(list(key), float(getattr(figures, attribute)))
-            yield counter
+        return stream_families(self._totals())
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
@@ -235,9 +104,7 @@ class SidecarMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         ProcessCollector(registry=r)
-        self.build_info = Gauge("tokenwire_build_info", "Always 1; the labels say what runs.",
-                                ["version", "python", "program"], registry=r)
-        self.build_info.labels(build_version(), platform.python_version(), "sidecar").set(1)
+        self.build_info = build_info_gauge(r, "sidecar")
         self.start_time = Gauge("tokenwire_start_time_seconds", "When this process started serving "
                                 "(Unix time).", registry=r)
         self.start_time.set(time.time())
@@ -246,18 +113,11 @@ class SidecarMetrics:
                                         "Client connections open now.", registry=r)
         self.streams = _StreamCollector(live or (lambda: ()))
         r.register(self.streams)
-        self.stream_duration = Histogram(
-            "tokenwire_stream_duration_seconds", "Request start to the end of the response, "
-            "by how it ended.", [*STREAM_LABELS, "reason"], buckets=_DURATION_BUCKETS_S, registry=r)
-        self.streams_ended = Counter("tokenwire_streams_ended", "Finished streams by end reason.",
-                                     [*STREAM_LABELS, "reason"], registry=r)
-        self.stream_errors = Counter("tokenwire_stream_errors", "Streams that ended with an error, "
-                                     "by its stable code (number and name).", ["number", "code"],
-                                     registry=r)
-        self.tokens_out = Counter("tokenwire_tokens_out", "Tokens sent to clients, counted when each "
-                                  "stream ends: from the upstream's usage (source=usage) where it sent "
-                                  "one, else its content events (source=counted).",
-                                  ["upstream", "source"], registry=r)
+        ended = EndMetrics.on(r)
+        self.stream_duration = ended.stream_duration
+        self.streams_ended = ended.streams_ended
+        self.stream_errors = ended.stream_errors
+        self.tokens_out = ended.tokens_out
         self.retries = Counter("tokenwire_retries", "Upstream retries made.", registry=r)
         self.refused_retries = Counter("tokenwire_refused_retries",
                                        "Upstream retries the retry budget refused.", registry=r)
