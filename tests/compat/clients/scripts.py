@@ -84,6 +84,19 @@ WORDS = ["The", " quick", " brown", " fox", " jumps", " over", " the", " lazy", 
          " Ünïcödé", " ✓", " 日本", " done", "\n"]
 
 
+def asks_usage(body: bytes) -> bool:
+    """The request asked for the usage chunk (``stream_options.include_usage``)."""
+    try:
+        options = json.loads(body or b"{}").get("stream_options") or {}
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+def _usage_only(step: Step) -> bool:
+    return isinstance(step, Send) and b'"choices":[]' in step.data and b'"usage"' in step.data
+
+
 def usage(completion_tokens: int, choices: int = 1) -> Send:
     return event(chunk(usage={"prompt_tokens": 7, "completion_tokens": completion_tokens * choices,
                               "total_tokens": 7 + completion_tokens * choices}))
@@ -261,8 +274,12 @@ class ScriptedUpstream:
                                     (b"access-control-allow-origin", b"*")]})
             await send({"type": "http.response.body", "body": answer})
             return
-        while (await receive()).get("more_body"):
-            pass
+        body = bytearray()
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
         case, feature = parts[0], parts[1]
         control = (scope.get("extensions") or {}).get("tokenwire")
         headers = dict(scope["headers"])
@@ -278,6 +295,10 @@ class ScriptedUpstream:
             return
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
-        await play_steps(script.steps, send, lambda: UpstreamFailure(f"{case}: the upstream dies mid-body"))
+        # As OpenAI and vLLM do: the usage-only chunk only for a request that asked
+        # (stream_options.include_usage), which the sidecar does for a client that did not.
+        steps = script.steps if asks_usage(bytes(body)) else tuple(
+            step for step in script.steps if not _usage_only(step))
+        await play_steps(steps, send, lambda: UpstreamFailure(f"{case}: the upstream dies mid-body"))
         self.finished.add(case)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
