@@ -90,7 +90,8 @@ class SidecarConfig:
     """A streamed Chat Completions or Completions request that does not say
     ``stream_options.include_usage`` is sent with it, so the record counts the
     engine's tokens; the usage chunk is not forwarded to that client (off for an
-    engine that rejects the field)."""
+    engine that rejects the field, or one that sends a usage-only chunk unasked,
+    which that client would otherwise no longer get)."""
     drop_underscore_headers: bool = True
     """Request headers with ``_`` in their name are not forwarded (nginx's
     ``underscores_in_headers off``): ``X_Real_IP`` and ``X-Real-IP`` may be one header
