@@ -67,21 +67,10 @@ class AnthropicDialect(Dialect):
     merges = True
     error_is_terminal = True
     merge_names = frozenset({"content_block_delta"})
+    terminal_event: str | None = "message_stop"
 
     def __init__(self) -> None:
         super().__init__(None)
-
-    @property
-    def terminal_required(self) -> bool:
-        return True
-
-    @property
-    def terminal_name(self) -> str:
-        return "message_stop"
-
-    @property
-    def fast_path(self) -> bool:
-        return False
 
     def confirms(self, event: SSEEvent) -> bool:
         return type_of(event) in EVENTS

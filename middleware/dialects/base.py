@@ -95,6 +95,9 @@ class Dialect:
     """The SSE ``event:`` names whose events may merge (None: an unnamed event)."""
     volatile: frozenset[str] = frozenset()
     """Fields of a mergeable event that never block a merge (besides the operator's)."""
+    terminal_event: str | None = None
+    """The named event that ends a complete stream of an API of named events
+    (``message_stop``, ``response.completed``); None: the dialect ends with ``marker``."""
 
     def __init__(self, marker: str | None = None) -> None:
         self.marker = marker
@@ -102,18 +105,19 @@ class Dialect:
     @property
     def terminal_required(self) -> bool:
         """A stream that ends without its terminal event was cut short."""
-        return self.marker is not None
+        return self.marker is not None or self.terminal_event is not None
 
     @property
     def terminal_name(self) -> str:
         """The terminal event, as an error message names it."""
-        return self.marker or ""
+        return self.terminal_event or self.marker or ""
 
     @property
     def fast_path(self) -> bool:
         """A read of nothing but plain ``data:`` events may skip the parser (the
-        keeps-up path): they hold no rule of this dialect but its marker."""
-        return True
+        keeps-up path): they hold no rule of this dialect but its marker. Not for
+        an API of named events, whose every rule is in the events' names and types."""
+        return self.terminal_event is None
 
     def for_stream(self) -> Dialect:
         """The object one stream uses (self, unless the dialect keeps per-stream state)."""

@@ -66,6 +66,7 @@ class ResponsesDialect(Dialect):
     keep_first_volatile = True
     merge_names = frozenset({None, *DELTAS})
     volatile = frozenset({"sequence_number", "obfuscation"})
+    terminal_event: str | None = "response.completed"
 
     def __init__(self) -> None:
         super().__init__(None)
@@ -73,18 +74,6 @@ class ResponsesDialect(Dialect):
 
     def for_stream(self) -> Dialect:
         return ResponsesDialect()
-
-    @property
-    def terminal_required(self) -> bool:
-        return True
-
-    @property
-    def terminal_name(self) -> str:
-        return "response.completed"
-
-    @property
-    def fast_path(self) -> bool:
-        return False
 
     def confirms(self, event: SSEEvent) -> bool:
         kind = type_of(event)

@@ -234,12 +234,12 @@ def anthropic_stream(base_url: str, stall: Stall | None, *, http2: bool = False)
     return out
 
 
-def anthropic_create(base_url: str, stall: Stall | None, *, http2: bool = False) -> DialectOutcome:
-    """``client.messages.create(stream=True)``: the raw events."""
+def _raw_events(client: Any, create: Callable[[], Any], stall: Stall | None) -> DialectOutcome:
+    """The events of ``create()``'s stream as the SDK yields them (each SDK's
+    ``create(stream=True)``), the client closed after."""
     out = DialectOutcome(events=[])
-    client = _anthropic(base_url, http2)
     try:
-        stream = client.messages.create(**ANTHROPIC_ARGS, stream=True)
+        stream = create()
         out.status = stream.response.status_code
         for event in stream:
             out.events.append(jsonable(event.to_dict()))
@@ -250,6 +250,12 @@ def anthropic_create(base_url: str, stall: Stall | None, *, http2: bool = False)
     finally:
         client.close()
     return out
+
+
+def anthropic_create(base_url: str, stall: Stall | None, *, http2: bool = False) -> DialectOutcome:
+    """``client.messages.create(stream=True)``: the raw events."""
+    client = _anthropic(base_url, http2)
+    return _raw_events(client, lambda: client.messages.create(**ANTHROPIC_ARGS, stream=True), stall)
 
 
 def langchain_anthropic(base_url: str, stall: Stall | None) -> DialectOutcome:
@@ -343,20 +349,8 @@ def _openai(base_url: str, http2: bool) -> Any:
 
 def responses_create(base_url: str, stall: Stall | None, *, http2: bool = False) -> DialectOutcome:
     """openai-python ``client.responses.create(stream=True)``: the raw events."""
-    out = DialectOutcome(events=[])
     client = _openai(base_url, http2)
-    try:
-        stream = client.responses.create(**RESPONSES_ARGS, stream=True)
-        out.status = stream.response.status_code
-        for event in stream:
-            out.events.append(jsonable(event.to_dict()))
-            if stall is not None and len(out.events) == 1:
-                stall()
-    except Exception as error:
-        out.error = sdk_error(error)
-    finally:
-        client.close()
-    return out
+    return _raw_events(client, lambda: client.responses.create(**RESPONSES_ARGS, stream=True), stall)
 
 
 def responses_stream(base_url: str, stall: Stall | None, *, http2: bool = False) -> DialectOutcome:

@@ -77,12 +77,11 @@ async function anthropicStream(c) {
   return out;
 }
 
-// messages.create({stream: true}): the raw events.
-async function anthropicCreate(c) {
+// An SDK's create({stream: true}): the raw events.
+async function rawEvents(c, create) {
   const out = { status: null, events: [], error: null };
   try {
-    const { data: stream, response } = await anthropicClient(c).messages
-      .create({ ...ANTHROPIC_ARGS, stream: true }).withResponse();
+    const { data: stream, response } = await create().withResponse();
     out.status = response.status;
     for await (const event of stream) {
       out.events.push(event);
@@ -93,27 +92,18 @@ async function anthropicCreate(c) {
   }
   return out;
 }
+
+// messages.create({stream: true}): the raw events.
+const anthropicCreate = (c) =>
+  rawEvents(c, () => anthropicClient(c).messages.create({ ...ANTHROPIC_ARGS, stream: true }));
 
 // openai-node, Responses ------------------------------------------------------
 
 const openaiClient = (c) => new OpenAI({ baseURL: c.base_url, apiKey: "compat", timeout: 30000 });
 
 // responses.create({stream: true}): the raw events.
-async function responsesCreate(c) {
-  const out = { status: null, events: [], error: null };
-  try {
-    const { data: stream, response } = await openaiClient(c).responses
-      .create({ ...RESPONSES_ARGS, stream: true }).withResponse();
-    out.status = response.status;
-    for await (const event of stream) {
-      out.events.push(event);
-      if (c.stall && out.events.length === 1) await stall(c.stall);
-    }
-  } catch (e) {
-    out.error = sdkError(e);
-  }
-  return out;
-}
+const responsesCreate = (c) =>
+  rawEvents(c, () => openaiClient(c).responses.create({ ...RESPONSES_ARGS, stream: true }));
 
 // responses.stream(): its events (deltas added up), then finalResponse().
 async function responsesStream(c) {
