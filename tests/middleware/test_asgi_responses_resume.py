@@ -10,6 +10,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import openai
 import pytest
 from resume_client import open_stream
 from starlette.applications import Starlette
@@ -121,3 +122,24 @@ def test_a_malformed_starting_after_is_a_clear_400(served: tuple[int, ResponsesA
     port, app = served
     bad = open_stream(port, "GET", "/v1/responses/resp_x?stream=true&starting_after=-1")
     assert bad.status == 400 and app.retrieved == []
+
+
+def test_openai_python_resumes_with_its_own_retrieve_call(served: tuple[int, ResponsesApp]) -> None:
+    """openai-python's resume form, ``responses.retrieve(id, stream=True, starting_after=N)``,
+    after the client dropped the first stream: the rest once, from the store, the same caller."""
+    port, app = served
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="mine", max_retries=0)
+    seen: list[Any] = []
+    with client.responses.create(model="m", input="hi", stream=True,
+                                 extra_headers={"x-request-id": f"r3{RUN}"}) as stream:
+        for event in stream:
+            seen.append(event)
+            if len(seen) == 4:
+                break  # the client's connection drops here
+    rest = list(client.responses.retrieve(f"resp_r3{RUN}", stream=True,
+                                          starting_after=seen[-1].sequence_number))
+    client.close()
+    numbers = [e.sequence_number for e in seen + rest]
+    assert numbers == list(range(len(WORDS) + 2))
+    assert "".join(e.delta for e in seen + rest if e.type == "response.output_text.delta") == "".join(WORDS)
+    assert rest[-1].type == "response.completed" and (app.generated, app.retrieved) == (1, [])
