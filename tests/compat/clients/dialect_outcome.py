@@ -19,6 +19,7 @@ from typing import Any
 
 from .dialect_clients import DialectOutcome, _body_error
 from .dialect_scripts import ANTHROPIC_OVERLOADED, BEFORE_FAILURE, RESPONSES_ERROR, WORDS
+from .outcome import diff_of, short_json
 from .scripts import DEATH_AFTER_WORDS, ERROR_MID
 
 RESPONSES_DELTAS = frozenset({"response.output_text.delta", "response.reasoning_text.delta",
@@ -196,7 +197,7 @@ def compare(dialect: str, feature: str, client: str, direct: DialectOutcome, thr
                 v["parts"] = v["parts"][:v["parts"].index("error") + 1]
                 v["stop"] = v["usage"] = None
                 v["error"] = {**v["error"], "count": 1}
-    assert got == want, _diff(want, got)
+    assert got == want, diff_of(want, got)
 
 
 def assert_tokenwire_ending(dialect: str, feature: str, client: str, direct: DialectOutcome,
@@ -217,7 +218,7 @@ def assert_tokenwire_ending(dialect: str, feature: str, client: str, direct: Dia
     assert through.error is not None, (
         f"through tokenwire the client must raise (tokenwire's in-band error) where directly the stream "
         f"{'broke' if direct.error else 'ended silently'}; it ended with no error: "
-        f"{_short(through.to_json())}")
+        f"{short_json(through.to_json())}")
     code = tokenwire_error(through)
     if client in STRIPS_ERROR_FIELDS:
         # The client keeps a message (litellm) or the fields its schema knows (the AI
@@ -246,18 +247,4 @@ def _ai_sdk_read_on(direct: DialectOutcome, through: DialectOutcome) -> bool:
         return False
     later = (through.error.get("all") or [])[1:]
     return bool(later) and all(kind in CUT_KINDS for kind, _ in later) and "error" in (through.parts or ())
-
-
-def _diff(want: dict[str, Any], got: dict[str, Any]) -> str:
-    lines = ["through tokenwire differs from direct:"]
-    for key in want:
-        if want[key] != got[key]:
-            lines.append(f"  {key}: direct={_short(want[key])}")
-            lines.append(f"  {' ' * len(key)}  through={_short(got[key])}")
-    return "\n".join(lines)
-
-
-def _short(value: Any) -> str:
-    text = json.dumps(value, default=str, ensure_ascii=False)
-    return text if len(text) < 1600 else text[:800] + " ... " + text[-700:]
 

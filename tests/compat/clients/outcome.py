@@ -178,7 +178,7 @@ def compare(feature: str, client: str, direct: Outcome, through: Outcome) -> Non
         # Documented: the upstream's error object, with tokenwire's fields beside it.
         assert _keeps(direct, ERROR_MID), f"direct: {direct}"
         if client in READS_CUT_BODY_SHORT and not _keeps(through, ERROR_MID):
-            _assert_cut_short(_text(direct), through)
+            _assert_cutshort_json(_text(direct), through)
             return
         assert _keeps(through, ERROR_MID), (
             f"the client did not get the upstream's error object as it came: it got "
@@ -206,7 +206,7 @@ def compare(feature: str, client: str, direct: Outcome, through: Outcome) -> Non
         # browser may read short (Chromium drops the last bytes of a broken body).
         text = "".join(WORDS[:DEATH_AFTER_WORDS])
         if client in READS_CUT_BODY_SHORT and _text(through) != text:
-            _assert_cut_short(text, through)
+            _assert_cutshort_json(text, through)
             return
         assert _text(through) == text, f"through tokenwire the text before the cut was {_text(through)!r}"
         assert text.startswith(_text(direct)), f"directly: {_text(direct)!r}"
@@ -214,10 +214,10 @@ def compare(feature: str, client: str, direct: Outcome, through: Outcome) -> Non
         assert through.error is not None or accumulate(through.chunks)["errors"], \
             f"the client was not told the answer is cut: {through}"
         return
-    assert got == want, _diff(want, got)
+    assert got == want, diff_of(want, got)
 
 
-def _assert_cut_short(text: str, through: Outcome) -> None:
+def _assert_cutshort_json(text: str, through: Outcome) -> None:
     """Documented (README: a browser reading a cut body): the page may have lost
     the unread tail, but what it got is a prefix of the answer and it was told
     the answer failed: never a clean end, never a ``[DONE]``."""
@@ -240,15 +240,17 @@ def _strip_error_objects(*views: dict[str, Any]) -> None:
             v["error"] = {"kind": v["error"]["kind"], "status": v["error"]["status"]}
 
 
-def _diff(want: dict[str, Any], got: dict[str, Any]) -> str:
+def diff_of(want: dict[str, Any], got: dict[str, Any]) -> str:
+    """Each differing key of two client views, direct and through tokenwire."""
     lines = ["through tokenwire differs from direct:"]
     for key in want:
         if want[key] != got[key]:
-            lines.append(f"  {key}: direct={_short(want[key])}")
-            lines.append(f"  {' ' * len(key)}  through={_short(got[key])}")
+            lines.append(f"  {key}: direct={short_json(want[key])}")
+            lines.append(f"  {' ' * len(key)}  through={short_json(got[key])}")
     return "\n".join(lines)
 
 
-def _short(value: Any) -> str:
-    text = json.dumps(value, default=str)
+def short_json(value: Any) -> str:
+    """``value`` as JSON, its middle left out past 1,500 characters."""
+    text = json.dumps(value, default=str, ensure_ascii=False)
     return text if len(text) < 1500 else text[:700] + " ... " + text[-700:]
