@@ -2,7 +2,7 @@
 
 Method (figures in bench/README.md, "Balancing"):
 
-* Four ``bench/fake_engine.py`` processes (real sockets, a slot-limited
+* Four ``testbed/fake_engine.py`` processes (real sockets, a slot-limited
   queue per pod, prefill then paced tokens) behind one ``tokenwire sidecar``
   process per policy, the policies one after the other in the same run,
   against the same pods, with the same arrival schedule (open loop, Poisson,
@@ -44,9 +44,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testbed/
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fake_pods import FakePod, running_pods
-from targets import sidecar
+from testbed.fake_pods import FakePod, running_pods
+from testbed.targets import sidecar
 
 PATH = "/v1/chat/completions"
 

@@ -32,9 +32,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testbed/
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sidecar_bench import RESULTS
-from targets import PY, free_port, process, rss_kib, sidecar
+
+from testbed.targets import PY, free_port, process, rss_kib, sidecar
 
 UPLOADS = 32
 UPLOAD_BYTES = 15 << 20

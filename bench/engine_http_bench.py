@@ -50,7 +50,7 @@ def serve(port: int, busy_ms: float, free_ms: float, loop: str = "tree") -> None
     from tokenwire.engine.loader import load_front
     from tokenwire.engine.server import _wrap_in_middleware
     from tokenwire.engine.tiny import ensure_tiny_model
-    from tokenwire.middleware.asgi import listening_socket
+    from tokenwire.middleware.asgi.middleware import listening_socket
 
     class FakeBackend:
         max_model_len = 4096

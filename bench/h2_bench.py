@@ -40,9 +40,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testbed/
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sidecar_bench import client
-from targets import (
+
+from testbed.targets import (
     LOAD,
     PY,
     RunningSidecar,

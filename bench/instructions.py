@@ -60,10 +60,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testbed/
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sidecar_bench import RESULTS, ROOT, client
 from sse_load import request_bytes
-from targets import fake_upstream, free_port, nginx, sidecar
+
+from testbed.targets import fake_upstream, free_port, nginx, sidecar
 
 _TOTALS = re.compile(r"^totals: (\d+)", re.MULTILINE)
 

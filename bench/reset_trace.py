@@ -42,7 +42,10 @@ from pathlib import Path
 from typing import Any
 
 from sidecar_bench import client
-from targets import LOAD, PY, free_port, nginx, nginx_worker_pid, process, sidecar
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testbed/
+
+from testbed.targets import LOAD, PY, free_port, nginx, nginx_worker_pid, process, sidecar
 
 EVENTS = ("sock:inet_sock_set_state", "tcp:tcp_receive_reset", "syscalls:sys_exit_epoll_wait",
           "syscalls:sys_exit_epoll_pwait", "sched:sched_switch", "sched:sched_wakeup")

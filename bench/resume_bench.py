@@ -53,7 +53,9 @@ from typing import Any
 import redis
 from core_bench import SSE_HEADERS, make_stream
 from sse_load import chunk_bytes
-from targets import RunningSidecar, fake_upstream, free_port, process, rss_kib, sidecar, wait_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testbed/
+
 from tokenwire.middleware import (
     ReplayAppend,
     Tick,
@@ -64,8 +66,10 @@ from tokenwire.middleware import (
     WireStream,
     WriteCompleted,
 )
-from tokenwire.middleware.replay_store import FRAME_OVERHEAD_BYTES, MemoryReplayStore
-from tokenwire.sidecar.tools.sse_client import parse_response
+from tokenwire.middleware.shared.replay_store import FRAME_OVERHEAD_BYTES, MemoryReplayStore
+
+from testbed.targets import RunningSidecar, fake_upstream, free_port, process, rss_kib, sidecar, wait_port
+from tokenwire.tools.sse_client import parse_response
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"

@@ -54,7 +54,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from targets import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testbed/
+
+from testbed.targets import (
     LOAD,
     PY,
     cpu_seconds,

@@ -26,10 +26,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testbed/
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sidecar_bench import client
-from targets import fake_upstream, free_port, nginx, sidecar
+
+from testbed.targets import fake_upstream, free_port, nginx, sidecar
 
 
 def slow(port: int, upstream_port: int, events: int, *extra: str) -> dict[str, Any]:

@@ -53,8 +53,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testbed/
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from targets import PY, free_port, process, rss_kib, sidecar
+from testbed.targets import PY, free_port, process, rss_kib, sidecar
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"

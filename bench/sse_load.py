@@ -32,7 +32,7 @@ try:
 except ImportError:  # pragma: no cover
     uvloop = None  # type: ignore[assignment]
 
-from tokenwire.middleware.sse import SSEParser
+from tokenwire.middleware.core.sse import SSEParser
 
 
 def raise_fd_limit(wanted: int = 65536) -> None:

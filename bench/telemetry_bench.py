@@ -44,9 +44,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testbed/
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sidecar_bench import RESULTS, client
-from targets import RunningSidecar, cpu_seconds, fake_upstream, free_port, sidecar
+
+from testbed.targets import RunningSidecar, cpu_seconds, fake_upstream, free_port, sidecar
 
 MODES = ("off", "on", "debug")
 
@@ -127,10 +129,10 @@ def micro(events_per_stream: int, streams: int) -> dict[str, float]:
         WireStream,
         WriteCompleted,
     )
-    from tokenwire.middleware.chunks import carries_token
-    from tokenwire.middleware.meter import TokenMeter
+    from tokenwire.middleware.core.chunks import carries_token
+    from tokenwire.middleware.core.meter import TokenMeter
     from tokenwire.sidecar.logs import StreamLog
-    from tokenwire.sidecar.metrics import SidecarMetrics
+    from tokenwire.sidecar.process.metrics import SidecarMetrics
     from tokenwire.sidecar.settings import SIDECAR_WIRE_DEFAULTS
 
     chunk = (b'data: {"id":"c","object":"chat.completion.chunk",'

@@ -29,8 +29,9 @@ from typing import Any
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testbed/
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from targets import child_lines, tiny_model, tokenwire_up
+from testbed.targets import child_lines, tiny_model, tokenwire_up
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"

@@ -48,8 +48,8 @@ from tokenwire.engine.scheduler import ContinuousBatchingScheduler
 from tokenwire.engine.scheduler_process import LaunchedScheduler, SchedulerProcessRunner
 from tokenwire.engine.service import EngineService, RequestHandle
 from tokenwire.engine.streaming import SERVER_SEND_KEY, PushedEventStream
-from tokenwire.middleware.errors import ErrorCode, error_object
-from tokenwire.middleware.tracing import extract_text, get_tracer
+from tokenwire.middleware.core.errors import ErrorCode, error_object
+from tokenwire.middleware.process.tracing import extract_text, get_tracer
 
 REQUEST_ID_HEADER = "x-request-id"
 _MAX_REQUEST_ID_CHARS = 128
@@ -80,7 +80,7 @@ def build_app(
     The scheduler runs in a thread of this process over ``backend`` (default:
     a :class:`ContinuousBatchingScheduler` of ``loaded``), or, given
     ``launched``, in that scheduler process (``loaded`` is then its front).
-    ``tracer_provider``: where request spans go (``tokenwire.middleware.tracing``).
+    ``tracer_provider``: where request spans go (``tokenwire.middleware.process.tracing``).
     """
     metrics = EngineMetrics()
     service_box: list[EngineService] = []

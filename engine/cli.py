@@ -12,7 +12,7 @@ import argparse
 from collections.abc import Mapping, Sequence
 
 from tokenwire.engine.config import CONFIG_ENV, EngineConfig, build_engine_config, engine_keys
-from tokenwire.middleware.config_layers import add_key_flags, config_defaults, read_command_line
+from tokenwire.middleware.process.config_layers import add_key_flags, config_defaults, read_command_line
 
 SUMMARY = "the embedded torch + transformers engine (needs tokenwire[engine])"
 DESCRIPTION = (

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenwire.middleware import ConfigError, WireConfig
-from tokenwire.middleware.config_layers import ConfigKey, build_layered, config_keys
-from tokenwire.middleware.logs import LogFormat
+from tokenwire.middleware.process.config_layers import ConfigKey, build_layered, config_keys
+from tokenwire.middleware.process.logs import LogFormat
 
 ENV_PREFIX = "TOKENWIRE_ENGINE_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
@@ -194,7 +194,8 @@ def check_listen(value: str) -> None:
 
 
 EngineKey = ConfigKey
-"""One engine configuration key (the shared :class:`~tokenwire.middleware.config_layers.ConfigKey`)."""
+"""One engine configuration key (the shared
+:class:`~tokenwire.middleware.process.config_layers.ConfigKey`)."""
 
 
 def engine_keys() -> list[ConfigKey]:

@@ -16,7 +16,7 @@ from importlib import metadata
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from tokenwire.engine.backend import BackendStats
-from tokenwire.middleware.meter import GAP_BUCKETS_S, LATENCY_BUCKETS_S
+from tokenwire.middleware.core.meter import GAP_BUCKETS_S, LATENCY_BUCKETS_S
 
 _STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _DURATION_BUCKETS_S = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)

@@ -29,7 +29,7 @@ from tokenwire.engine.openai_requests import (
     parse_chat_request,
     parse_completion_request,
 )
-from tokenwire.middleware.errors import ErrorCode, error_object
+from tokenwire.middleware.core.errors import ErrorCode, error_object
 
 _DONE = "data: [DONE]\n\n"
 

@@ -464,7 +464,7 @@ def scheduler_main(spec: SchedulerSpec, down: Connection, up: Connection) -> Non
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     # Its lines go where the server's do, in the server's format (one JSON object a
     # line by default); transformers' progress bars and warnings through the same handler.
-    from tokenwire.middleware.logs import configure_logging
+    from tokenwire.middleware.process.logs import configure_logging
     from transformers.utils import logging as hf_logging
 
     configure_logging("debug" if spec.log_level.lower() == "trace" else spec.log_level,

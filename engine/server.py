@@ -23,9 +23,9 @@ from tokenwire.engine.config import (
 )
 from tokenwire.engine.runner import GIL_SWITCH_INTERVAL_S
 from tokenwire.middleware import WireConfig
-from tokenwire.middleware.asgi import listening_socket
-from tokenwire.middleware.logs import LogFormat, configure_logging
-from tokenwire.middleware.tracing import tracer_provider_from_env
+from tokenwire.middleware.asgi.middleware import listening_socket
+from tokenwire.middleware.process.logs import LogFormat, configure_logging
+from tokenwire.middleware.process.tracing import tracer_provider_from_env
 
 __all__ = ["ListenAddress", "build_asgi_app", "build_parser", "load_engine_config", "main"]
 

@@ -32,7 +32,7 @@ from opentelemetry.trace import SpanKind, StatusCode, Tracer, set_span_in_contex
 from tokenwire.engine.backend import GenerationRequest, RequestOutput, RequestRejected
 from tokenwire.engine.metrics import EngineMetrics, observe_many
 from tokenwire.engine.runner import Runner
-from tokenwire.middleware.tracing import set_attributes, wall_ns
+from tokenwire.middleware.process.tracing import set_attributes, wall_ns
 
 request_log = logging.getLogger("tokenwire.engine.requests")
 """One JSON line per finished request (aborted and failed ones included)."""

@@ -5,9 +5,9 @@ on the wire for a streamed LLM answer; drivers move bytes and events between
 sockets and it. See ``stream.py`` for the theory of operation.
 """
 
-from .asgi import TokenWireMiddleware
-from .config import ConfigError, SlowClientPolicy, WireConfig
-from .errors import (
+from .asgi.middleware import TokenWireMiddleware
+from .core.config import ConfigError, SlowClientPolicy, WireConfig
+from .core.errors import (
     ClientError,
     ErrorCode,
     LocalError,
@@ -16,7 +16,7 @@ from .errors import (
     UpstreamError,
     WireError,
 )
-from .events import (
+from .core.events import (
     AbortUpstream,
     Action,
     AwaitReader,
@@ -46,11 +46,11 @@ from .events import (
     UpstreamHeaders,
     WriteCompleted,
 )
-from .meter import GAP_BUCKETS_S
-from .native import compiled_modules
-from .retry import RetryBudget
-from .sse import SSEEvent, SSEParser, encode
-from .stream import StreamState, WireStream
+from .core.meter import GAP_BUCKETS_S
+from .core.retry import RetryBudget
+from .core.sse import SSEEvent, SSEParser, encode
+from .core.stream import StreamState, WireStream
+from .process.native import compiled_modules
 
 __all__ = [
     "GAP_BUCKETS_S",

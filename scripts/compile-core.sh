@@ -4,7 +4,7 @@
 # an extension beside each .py, which Python imports instead of it. Without a C
 # compiler or Python's headers, or with TOKENWIRE_PURE_PYTHON=1, it removes any
 # compiled modules and the core runs as the plain Python it always was.
-# Reruns only when a middleware/*.py, sidecar/*.py (or this build) is newer than its last run.
+# Reruns only when a .py under middleware/ or sidecar/ (or this build) is newer than its last run.
 # Usage: scripts/compile-core.sh [--force | --clean | --out DIR]
 #   --out DIR: leave middleware/ alone; build a compiled copy of the package as
 #              DIR/tokenwire/{middleware,sidecar} (the tests run the core on it).
@@ -17,7 +17,8 @@ stamp="$out/stamp"
 mode="${1:-}"
 
 clean() {
-    rm -f middleware/*.so middleware/dialects/*.so sidecar/*.so "$stamp"
+    find middleware sidecar -name '*.so' -delete
+    rm -f "$stamp"
 }
 
 if [ "$mode" = "--clean" ]; then clean; exit 0; fi
@@ -35,7 +36,7 @@ if [ "$mode" = "--out" ]; then
     tree="$(realpath "$2")"; work="$tree/.build"
 else
     if [ "$mode" != "--force" ] && [ -f "$stamp" ] && ls middleware/_core__mypyc*.so >/dev/null 2>&1 \
-        && [ -z "$(find middleware middleware/dialects sidecar scripts/compile_core.py scripts/compile-core.sh -maxdepth 1 \
+        && [ -z "$(find middleware sidecar scripts/compile_core.py scripts/compile-core.sh \
                    -newer "$stamp" \( -name '*.py' -o -name '*.sh' \))" ]; then
         exit 0
     fi
@@ -64,14 +65,14 @@ start=$(date +%s)
     if [ "$mode" != "--out" ]; then clean; fi
     exit 1
 }
-echo "compile-core: done in $(( $(date +%s) - start )) s: $(ls "$tree"/tokenwire/*/*.so "$tree"/tokenwire/*/*/*.so | wc -l) extensions"
+echo "compile-core: done in $(( $(date +%s) - start )) s: $(find "$tree/tokenwire" -name '*.so' | wc -l) extensions"
 if [ "$mode" = "--out" ]; then
     # The engine and the gRPC messages resolve from the checkout.
     rm -f "$tree/tokenwire/engine" "$tree/tokenwire/v1"
     exit 0
 fi
 # New files, not overwritten ones: a running process keeps the old ones mapped.
-cp "$tree"/tokenwire/middleware/*.so middleware/
-cp "$tree"/tokenwire/middleware/dialects/*.so middleware/dialects/
-cp "$tree"/tokenwire/sidecar/*.so sidecar/
+(cd "$tree/tokenwire" && find middleware sidecar -name '*.so') | while read -r built; do
+    cp "$tree/tokenwire/$built" "$built"
+done
 mv "$work/stamp.new" "$stamp"

@@ -23,28 +23,28 @@ from setuptools import setup
 # The per-event path: a read goes through these on every event (sse, chunks,
 # pending, meter, the sidecar's chunked-body reader), and the decisions each
 # input takes live in the rest of the core. The sidecar's HTTP/1.1 driver is
-# compiled too: its upstream socket callback (upstream_io), the exchange that
-# hands each read to the core and the client connection's write (http1) ran
-# ~6,000 instructions of interpreter per event around the compiled core; and,
-# once a stream, its upstream client (upstream_head, upstream_conn) and the
-# heads it writes (header_fields, response_head, forwarding). The ASGI driver,
-# HTTP/2 and the rest stay Python; config.py reads TOML and signatures.
+# compiled too: its upstream socket callback (upstream/transport), the exchange
+# that hands each read to the core and the client connection's write
+# (downstream/http1); and, once a stream, its upstream client (upstream/head,
+# upstream/conn) and the heads it writes (downstream/header_fields,
+# downstream/response_head, exchange/forwarding). The ASGI driver, HTTP/2 and
+# the rest stay Python; core/config.py reads TOML and signatures.
 MODULES = (
-    *(f"middleware/{name}" for name in (
+    *(f"middleware/core/{name}" for name in (
         "accounting", "attempt", "chunks", "client_socket", "decisions", "errors", "events", "headers",
         "lifecycle", "meter", "pending", "recording", "retry", "sse", "stream",
         # The dialects: the core asks them of every parsed event (compiled, a
         # native method call; interpreted, a Python call from compiled code).
         "dialects/base", "dialects/chat", "dialects/responses", "dialects/anthropic")),
-    "sidecar/upstream_body",
-    "sidecar/upstream_head",
-    "sidecar/upstream_conn",
-    "sidecar/header_fields",
-    "sidecar/response_head",
-    "sidecar/forwarding",
-    "sidecar/upstream_io",
-    "sidecar/exchange",
-    "sidecar/http1",
+    "sidecar/upstream/body",
+    "sidecar/upstream/head",
+    "sidecar/upstream/conn",
+    "sidecar/downstream/header_fields",
+    "sidecar/downstream/response_head",
+    "sidecar/exchange/forwarding",
+    "sidecar/upstream/transport",
+    "sidecar/exchange/loop",
+    "sidecar/downstream/http1",
 )
 
 
@@ -54,7 +54,7 @@ def main() -> None:
     paths = [f"tokenwire/{module}.py" for module in MODULES]
     setup(
         name="tokenwire-core",
-        packages=["tokenwire.middleware", "tokenwire.middleware.dialects", "tokenwire.sidecar"],
+        packages=sorted({"tokenwire." + module.rpartition("/")[0].replace("/", ".") for module in MODULES}),
         ext_modules=mypycify(["--config-file", config_toml, *paths], opt_level="2",
                              target_dir=target_dir, group_name="tokenwire.middleware._core"),
     )

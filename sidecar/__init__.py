@@ -6,9 +6,9 @@ See ``protocol.py`` (client side), ``exchange.py`` (the driver loop) and
 ``upstream.py`` (engine side) for the theory of operation.
 """
 
-from .forwarding import wants_stream
+from .exchange.forwarding import wants_stream
 from .logs import StreamLog
-from .server import Sidecar, run
+from .process.server import Sidecar, run
 from .settings import SidecarConfig, build_config
 
 __all__ = ["Sidecar", "SidecarConfig", "StreamLog", "build_config", "run", "wants_stream"]

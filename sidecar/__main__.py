@@ -1,5 +1,5 @@
 """``python -m tokenwire.sidecar ...`` is ``tokenwire ...``."""
 
-from .tools.cli import main
+from tokenwire.tools.cli import main
 
 raise SystemExit(main())

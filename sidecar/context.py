@@ -8,19 +8,19 @@ from typing import TYPE_CHECKING
 
 from opentelemetry.trace import Tracer
 from tokenwire.middleware import RetryBudget
-from tokenwire.middleware.dialects import DialectTable
-from tokenwire.middleware.replay_store import ReplayStore
-from tokenwire.middleware.resume import CallerKey
+from tokenwire.middleware.core.dialects import DialectTable
+from tokenwire.middleware.core.resume import CallerKey
+from tokenwire.middleware.shared.replay_store import ReplayStore
 
-from .departures import Departures
+from .exchange.departures import Departures
 from .logs import StreamLog
-from .metrics import SidecarMetrics
+from .process.metrics import SidecarMetrics
 from .registry import StreamRegistry
 from .settings import SidecarConfig
-from .upstream import UpstreamPools
+from .upstream.pods import UpstreamPools
 
 if TYPE_CHECKING:
-    from .connection import OpenConnection
+    from .downstream.connection import OpenConnection
 
 
 @dataclass(slots=True)
@@ -35,12 +35,12 @@ class SidecarContext:
     replay_store: ReplayStore | None = None
     """Where resumable streams are kept (``resume = true``), else None."""
     caller_key: CallerKey | None = None
-    """Whose stream is whose (see ``tokenwire.middleware.resume``); set with the replay store."""
+    """Whose stream is whose (see ``tokenwire.middleware.core.resume``); set with the replay store."""
     admin_origins: tuple[str, ...] = ()
     """The admin port's own origins (its playground page), allowed by the proxy's CORS."""
     registry: StreamRegistry = field(default_factory=StreamRegistry)
     tracer: Tracer | None = None
-    """Where each stream's span goes (``tokenwire.middleware.tracing``); None = tracing off."""
+    """Where each stream's span goes (``tokenwire.middleware.process.tracing``); None = tracing off."""
     connections: set[OpenConnection] = field(default_factory=set)
     buffered_body_bytes: int = 0
     """Request body bytes held by all connections now (``max_buffered_body_bytes``)."""

@@ -3,7 +3,7 @@
 The line is a record of the ``tokenwire.streams`` logger at INFO, with the
 record's fields (request id, stream id, upstream, status, end reason, error
 code and number, bytes, tokens, TTFT, duration...) beside the standard ones
-(``ts``, ``level``, ``logger``, ``msg``; see ``tokenwire.middleware.logs``).
+(``ts``, ``level``, ``logger``, ``msg``; see ``tokenwire.middleware.process.logs``).
 With ``log_file = "-"`` it goes where every other log line goes (stderr, in
 the process's ``log_format``); with a file name, to that file, always as JSON
 lines; with ``""``, nowhere.
@@ -15,7 +15,7 @@ import itertools
 import logging
 
 from tokenwire.middleware import StreamRecord
-from tokenwire.middleware.logs import JsonFormatter
+from tokenwire.middleware.process.logs import JsonFormatter
 
 STREAMS_LOGGER = "tokenwire.streams"
 _file_loggers = itertools.count()

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from tokenwire.middleware import EndReason, StopRequested, StreamRecord
 
 if TYPE_CHECKING:
-    from .exchange import Exchange
+    from .exchange.loop import Exchange
 
 
 class StreamRegistry:

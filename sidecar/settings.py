@@ -21,14 +21,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenwire.middleware import ConfigError, WireConfig
-from tokenwire.middleware.config_layers import ConfigKey, build_layered, config_keys
-from tokenwire.middleware.keepalive import PingLimits
-from tokenwire.middleware.logs import LOG_LEVELS, LogFormat
+from tokenwire.middleware.process.config_layers import ConfigKey, build_layered, config_keys
+from tokenwire.middleware.process.logs import LOG_LEVELS, LogFormat
 
 from .balance.load import PRESETS
 from .balance.members import parse_spec
 from .balance.policies import POLICIES
-from .cors import normalize_origin
+from .downstream.cors import normalize_origin
+from .downstream.keepalive import PingLimits
 
 ENV_PREFIX = "TOKENWIRE_"
 
@@ -381,7 +381,8 @@ def parse_host_port(value: str, key: str) -> tuple[str, int]:
 
 
 Key = ConfigKey
-"""One sidecar configuration key (the shared :class:`~tokenwire.middleware.config_layers.ConfigKey`)."""
+"""One sidecar configuration key (the shared
+:class:`~tokenwire.middleware.process.config_layers.ConfigKey`)."""
 
 
 def all_keys() -> list[ConfigKey]:

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from chromium import launched
 
-# bench/ last on the path: the tests start processes with the benches' helpers
-# (bench/targets.py, bench/fake_pods.py), so both start them one way.
-sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
+# The repository's root last on the path: the tests start processes with the
+# helpers the benches use (testbed/), so both start them one way.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 
 def _free_port() -> int:
@@ -73,10 +73,10 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
     root = Path(__file__).resolve().parents[1]
     stale = sorted(
-        f"{folder}/{source.name}" for folder in ("middleware", "middleware/dialects", "sidecar")
+        str(source.relative_to(root)) for folder in ("middleware", "sidecar")
         for suffix in importlib.machinery.EXTENSION_SUFFIXES
-        for built in (root / folder).glob(f"*{suffix}")
-        if (source := root / folder / (built.name[: -len(suffix)] + ".py")).exists()
+        for built in (root / folder).rglob(f"*{suffix}")
+        if (source := built.with_name(built.name[: -len(suffix)] + ".py")).exists()
         and source.stat().st_mtime > built.stat().st_mtime)
     if stale:
         pytest.exit(f"the compiled core is older than {', '.join(stale)}: run scripts/compile-core.sh "

@@ -10,7 +10,8 @@ import socket
 import struct
 
 from tokenwire.middleware import SSEEvent
-from tokenwire.sidecar.tools.sse_client import SSEResponse, read_response
+
+from tokenwire.tools.sse_client import SSEResponse, read_response
 
 __all__ = ["SSEResponse", "open_stream", "read_events", "reset", "resume", "resume_through_drops"]
 

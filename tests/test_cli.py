@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from tokenwire.engine.config import engine_keys
 from tokenwire.sidecar.settings import all_keys
-from tokenwire.sidecar.tools.cli import COMMANDS, build_parser, main
+
+from tokenwire.tools.cli import COMMANDS, build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -40,7 +40,7 @@ if tree:
     sys.path.insert(0, tree)
 import tokenwire.middleware as core
 import tokenwire.sidecar as sidecar
-import tokenwire.middleware.stream as stream
+import tokenwire.middleware.core.stream as stream
 assert not tree or core.__file__.startswith(tree) and sidecar.__file__.startswith(tree), (core, sidecar)
 got = "compiled" if core.compiled_modules() else "pure"
 assert got == want and stream.__file__.endswith(".py") == (want == "pure"), (want, core.compiled_modules())
@@ -67,7 +67,7 @@ def test_compiledModules_whenImported_thenNamesExactlyTheModulesLoadedAsExtensio
 
 
 def test_pureSwitch_whenSet_thenEveryModuleComesFromItsSource() -> None:
-    probe = ("import sys, tokenwire.middleware as m, tokenwire.sidecar.upstream_body; "
+    probe = ("import sys, tokenwire.middleware as m, tokenwire.sidecar.upstream.body; "
              "print(m.compiled_modules(), sorted(n for n, mod in sys.modules.items() "
              "if n.startswith('tokenwire.') and (getattr(mod, '__file__', '') or '').endswith("
              f"{SUFFIXES!r})))")

@@ -1,4 +1,4 @@
-"""The sidecar and the engine read their keys with one implementation (middleware/config_layers.py):
+"""The sidecar and the engine read their keys with one implementation (middleware/process/config_layers.py):
 the same text or TOML value gives the same value in both, and a bad one is refused in both, naming the key."""
 
 from __future__ import annotations
@@ -9,7 +9,12 @@ from typing import Any
 import pytest
 from tokenwire.engine.config import EngineConfig, build_engine_config, engine_keys
 from tokenwire.middleware import ConfigError, WireConfig
-from tokenwire.middleware.config_layers import ConfigKey, config_keys, value_from_text, value_from_toml
+from tokenwire.middleware.process.config_layers import (
+    ConfigKey,
+    config_keys,
+    value_from_text,
+    value_from_toml,
+)
 from tokenwire.sidecar.settings import SidecarConfig, all_keys, build_config
 
 _UPSTREAM = {"upstream": "http://127.0.0.1:8000"}

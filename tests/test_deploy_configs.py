@@ -43,10 +43,11 @@ from tokenwire.middleware import (
     WireStream,
     WriteCompleted,
 )
-from tokenwire.middleware.config import load_toml
-from tokenwire.sidecar.metrics import SidecarMetrics
+from tokenwire.middleware.core.config import load_toml
+from tokenwire.sidecar.process.metrics import SidecarMetrics
 from tokenwire.sidecar.settings import SIDECAR_WIRE_DEFAULTS
-from tokenwire.sidecar.tools.cli import load_sidecar_config
+
+from tokenwire.tools.cli import load_sidecar_config
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "conf" / "examples"

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "architecture.md"
 SOURCES = ("middleware", "sidecar", "engine", "tokenwire", "tests", "bench", "scripts", "conf", "docs")
 TOP_FILES = ("README.md", "Dockerfile", "pyproject.toml")
-STREAM = "middleware/stream.py"  # the rules table's functions live here unless a cell names a module
+STREAM = "middleware/core/stream.py"  # the rules table's functions live here unless a cell names a module
 
 
 def _slug(heading: str) -> str:

@@ -125,7 +125,7 @@ def test_base_install_imports_every_module_without_torch(wheel: Path, clean_venv
     assert "tokenwire.sidecar.grpc_gateway.driver" in grpc_extra
     modules = ["tokenwire", *_modules(wheel, "middleware"),
                *(m for m in _modules(wheel, "sidecar") if m not in grpc_extra)]
-    assert "tokenwire.middleware.stream" in modules and "tokenwire.sidecar" in modules
+    assert "tokenwire.middleware.core.stream" in modules and "tokenwire.sidecar" in modules
     script = (
         "import importlib, importlib.util, sys\n"
         "assert importlib.util.find_spec('torch') is None, 'torch is installed'\n"
@@ -166,7 +166,7 @@ def test_console_script_without_torch(clean_venv: Path) -> None:
 def test_demo_report_without_matplotlib(clean_venv: Path, tmp_path: Path) -> None:
     """matplotlib is the ``demo`` extra, not a dependency: without it the report has no plots."""
     script = ("import sys; from pathlib import Path\n"
-              "from tokenwire.sidecar.tools.demo_report import write_plots\n"
+              "from tokenwire.tools.demo_report import write_plots\n"
               "assert write_plots({}, Path(sys.argv[1])) == []\n")
     result = subprocess.run([str(clean_venv), "-c", script, str(tmp_path)], capture_output=True,
                             text=True, timeout=60, cwd="/")

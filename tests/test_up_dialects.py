@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from targets import child_lines, tiny_model, tokenwire_up
+
+from testbed.targets import child_lines, tiny_model, tokenwire_up
 
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")

@@ -3,7 +3,7 @@
 Three packages, mapped from the repository's top-level folders:
 
 - ``tokenwire.middleware``: the sans-IO wire core and the ASGI middleware;
-- ``tokenwire.sidecar``: the reverse proxy; ``tokenwire.sidecar.tools``: the
+- ``tokenwire.sidecar``: the reverse proxy; ``tokenwire.tools``: the
   ``tokenwire`` command and its tools (``up``, ``demo``, ``probe``);
 - ``tokenwire.engine``: the torch + transformers engine (``tokenwire[engine]``).
 

@@ -1,5 +1,5 @@
 """``python -m tokenwire ...`` is ``tokenwire ...``."""
 
-from tokenwire.sidecar.tools.cli import main
+from tokenwire.tools.cli import main
 
 raise SystemExit(main())

@@ -19,8 +19,8 @@ from pathlib import Path
 from types import ModuleType
 
 ENV_VAR = "TOKENWIRE_PURE_PYTHON"
-# The packages that may hold compiled modules.
-PACKAGES = ("tokenwire.middleware", "tokenwire.middleware.dialects", "tokenwire.sidecar")
+# The packages that may hold compiled modules, with their subpackages.
+PACKAGES = ("tokenwire.middleware", "tokenwire.sidecar")
 
 
 class SourcesFirst:
@@ -30,7 +30,7 @@ class SourcesFirst:
     def find_spec(fullname: str, path: Sequence[str] | None = None,
                   target: ModuleType | None = None) -> ModuleSpec | None:
         package, _, name = fullname.rpartition(".")
-        if package not in PACKAGES or not path:
+        if not path or not any(package == top or package.startswith(top + ".") for top in PACKAGES):
             return None
         for folder in path:
             source = Path(folder) / f"{name}.py"

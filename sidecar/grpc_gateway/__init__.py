@@ -4,7 +4,7 @@ The sidecar's HTTP/2 listener hands each request with ``content-type:
 application/grpc`` on a gRPC path to this package. A call to one of the
 ``tokenwire.v1`` services (``tokenwire/v1/streaming.proto``) is transcoded to
 the engine's OpenAI request and proxied through the same
-:class:`~tokenwire.sidecar.exchange.Exchange` and wire core as an SSE request,
+:class:`~tokenwire.sidecar.exchange.loop.Exchange` and wire core as an SSE request,
 so every wire rule holds per gRPC call; the transcoder only turns the core's
 SSE events into protobuf messages and its endings into gRPC statuses.
 ``grpc.health.v1.Health`` and server reflection are answered here.
@@ -12,7 +12,7 @@ SSE events into protobuf messages and its endings into gRPC statuses.
 Modules, one idea each; all but ``driver`` are sans-IO:
 
 - ``framing``: length-prefixed messages, ``grpc-timeout``, content types;
-- ``metadata``: statuses and trailers (the mapping lives in ``middleware/errors.py``);
+- ``metadata``: statuses and trailers (the mapping lives in ``middleware/core/errors.py``);
 - ``transcode``: protobuf request → OpenAI request; SSE events → messages;
 - ``call``: one call's response side: what to send for each core output;
 - ``health``: the health service's state and its watchers;

@@ -18,9 +18,9 @@ nothing the core has not decided already:
   trailers (:func:`summary_trailers`: ``tokenwire-ttft-s``,
   ``tokenwire-tokens``, ...);
   any other end carries the core's typed ending (:class:`CoreEnding`: the
-  :class:`~tokenwire.middleware.errors.WireError` it ended with, or only its
+  :class:`~tokenwire.middleware.core.errors.WireError` it ended with, or only its
   code, as for a slow client it cut), mapped by
-  :func:`~tokenwire.middleware.errors.grpc_status_of`: a truncated answer
+  :func:`~tokenwire.middleware.core.errors.grpc_status_of`: a truncated answer
   never ends with 0. The in-band error event the core wrote last is that
   ending, so it becomes the trailers, not a message. Nothing the core wrote
   is parsed back for its meaning; only an engine's error body that the core
@@ -38,10 +38,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from tokenwire.middleware.errors import ErrorCode, GrpcStatus, WireError, grpc_status_of
-from tokenwire.middleware.events import EndReason
-from tokenwire.middleware.headers import STREAM_ID_HEADER
-from tokenwire.middleware.sse import SSEParser
+from tokenwire.middleware.core.errors import ErrorCode, GrpcStatus, WireError, grpc_status_of
+from tokenwire.middleware.core.events import EndReason
+from tokenwire.middleware.core.headers import STREAM_ID_HEADER
+from tokenwire.middleware.core.sse import SSEParser
 
 from .framing import encode_message, parse_timeout, valid_text
 from .metadata import GRPC_CONTENT_TYPE, OK, CallStatus, Header

@@ -7,7 +7,7 @@ own exchange, and a request on a gRPC path with any other content type gets
 
 A ``tokenwire.v1`` call (:class:`StreamCall`) reads its one request message,
 transcodes it to the engine's OpenAI request and hands it to an ordinary
-:class:`~tokenwire.sidecar.exchange.Exchange` with itself as the
+:class:`~tokenwire.sidecar.exchange.loop.Exchange` with itself as the
 ``Downstream``: the same wire core decides everything (retries before the
 first message, the commit deadline, coalescing while the stream's send window
 is shut, the write deadline, the record, the abort on cancel); the
@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any
 
 import h2.errors
 from tokenwire.middleware import EndReason, StopRequested
-from tokenwire.middleware.errors import GrpcStatus
+from tokenwire.middleware.core.errors import GrpcStatus
 
-from ..connection import Peer, new_exchange
 from ..context import SidecarContext
-from ..exchange import Exchange
+from ..downstream.connection import Peer, new_exchange
+from ..exchange.loop import Exchange
 from . import health, reflection
 from .call import CoreEnding, Deadline, ResponseTranscoder
 from .framing import GrpcCallError, MessageReader, encode_message, is_grpc_content_type
@@ -43,7 +43,7 @@ from .routing import HEALTH_CHECK, HEALTH_WATCH, REFLECTION_PATHS, STREAM_METHOD
 from .transcode import decode_request
 
 if TYPE_CHECKING:
-    from ..http2_stream import Http2Stream, RequestHead, StreamHandler
+    from ..downstream.http2_stream import Http2Stream, RequestHead, StreamHandler
 
 Header = tuple[bytes, bytes]
 

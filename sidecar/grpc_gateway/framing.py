@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 import struct
 
-from tokenwire.middleware.errors import GrpcStatus
+from tokenwire.middleware.core.errors import GrpcStatus
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 """gRPC's own default receive limit."""

@@ -10,7 +10,7 @@ answers ``SERVICE_UNKNOWN`` and stays open, as the protocol says.
 from __future__ import annotations
 
 from grpc_health.v1 import health_pb2
-from tokenwire.middleware.errors import GrpcStatus
+from tokenwire.middleware.core.errors import GrpcStatus
 
 from .framing import GrpcCallError
 from .routing import SERVICE_NAMES

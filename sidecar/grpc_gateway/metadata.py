@@ -6,14 +6,14 @@ PROTOCOL-HTTP2.md) and, for an error, tokenwire's own code in
 (``E7302``): the same code the SSE error event carries. A call refused before
 any message gets them as a *trailers-only* response: one HEADERS frame with
 ``:status`` 200 that ends the stream. Which status an error gets is decided in
-``middleware/errors.py`` (:func:`~tokenwire.middleware.errors.grpc_status_of`).
+``middleware/core/errors.py`` (:func:`~tokenwire.middleware.core.errors.grpc_status_of`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenwire.middleware.errors import ErrorCode, GrpcStatus
+from tokenwire.middleware.core.errors import ErrorCode, GrpcStatus
 
 from .framing import valid_text
 

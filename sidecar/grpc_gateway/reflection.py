@@ -12,7 +12,7 @@ from google.protobuf import descriptor_pool
 from google.protobuf.descriptor import FileDescriptor
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2 as rpb
-from tokenwire.middleware.errors import GrpcStatus
+from tokenwire.middleware.core.errors import GrpcStatus
 
 from tokenwire.v1 import streaming_pb2
 

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 from google.protobuf.message import DecodeError, Message
-from tokenwire.middleware.chunks import chunk_object
-from tokenwire.middleware.errors import GrpcStatus
+from tokenwire.middleware.core.chunks import chunk_object
+from tokenwire.middleware.core.errors import GrpcStatus
 
 from tokenwire.v1 import streaming_pb2 as pb
 

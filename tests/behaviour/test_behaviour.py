@@ -20,7 +20,8 @@ import re
 from typing import Any
 
 import pytest
-from tokenwire.sidecar.tools.sse_client import parse_response
+
+from tokenwire.tools.sse_client import parse_response
 
 from .drivers import DRIVERS
 from .scenarios import SCENARIOS, WireResult, reference

@@ -23,7 +23,7 @@ from behaviour.drivers import through_middleware, through_sidecar
 from behaviour.scenarios import SEND_GAP_S, Scenario, Send, Silence, mark_played, play_steps
 from behaviour.test_behaviour import parse
 from tokenwire.middleware import WireConfig
-from tokenwire.middleware.sse import SSEParser
+from tokenwire.middleware.core.sse import SSEParser
 
 TRANSCRIPTS = Path(__file__).resolve().parent / "transcripts"
 EVENT_STREAM = ((b"content-type", b"text/event-stream"),)

@@ -70,7 +70,7 @@ EXPECT: dict[str, Expect] = {
     "llamacpp_chat_reasoning": Expect(),
     "llamacpp_tool_calls": Expect(),
     # llama.cpp reports the failure in an `error:` field, then sends [DONE]: the
-    # parser turns that field into an error event (middleware/sse.py).
+    # parser turns that field into an error event (middleware/core/sse.py).
     "llamacpp_error": Expect(ends_in_error=True, error_message="Input prompt is too big"),
     "ollama_chat_reasoning": Expect(),
     "ollama_tool_calls": Expect(),

@@ -11,7 +11,7 @@ import pytest
 from tokenwire.engine.config import EngineConfig, build_engine_config, engine_keys, torch_threads
 from tokenwire.engine.server import load_engine_config
 from tokenwire.middleware import ConfigError
-from tokenwire.middleware.config import SlowClientPolicy, load_toml
+from tokenwire.middleware.core.config import SlowClientPolicy, load_toml
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "engine.toml"
 

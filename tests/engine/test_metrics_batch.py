@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from tokenwire.engine.metrics import observe_many
-from tokenwire.middleware.meter import GAP_BUCKETS_S
+from tokenwire.middleware.core.meter import GAP_BUCKETS_S
 
 
 def _histogram() -> tuple[CollectorRegistry, Histogram]:

@@ -20,8 +20,9 @@ from typing import Any
 import uvicorn
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
-from tokenwire.middleware.events import StreamRecord
-from tokenwire.sidecar.tools.sse_client import read_response as read_sse_response
+from tokenwire.middleware.core.events import StreamRecord
+
+from tokenwire.tools.sse_client import read_response as read_sse_response
 
 SERVERS = ("uvicorn-h11", "uvicorn-httptools", "hypercorn")
 

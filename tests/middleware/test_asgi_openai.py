@@ -11,7 +11,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from tokenwire.middleware import TokenWireMiddleware
-from tokenwire.middleware.asgi import DEFAULT_CONFIG
+from tokenwire.middleware.asgi.middleware import DEFAULT_CONFIG
 
 from .asgi_apps import SERVERS, Hooks, chat_chunk, running_server
 

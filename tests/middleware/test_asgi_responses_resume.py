@@ -18,8 +18,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 from tokenwire.middleware import TokenWireMiddleware
-from tokenwire.middleware.asgi import DEFAULT_CONFIG
-from tokenwire.middleware.replay_redis import RedisReplayStore
+from tokenwire.middleware.asgi.middleware import DEFAULT_CONFIG
+from tokenwire.middleware.shared.replay_redis import RedisReplayStore
 
 from .asgi_apps import Hooks, running_server
 

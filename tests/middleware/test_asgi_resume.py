@@ -17,8 +17,8 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.routing import Route
 from tokenwire.middleware import EndReason, TokenWireMiddleware
-from tokenwire.middleware.asgi import DEFAULT_CONFIG
-from tokenwire.middleware.replay_redis import RedisReplayStore
+from tokenwire.middleware.asgi.middleware import DEFAULT_CONFIG
+from tokenwire.middleware.shared.replay_redis import RedisReplayStore
 
 from .asgi_apps import Hooks, chat_chunk, running_server
 

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.routing import Route
 from tokenwire.middleware import TokenWireMiddleware, WireConfig
-from tokenwire.middleware.asgi import DEFAULT_CONFIG, StreamControl
+from tokenwire.middleware.asgi.middleware import DEFAULT_CONFIG, StreamControl
 
 from .asgi_apps import (
     SERVERS,

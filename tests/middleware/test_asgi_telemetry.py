@@ -32,14 +32,14 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from tokenwire.middleware import TokenWireMiddleware
-from tokenwire.middleware.config import ConfigError
-from tokenwire.middleware.logs import (
+from tokenwire.middleware.core.config import ConfigError
+from tokenwire.middleware.process.logs import (
     DefaultHandler,
     FieldsInMessage,
     JsonFormatter,
     install_default_handler,
 )
-from tokenwire.middleware.prometheus import MiddlewareMetrics
+from tokenwire.middleware.process.prometheus import MiddlewareMetrics
 
 from .asgi_apps import chat_chunk, open_request, running_server
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 from tokenwire.middleware import ConfigError, SlowClientPolicy, TokenWireMiddleware, WireConfig
-from tokenwire.middleware.config import NonStreamAnswer
+from tokenwire.middleware.core.config import NonStreamAnswer
 
 
 def test_defaults_followDesign() -> None:

@@ -23,8 +23,8 @@ from tokenwire.middleware import (
     UpstreamFailed,
     WireConfig,
 )
-from tokenwire.middleware.dialects import DialectTable, parse_route
-from tokenwire.middleware.sse import encode
+from tokenwire.middleware.core.dialects import DialectTable, parse_route
+from tokenwire.middleware.core.sse import encode
 
 from .wire_harness import Driver, chunk, parse_all, proxy_config
 

@@ -20,7 +20,7 @@ from tokenwire.middleware import (
     UpstreamHeaders,
     WireConfig,
 )
-from tokenwire.middleware.dialects import DialectTable
+from tokenwire.middleware.core.dialects import DialectTable
 
 from .wire_harness import Driver, chunk, parse_all, proxy_config
 

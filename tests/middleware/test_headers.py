@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from tokenwire.middleware.headers import (
+from tokenwire.middleware.core.headers import (
     connection_tokens,
     is_compressed,
     is_event_stream,

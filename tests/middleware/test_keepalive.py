@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from tokenwire.middleware.keepalive import PingLimits, PingPolicy
+from tokenwire.sidecar.downstream.keepalive import PingLimits, PingPolicy
 
 
 def test_pings_at_the_minimum_interval_are_never_strikes() -> None:

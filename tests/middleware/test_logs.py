@@ -9,7 +9,7 @@ import re
 from collections.abc import Iterator
 
 import pytest
-from tokenwire.middleware.logs import LogFormat, configure_logging, rfc3339
+from tokenwire.middleware.process.logs import LogFormat, configure_logging, rfc3339
 
 RFC3339_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z$")
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenwire.middleware import UpstreamData, UpstreamEnded
-from tokenwire.middleware.chunks import carries_token, read_chunk
-from tokenwire.middleware.meter import GAP_BUCKETS_S, TokenMeter, gap_bucket
+from tokenwire.middleware.core.chunks import carries_token, read_chunk
+from tokenwire.middleware.core.meter import GAP_BUCKETS_S, TokenMeter, gap_bucket
 
 from .wire_harness import Driver, chunk, completion_chunk, event, tool_args
 

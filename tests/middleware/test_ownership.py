@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 from tokenwire.middleware import ClientError, WireConfig
-from tokenwire.middleware.errors import WireError
-from tokenwire.middleware.replay_store import MemoryReplayStore, admit
-from tokenwire.middleware.resume import CallerKey, Idempotent, ResumeFrom, same_caller, scoped_key
+from tokenwire.middleware.core.errors import WireError
+from tokenwire.middleware.core.resume import CallerKey, Idempotent, ResumeFrom, same_caller, scoped_key
+from tokenwire.middleware.shared.replay_store import MemoryReplayStore, admit
 
 ALICE = [(b"authorization", b"Bearer sk-alice")]
 MALLORY = [(b"authorization", b"Bearer sk-mallory")]

@@ -25,16 +25,16 @@ from tokenwire.middleware import (
     UpstreamHeaders,
     WireConfig,
 )
-from tokenwire.middleware.attempt import AttemptPhase
-from tokenwire.middleware.chunks import plain_event_count, read_chunk
-from tokenwire.middleware.client_socket import SocketPhase
-from tokenwire.middleware.driver import DeadlineTimer, enter_resume, needs_body
-from tokenwire.middleware.errors import ErrorCode
-from tokenwire.middleware.lifecycle import StreamState, Trigger, next_state
-from tokenwire.middleware.recording import RecorderPhase
-from tokenwire.middleware.replay_store import MemoryReplayStore
-from tokenwire.middleware.resume import CallerKey, ResumeFrom
-from tokenwire.middleware.sse import SSEParser
+from tokenwire.middleware.core.attempt import AttemptPhase
+from tokenwire.middleware.core.chunks import plain_event_count, read_chunk
+from tokenwire.middleware.core.client_socket import SocketPhase
+from tokenwire.middleware.core.errors import ErrorCode
+from tokenwire.middleware.core.lifecycle import StreamState, Trigger, next_state
+from tokenwire.middleware.core.recording import RecorderPhase
+from tokenwire.middleware.core.resume import CallerKey, ResumeFrom
+from tokenwire.middleware.core.sse import SSEParser
+from tokenwire.middleware.shared.driver import DeadlineTimer, enter_resume, needs_body
+from tokenwire.middleware.shared.replay_store import MemoryReplayStore
 
 from .wire_harness import SSE_HEADERS, Driver, chunk, proxy_config
 

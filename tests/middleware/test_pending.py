@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenwire.middleware import SSEEvent, encode
-from tokenwire.middleware.pending import PendingBuffer
+from tokenwire.middleware.core.pending import PendingBuffer
 
 from .wire_harness import chunk, completion_chunk, parse_all, texts, tool_args
 

@@ -41,8 +41,8 @@ from tokenwire.middleware import (
     WriteCompleted,
     encode,
 )
-from tokenwire.middleware.retry import may_repeat
-from tokenwire.middleware.stream import HEARTBEAT
+from tokenwire.middleware.core.retry import may_repeat
+from tokenwire.middleware.core.stream import HEARTBEAT
 
 from .wire_harness import (
     PROXY_DEFAULTS,

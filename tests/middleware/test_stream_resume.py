@@ -33,8 +33,8 @@ from tokenwire.middleware import (
     UpstreamFailed,
     WireConfig,
 )
-from tokenwire.middleware.replay_store import MemoryReplayStore, ReplayUnavailable, StreamNotFound
-from tokenwire.middleware.resume import Idempotent, ResumeFrom, classify, parse_event_id
+from tokenwire.middleware.core.resume import Idempotent, ResumeFrom, classify, parse_event_id
+from tokenwire.middleware.shared.replay_store import MemoryReplayStore, ReplayUnavailable, StreamNotFound
 
 from .wire_harness import PROXY_DEFAULTS, Driver, chunk, parse_all, proxy_config, texts
 

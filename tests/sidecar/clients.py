@@ -13,14 +13,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tokenwire.middleware.sse import SSEParser
-from tokenwire.sidecar.tools.sse_client import BlockingReader, ResponseParser, SSEResponse, read_response
+from tokenwire.middleware.core.sse import SSEParser
+
+from tokenwire.tools.sse_client import BlockingReader, ResponseParser, SSEResponse, read_response
 
 __all__ = ["RawResponse", "read_response"]
 
 
 RawResponse = SSEResponse
-"""One response as the raw-socket clients read it (``tokenwire.sidecar.tools.sse_client``)."""
+"""One response as the raw-socket clients read it (``tokenwire.tools.sse_client``)."""
 
 
 def sse_datas(body: bytes) -> list[str]:

@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from targets import tiny_model
 from tokenwire.middleware import StreamRecord, WireConfig
 from tokenwire.sidecar import Sidecar, SidecarConfig, StreamLog
 from tokenwire.sidecar.settings import SIDECAR_WIRE_DEFAULTS
 from upstreams import FakeUpstream, ScriptedUpstream
+
+from testbed.targets import tiny_model
 
 T = TypeVar("T")
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from targets import read_line  # bench/targets.py: the ready line read as the benchmarks read it
+from testbed.targets import read_line  # testbed/targets.py: the ready line read as the benchmarks read it
 
 
 @dataclass

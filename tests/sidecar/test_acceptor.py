@@ -1,4 +1,4 @@
-"""The proxy's listener takes a burst of connections in one loop turn (sidecar/acceptor.py).
+"""The proxy's listener takes a burst of connections in one loop turn (sidecar/process/acceptor.py).
 
 uvloop's ``create_server`` took one connection per loop turn, so a burst of N
 connections waited N turns of a busy sidecar. These tests count loop turns,
@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import uvloop
-from tokenwire.sidecar.acceptor import Acceptor, bind_listeners
+from tokenwire.sidecar.process.acceptor import Acceptor, bind_listeners
 
 BURST = 100
 # A few connections are accepted a turn (4), each made two turns after: the
@@ -115,7 +115,7 @@ def test_bindListeners_portInUse_namesTheAddress() -> None:
 
 _OUT_OF_DESCRIPTORS = r'''
 import asyncio, logging, os, resource, sys
-from tokenwire.sidecar.acceptor import Acceptor, bind_listeners
+from tokenwire.sidecar.process.acceptor import Acceptor, bind_listeners
 
 hog = []
 

@@ -1,4 +1,4 @@
-"""Balancing with real processes: four fake engine pods (``bench/fake_engine.py``,
+"""Balancing with real processes: four fake engine pods (``testbed/fake_engine.py``,
 controllable queues and speeds) behind one ``tokenwire sidecar`` process.
 
 Which pod served a stream is read from the stream itself (every chunk names
@@ -19,8 +19,9 @@ from typing import Any
 
 import pytest
 from clients import RawResponse, exchange, wait_for
-from fake_pods import FakePod, spawn_pod  # bench/fake_pods.py
 from processes import SidecarProcess, spawn
+
+from testbed.fake_pods import FakePod, spawn_pod  # testbed/fake_pods.py
 
 PATH = "/v1/chat/completions"
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 from clients import ResponseReader, chat_body, connect, exchange, request_bytes
 from tokenwire.middleware import ConfigError
-from tokenwire.sidecar import cors
+from tokenwire.sidecar.downstream import cors
 from tokenwire.sidecar.settings import build_config
-from tokenwire.sidecar.tools.cli import load_sidecar_config
 from upstreams import FakeUpstream
+
+from tokenwire.tools.cli import load_sidecar_config
 
 PAGE = "http://127.0.0.1:8081"
 PREFLIGHT = {"Origin": PAGE, "Access-Control-Request-Method": "POST",

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tokenwire.sidecar.tools.demo_sections import split_wire
+
+from tokenwire.tools.demo_sections import split_wire
 
 _DEMO_TIMEOUT_S = 420  # a loaded two-core machine; the tour itself takes ~20 s
 

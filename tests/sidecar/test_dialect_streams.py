@@ -18,7 +18,7 @@ import pytest
 from clients import request_bytes
 from conftest import RunningSidecar
 from tokenwire.middleware import SSEEvent, SSEParser
-from tokenwire.middleware.sse import encode
+from tokenwire.middleware.core.sse import encode
 from upstreams import ScriptedUpstream
 
 StartSidecar = Callable[..., RunningSidecar]

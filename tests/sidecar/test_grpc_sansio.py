@@ -32,8 +32,8 @@ from tokenwire.middleware import (
     WireStream,
     WriteCompleted,
 )
-from tokenwire.middleware.errors import ErrorCode, GrpcStatus, grpc_status_of
-from tokenwire.middleware.events import AbortUpstream, FailureKind
+from tokenwire.middleware.core.errors import ErrorCode, GrpcStatus, grpc_status_of
+from tokenwire.middleware.core.events import AbortUpstream, FailureKind
 from tokenwire.sidecar.grpc_gateway import health, reflection
 from tokenwire.sidecar.grpc_gateway.call import Deadline, Ending, ResponseTranscoder
 from tokenwire.sidecar.grpc_gateway.framing import (

@@ -30,7 +30,7 @@ from tokenwire.middleware import (
     UpstreamFailed,
     UpstreamHeaders,
 )
-from tokenwire.middleware.events import FailureKind
+from tokenwire.middleware.core.events import FailureKind
 from tokenwire.sidecar.grpc_gateway.framing import MessageReader, valid_text
 from tokenwire.sidecar.grpc_gateway.metadata import percent_decode, percent_encode
 

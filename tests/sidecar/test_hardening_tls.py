@@ -18,7 +18,7 @@ import pytest
 import trustme
 from clients import connect, read_response, request_bytes, tls_client_context, tls_server_files
 from conftest import RunningSidecar, make_config
-from tokenwire.sidecar.tls import server_context, set_groups
+from tokenwire.sidecar.process.tls import server_context, set_groups
 
 StartSidecar = Callable[..., RunningSidecar]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokenwire.sidecar.http2_guard import Flood, FloodGuard
+from tokenwire.sidecar.downstream.http2_guard import Flood, FloodGuard
 
 LIMITS = {Flood.RESET: 3, Flood.CONTROL: 5, Flood.EMPTY: 1}
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from clients import chat_body, wait_for
 from conftest import LoopThread, RunningSidecar
 from h2client import H2Client
-from tokenwire.sidecar.http2 import Http2Connection
+from tokenwire.sidecar.downstream.http2 import Http2Connection
 from upstreams import FakeUpstream
 
 SILENT_PATH = "/silent/v1/chat/completions"

@@ -16,13 +16,14 @@ from clients import ResponseReader, chat_body, connect, exchange, request_bytes,
 from conftest import LoopThread, RunningSidecar, make_config
 from resume_client import SSEResponse, open_stream, resume
 from tokenwire.middleware import ConfigError
-from tokenwire.sidecar.admin import AdminAccess
-from tokenwire.sidecar.cors import origins_for
-from tokenwire.sidecar.server import Sidecar
+from tokenwire.sidecar.downstream.cors import origins_for
+from tokenwire.sidecar.process.admin import AdminAccess
+from tokenwire.sidecar.process.server import Sidecar
 from tokenwire.sidecar.settings import is_loopback
-from tokenwire.sidecar.tools.cli import main
-from tokenwire.sidecar.upstream import UpstreamPools
+from tokenwire.sidecar.upstream.pods import UpstreamPools
 from upstreams import FakeUpstream, expected_text
+
+from tokenwire.tools.cli import main
 
 PATH = "/normal/v1/chat/completions"
 ALICE = {"Authorization": "Bearer sk-alice"}

@@ -24,8 +24,8 @@ import httpx
 import pytest
 from chromium import new_page, served_page
 from conftest import LoopThread, RunningSidecar
-from tokenwire.sidecar.cors import admin_origins
-from tokenwire.sidecar.tools.playground import Playground
+from tokenwire.sidecar.downstream.cors import admin_origins
+from tokenwire.sidecar.process.playground import Playground
 from upstreams import FakeUpstream, Request, expected_text
 
 SCREENSHOT = Path(__file__).resolve().parents[2] / "bench" / "results" / "playground.png"
@@ -298,7 +298,7 @@ def test_aPageFromAnotherOrigin_isToldWhichFlagLetsItIn(
 
 def test_nothingListening_saysSoInWords(page: Any) -> None:
     dead = f"http://127.0.0.1:{_free_port()}"
-    template = importlib.resources.files("tokenwire.sidecar.tools").joinpath("static/playground.html")
+    template = importlib.resources.files("tokenwire.sidecar.process").joinpath("static/playground.html")
     with served_page(template.read_text("utf-8").replace("{{PROXY_URL}}", dead).encode()) as origin:
         page.goto(origin + "/")
         page.wait_for_selector("#model[data-loaded=true]", state="attached")

@@ -20,10 +20,11 @@ import pytest
 import trustme
 from clients import tls_server_files
 from conftest import LoopThread
-from tokenwire.middleware.chunks import read_chunk
-from tokenwire.sidecar.tools.probe import main
-from tokenwire.sidecar.tools.stats import paired_difference, percentile
+from tokenwire.middleware.core.chunks import read_chunk
 from upstreams import DONE, FakeUpstream, ScriptedUpstream, chunk
+
+from tokenwire.tools.probe import main
+from tokenwire.tools.stats import paired_difference, percentile
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[str, Any]]:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from clients import chat_body, connect, open_silent_streams, request_bytes, reset, wait_for
 from conftest import LoopThread, RunningSidecar
 from h2client import H2Client
-from tokenwire.sidecar.departures import MAX_HELD, MAX_WAIT_S, PAUSE_S, SLICE_S, Departures
+from tokenwire.sidecar.exchange.departures import MAX_HELD, MAX_WAIT_S, PAUSE_S, SLICE_S, Departures
 from upstreams import FakeUpstream
 
 BURST = 50

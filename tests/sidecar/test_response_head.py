@@ -6,7 +6,7 @@ from __future__ import annotations
 import h11
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenwire.sidecar.response_head import send_response_head
+from tokenwire.sidecar.downstream.response_head import send_response_head
 
 Header = tuple[bytes, bytes]
 

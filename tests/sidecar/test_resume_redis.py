@@ -13,8 +13,8 @@ from processes import SidecarProcess, spawn
 from resume_client import open_stream, resume, resume_through_drops
 from test_resume import PATH, seqs, start_stream, text_of
 from tokenwire.middleware import EndReason, ReplayAppend
-from tokenwire.middleware.replay_redis import RedisReplayStore
-from tokenwire.middleware.replay_store import KeyReused, ReplayUnavailable, StreamNotFound
+from tokenwire.middleware.shared.replay_redis import RedisReplayStore
+from tokenwire.middleware.shared.replay_store import KeyReused, ReplayUnavailable, StreamNotFound
 from upstreams import FakeUpstream, expected_text
 
 
@@ -64,7 +64,8 @@ def test_a_stream_resumes_on_the_other_replica_only_for_its_caller(
 
 def test_a_redis_store_without_an_owner_secret_is_refused(redis_url: str, upstream: FakeUpstream) -> None:
     from tokenwire.middleware import ConfigError
-    from tokenwire.sidecar.tools.cli import load_sidecar_config
+
+    from tokenwire.tools.cli import load_sidecar_config
 
     with pytest.raises(ConfigError) as refused:
         load_sidecar_config(["--upstream", upstream.url, "--resume", "--resume-store", redis_url], {})

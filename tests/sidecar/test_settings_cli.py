@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 from tokenwire.middleware import ConfigError, SlowClientPolicy
-from tokenwire.middleware.config import load_toml
+from tokenwire.middleware.core.config import load_toml
 from tokenwire.sidecar.settings import all_keys, build_config
-from tokenwire.sidecar.tools.cli import load_sidecar_config, main
+
+from tokenwire.tools.cli import load_sidecar_config, main
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "sidecar.toml"
 

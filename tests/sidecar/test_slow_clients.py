@@ -6,8 +6,9 @@ import json
 import time
 
 from clients import chat_body, connect, read_response, request_bytes, reset, wait_for
-from tokenwire.sidecar.tools.sse_client import parse_response
 from upstreams import FakeUpstream, expected_text
+
+from tokenwire.tools.sse_client import parse_response
 
 
 def _text(datas: list[str]) -> str:

@@ -1,4 +1,4 @@
-"""The one response reader of the tools and the tests (tokenwire.sidecar.tools.sse_client):
+"""The one response reader of the tools and the tests (tokenwire.tools.sse_client):
 what it reports of a response's framing, its events, and a connection that fails."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 
-from tokenwire.sidecar.tools.sse_client import (
+from tokenwire.tools.sse_client import (
     END,
     HEAD,
     NEED_DATA,

@@ -108,8 +108,8 @@ def test_sumMetrics_whenWorkersAdd_thenInfoAndStartTimesAreNotSummed() -> None:
     """The --workers admin port sums its workers' /metrics: counters and
     histograms add up, but a build-info sample stays 1 and a start time is the
     earliest, and the sum still passes promtool."""
-    from tokenwire.sidecar.metrics import SidecarMetrics
-    from tokenwire.sidecar.workers import sum_metrics
+    from tokenwire.sidecar.process.metrics import SidecarMetrics
+    from tokenwire.sidecar.process.workers import sum_metrics
 
     texts = []
     for started_at in (200.0, 100.0):
@@ -148,7 +148,7 @@ def test_logs_atDebug_holdNoAuthorizationCookiePromptOrCompletion(
     import logging
 
     from conftest import make_config
-    from tokenwire.middleware.logs import JsonFormatter
+    from tokenwire.middleware.process.logs import JsonFormatter
     from tokenwire.sidecar import Sidecar, StreamLog
     from upstreams import expected_text
 

@@ -18,7 +18,8 @@ from typing import Any
 
 import httpx
 import pytest
-from targets import child_lines, tokenwire_up
+
+from testbed.targets import child_lines, tokenwire_up
 
 _REQUESTS = 20
 # The target is 5 ms at the median (bench/README.md, "Telemetry": ~2 ms on an idle
@@ -90,7 +91,7 @@ _ECHOED_LINES = 5000
 # Two children of ``up --verbose`` logging at once, as the engine and the sidecar do.
 _TWO_CHATTY_CHILDREN = f"""
 import sys
-from tokenwire.sidecar.tools.up import Child
+from tokenwire.tools.up import Child
 program = "import json\\nfor i in range({_ECHOED_LINES}): print(json.dumps({{'i': i, 'pad': 'x' * 200}}))"
 children = [Child(name, [sys.executable, "-c", program], echo=True) for name in ("engine", "sidecar")]
 for child in children:

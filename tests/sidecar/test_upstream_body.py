@@ -9,7 +9,7 @@ import httpcore
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenwire.sidecar.upstream_body import ChunkedBodyReader
+from tokenwire.sidecar.upstream.body import ChunkedBodyReader
 
 _BODY = (b"6\r\ndata: \r\n"
          b"1a;name=value\r\n" + b"x" * 26 + b"\r\n"

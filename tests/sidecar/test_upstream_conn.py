@@ -1,4 +1,4 @@
-"""The sidecar's own HTTP/1.1 upstream connection (``sidecar/upstream_conn.py``),
+"""The sidecar's own HTTP/1.1 upstream connection (``sidecar/upstream/conn.py``),
 through ``run_attempt`` and the pool, against real servers on 127.0.0.1.
 
 Each upstream here is a small asyncio protocol that answers every whole request
@@ -17,9 +17,9 @@ from collections.abc import Callable
 import pytest
 from conftest import LoopThread
 from tokenwire.middleware import Input, UpstreamData, UpstreamEnded, UpstreamFailed, UpstreamHeaders
-from tokenwire.sidecar.upstream import Upstream, run_attempt
-from tokenwire.sidecar.upstream_conn import MAX_HEAD_BYTES, Origin
-from tokenwire.sidecar.upstream_pool import UpstreamPool
+from tokenwire.sidecar.upstream.conn import MAX_HEAD_BYTES, Origin
+from tokenwire.sidecar.upstream.pods import Upstream, run_attempt
+from tokenwire.sidecar.upstream.pool import UpstreamPool
 
 _EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
 _CHUNKED = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"

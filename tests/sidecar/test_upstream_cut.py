@@ -11,7 +11,7 @@ import tempfile
 
 import pytest
 from conftest import LoopThread
-from tokenwire.sidecar.upstream_io import UpstreamBackend, shutdown_now
+from tokenwire.sidecar.upstream.transport import UpstreamBackend, shutdown_now
 
 
 class _Held(asyncio.Protocol):

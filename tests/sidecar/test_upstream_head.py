@@ -15,7 +15,7 @@ import httpcore
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from tokenwire.sidecar.upstream_head import (
+from tokenwire.sidecar.upstream.head import (
     CHUNKED,
     NO_BODY,
     head_end,

@@ -1,4 +1,4 @@
-"""UpstreamPool (sidecar/upstream_pool.py) against a real HTTP/1.1 server on 127.0.0.1.
+"""UpstreamPool (sidecar/upstream/pool.py) against a real HTTP/1.1 server on 127.0.0.1.
 
 Each test runs its own event loop with a small asyncio server that answers
 every request with ``ok`` (Content-Length, kept alive), counts the connections
@@ -14,8 +14,8 @@ from collections.abc import Awaitable, Callable
 
 import httpcore
 import pytest
-from tokenwire.sidecar.upstream_conn import Origin
-from tokenwire.sidecar.upstream_pool import UpstreamPool
+from tokenwire.sidecar.upstream.conn import Origin
+from tokenwire.sidecar.upstream.pool import UpstreamPool
 
 
 class _Server:

@@ -22,18 +22,19 @@ from typing import Any
 import pytest
 from clients import ResponseReader, chat_body, connect, read_response, request_bytes, wait_for
 from conftest import make_config
-from fake_pods import FakePod, spawn_pod  # bench/fake_pods.py
 from processes import SidecarProcess, spawn
 from prometheus_client.parser import text_string_to_metric_families
 from test_telemetry import promtool_check, sample
-from tokenwire.sidecar import metrics as sidecar_metrics
-from tokenwire.sidecar import upstream_metrics
 from tokenwire.sidecar.balance.load import LoadSample
 from tokenwire.sidecar.balance.pods import PodState
-from tokenwire.sidecar.metrics import SidecarMetrics
-from tokenwire.sidecar.upstream_metrics import UpstreamCollector
-from tokenwire.sidecar.workers import Supervisor, Worker, parse_exposition, sum_metrics
+from tokenwire.sidecar.process import metrics as sidecar_metrics
+from tokenwire.sidecar.process.metrics import SidecarMetrics
+from tokenwire.sidecar.process.workers import Supervisor, Worker, parse_exposition, sum_metrics
+from tokenwire.sidecar.upstream import metrics as upstream_metrics
+from tokenwire.sidecar.upstream.metrics import UpstreamCollector
 from upstreams import FakeUpstream
+
+from testbed.fake_pods import FakePod, spawn_pod  # testbed/fake_pods.py
 
 _POD_A, _POD_B = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
 

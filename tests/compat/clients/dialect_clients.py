@@ -30,7 +30,8 @@ from typing import Any
 from behaviour.drivers import serve
 from tokenwire.middleware import StreamRecord, TokenWireMiddleware
 from tokenwire.sidecar import Sidecar
-from tokenwire.sidecar.tools.cli import load_sidecar_config
+
+from tokenwire.tools.cli import load_sidecar_config
 
 from .dialect_scripts import SLOW_TOOL, DialectUpstream
 from .outcome import jsonable

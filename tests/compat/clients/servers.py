@@ -30,7 +30,8 @@ from typing import Any, TypeVar
 from behaviour.drivers import serve
 from tokenwire.middleware import SlowClientPolicy, StreamRecord, TokenWireMiddleware, WireConfig
 from tokenwire.sidecar import Sidecar, StreamLog
-from tokenwire.sidecar.tools.cli import load_sidecar_config
+
+from tokenwire.tools.cli import load_sidecar_config
 
 from .scripts import ScriptedUpstream
 

@@ -40,7 +40,7 @@ DRIVERS = ("middleware", "sidecar")
 BOOT = """
 import sys
 import tokenwire.middleware as core
-import tokenwire.middleware.stream as stream
+import tokenwire.middleware.core.stream as stream
 assert not core.compiled_modules() and stream.__file__.endswith(".py"), (core.compiled_modules(), stream)
 print("core path: pure", flush=True)
 import pytest

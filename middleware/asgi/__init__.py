@@ -1,0 +1,1 @@
+"""The ASGI driver: the wire core in front of any ASGI app."""

@@ -1,0 +1,1 @@
+"""Process plumbing: config layers, logs, tracing, metrics, the compiled-module list."""

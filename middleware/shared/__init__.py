@@ -1,0 +1,1 @@
+"""What every driver of the core shares: the driver helpers and the replay stores."""

@@ -1,0 +1,151 @@
+"""What every driver of the wire core does alike, written once.
+
+Theory of operation
+-------------------
+A driver (the ASGI middleware, ``middleware/asgi/exchange.py``; the sidecar,
+``sidecar/exchange/loop.py``; and the next ones: HTTP/2, gRPC) turns its
+protocol's happenings into core inputs and the core's actions into its
+protocol's writes. Some of what lies around that loop is the same whatever
+the protocol, and lives here so that a rule is never written twice:
+
+* :class:`DeadlineTimer`: the one timer a driver keeps, armed at the core's
+  ``next_deadline()`` and fed to it as ``Tick``. It only ever moves earlier
+  (heartbeat deadlines shift on every write; a timer that fires early finds
+  nothing due and is re-armed), and it reports the deadline itself when the
+  loop wakes a hair early, so the due timer fires instead of spinning.
+* :func:`enter_resume`: before any upstream is called, what the resume rules
+  say of a request: replay a stored stream (a reconnect, or a repeated
+  idempotency key), refuse it (404, 422, 503: the core puts the error on the
+  wire, fed ``Rejected``), or generate (with its stream opened in the store,
+  or not resumable because the store is down).
+* :func:`replay`: serve a stored stream through a fresh core: ``ReplaySource``
+  first, then the store read as if it were an upstream.
+* :func:`wait_for_reader`: the ``AwaitReader`` action, as a wait on the store.
+
+What the drivers must *not* decide is decided by the core: whether the
+engine is told of an abort is ``AbortUpstream.final`` (never for a replay,
+which generates nothing, nor for a retry's dropped attempt); how long an
+upstream may keep its body open after a complete answer and how long a cut
+body may take to flush are ``WireConfig`` keys (``upstream_tail_grace_s``,
+``close_flush_timeout_s``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ..core.errors import WireError
+from ..core.events import AwaitReader, Input, ReplaySource
+from ..core.headers import Header
+from ..core.resume import CallerKey, Idempotent, ResumeFrom, classify
+from .replay_store import ReplayStore, StoreUnavailable, admit, feed_replay
+
+
+def _no_tick(now: float) -> None:
+    """A closed timer's ``on_tick``."""
+
+
+class DeadlineTimer:
+    """One event-loop timer at the core's next deadline. See the module docstring."""
+
+    __slots__ = ("_at", "_handle", "_loop", "_on_tick")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_tick: Callable[[float], None]) -> None:
+        """``on_tick(now)`` feeds the core ``Tick()`` at ``now`` (never before the deadline)."""
+        self._loop = loop
+        self._on_tick = on_tick
+        self._handle: asyncio.TimerHandle | None = None
+        self._at = 0.0
+
+    def arm(self, deadline: float | None) -> None:
+        """Make sure the timer fires by ``deadline`` (None: nothing to time)."""
+        if deadline is None:
+            return
+        if self._handle is not None:
+            if self._at <= deadline:
+                return  # it fires early, ticks harmlessly and is re-armed
+            self._handle.cancel()
+        self._at = deadline
+        self._handle = self._loop.call_at(deadline, self._fire)
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def close(self) -> None:
+        """Cancel, and let go of ``on_tick`` for good: it usually refers to the
+        owner of this timer (a reference cycle, which only the cyclic
+        collector would free), and a finished stream has no deadline left."""
+        self.cancel()
+        self._on_tick = _no_tick
+
+    def _fire(self) -> None:
+        self._handle = None
+        # call_at may run a hair before its time; the core must see the deadline reached.
+        self._on_tick(max(self._loop.time(), self._at))
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeEntry:
+    """What the resume rules say of one request (:func:`enter_resume`)."""
+
+    owner: str
+    """The caller's hash: the owner of the stream this request opens."""
+    replay: ResumeFrom | None = None
+    """Serve this stored stream instead of calling an upstream."""
+    reconnect: bool = False
+    """The replay is a reconnect (``Last-Event-ID``, ``GET /v1/streams/…``), not an idempotent repeat."""
+    refusal: WireError | None = None
+    """Answer with this error (feed the core ``Rejected``)."""
+    opened: bool = False
+    """This request's stream is open in the store already."""
+    unresumable: StoreUnavailable | None = None
+    """The store is down: the request is generated, but cannot be resumed."""
+
+
+def needs_body(method: str, headers: Sequence[Header]) -> bool:
+    """Whether :func:`enter_resume` needs the request body (an idempotency key is bound to it)."""
+    return method == "POST" and any(name.lower() == b"idempotency-key" for name, _ in headers)
+
+
+async def enter_resume(store: ReplayStore, caller_key: CallerKey, *, method: str, path: str,
+                       headers: Sequence[Header], body: bytes, stream_id: str,
+                       open_now: bool, query: str = "") -> ResumeEntry:
+    """Classify a request for resume and admit it against the store.
+
+    ``path``: the target without its query (``query``); ``body``: the whole body when
+    :func:`needs_body` says so; ``stream_id``: the id this request's own
+    stream gets if it generates; ``open_now``: open that stream in the store
+    now whatever the request is (else only for an idempotent request, and the
+    driver opens it once the answer turns out to be an event stream).
+    """
+    owner = caller_key.owner(headers)
+    try:
+        route = classify(method, path, headers, body, query)
+        source = await admit(store, route, stream_id=stream_id, owner=owner, open_now=open_now)
+    except WireError as error:
+        return ResumeEntry(owner, refusal=error)
+    except StoreUnavailable as error:
+        # An ordinary request still gets its answer; only its resume is lost.
+        return ResumeEntry(owner, unresumable=error)
+    if source is not None:
+        return ResumeEntry(owner, replay=source, reconnect=isinstance(route, ResumeFrom))
+    return ResumeEntry(owner, opened=open_now or isinstance(route, Idempotent))
+
+
+async def replay(store: ReplayStore, source: ResumeFrom, *, readable: asyncio.Event,
+                 feed: Callable[[Input], None]) -> None:
+    """Serve ``source`` from the store through a fresh core: ``ReplaySource``
+    first, then the stored frames and the live tail as its upstream. Waits
+    while ``readable`` is clear (the core's ``PauseUpstream``)."""
+    feed(ReplaySource(source.stream_id, source.after_seq))
+    await feed_replay(store, source.stream_id, source.after_seq, readable=readable, feed=feed)
+
+
+async def wait_for_reader(store: ReplayStore, action: AwaitReader, now: float) -> bool:
+    """``AwaitReader``: True if a reader attached before ``action.until``
+    (then feed the core ``ReaderAttached``)."""
+    return await store.wait_reader(action.stream_id, max(action.until - now, 0.0))

@@ -1,0 +1,250 @@
+"""The Redis Streams replay store: a reconnect can land on any replica.
+
+Theory of operation
+-------------------
+Per stream ``S`` (keys share the hash tag ``{S}`` so a cluster keeps them on
+one shard):
+
+* ``tw:{S}:e`` — a Redis Stream whose entry ids are ``0-<seq>``, so the event
+  id a client sends back maps straight onto ``XREAD ... 0-<seq>``; field ``f``
+  holds the frame;
+* ``tw:{S}:m`` — a hash: ``end`` (the end reason), ``overflow``, ``key``,
+  ``owner`` (the caller's hash, see ``resume.py``); its existence is what
+  makes the stream known;
+* ``tw:{S}:a`` — a list a reader pushes to when it attaches, which the
+  replica holding a detached stream waits on with ``BLPOP``;
+* ``tw:k:<key>`` — ``<stream> <body digest>`` for an idempotency key,
+  claimed with ``SET NX``.
+* ``tw:r:<alias>`` — the stream an alias names (a Responses ``response.id``),
+  expiring with it.
+
+Every key gets ``EXPIRE ttl`` on each append, so a stream lives ``resume_ttl_s``
+after its last event. :meth:`append` only queues: one writer task sends the
+queue as one pipeline per round, in order, so frames and the end marker reach
+Redis in the order the core produced them (a reader that sees ``end`` has every
+frame before it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ..core.config import ConfigError
+from ..core.events import ReplayAppend
+from .replay_store import KeyReused, ReplayUnavailable, StoreUnavailable, StreamNotFound
+
+logger = logging.getLogger("tokenwire.resume")
+
+_BLOCK_MS = 1000
+_ALIAS = "tw:r:"
+_ERROR_LOG_EVERY_S = 10.0
+_READ_COUNT = 1024
+# The first read is small: its events go out while the rest of a long backlog
+# is still being fetched and decoded (the reader's time to first byte).
+_FIRST_READ_COUNT = 64
+
+
+def _keys(stream_id: str) -> tuple[str, str, str]:
+    tag = "tw:{" + stream_id + "}"
+    return tag + ":e", tag + ":m", tag + ":a"
+
+
+class RedisReplayStore:
+    """A :class:`~tokenwire.middleware.shared.replay_store.ReplayStore` on Redis Streams."""
+
+    def __init__(self, url: str, *, ttl_s: float = 300.0) -> None:
+        self.url = url
+        self.ttl_s = ttl_s
+        self._ttl = max(1, round(ttl_s))
+        try:
+            # Optional: the base install has no Redis client (pip install tokenwire[redis]).
+            import redis.asyncio as redis_asyncio
+        except ImportError:
+            raise ConfigError("resume_store", "a redis:// store needs the redis package: "
+                                              "pip install 'tokenwire[redis]'") from None
+        self._redis: Any = redis_asyncio.Redis.from_url(url)
+        # What a Redis outage looks like from here; turned into StoreUnavailable.
+        self._outages: tuple[type[BaseException], ...] = (redis_asyncio.RedisError, OSError)
+        self._queue: asyncio.Queue[ReplayAppend] | None = None
+        self._writer: asyncio.Task[None] | None = None
+        self._claims: dict[str, str] = {}  # stream -> its idempotency key, while it is written here
+        self._aliases: dict[str, str] = {}  # stream -> its alias's key, while it is written here
+        self.write_errors = 0
+        self._error_logged_at = -_ERROR_LOG_EVERY_S
+
+    async def open(self, stream_id: str, idempotency: tuple[str, str] | None = None, *,
+                   owner: str = "") -> str | None:
+        try:
+            return await self._open(stream_id, idempotency, owner)
+        except self._outages as error:
+            raise StoreUnavailable(f"redis: {error}") from error
+
+    async def owner(self, stream_id: str) -> str | None:
+        try:
+            value = await self._redis.hget(_keys(stream_id)[1], "owner")
+        except self._outages as error:
+            raise StoreUnavailable(f"redis: {error}") from error
+        return None if value is None else bytes(value).decode("ascii", "replace")
+
+    async def resolve(self, alias: str) -> str | None:
+        try:
+            value = await self._redis.get(_ALIAS + alias)
+        except self._outages as error:
+            raise StoreUnavailable(f"redis: {error}") from error
+        return None if value is None else bytes(value).decode("ascii", "replace")
+
+    async def read(self, stream_id: str, after_seq: int) -> AsyncIterator[tuple[bytes, ...]]:
+        try:
+            async for frames in self._read(stream_id, after_seq):
+                yield frames
+        except self._outages as error:
+            raise StoreUnavailable(f"redis: {error}") from error
+
+    async def wait_reader(self, stream_id: str, timeout_s: float) -> bool:
+        try:
+            return await self._wait_reader(stream_id, timeout_s)
+        except self._outages:
+            return False  # no reader can be known: the grace ends as if none came
+
+    async def _open(self, stream_id: str, idempotency: tuple[str, str] | None,
+                    owner: str) -> str | None:
+        meta = _keys(stream_id)[1]
+        if idempotency is not None:
+            key, digest = idempotency
+            claim = "tw:k:" + key
+            claimed = await self._redis.set(claim, f"{stream_id} {digest}", nx=True, ex=self._ttl)
+            if not claimed:
+                held = await self._redis.get(claim)
+                if held is not None:
+                    held_stream, _, held_digest = held.decode().partition(" ")
+                    if held_digest != digest:
+                        raise KeyReused(key)
+                    if await self._redis.exists(_keys(held_stream)[1]):
+                        return str(held_stream)
+                # Held by a stream that is gone: take the key over.
+                await self._redis.set(claim, f"{stream_id} {digest}", ex=self._ttl)
+        if idempotency is not None:
+            self._claims[stream_id] = "tw:k:" + idempotency[0]
+        mapping = {"key": idempotency[0] if idempotency is not None else "", "owner": owner}
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.hset(meta, mapping=mapping)
+            pipe.expire(meta, self._ttl)
+            await pipe.execute()
+        return None
+
+    def append(self, action: ReplayAppend) -> None:
+        if self._queue is None:
+            self._queue = asyncio.Queue()
+            self._writer = asyncio.get_running_loop().create_task(self._write_loop(self._queue))
+        self._queue.put_nowait(action)
+
+    async def _write_loop(self, queue: asyncio.Queue[ReplayAppend]) -> None:
+        while True:
+            batch = [await queue.get()]
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            try:
+                await self._write(batch)
+            except Exception as error:  # a store outage must not take the streams down
+                self.write_errors += len(batch)
+                now = time.monotonic()
+                if now - self._error_logged_at >= _ERROR_LOG_EVERY_S:  # once a while, not per batch
+                    self._error_logged_at = now
+                    logger.error("replay store %s: appends lost (%d so far): %s", self.url,
+                                 self.write_errors, error)
+
+    async def _write(self, batch: list[ReplayAppend]) -> None:
+        key_reads: list[int] = []  # positions of the HGETs of discarded streams' keys
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for action in batch:
+                events, meta, attach = _keys(action.stream_id)
+                if action.discard:
+                    self._claims.pop(action.stream_id, None)
+                    key_reads.append(len(pipe))
+                    pipe.hget(meta, "key")
+                    pipe.delete(events, meta, attach)
+                    continue
+                for offset, frame in enumerate(action.frames):
+                    pipe.xadd(events, {"f": frame}, id=f"0-{action.first_seq + offset}")
+                if action.overflow:
+                    pipe.hset(meta, "overflow", "1")
+                if action.end is not None:
+                    pipe.hset(meta, "end", action.end.value)
+                if action.alias is not None:
+                    self._aliases[action.stream_id] = _ALIAS + action.alias
+                pipe.expire(events, self._ttl)
+                pipe.expire(meta, self._ttl)
+                alias = self._aliases.get(action.stream_id)
+                if alias is not None:
+                    # The alias lives as long as its stream, like an idempotency key.
+                    pipe.set(alias, action.stream_id, ex=self._ttl)
+                    if action.end is not None:
+                        del self._aliases[action.stream_id]
+                claim = self._claims.get(action.stream_id)
+                if claim is not None:
+                    # The key lives as long as its stream, however long that runs.
+                    pipe.expire(claim, self._ttl)
+                    if action.end is not None:
+                        del self._claims[action.stream_id]
+            results = await pipe.execute(raise_on_error=False)
+        # Discarded streams (failed before their first event) free their key.
+        keys = [results[i] for i in key_reads if isinstance(results[i], bytes) and results[i]]
+        if keys:
+            await self._redis.delete(*("tw:k:" + key.decode() for key in keys))
+
+    async def _read(self, stream_id: str, after_seq: int) -> AsyncIterator[tuple[bytes, ...]]:
+        events, meta, attach = _keys(stream_id)
+        if not await self._redis.exists(meta):
+            raise StreamNotFound(stream_id)
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.rpush(attach, 1)
+            pipe.expire(attach, self._ttl)
+            await pipe.execute()
+        last = f"0-{max(after_seq, 0)}"
+        block: int | None = None
+        count = _FIRST_READ_COUNT
+        while True:
+            reply = await self._redis.xread({events: last}, count=count, block=block)
+            count = _READ_COUNT
+            entries = reply[0][1] if reply else []
+            if entries:
+                last = entries[-1][0].decode()
+                yield tuple(fields[b"f"] for _, fields in entries)
+                block = None
+                continue
+            # Nothing new (at once, or within the block): has it ended, is it still there?
+            state = await self._redis.hgetall(meta)
+            if not state:
+                raise ReplayUnavailable(stream_id)  # expired while we read
+            if state.get(b"overflow"):
+                raise ReplayUnavailable(stream_id)
+            if state.get(b"end"):
+                # The end marker is written after the last frame, in one pipeline:
+                # one more read picks up any frame that raced the check above.
+                reply = await self._redis.xread({events: last}, count=_READ_COUNT)
+                if reply and reply[0][1]:
+                    yield tuple(fields[b"f"] for _, fields in reply[0][1])
+                return
+            block = _BLOCK_MS
+
+    async def _wait_reader(self, stream_id: str, timeout_s: float) -> bool:
+        _, _, attach = _keys(stream_id)
+        found = await self._redis.blpop([attach], timeout=max(timeout_s, 0.01))
+        return found is not None
+
+    async def aclose(self) -> None:
+        if self._queue is not None and self._writer is not None:
+            # Let queued appends reach Redis before the connection goes.
+            for _ in range(100):
+                if self._queue.empty():
+                    break
+                await asyncio.sleep(0.01)
+            self._writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._writer
+        await self._redis.aclose()

@@ -1,0 +1,183 @@
+"""What the HTTP/1.1 and HTTP/2 connections share: the socket, the peer, the
+request body's share of memory, CORS, refusals, and turning a request into an
+:class:`~tokenwire.sidecar.exchange.loop.Exchange`.
+
+Each protocol's connection (``http1.py``, ``http2.py``) parses its own framing
+and calls these, so a request is forwarded the same way whichever protocol it
+came in on: the same upstream headers, the same request ids, the same wire core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from tokenwire.middleware import ClientError, ErrorCode
+from tokenwire.middleware.core.headers import header_value, wants_summary
+
+from ..context import SidecarContext
+from ..exchange.forwarding import (
+    request_id_from,
+    upstream_request_headers,
+    upstream_request_id,
+    wants_stream,
+)
+from ..exchange.loop import Downstream, Exchange
+from . import cors
+
+Header = tuple[bytes, bytes]
+
+
+class OpenConnection(Protocol):
+    """What shutdown needs of any client connection (``context.connections``)."""
+
+    @property
+    def idle(self) -> bool: ...
+
+    def close_if_idle(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """What the socket says about the client, for the forwarding headers."""
+
+    host: str | None
+    server_port: int | None
+    scheme: str
+    client_cert_der: bytes | None
+    """The client's verified certificate (mTLS), DER-encoded."""
+
+
+def set_up_transport(context: SidecarContext, transport: asyncio.Transport) -> Peer:
+    """Tune a new client socket and read what it says about the peer.
+
+    The socket's send buffer is capped (``socket_send_buffer_bytes``) and the
+    transport's high-water mark set (``write_high_water_bytes``) so a slow
+    reader is seen by the sidecar, where events can still be coalesced, not
+    hidden in the kernel.
+    """
+    wire = context.config.wire
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, wire.socket_send_buffer_bytes)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    transport.set_write_buffer_limits(high=wire.write_high_water_bytes)
+    peer = transport.get_extra_info("peername")
+    host = str(peer[0]) if isinstance(peer, tuple) and peer else None
+    local = transport.get_extra_info("sockname")
+    port = int(local[1]) if isinstance(local, tuple) and len(local) >= 2 else None
+    tls = transport.get_extra_info("sslcontext") is not None
+    cert: bytes | None = None
+    if tls and context.config.tls_client_ca:
+        ssl_object = transport.get_extra_info("ssl_object")
+        cert = None if ssl_object is None else ssl_object.getpeercert(binary_form=True)
+    return Peer(host=host, server_port=port, scheme="https" if tls else "http", client_cert_der=cert)
+
+
+class BodyReservation:
+    """The bytes of one request's body counted against ``max_buffered_body_bytes``
+    (bodies are read whole and kept until their answer ends, for retries)."""
+
+    __slots__ = ("_context", "reserved_bytes")
+
+    def __init__(self, context: SidecarContext) -> None:
+        self._context = context
+        self.reserved_bytes = 0
+
+    def reserve(self, body_bytes: int) -> bool:
+        """Count ``body_bytes`` more; False (nothing counted) if all connections
+        together would then hold more than ``max_buffered_body_bytes``."""
+        context = self._context
+        if body_bytes and context.buffered_body_bytes + body_bytes > context.config.max_buffered_body_bytes:
+            return False
+        context.buffered_body_bytes += body_bytes
+        self.reserved_bytes += body_bytes
+        return True
+
+    def release(self) -> None:
+        self._context.buffered_body_bytes -= self.reserved_bytes
+        self.reserved_bytes = 0
+
+
+# How long a refused or closed connection may keep sending before it is cut off
+# (the lingering close of both protocols: the client reads its answer, not a reset).
+LINGER_S = 2.0
+
+BUSY_BODIES = "too many request bodies are being received; try again shortly"
+"""The refusal when :meth:`BodyReservation.reserve` fails: many large uploads at
+once would hold the loop and memory hostage; each one is fine again shortly, so
+this is "busy" (503), not "too large"."""
+
+
+def refusal(context: SidecarContext, status: int, message: str, *,
+            retry_after_s: int | None = None) -> tuple[list[Header], bytes]:
+    """The headers and JSON body of a request refused before any upstream saw it (counted)."""
+    context.metrics.rejected_requests.labels(str(status)).inc()
+    error = ClientError(message, ErrorCode.BAD_REQUEST, http_status=status, retry_after_s=retry_after_s)
+    body = error.body()
+    headers = error.response_headers()
+    headers.append((b"content-length", str(len(body)).encode()))
+    return headers, body
+
+
+def cors_origins(context: SidecarContext, headers: Sequence[Header]) -> tuple[str, ...]:
+    """The origins whose pages may read this request's answer (see ``cors.py``)."""
+    return cors.origins_for(context.config.cors_allow_origins, context.admin_origins,
+                            header_value(headers, b"origin"))
+
+
+def with_cors(context: SidecarContext, request_headers: Sequence[Header],
+              response_headers: Sequence[Header]) -> list[Header]:
+    """``response_headers`` plus the CORS headers the request's origin is due."""
+    headers = list(response_headers)
+    origins = cors_origins(context, request_headers)
+    if origins:
+        headers = cors.with_cors_headers(headers, origins, header_value(request_headers, b"origin"),
+                                         request_id_header=context.config.request_id_header.encode())
+    return headers
+
+
+def preflight(context: SidecarContext, method: bytes,
+              headers: Sequence[Header]) -> tuple[int, list[Header], bytes] | None:
+    """The answer to a CORS preflight, given here (the engine knows nothing of
+    the sidecar's origins); None if the request is not one."""
+    origins = cors_origins(context, headers)
+    if not origins or not cors.is_preflight(method, headers):
+        return None
+    status, answer, body = cors.preflight_response(
+        origins, headers, request_id_header=context.config.request_id_header.encode())
+    return status, list(answer), body
+
+
+def new_exchange(context: SidecarContext, downstream: Downstream, *, method: bytes, target: bytes,
+                 headers: Sequence[Header], body: bytes, peer: Peer, http_version: str) -> Exchange:
+    """The exchange that forwards one whole request (``headers`` as HTTP/1.1
+    has them, ``Host`` included), not yet started."""
+    config = context.config
+    dialect = context.dialects.for_path(target.decode("latin-1"))
+    # Usage asked of the engine for the record, where the client did not ask.
+    asked = dialect.ask_usage(body) if config.request_usage and method == b"POST" else None
+    if asked is not None:
+        body = asked
+    id_header = config.request_id_header.encode()
+    request_id = request_id_from(headers, id_header)
+    upstream_id = upstream_request_id(headers, id_header, request_id)
+    upstream_headers = upstream_request_headers(
+        headers, body_bytes=len(body), peer_host=peer.host, scheme=peer.scheme,
+        request_id=upstream_id, request_id_header=id_header, client_request_id=request_id,
+        server_port=peer.server_port, client_cert_der=peer.client_cert_der,
+        drop_underscores=config.drop_underscore_headers)
+    context.metrics.count_client_request("h2" if http_version == "2" else "http/1.1")
+    return Exchange(
+        context, downstream, request_id=request_id, upstream_request_id=upstream_id, method=method,
+        target=target, upstream_headers=upstream_headers, body=body,
+        expect_stream=wants_stream(headers, body), http_version=http_version,
+        client_address=peer.host or "", dialect=dialect, hide_usage_chunk=asked is not None,
+        summary=wants_summary(headers))

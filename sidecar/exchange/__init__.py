@@ -1,0 +1,1 @@
+"""One proxied request: the driver loop, the attempt, departures, forwarding."""

@@ -1,0 +1,1 @@
+"""The process: server, workers, acceptor, listener, TLS, admin port, metrics."""

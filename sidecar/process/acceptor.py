@@ -1,0 +1,173 @@
+"""The proxy's listening sockets: a burst of connections accepted a few a loop turn, not one.
+
+Theory of operation
+-------------------
+``loop.create_server`` on uvloop takes *one* connection from the listening
+socket per loop turn (libuv's listen callback), and a turn of a busy sidecar
+is long: it forwards every stream's reads and sets up the streams accepted
+before. A burst of new connections therefore waited one turn each: with 200
+clients connecting at once (all connected by the kernel within 30 ms), the
+200th stream started 690 ms later while the sidecar was idle half of that
+time (``bench/README.md``, "Accepting a burst"). asyncio's own server accepts
+up to its backlog per turn, and nginx's turns are microseconds long.
+
+Here each listening socket is registered with ``loop.add_reader``; when it is
+readable, connections are accepted until the kernel has none left or
+:data:`_MAX_ACCEPTS_PER_TURN` were (the rest on the next turns: the streams
+already open then never wait behind more than a few set-ups), and each
+becomes a transport through
+``loop.connect_accepted_socket`` (TLS handshakes included), the documented way
+to hand an accepted socket to the loop. Running out of descriptors (EMFILE and
+the like) stops accepting for :data:`_ACCEPT_RETRY_S`, as asyncio does, so the
+loop does not spin on a socket it cannot serve; the connections wait in the
+kernel's backlog meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import socket
+import ssl
+from collections.abc import Callable
+
+from ..tasks import spawn
+
+logger = logging.getLogger("tokenwire.sidecar")
+
+# Bounds one turn's accepting; the rest are taken on the next turn (the socket
+# stays readable). Each accepted connection costs its set-up (~1 ms of CPU) in
+# the turns after, and the open streams' events wait for the turn to end: with
+# 200 streams starting at once, the p99 latency of all events was 9.6 ms at 64
+# a turn, 5.7 at 16, 4.6 at 8, 3.0 at 4, while the burst's last first event
+# came about as late at each (CPU-bound: 174-199 ms). A few more epoll calls
+# per burst are all a small bound costs.
+_MAX_ACCEPTS_PER_TURN = 4
+# How many queued connections a listening socket's close accepts first (the
+# kernel's default listen backlog bound, net.core.somaxconn, is 4096).
+_MAX_QUEUED_AT_CLOSE = 4096
+# Out of descriptors or memory: how long accepting pauses (asyncio's own delay).
+_ACCEPT_RETRY_S = 1.0
+_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+
+async def bind_listeners(host: str | None, port: int, *, backlog: int,
+                         reuse_port: bool) -> list[socket.socket]:
+    """Listening sockets for ``host``:``port``, one per address it resolves to
+    (as ``loop.create_server`` binds them: ``SO_REUSEADDR``, IPv6 sockets
+    IPv6-only, ``SO_REUSEPORT`` when ``reuse_port``); an empty host is every interface."""
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host or None, port, family=socket.AF_UNSPEC,
+                                   type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as error:
+                raise OSError(error.errno, f"error while attempting to bind on address {address!r}: "
+                                           f"{(error.strerror or '').lower()}") from None
+            sock.listen(backlog)
+            sock.setblocking(False)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+class Acceptor:
+    """Serves ``sockets``: each connection accepted becomes a transport speaking
+    ``protocol_factory()``'s protocol (under ``tls`` when given)."""
+
+    def __init__(self, sockets: list[socket.socket], protocol_factory: Callable[[], asyncio.BaseProtocol],
+                 *, tls: ssl.SSLContext | None = None, tls_handshake_timeout_s: float | None = None) -> None:
+        self.sockets = sockets
+        self._factory = protocol_factory
+        self._tls = tls
+        self._tls_handshake_timeout_s = tls_handshake_timeout_s if tls is not None else None
+        self._loop = asyncio.get_running_loop()
+        self._handovers: set[asyncio.Task[object]] = set()
+        self._closed = False
+        self._retry: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        """Start accepting."""
+        for sock in self.sockets:
+            self._loop.add_reader(sock.fileno(), self._accept, sock)
+
+    def close(self) -> None:
+        """Stop accepting and close the listening sockets (open connections stay).
+
+        The connections the kernel has already established and queued are
+        accepted first (up to :data:`_MAX_QUEUED_AT_CLOSE` a socket): closing
+        a listening socket resets them, and their clients, whose ``connect()``
+        succeeded and who may have sent a request, would get a reset instead
+        of an answer. Taken, they are served like any other connection
+        during a drain (a new request is refused with 503 and Retry-After);
+        :meth:`handed_over` waits until each is a connection of the proxy."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._retry is not None:
+            self._retry.cancel()
+        for sock in self.sockets:
+            self._loop.remove_reader(sock.fileno())
+            try:
+                self._accept(sock, _MAX_QUEUED_AT_CLOSE)
+            except OSError as error:  # what is still queued is reset by the close
+                logger.error("cannot accept the queued connections before closing (%s)", error)
+            sock.close()
+
+    async def handed_over(self) -> None:
+        """Return once every accepted connection is a transport of the proxy
+        (or dropped: a failed TLS handshake)."""
+        while self._handovers:
+            await asyncio.wait(list(self._handovers))
+
+    def _accept(self, listener: socket.socket, most: int = _MAX_ACCEPTS_PER_TURN) -> None:
+        for _ in range(most):
+            try:
+                connection, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except ConnectionAbortedError:
+                continue  # the client gave up while queued: nothing to serve
+            except OSError as error:
+                if error.errno not in _RESOURCE_ERRNOS:
+                    raise
+                logger.error("cannot accept connections (%s): pausing for %.1f s", error, _ACCEPT_RETRY_S)
+                if not self._closed:
+                    self._pause()
+                return
+            connection.setblocking(False)
+            spawn(self._handovers, self._hand_over(connection))
+
+    async def _hand_over(self, connection: socket.socket) -> object:
+        try:
+            return await self._loop.connect_accepted_socket(
+                self._factory, connection, ssl=self._tls, ssl_handshake_timeout=self._tls_handshake_timeout_s)
+        except (TimeoutError, ssl.SSLError, OSError) as error:
+            # A client that failed its TLS handshake or vanished first: its
+            # connection was never the proxy's; create_server drops these too.
+            logger.debug("connection dropped before it was served: %r", error)
+            connection.close()
+            return None
+
+    def _pause(self) -> None:
+        for sock in self.sockets:
+            self._loop.remove_reader(sock.fileno())
+        self._retry = self._loop.call_later(_ACCEPT_RETRY_S, self._resume)
+
+    def _resume(self) -> None:
+        self._retry = None
+        if not self._closed:
+            self.start()

@@ -1,0 +1,573 @@
+"""``--workers N``: a supervisor and N sidecar processes sharing the proxy port.
+
+Theory of operation
+-------------------
+Like nginx's ``worker_processes``: each worker is an ordinary sidecar process
+(``tokenwire sidecar … --workers 1``) that binds the proxy port with
+``SO_REUSEPORT``, so the kernel spreads new connections over the workers and
+each runs its own event loop on its own core. The supervisor serves no
+traffic; it
+
+* holds the port (bound, not listening) so ``listen = "…:0"`` resolves once
+  and every worker binds the same port;
+* starts the workers, each with a private admin listener on 127.0.0.1, and
+  waits for their ready lines before printing its own;
+* serves the one public admin port (``admin_listen``): ``/metrics`` adds up
+  the workers' figures (see "Metrics" below), ``GET /streams`` is the union
+  (each entry says its ``worker``), ``DELETE /streams/{id}`` asks each worker
+  until one had it, anything else is answered by a live worker;
+* forwards SIGTERM/SIGINT (every worker drains, then the supervisor exits) and
+  SIGHUP (every worker reloads its TLS certificates);
+* restarts a worker that dies. The streams it held end with it; the
+  supervisor writes a ``worker_lost`` record for each stream the worker listed
+  at its last poll (every ``_POLL_S``: a stream opened after that poll and lost
+  with the worker goes unrecorded), and counts as many in
+  ``tokenwire_streams_lost_total{reason="worker_lost"}``: the log and the
+  counter come from the same list, so they agree.
+
+Metrics
+-------
+Each worker's ``/metrics`` counts only its own streams. The supervisor reads
+every worker's at each scrape of its own (and every ``_METRICS_POLL_S``
+between scrapes) and keeps the last answer of each; a worker that does not
+answer in time counts with its last one. Its ``/metrics`` is then, family by
+family (the ``# TYPE`` lines say which):
+
+* counters and histograms: the sum of the workers' samples, plus the last
+  totals of every worker that died (kept by the supervisor when it sees the
+  death), so a sum never goes down when a worker is killed and its restarted
+  successor counts from zero. What a dead worker counted after the
+  supervisor's last read of it (``_METRICS_POLL_S`` at most) is lost, never
+  counted twice. ``*_created`` samples are the earliest.
+* gauges: a process's own figures add up (open streams, connections, memory:
+  ``PROCESS_GAUGES`` in metrics.py and upstream_metrics.py); a pod's figures,
+  which every worker reads of the same pod (``tokenwire_upstream_up``, the
+  load readings: ``POD_GAUGES``), are reported once, the highest; start times
+  and limits are the earliest and the lowest, ``*_info`` stays 1. A dead
+  worker's gauges go with it.
+* the supervisor's own: ``tokenwire_streams_lost_total{reason="worker_lost"}``,
+  ``tokenwire_worker_restarts_total``.
+
+Why not prometheus-client's multiprocess mode (one mmap file per process,
+read by the supervisor): the stream figures are computed at scrape time from
+the open streams' records (metrics.py), which a collector cannot write to a
+file, and the per-pod figures are read from each worker's balancer the same
+way; the supervisor keeping each dead worker's last totals gives the same
+never-decreasing sums without a per-event write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import operator
+import os
+import signal
+import socket
+import sys
+import time
+import urllib.parse
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import h11
+from prometheus_client import CONTENT_TYPE_LATEST
+from tokenwire.middleware import EndReason, StreamRecord
+from tokenwire.middleware.core.headers import header_value
+
+from ..logs import StreamLog
+from ..settings import SidecarConfig, parse_host_port, read_admin_token
+from ..tasks import spawn
+from ..upstream import metrics as upstream_metrics
+from . import metrics as sidecar_metrics
+from .admin import AdminAccess, serve_one
+
+logger = logging.getLogger("tokenwire.sidecar")
+
+WORKER_ENV = "TOKENWIRE_WORKER_INDEX"
+"""Set in a worker's environment (its index): bind the proxy port with SO_REUSEPORT."""
+
+# How often the supervisor reads each worker's open streams (for worker_lost records).
+_POLL_S = 0.25
+# How often it reads each worker's /metrics between scrapes (what a dead worker
+# counted after the last read is lost from the sums).
+_METRICS_POLL_S = 1.0
+# A worker that dies sooner than this after starting is restarted only after this long.
+_RESTART_BACKOFF_S = 1.0
+_READY_TIMEOUT_S = 60.0
+_ADMIN_TIMEOUT_S = 5.0
+
+
+@dataclass
+class Worker:
+    """One worker process as the supervisor knows it."""
+
+    index: int
+    process: asyncio.subprocess.Process
+    admin: tuple[str, int]
+    started_at: float
+    streams: list[dict[str, Any]] = field(default_factory=list)
+    restarts: int = 0
+    metrics: Exposition | None = None
+    """Its last ``/metrics`` answer, parsed (None: none yet, or folded in at its death)."""
+    retired: bool = False
+    """Dead, and its last totals folded into the supervisor's: it counts no more."""
+    scrape_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """One read of its ``/metrics`` at a time, so the answers are kept in the order given."""
+
+
+async def _fetch(address: tuple[str, int], method: str, path: str, token: str = "",
+                 timeout_s: float = _ADMIN_TIMEOUT_S) -> tuple[int, bytes, bytes]:
+    """One request to a worker's admin port: (status, content type, body).
+    ``token``: the admin token, which a worker given one asks for too."""
+    authorization = f"Authorization: Bearer {token}\r\n" if token else ""
+    async with asyncio.timeout(timeout_s):
+        reader, writer = await asyncio.open_connection(*address)
+        try:
+            writer.write(f"{method} {path} HTTP/1.1\r\nHost: worker\r\n{authorization}"
+                         "Connection: close\r\n\r\n".encode())
+            await writer.drain()
+            raw = await reader.read()
+        finally:
+            writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    status = int(lines[0].split(b" ", 2)[1])
+    content_type = b"application/octet-stream"
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        name = name.strip().lower()
+        if name == b"content-type":
+            content_type = value.strip()
+        elif name == b"content-length" and int(value) != len(body):
+            # Cut short (the worker died while answering): a partial /metrics is no answer.
+            raise ValueError(f"{len(body)} of {int(value)} body bytes")
+    return status, content_type, body
+
+
+@dataclass
+class Family:
+    """One metric family of a Prometheus text exposition."""
+
+    name: bytes
+    kind: bytes = b"untyped"
+    comments: list[bytes] = field(default_factory=list)
+    """Its ``# HELP`` and ``# TYPE`` lines."""
+    samples: dict[bytes, float] = field(default_factory=dict)
+    """``name{labels}`` -> value, in the order they came."""
+
+
+Exposition = dict[bytes, Family]
+"""A text exposition's families by name, in the order they came."""
+
+_SAMPLE_SUFFIXES = (b"_total", b"_bucket", b"_count", b"_sum", b"_created", b"_gcount", b"_gsum")
+_TOTAL_KINDS = frozenset({b"counter", b"histogram", b"gaugehistogram", b"summary", b"untyped"})
+_HIGHEST_GAUGES = frozenset(name.encode() for name in upstream_metrics.POD_GAUGES)
+_LOWEST_GAUGES = frozenset(name.encode() for name in sidecar_metrics.EARLIEST_GAUGES)
+
+
+def parse_exposition(text: bytes) -> Exposition:
+    """The families of a Prometheus text exposition (format 0.0.4, as
+    prometheus-client writes it: a family's samples follow its TYPE line)."""
+    families: Exposition = {}
+    current: Family | None = None
+    for line in text.splitlines():
+        if not line:
+            continue
+        if line.startswith(b"#"):
+            parts = line.split(None, 3)
+            if len(parts) >= 3 and parts[1] in (b"HELP", b"TYPE"):
+                current = families.get(parts[2])
+                if current is None:
+                    current = families[parts[2]] = Family(parts[2])
+                if parts[1] == b"TYPE" and len(parts) == 4:
+                    current.kind = parts[3].strip()
+                if line not in current.comments:
+                    current.comments.append(line)
+            continue
+        key, _, value = line.rpartition(b" ")
+        try:
+            number = float(value)
+        except ValueError:
+            continue
+        name = key.partition(b"{")[0]
+        if current is None or (name != current.name and not any(
+                name == current.name + suffix for suffix in _SAMPLE_SUFFIXES)):
+            current = families.get(name)
+            if current is None:
+                current = families[name] = Family(name)
+        current.samples[key] = number
+    return families
+
+
+def _is_total(family: Family) -> bool:
+    """Counts that only grow while a process lives (kept across a worker's death)."""
+    return family.kind in _TOTAL_KINDS or family.name.endswith(b"_created")
+
+
+def _combine(family: Family) -> Callable[[float, float], float]:
+    """How the workers' samples of ``family`` make one (see the module docstring):
+    the gauges named in neither set add up, like ``PROCESS_GAUGES``."""
+    name = family.name
+    if family.kind == b"gauge":
+        if name.endswith(b"_created") or name in _LOWEST_GAUGES:
+            return min
+        if name.endswith(b"_info") or name in _HIGHEST_GAUGES:
+            return max
+    return operator.add
+
+
+def merge_expositions(expositions: Sequence[Exposition]) -> Exposition:
+    """Several processes' families as one (see the module docstring)."""
+    merged: Exposition = {}
+    for exposition in expositions:
+        for name, family in exposition.items():
+            into = merged.get(name)
+            if into is None:
+                merged[name] = Family(name, family.kind, list(family.comments), dict(family.samples))
+                continue
+            combine = _combine(into)
+            for key, value in family.samples.items():
+                old = into.samples.get(key)
+                into.samples[key] = value if old is None else combine(old, value)
+    return merged
+
+
+def _number(value: float) -> bytes:
+    if math.isnan(value):
+        return b"NaN"
+    if math.isinf(value):
+        return b"+Inf" if value > 0 else b"-Inf"
+    return repr(value).encode()
+
+
+def render_exposition(families: Exposition) -> bytes:
+    out: list[bytes] = []
+    for family in families.values():
+        out += family.comments
+        out += [key + b" " + _number(value) for key, value in family.samples.items()]
+    return b"\n".join(out) + b"\n"
+
+
+def totals_of(exposition: Exposition) -> Exposition:
+    """The families of ``exposition`` that only grow (counters, histograms, their ``_created``)."""
+    return {name: family for name, family in exposition.items() if _is_total(family)}
+
+
+def sum_metrics(texts: Sequence[bytes]) -> bytes:
+    """Several processes' ``/metrics`` as one: counters and histograms add up,
+    a process's own gauges add up, a pod's are the highest, ``*_info`` stays
+    1, start times and limits are the earliest and lowest."""
+    return render_exposition(merge_expositions([parse_exposition(text) for text in texts]))
+
+
+class Supervisor:
+    """Starts, watches and fronts the workers; see the module docstring."""
+
+    def __init__(self, config: SidecarConfig, argv: Sequence[str], *, out: TextIO = sys.stdout) -> None:
+        self.config = config
+        self._argv = list(argv)
+        self._out = out
+        self.workers: dict[int, Worker] = {}
+        self._stopping = False
+        self._holder: socket.socket | None = None
+        self._listen = ("", 0)
+        self._admin: asyncio.Server | None = None
+        self._log = StreamLog.open(config.log_file)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.metrics = sidecar_metrics.SupervisorMetrics()
+        self._retired: Exposition = {}
+        """The last totals of every worker that died, added up."""
+        # The public admin port asks what a single sidecar's would (issue: the
+        # admin surface), and the workers' own admin ports get the token along.
+        self._access = AdminAccess(read_admin_token(config), config.metrics_public)
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def run(self) -> int:
+        host, port = parse_host_port(self.config.listen, "listen")
+        self._holder = self._hold_port(host, port)
+        self._listen = (host, int(self._holder.getsockname()[1]))
+        try:
+            started = await asyncio.gather(*(self._start_worker(i) for i in range(self.config.worker_count)),
+                                           return_exceptions=True)
+            failed = [error for error in started if isinstance(error, BaseException)]
+            if failed:
+                for worker in self.workers.values():
+                    with contextlib.suppress(ProcessLookupError):
+                        worker.process.kill()
+                logger.error("a worker did not start: %s", failed[0])
+                return 1
+            loop = asyncio.get_running_loop()
+            stopped = asyncio.Event()
+
+            def stop() -> None:
+                self._stopping = True
+                for worker in self.workers.values():
+                    with contextlib.suppress(ProcessLookupError):
+                        worker.process.send_signal(signal.SIGTERM)
+                stopped.set()
+
+            def reload() -> None:
+                for worker in self.workers.values():
+                    with contextlib.suppress(ProcessLookupError):
+                        worker.process.send_signal(signal.SIGHUP)
+
+            loop.add_signal_handler(signal.SIGTERM, stop)
+            loop.add_signal_handler(signal.SIGINT, stop)
+            loop.add_signal_handler(signal.SIGHUP, reload)
+            if self.config.admin_listen:
+                admin_host, admin_port = parse_host_port(self.config.admin_listen, "admin_listen")
+                self._admin = await asyncio.start_server(self._serve_admin, admin_host, admin_port,
+                                                         reuse_address=True)
+            self._spawn(self._poll_streams())
+            self._spawn(self._poll_metrics())
+            scheme = "https" if self.config.tls else "http"
+            ready = (f"ready listen={self._listen[0]}:{self._listen[1]} scheme={scheme} "
+                     f"workers={len(self.workers)}")
+            if self._admin is not None:
+                admin_address = self._admin.sockets[0].getsockname()
+                ready += f" admin={admin_address[0]}:{admin_address[1]}"
+            print(ready, file=self._out, flush=True)
+            await stopped.wait()
+            await asyncio.gather(*(w.process.wait() for w in list(self.workers.values())))
+            return 0
+        finally:
+            self._stopping = True
+            for task in list(self._tasks):
+                task.cancel()
+            for worker in self.workers.values():
+                if worker.process.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        worker.process.send_signal(signal.SIGTERM)
+            if self._admin is not None:
+                self._admin.close()
+            if self._holder is not None:
+                self._holder.close()
+            self._log.close()
+
+    @staticmethod
+    def _hold_port(host: str, port: int) -> socket.socket:
+        """Bind (not listen) the proxy address with SO_REUSEPORT: port 0 resolves
+        once, and the workers' listening sockets join the same port."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        return sock
+
+    def _spawn(self, coro: Any) -> None:
+        spawn(self._tasks, coro)
+
+    async def _start_worker(self, index: int, restarts: int = 0) -> Worker:
+        host, port = self._listen
+        listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        command = [sys.executable, "-m", "tokenwire.sidecar", "sidecar", *self._argv,
+                   "--workers", "1", "--listen", listen, "--admin-listen", "127.0.0.1:0"]
+        env = {**os.environ, WORKER_ENV: str(index)}
+        process = await asyncio.create_subprocess_exec(*command, env=env, stdout=asyncio.subprocess.PIPE)
+        assert process.stdout is not None
+        admin: tuple[str, int] | None = None
+        try:
+            async with asyncio.timeout(_READY_TIMEOUT_S):
+                while admin is None:
+                    line = await process.stdout.readline()
+                    if not line:
+                        raise RuntimeError(f"worker {index} exited (status {await process.wait()})")
+                    text = line.decode(errors="replace")
+                    if text.startswith("ready "):
+                        fields = dict(part.split("=", 1) for part in text.split()[1:] if "=" in part)
+                        admin_host, _, admin_port = fields["admin"].rpartition(":")
+                        admin = (admin_host, int(admin_port))
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            raise
+        worker = Worker(index, process, admin, time.monotonic(), restarts=restarts)
+        self.workers[index] = worker
+        self._spawn(self._drain_stdout(process))
+        self._spawn(self._watch(worker))
+        logger.info("worker %d started (pid %d)", index, process.pid)
+        return worker
+
+    @staticmethod
+    async def _drain_stdout(process: asyncio.subprocess.Process) -> None:
+        assert process.stdout is not None
+        while await process.stdout.read(65536):
+            pass
+
+    async def _watch(self, worker: Worker) -> None:
+        status = await worker.process.wait()
+        if self._stopping:
+            return
+        logger.error("worker %d (pid %d) exited with status %d; %d open streams lost; restarting",
+                     worker.index, worker.process.pid, status, len(worker.streams))
+        self._retire(worker)
+        self._record_lost(worker)
+        if time.monotonic() - worker.started_at < _RESTART_BACKOFF_S:
+            await asyncio.sleep(_RESTART_BACKOFF_S)
+        while not self._stopping:
+            try:
+                await self._start_worker(worker.index, worker.restarts + 1)
+                return
+            except (RuntimeError, OSError, TimeoutError) as error:
+                logger.error("worker %d did not restart: %s", worker.index, error)
+                await asyncio.sleep(_RESTART_BACKOFF_S)
+
+    def _retire(self, worker: Worker) -> None:
+        """Keep a dead worker's last totals: its successor counts from zero."""
+        if worker.metrics is not None:
+            self._retired = merge_expositions([self._retired, totals_of(worker.metrics)])
+        worker.metrics = None
+        worker.retired = True
+        self.metrics.worker_restarts.inc()
+
+    def _record_lost(self, worker: Worker) -> None:
+        """A ``worker_lost`` record for each stream the dead worker last listed,
+        and as many in ``tokenwire_streams_lost_total``."""
+        self.metrics.worker_lost.inc(len(worker.streams))
+        now = time.time()
+        for entry in worker.streams:
+            age_s = float(entry.get("age_s") or 0.0)
+            record = StreamRecord(
+                request_id=str(entry.get("request_id", "")), upstream=str(entry.get("upstream", "")),
+                status=0, end_reason=EndReason.WORKER_LOST, error_code=None,
+                started_at=now - age_s, duration_s=age_s, ttfb_s=None, max_event_gap_s=0.0,
+                event_gap_buckets=(), events_in=int(entry.get("events_in") or 0),
+                events_out=int(entry.get("events_out") or 0), bytes_out=0, heartbeats=0,
+                coalesced_events=0, dropped_events=0, retries=0, refused_retries=0,
+                pending_high_water_bytes=0)
+            self._log.write(record, worker=worker.index)
+        worker.streams = []
+
+    async def _poll_streams(self) -> None:
+        while True:
+            for worker in list(self.workers.values()):
+                if worker.process.returncode is not None:
+                    continue
+                with contextlib.suppress(OSError, TimeoutError, ValueError, IndexError):
+                    status, _, body = await _fetch(worker.admin, "GET", "/streams", self._access.token,
+                                                   timeout_s=1.0)
+                    if status == 200 and worker.process.returncode is None:
+                        worker.streams = json.loads(body)
+            await asyncio.sleep(_POLL_S)
+
+    async def _scrape(self, worker: Worker) -> None:
+        """Read one worker's ``/metrics`` and keep it (a failed read keeps the last)."""
+        async with worker.scrape_lock:
+            if worker.retired or worker.process.returncode is not None:
+                return
+            with contextlib.suppress(OSError, TimeoutError, ValueError, IndexError):
+                status, _, body = await _fetch(worker.admin, "GET", "/metrics", self._access.token)
+                if status == 200 and not worker.retired:
+                    worker.metrics = parse_exposition(body)
+
+    async def _poll_metrics(self) -> None:
+        while True:
+            await asyncio.sleep(_METRICS_POLL_S)
+            await asyncio.gather(*(self._scrape(worker) for worker in self._live()))
+
+    def render_metrics(self) -> bytes:
+        """The workers' last ``/metrics``, the dead workers' totals and the
+        supervisor's own counters, as one exposition."""
+        known = [worker.metrics for _, worker in sorted(self.workers.items())
+                 if worker.metrics is not None and not worker.retired]
+        own = parse_exposition(self.metrics.render())
+        return render_exposition(merge_expositions([*known, self._retired, own]))
+
+    # ------------------------------------------------------------ the admin port
+
+    def _live(self) -> list[Worker]:
+        return [w for _, w in sorted(self.workers.items()) if w.process.returncode is None]
+
+    async def _gather(self, method: str, path: str) -> list[tuple[Worker, tuple[int, bytes, bytes] | None]]:
+        workers = self._live()
+
+        async def one(worker: Worker) -> tuple[int, bytes, bytes] | None:
+            try:
+                return await _fetch(worker.admin, method, path, self._access.token)
+            except (OSError, TimeoutError, ValueError, IndexError):
+                return None
+
+        answers = await asyncio.gather(*(one(w) for w in workers))
+        return list(zip(workers, answers, strict=True))
+
+    async def route(self, method: bytes, target: bytes) -> tuple[int, bytes, bytes]:
+        """The supervisor's admin answer: (status, content type, body)."""
+        path = urllib.parse.unquote(target.split(b"?", 1)[0].decode("ascii", "replace"))
+        quoted = target.split(b"?", 1)[0].decode("ascii", "replace")
+        json_type = b"application/json"
+        if method in (b"GET", b"HEAD") and path == "/metrics":
+            await asyncio.gather(*(self._scrape(worker) for worker in self._live()))
+            return 200, CONTENT_TYPE_LATEST.encode(), self.render_metrics()
+        if method in (b"GET", b"HEAD") and path == "/streams":
+            streams: list[Any] = []
+            for worker, answer in await self._gather("GET", "/streams"):
+                if answer is not None and answer[0] == 200:
+                    streams += [{**entry, "worker": worker.index} for entry in json.loads(answer[2])]
+            return 200, json_type, json.dumps(streams, separators=(",", ":")).encode()
+        if method in (b"GET", b"HEAD") and path == "/workers":
+            listing = [{"index": w.index, "pid": w.process.pid, "restarts": w.restarts,
+                        "alive": w.process.returncode is None, "streams": len(w.streams)}
+                       for _, w in sorted(self.workers.items())]
+            return 200, json_type, json.dumps(listing, separators=(",", ":")).encode()
+        if method in (b"GET", b"HEAD") and path == "/upstreams":
+            # Each worker balances on its own: one view per worker.
+            views = [{**json.loads(answer[2]), "worker": worker.index}
+                     for worker, answer in await self._gather("GET", "/upstreams")
+                     if answer is not None and answer[0] == 200]
+            return 200, json_type, json.dumps({"workers": views}, separators=(",", ":")).encode()
+        if method == b"POST" and path.startswith("/upstreams/"):
+            # A drain is every worker's: the first answer that found the pod speaks for all.
+            replies = [reply for _, reply in await self._gather("POST", quoted) if reply is not None]
+            found = [reply for reply in replies if reply[0] == 200]
+            if found or replies:
+                return (found or replies)[0]
+        if method in (b"GET", b"HEAD") and path == "/readyz" and self._stopping:
+            return 503, json_type, b'{"status":"draining"}'
+        if method == b"DELETE" and path.startswith("/streams/"):
+            last: tuple[int, bytes, bytes] | None = None
+            for _, answer in await self._gather("DELETE", quoted):
+                if answer is not None and answer[0] == 200:
+                    return answer
+                last = answer if answer is not None else last
+            if last is not None:
+                return last
+        live = self._live()
+        if not live:
+            return 503, json_type, b'{"status":"no worker running"}'
+        try:
+            return await _fetch(live[0].admin, method.decode("ascii", "replace"),
+                                target.decode("ascii", "replace"), self._access.token)
+        except (OSError, TimeoutError, ValueError, IndexError):
+            return 502, json_type, b'{"status":"worker did not answer"}'
+
+    async def _serve_admin(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await serve_one(reader, writer, self._answer)
+
+    async def _answer(self, request: h11.Request) -> tuple[int, bytes, bytes]:
+        """The token rule of a single sidecar's admin port, then the route."""
+        path = urllib.parse.unquote(request.target.split(b"?", 1)[0].decode("ascii", "replace"))
+        if not self._access.allows(path, header_value(request.headers, b"authorization")):
+            return 401, b"application/json", b'{"status":"admin token required"}'
+        return await self.route(request.method, request.target)
+
+
+def supervise(config: SidecarConfig, argv: Sequence[str], *, out: TextIO = sys.stdout) -> int:
+    """Run the supervisor until SIGTERM (the ``tokenwire sidecar --workers N`` command)."""
+    return asyncio.run(Supervisor(config, argv, out=out).run())
+
+
+def die_with_parent() -> None:
+    """In a worker: get SIGTERM if the supervisor dies (Linux), so no worker is orphaned."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
