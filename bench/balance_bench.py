@@ -1,6 +1,6 @@
 """Balancing benchmark: the policies side by side over four fake engine pods, one run.
 
-Method (figures in bench/README.md, "Balancing"):
+Method (figures in docs/perf/balance.md):
 
 * Four ``testbed/fake_engine.py`` processes (real sockets, a slot-limited
   queue per pod, prefill then paced tokens) behind one ``tokenwire sidecar``

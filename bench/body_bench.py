@@ -1,6 +1,6 @@
 """Many large uploads at once: a bystander stream's longest gap and the sidecar's RSS.
 
-Method (figures in bench/README.md, "Large uploads"):
+Method (figures in docs/perf/uploads.md):
 
 * One upstream process (below: bare asyncio) counts and discards request
   bodies and answers ``{}``; ``/stream`` answers a paced event stream (an

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The engine benchmark on a lent GPU machine, in one call (bench/README.md, "Engine on a GPU").
+# The engine benchmark on a lent GPU machine, in one call (docs/perf/engine.md, "Engine on a GPU").
 #
 #   here, once:     bash bench/gpu_wheels.sh          # fills .whl/ (git-ignored)
 #   device tool:    run(command="OUT=$OUT bash bench/gpu_engine.sh", carry=[".whl"], timeout_s=600)

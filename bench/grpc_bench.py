@@ -1,6 +1,6 @@
 """gRPC vs SSE through one sidecar, side by side in one run.
 
-Method (figures in bench/README.md, "gRPC"):
+Method (figures in docs/perf/http2-grpc.md, "gRPC"):
 
 * One paced fake upstream (``sse_load.py upstream``) and one sidecar process
   (``tokenwire sidecar``, HTTP/1.1 and HTTP/2 on one port) in front of it.

@@ -1,7 +1,7 @@
 """HTTP/2 benchmark: tokenwire's HTTP/2 path beside its HTTP/1.1 path and nginx
 (``http2``, TLS), side by side, one run.
 
-Method (figures in bench/README.md, "HTTP/2"):
+Method (figures in docs/perf/http2-grpc.md, "HTTP/2"):
 
 * One fake upstream (``sse_load.py upstream``: paced OpenAI chunks stamped
   with their send time) behind three targets: ``direct`` (plaintext HTTP/1.1,

@@ -1,6 +1,6 @@
 """Resume benchmark: replay throughput and memory per stored event, memory and Redis stores.
 
-Method (see bench/README.md for the figures):
+Method (figures in docs/perf/resume.md):
 
 * One fake upstream process (``sse_load.py upstream``: OpenAI chunks, here
   ~250 B each, all at once) and two sidecars started with ``--resume``, one

@@ -1,6 +1,6 @@
 """Sidecar benchmark: direct vs tokenwire sidecar vs nginx, side by side, one run.
 
-Method (see bench/README.md for the figures):
+Method (figures in docs/perf/sidecar-http1.md; ``--resets`` in docs/perf/resets.md):
 
 * One fake upstream process (``sse_load.py upstream``: bare asyncio, paced
   OpenAI chunks, each carrying its send time) serves all three targets:

@@ -14,7 +14,7 @@ run, through:
 It reports, per target, how late the last token arrived after the upstream
 finished generating (median and worst of the four) and whether every reader
 got the exact text. ``python bench/slow_reader_bench.py [--events N]``; the
-figures go to bench/README.md ("Slow readers and volatile chunk fields").
+figures go to docs/perf/slow-readers.md (the latest headline to bench/README.md).
 """
 
 from __future__ import annotations

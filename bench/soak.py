@@ -1,6 +1,6 @@
 """Soak: a real sidecar process under mixed traffic for a long time (not in CI).
 
-Method (figures in bench/README.md, "Soak"):
+Method (figures in docs/perf/soak.md):
 
 * A fake engine (``soak.py upstream``, its own process) streams OpenAI chat
   chunks at the pace each request asks for, and can die mid-stream on request.

@@ -1,6 +1,6 @@
 """What metrics and logs cost the sidecar: CPU per event with them on and off, side by side.
 
-Method (figures in bench/README.md, "Telemetry"):
+Method (figures in docs/perf/telemetry.md):
 
 * One fake upstream process (``sse_load.py upstream``: paced OpenAI chunks)
   and three sidecars in front of it, started once and measured in turns,

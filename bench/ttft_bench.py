@@ -1,6 +1,6 @@
 """The sidecar's and the engine's time to first token, request by request, through ``tokenwire up``.
 
-Method (figures in bench/README.md, "Telemetry"):
+Method (figures in docs/perf/telemetry.md):
 
 * ``tokenwire up --verbose`` (engine on a Unix socket, sidecar in front, as a
   user runs it) with a quickly trained tiny model built into a temp cache;

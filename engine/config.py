@@ -73,7 +73,7 @@ class EngineConfig:
     """Prompt tokens processed per scheduler step, attention over the cached context counted
     (late chunks of a long prompt get fewer tokens); 0 = whole prompts at once (no chunking).
     96: on a quiet 2-core box, 128 put the decoding streams' p95 gap at 2.0-2.03x a control
-    run's (the target is 2x), 96 at 1.87x (``bench/README.md``)."""
+    run's (the target is 2x), 96 at 1.87x (``docs/perf/engine.md``)."""
     max_model_len: int | None = None
     """Context cap; default: the model's ``max_position_embeddings``."""
     max_waiting: int = 1024
@@ -155,7 +155,7 @@ def runs_scheduler_process(config: EngineConfig) -> bool:
     On a shared 2-core box at 64 streams, the scheduler process stepping on one core while
     the server's loop writes on the other kept a median 0.91 (0.71-1.00 over twelve runs) of
     the scheduler alone's tokens/s, the thread 0.79 (0.74-1.02): in one process the loop
-    and the step take turns on the GIL (``bench/README.md``, "Engine: the scheduler process
+    and the step take turns on the GIL (``docs/perf/engine.md``, "Engine: the scheduler process
     by default")."""
     return config.scheduler_process and usable_cpus() >= 2
 

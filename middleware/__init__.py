@@ -5,6 +5,8 @@ on the wire for a streamed LLM answer; drivers move bytes and events between
 sockets and it. See ``stream.py`` for the theory of operation.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from .asgi.middleware import TokenWireMiddleware
 from .core.config import ConfigError, SlowClientPolicy, WireConfig
 from .core.errors import (
@@ -52,6 +54,20 @@ from .core.sse import SSEEvent, SSEParser, encode
 from .core.stream import StreamState, WireStream
 from .process.native import compiled_modules
 
+if TYPE_CHECKING:
+    from .shared.replay_redis import RedisReplayStore
+
+
+def __getattr__(name: str) -> Any:
+    """``RedisReplayStore`` on first use: it needs the ``redis`` extra, which
+    nothing else here does."""
+    if name == "RedisReplayStore":
+        from .shared.replay_redis import RedisReplayStore
+
+        return RedisReplayStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "GAP_BUCKETS_S",
     "AbortUpstream",
@@ -71,6 +87,7 @@ __all__ = [
     "LocalProtocolError",
     "PauseUpstream",
     "ReaderAttached",
+    "RedisReplayStore",
     "Rejected",
     "ReplayAppend",
     "ReplaySource",

@@ -24,26 +24,26 @@ from setuptools import setup
 # pending, meter, the sidecar's chunked-body reader), and the decisions each
 # input takes live in the rest of the core. The sidecar's HTTP/1.1 driver is
 # compiled too: its upstream socket callback (upstream/transport), the exchange
-# that hands each read to the core and the client connection's write
+# that hands each read to the core (exchange/loop, exchange/slot) and the client connection's write
 # (downstream/http1); and, once a stream, its upstream client (upstream/head,
-# upstream/conn) and the heads it writes (downstream/header_fields,
-# downstream/response_head, exchange/forwarding). The ASGI driver, HTTP/2 and
+# upstream/conn) and the heads it writes (downstream/h11_layout,
+# exchange/forwarding). The ASGI driver, HTTP/2 and
 # the rest stay Python; core/config.py reads TOML and signatures.
 MODULES = (
     *(f"middleware/core/{name}" for name in (
         "accounting", "attempt", "chunks", "client_socket", "decisions", "errors", "events", "headers",
-        "lifecycle", "meter", "pending", "recording", "retry", "sse", "stream",
+        "lifecycle", "meter", "pending", "recording", "retry", "sse", "stream", "upstream_inputs",
         # The dialects: the core asks them of every parsed event (compiled, a
         # native method call; interpreted, a Python call from compiled code).
         "dialects/base", "dialects/chat", "dialects/responses", "dialects/anthropic")),
     "sidecar/upstream/body",
     "sidecar/upstream/head",
     "sidecar/upstream/conn",
-    "sidecar/downstream/header_fields",
-    "sidecar/downstream/response_head",
+    "sidecar/downstream/h11_layout",
     "sidecar/exchange/forwarding",
     "sidecar/upstream/transport",
     "sidecar/exchange/loop",
+    "sidecar/exchange/slot",
     "sidecar/downstream/http1",
 )
 

@@ -2,8 +2,11 @@
 
 ``tokenwire sidecar --listen HOST:PORT --upstream URL`` runs it; in-process,
 build a :class:`SidecarConfig` (``build_config``) and ``await Sidecar(config).start()``.
-See ``protocol.py`` (client side), ``exchange.py`` (the driver loop) and
-``upstream.py`` (engine side) for the theory of operation.
+The client side is ``downstream/`` (``http1.py``, ``http2.py``), one proxied
+request ``exchange/`` (``loop.py``, the driver loop; ``slot.py``, its attempt),
+the engine side ``upstream/`` (``pools.py``, ``attempt.py``), the process
+``process/``: each with its theory of operation (docs/architecture.md, "The
+modules", lists them all).
 """
 
 from .exchange.forwarding import wants_stream

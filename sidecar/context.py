@@ -17,7 +17,7 @@ from .logs import StreamLog
 from .process.metrics import SidecarMetrics
 from .registry import StreamRegistry
 from .settings import SidecarConfig
-from .upstream.pods import UpstreamPools
+from .upstream.pools import UpstreamPools
 
 if TYPE_CHECKING:
     from .downstream.connection import OpenConnection

@@ -24,7 +24,7 @@ import tokenwire.sidecar
 from tokenwire.middleware import compiled_modules
 
 ROOT = Path(__file__).resolve().parents[1]
-# The sidecar's compiled driver modules (exchange, http1, upstream_io, the
+# The sidecar's compiled driver modules (exchange/, downstream/http1, upstream/transport, the
 # upstream client) too: a few of its socket tests, with sidecars started in this process.
 OTHER_PATH_TESTS = ["tests/middleware", "tests/behaviour", "tests/sidecar/test_upstream_body.py",
                     "tests/sidecar/test_streaming.py", "tests/sidecar/test_upstream_pool.py",

@@ -24,7 +24,7 @@ import logging
 import uuid
 from collections.abc import Awaitable
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..core.events import (
     AbortUpstream,
@@ -64,10 +64,8 @@ from ..shared.driver import (
 )
 from ..shared.replay_store import StoreUnavailable
 from .inbox import RequestInbox
+from .types import Message, MiddlewareSettings, Receive, Scope, Send
 from .writer import ResponseWriter
-
-if TYPE_CHECKING:
-    from .middleware import Message, Receive, Scope, Send, TokenWireMiddleware
 
 EXTENSION = "tokenwire"
 """The key of :class:`StreamControl` in ``scope["extensions"]``."""
@@ -126,7 +124,7 @@ class Exchange(ResponseWriter):
     """One HTTP request: the app task, the listener, and (for an event stream)
     the core and its writer task. See the module docstring."""
 
-    def __init__(self, middleware: TokenWireMiddleware, scope: Scope, receive: Receive,
+    def __init__(self, middleware: MiddlewareSettings, scope: Scope, receive: Receive,
                  send: Send) -> None:
         self.middleware = middleware
         self.config = middleware.config
@@ -368,7 +366,7 @@ class Exchange(ResponseWriter):
     def start_core(self) -> WireStream:
         self.mode = _Mode.DRIVEN
         stream = WireStream(self.config, now=self.loop.time(), request_id=self.request_id,
-                            upstreams=("app",), expect_stream=True, stream_id=self.stream_id,
+                            upstream="app", expect_stream=True, stream_id=self.stream_id,
                             dialect=self.middleware.dialects.for_path(str(self.scope.get("path", ""))),
                             summary=wants_summary(self.scope.get("headers", ())))
         self.stream = stream

@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-:class:`RequestInbox` is the *listener* of ``asgi_exchange.py``: a task that
+:class:`RequestInbox` is the *listener* of ``exchange.py``: a task that
 owns the server's ``receive`` for the whole request, so ``http.disconnect``
 is seen whenever it comes, also while the app is silent (a long prefill).
 Servers differ in how else they would tell an app (uvicorn's ``send`` returns

@@ -7,7 +7,7 @@ app. For each HTTP request it builds one
 :class:`~tokenwire.middleware.asgi.exchange.Exchange` (the per-request driver
 object; the sidecar's has the same name), which runs the app in a child task
 and, beside it, a *listener* task that owns the server's ``receive``
-(``asgi_inbox.py``):
+(``inbox.py``):
 
 * request body messages are handed to the app's ``receive`` in order (read
   ahead up to ``REQUEST_READ_AHEAD_BYTES``, so a client that leaves is seen
@@ -27,7 +27,7 @@ An event-stream response is *driven*: a :class:`WireStream` is created and
   ``UpstreamData``, ``UpstreamEnded``; an exception or a return without ending
   the body is ``UpstreamFailed``). The app's ``send`` never waits for the
   client: it feeds the core and returns;
-* a *writer* task is the only caller of the server's ``send`` (``asgi_writer.py``): it sends the
+* a *writer* task is the only caller of the server's ``send`` (``writer.py``): it sends the
   headers when the core says ``CommitHeaders``, then whatever
   ``data_to_send()`` returns, and reports ``WriteCompleted`` when the server's
   ``send`` returns. ASGI has no pause signal, so a slow ``send`` *is* the
@@ -73,31 +73,21 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..core.config import ConfigError, WireConfig
 from ..core.dialects import DialectTable
-from ..core.events import StreamRecord
 from ..core.resume import CallerKey
 from ..process.logs import FieldsInMessage, LogFormat, install_default_handler
 from ..shared.replay_store import MemoryReplayStore, ReplayStore
 from .exchange import EXTENSION, Exchange, StreamControl
 from .inbox import REQUEST_READ_AHEAD_BYTES
+from .types import ASGIApp, OnAbort, OnFinished, Receive, Scope, Send
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from ..process.prometheus import MiddlewareMetrics
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-OnAbort = Callable[[str, str], object]
-"""``on_abort(request_id, reason)``; may be a coroutine function."""
-OnFinished = Callable[[StreamRecord], object]
 
 DEFAULT_CONFIG = WireConfig()
 """``WireConfig()``'s defaults are the middleware's: no retries (it cannot re-run

@@ -21,7 +21,7 @@ it had started it. ``CloseClient`` ends the response: cleanly with the final
 empty body, or abruptly by returning without it, so the server closes the
 connection without the chunked terminator and the client sees a truncated body.
 
-The core's actions are executed by the subclass (``asgi_exchange.Exchange.apply``).
+The core's actions are executed by the subclass (``exchange.Exchange.apply``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import types
 from collections.abc import Awaitable, Generator
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 from ..core.events import (
     Action,
@@ -40,9 +40,7 @@ from ..core.events import (
     WriteCompleted,
 )
 from ..core.stream import WireStream
-
-if TYPE_CHECKING:
-    from .middleware import Message, Send
+from .types import Message, Send
 
 
 class ResponseWriter:

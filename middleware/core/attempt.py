@@ -33,7 +33,6 @@ depends on the lifecycle and the budget); this part keeps the mechanics.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from enum import StrEnum
 
 from .chunks import error_object
@@ -69,16 +68,12 @@ class AttemptPhase(StrEnum):
 class UpstreamAttempt:
     """The current upstream attempt of one response. See the module docstring."""
 
-    __slots__ = ("_config", "headers_deadline_at", "held_headers", "index", "late_error_body",
+    __slots__ = ("_config", "headers_deadline_at", "held_headers", "late_error_body",
                  "late_error_status", "number", "open", "parser", "passthrough", "paused",
-                 "retry_at", "seen_at", "status", "upstreams")
+                 "retry_at", "seen_at", "status")
 
-    def __init__(self, config: WireConfig, upstreams: Sequence[str], now: float) -> None:
-        if not upstreams:
-            raise ValueError("upstreams must name at least one upstream")
+    def __init__(self, config: WireConfig, now: float) -> None:
         self._config = config
-        self.upstreams = tuple(upstreams)
-        self.index = 0  # into upstreams: where this attempt goes
         self.number = 0  # 0 for the first attempt, n for the n-th retry
         self.retry_at: float | None = None
         self.headers_deadline_at: float | None = now + config.upstream_headers_timeout_s
@@ -91,10 +86,6 @@ class UpstreamAttempt:
         self.late_error_body: bytearray | None = None
         self.late_error_status = 0
         self.parser = self.new_parser()
-
-    @property
-    def upstream(self) -> str:
-        return self.upstreams[self.index]
 
     @property
     def phase(self) -> AttemptPhase:
@@ -164,10 +155,9 @@ class UpstreamAttempt:
     def start_retry(self, now: float) -> RetryUpstream:
         """BACKOFF → CONNECTING (the caller saw ``retry_at`` pass): the action that starts it."""
         self.retry_at = None
-        self.index = self.number % len(self.upstreams)
         self.open = True
         self.headers_deadline_at = now + self._config.upstream_headers_timeout_s
-        return RetryUpstream(self.number, self.index)
+        return RetryUpstream(self.number)
 
     def stop_timers(self) -> None:
         """The response ended: no retry, no headers deadline."""

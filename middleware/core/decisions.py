@@ -26,8 +26,6 @@ owns the parts the stream composes (``attempt.py``, ``client_socket.py``,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from .accounting import Accounting
 from .attempt import UpstreamAttempt
 from .chunks import dumps
@@ -71,7 +69,7 @@ class StreamDecisions:
         *,
         now: float,
         request_id: str,
-        upstreams: Sequence[str] = ("",),
+        upstream: str = "",
         retry_budget: RetryBudget | None = None,
         expect_stream: bool = True,
         stream_id: str | None = None,
@@ -80,7 +78,9 @@ class StreamDecisions:
         hide_usage_chunk: bool = False,
         summary: bool = False,
     ) -> None:
-        """``expect_stream``: the request asked for a stream, so the commit
+        """``upstream``: what the record names as the stream's source (the ASGI
+        driver's ``app``; the sidecar names each attempt's pod itself, through
+        ``Finished.record_as``). ``expect_stream``: the request asked for a stream, so the commit
         deadline runs from now; otherwise it starts only if the upstream
         answers with an event stream (a plain JSON answer is passed through).
         ``stream_id``: the resume id of this response, required with ``config.resume``.
@@ -107,7 +107,8 @@ class StreamDecisions:
         self._state = StreamState.WAITING
         self._actions: list[Action] = []
         # The parts.
-        self._attempt = UpstreamAttempt(config, upstreams, now)
+        self._upstream = upstream
+        self._attempt = UpstreamAttempt(config, now)
         self._client = ClientSocket(now)
         self._resume = ResumeRecorder(config, stream_id or "", self._emit)
         self._hold = ResumeHold()
@@ -148,10 +149,10 @@ class StreamDecisions:
 
     def record(self, now: float, upstream: str | None = None) -> StreamRecord:
         """The accounting record as of ``now`` (final once ``finished``);
-        ``upstream`` names the pod in place of the current attempt's."""
+        ``upstream`` names the pod in place of the one the stream was made with."""
         return self._acct.record(
             now, request_id=self.request_id,
-            upstream=self._attempt.upstream if upstream is None else upstream, status=self._status,
+            upstream=self._upstream if upstream is None else upstream, status=self._status,
             end_reason=self._end_reason or EndReason.COMPLETE, error_code=self._error_code,
             coalesced_events=self._pending.coalesced_events,
             dropped_events=self._pending.dropped_events, stream_id=self._resume.resume_id or None,
@@ -366,12 +367,16 @@ class StreamDecisions:
             self._enforce_cap(now)
 
     def _end(self, reason: EndReason, code: ErrorCode | None, *, abrupt: bool,
-             trigger: Trigger) -> None:
+             trigger: Trigger, delivery_cut: bool = False) -> None:
+        """End for ``reason``. Precedence: the first ending recorded stands (the
+        root cause), but a ``delivery_cut`` (the client left, or could not keep
+        up) replaces a clean end the client had not all taken: it was lost."""
+        supersedes = delivery_cut and self._state is StreamState.DONE
         self._transition(trigger)
         resume = self._resume
         if resume.recording and resume.end is None:
             resume.record_end(reason)
-        if self._end_reason is None:
+        if self._end_reason is None or supersedes:
             # The record says a complete answer went to a resuming reader, not to its
             # client; or, held with nobody come back yet, to neither.
             recorded = reason
@@ -400,8 +405,7 @@ class StreamDecisions:
             return
         if self._state is not StreamState.ABORTED:
             # A response already ending with an error keeps that root cause.
-            self._end_reason = None
-            self._end(EndReason.SLOW_CLIENT, code, abrupt=True, trigger=Trigger.ABORT)
+            self._end(EndReason.SLOW_CLIENT, code, abrupt=True, trigger=Trigger.ABORT, delivery_cut=True)
         self._actions.append(CloseClient(abrupt=True, reset=True))
         self._client.gone = True
 

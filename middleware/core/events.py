@@ -210,10 +210,13 @@ class AbortUpstream:
 
 @dataclass(frozen=True, slots=True)
 class RetryUpstream:
-    """Start a fresh upstream request now (the backoff has already elapsed)."""
+    """Start a fresh upstream request now (the backoff has already elapsed).
+
+    ``attempt`` numbers it (1 for the first retry). Which upstream it goes to is
+    the driver's: the sidecar's balancer picks a pod other than those this
+    request failed on."""
 
     attempt: int
-    upstream_index: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ apply this through :func:`~tokenwire.middleware.shared.driver.enter_resume`.
 
 Malformed input is a :class:`~tokenwire.middleware.core.errors.ClientError` with a
 stable code, raised here and put on the wire by the core (``Rejected``).
-Nothing here does I/O; the stores are in ``replay_store.py``.
+Nothing here does I/O; the stores are in ``middleware/shared/replay_store.py``.
 """
 
 from __future__ import annotations

@@ -24,8 +24,11 @@ The stream composes small parts, each with its own states and docstring:
 * ``pending.py``: what waits for the socket, and how it merges (the OpenAI
   chunk format itself is ``chunks.py``'s).
 
-This module holds the *decisions* that tie them together: what each input
-does in each lifecycle state, when to commit, retry, fail, end, cut off a slow
+The decisions that tie them together live in ``decisions.py`` (the shared
+steps: commit, fail, end, retry, the slow-reader cut, the hold for a
+reconnect), ``upstream_inputs.py`` (what the upstream side's inputs do) and
+this module (the public API, the client side's inputs, the input table):
+what each input does in each lifecycle state, when to commit, retry, fail, end, cut off a slow
 reader, or hold for a reconnect. Once DONE or ABORTED has nothing left to
 write, the core emits ``CloseClient`` and ``Finished`` with the accounting
 record, exactly once per response.
@@ -43,20 +46,11 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from .accounting import GAP_BUCKETS_S
-from .attempt import RETRYABLE_STATUSES, failure_error
-from .chunks import plain_event_count
-from .config import NonStreamAnswer
-from .decisions import HEARTBEAT, StreamDecisions
-from .dialects.base import ERROR, FAILED, GENERIC, KEEPALIVE, TERMINAL, Dialect
-from .dialects.routes import AUTO_MARKER, detect
+from .decisions import HEARTBEAT
 from .errors import (
-    NO_CLIENT_RETRY,
     ErrorCode,
     LocalError,
     LocalProtocolError,
-    SSEProtocolError,
-    UpstreamError,
-    UpstreamErrorEvent,
     WireError,
 )
 from .events import (
@@ -79,22 +73,19 @@ from .events import (
     UpstreamHeaders,
     WriteCompleted,
 )
-from .headers import header_value, is_compressed, is_event_stream, passthrough_headers
 from .lifecycle import ENDED as _ENDED
 from .lifecycle import TRANSITIONS, StreamState, Trigger
 from .meter import TokenMeter
-from .sse import SSEEvent
+from .upstream_inputs import UpstreamInputs
 
 __all__ = ["GAP_BUCKETS_S", "HEARTBEAT", "TRANSITIONS", "StreamState", "WireStream"]
 
 # Final: compiled, a final module name is a C static, not a lookup in the module's dict.
 W: Final = StreamState.WAITING
-C: Final = StreamState.COMMITTED
-S: Final = StreamState.STREAMING
 _NO_DEADLINE: Final = float("inf")
 
 
-class WireStream(StreamDecisions):
+class WireStream(UpstreamInputs):
     """The wire core for one response. See the module docstring; the
     constructor's arguments are :class:`StreamDecisions`'s."""
 
@@ -136,8 +127,8 @@ class WireStream(StreamDecisions):
 
     @property
     def upstream(self) -> str:
-        """The upstream of the current (or last) attempt."""
-        return self._attempt.upstream
+        """What the stream's record names as its source (see the constructor)."""
+        return self._upstream
 
     @property
     def end_reason(self) -> EndReason | None:
@@ -210,15 +201,14 @@ class WireStream(StreamDecisions):
         ``data_to_send`` and ``handle(WriteCompleted())`` would have done,
         which would have returned no actions. Otherwise returns None and
         changes nothing: the driver then takes the usual way with
-        ``UpstreamData``. Anything ``_on_upstream_data`` records per read
-        (for a timer, say) must be recorded here too.
+        ``UpstreamData``. The test of the read and its bookkeeping are those of
+        ``_on_upstream_data``'s fast branch (:meth:`_plain_count`,
+        :meth:`_took_plain`): one rule, two ways in.
         """
         client = self._client
         attempt = self._attempt
-        if (self._state is not S or self._pending or client.paused or client.write_in_flight
-                or client.gone or attempt.paused or attempt.retry_at is not None
-                or attempt.passthrough or self._finished or not self._one_call_path
-                or not attempt.parser.at_boundary or len(data) > self._max_pending_bytes):
+        if (client.gone or attempt.paused or attempt.retry_at is not None or attempt.passthrough
+                or self._finished or not self._one_call_path or len(data) > self._max_pending_bytes):
             return None
         # next_deadline() only moves later on this path (it sets the times the
         # heartbeat and idle timers run from to ``now``), so the value computed
@@ -231,24 +221,16 @@ class WireStream(StreamDecisions):
             due_at = self._deadline_bound = _NO_DEADLINE if deadline is None else deadline
         if now >= due_at:
             return None
-        count = plain_event_count(data, self._plain_limit_bytes, self._marker)
+        count = self._plain_count(data)
         if not count:
             return None
+        self._took_plain(data, count, now)
         acct = self._acct
-        acct.events_in += count
-        # Plain chunks count one piece each (a scan for the text here would cost a
-        # third of this path; a finish chunk that came this way counts one too).
-        acct.tokens_in += count
-        attempt.seen_at = now
-        acct.idle_keepalives = 0
         size = len(data)
         if size > acct.pending_high_water_bytes:
             acct.pending_high_water_bytes = size
         client.wrote_at_once(now)
         acct.bytes_out += size
-        meter = acct.meter
-        if not meter.token_queued:
-            meter.queued(data)
         acct.content_written(count, now)
         return data
 
@@ -256,269 +238,6 @@ class WireStream(StreamDecisions):
     def meter(self) -> TokenMeter:
         """Time to first token and inter-token gaps (``meter.py``); drivers read it live."""
         return self._acct.meter
-
-    # The attempt's fields under the names the core's property tests look at.
-
-    @property
-    def _upstreams(self) -> tuple[str, ...]:
-        return self._attempt.upstreams
-
-    @property
-    def _retry_at(self) -> float | None:
-        return self._attempt.retry_at
-
-    @property
-    def _late_error_body(self) -> bytearray | None:
-        return self._attempt.late_error_body
-
-    # ------------------------------------------------------------ upstream inputs
-
-    def _on_upstream_headers(self, event: UpstreamHeaders, now: float) -> None:
-        if self._state in _ENDED:
-            return
-        attempt = self._attempt
-        attempt.answered(event.status, now)
-        sse = is_event_stream(event.headers)
-        if self._state is not W:
-            # Committed by the deadline before the upstream answered: its
-            # status can no longer reach the client except in-band.
-            if not 200 <= event.status < 300:
-                # Its body is the engine's own word on what went wrong (often an
-                # OpenAI error object): read it, then end in-band with it.
-                attempt.start_late_error(event.status)
-            elif not sse or is_compressed(event.headers):
-                self._fail(SSEProtocolError("upstream did not answer with an uncompressed "
-                                            "event stream"), EndReason.UPSTREAM_ERROR, now)
-            return
-        # 503 is the upstream saying it did not take the request on (RFC 9110 15.6.4).
-        if event.status in RETRYABLE_STATUSES and self._schedule_retry(
-                now, EndReason.UPSTREAM_ERROR, unprocessed=event.status == 503):
-            return
-        if sse and 200 <= event.status < 300:
-            if is_compressed(event.headers):
-                self._fail(SSEProtocolError("upstream compressed the event stream; "
-                                            "tokenwire asks for identity"),
-                           EndReason.UPSTREAM_ERROR, now)
-                return
-            attempt.held_headers = event.headers
-            if self._commit_at is None:
-                self._commit_at = now + self.config.commit_deadline_s
-            return
-        if self._expect_stream and 200 <= event.status < 300:
-            # A streaming request answered with something else (a wrong port's HTML
-            # page, an engine that ignored "stream"): an SDK would read no event
-            # and raise nothing, so on a known dialect's route it is refused.
-            answer = self.config.non_event_stream_answer
-            if answer is NonStreamAnswer.REJECT or (answer is NonStreamAnswer.AUTO
-                                                    and self._dialect.name != GENERIC):
-                kind = header_value(event.headers, b"content-type") or b"no content-type"
-                self._fail(UpstreamError(
-                    f"the upstream answered a streaming request with "
-                    f"{kind.decode('latin-1')[:100]!r}, not text/event-stream",
-                    ErrorCode.UPSTREAM_FAILED, http_status=502), EndReason.NOT_EVENT_STREAM, now)
-                return
-            self._passthrough_reason = EndReason.NOT_EVENT_STREAM
-        if event.status >= 400:
-            self._passthrough_reason = EndReason.UPSTREAM_STATUS
-        # Anything else (JSON, an error status with its own body) goes through
-        # unchanged: the upstream's own answer is the best error message.
-        attempt.passthrough = True
-        headers = passthrough_headers(event.headers)
-        if self._acct.retries and event.status >= 500:
-            headers = (*headers, NO_CLIENT_RETRY)
-        self._commit(event.status, headers, streaming=False, now=now)
-
-    def _on_upstream_data(self, event: UpstreamData, now: float) -> None:
-        attempt = self._attempt
-        if self._state in _ENDED or attempt.retry_at is not None:
-            return
-        if attempt.status is None:
-            raise LocalProtocolError("UpstreamData before UpstreamHeaders")
-        if attempt.late_error_body is not None:
-            attempt.seen_at = now
-            attempt.read_late_error(event.data)
-            return
-        if attempt.passthrough:
-            attempt.seen_at = now
-            self._pending.add_bytes(event.data)
-            self._after_queue(now)
-            return
-        client = self._client
-        if (self._state is S and self._fast_path and not self._pending and not client.paused
-                and not client.write_in_flight and attempt.parser.at_boundary):
-            count = plain_event_count(event.data, self._plain_limit_bytes, self._marker)
-            if count:
-                attempt.seen_at = now
-                self._acct.idle_keepalives = 0
-                self._acct.tokens_in += count  # one piece each, as in forward_read
-                # The client keeps up and these are ordinary text chunks: they
-                # go out as they came, with nothing to merge them with, so
-                # parsing and re-encoding them would only cost time.
-                if self._acct.meter.awaiting_token:
-                    self._acct.meter.queued(event.data)
-                self._pending.add_bytes(self._resume.number_plain(event.data) if self.config.resume
-                                        else event.data, count)
-                self._acct.events_in += count
-                self._after_queue(now)
-                return
-        try:
-            events = attempt.parser.feed(event.data)
-        except SSEProtocolError as error:
-            self._upstream_failure(error, EndReason.UPSTREAM_ERROR, now)
-            return
-        on_sse_event = self._on_sse_event
-        for sse_event in events:
-            on_sse_event(sse_event, now)
-            if self._state in _ENDED or attempt.retry_at is not None:
-                return
-
-    def _on_upstream_event(self, event: UpstreamEvent, now: float) -> None:
-        attempt = self._attempt
-        if self._state in _ENDED or attempt.retry_at is not None:
-            return
-        if attempt.status is None or attempt.passthrough:
-            raise LocalProtocolError("UpstreamEvent needs an event-stream UpstreamHeaders first")
-        if attempt.late_error_body is not None:
-            attempt.seen_at = now
-            return  # the events of an error answer are not the answer
-        self._on_sse_event(event.event, now)
-
-    def _on_sse_event(self, event: SSEEvent, now: float) -> None:
-        acct = self._acct
-        if event.comment is not None:
-            # Upstream keepalives are replaced by our own downstream heartbeats.
-            acct.upstream_comments += 1
-            acct.upstream_keepalives += 1
-            acct.idle_keepalives += 1
-            return
-        acct.events_in += 1
-        dialect = self._dialect
-        if not self._dialect_confirmed and event.data is not None:
-            # The first event with data says (an ``id:`` or ``retry:`` alone says nothing).
-            self._dialect_confirmed = True
-            if self._resume.reader:
-                dialect = self._speak(detect(event, self.config.terminal_marker))
-            elif not dialect.confirms(event):
-                # A shape tokenwire does not know: passed exactly (no merging, no
-                # error or terminal rule but the operator's marker).
-                marker = self.config.terminal_marker
-                dialect = self._speak(Dialect(None if marker == AUTO_MARKER else marker))
-            elif self._resume.recording:
-                self._resume.alias = dialect.stream_alias(event)
-        kind = dialect.classify(event)
-        if kind == KEEPALIVE:
-            acct.upstream_keepalives += 1
-            acct.idle_keepalives += 1
-        else:
-            # The content-inactivity clock: only events of content or state move it.
-            self._attempt.seen_at = now
-            acct.idle_keepalives = 0
-        if kind == ERROR:
-            payload = dialect.error_payload(event)
-            if self._state is W and dialect.first_error_is_status:
-                # An error as the first event is the engine refusing this request
-                # (a bad prompt, too many tokens): the response is that error, with
-                # the status it carries, and another attempt would only be refused
-                # again, so it is never retried.
-                self._fail(UpstreamErrorEvent(payload), EndReason.UPSTREAM_ERROR, now)
-                return
-            if self._state is W:
-                self._commit_sse(now)
-            if self._end_reason is None:
-                self._error = UpstreamErrorEvent(payload if "error" in payload else {"error": payload})
-            acct.meter.terminal_queued()
-            self._queue_event(dialect.forwarded_error(event, payload), droppable=False, upstream=True)
-            ends = dialect.error_is_terminal
-            self._end(EndReason.UPSTREAM_ERROR, ErrorCode.UPSTREAM_FAILED, abrupt=not ends,
-                      trigger=Trigger.FINISH if ends else Trigger.ABORT)
-            self._enforce_cap(now)
-            return
-        if self._state is W:
-            self._commit_sse(now)
-        acct.usage = dialect.usage(event, acct.usage)
-        if kind in (TERMINAL, FAILED):
-            if kind == TERMINAL and self._summary:
-                acct.meter.terminal_queued()  # no token: off the count its write adds
-                self._queue_event(self._summary_event(now), droppable=False, numbered=False)
-            acct.meter.terminal_queued()
-            self._queue_event(event, droppable=False, upstream=True)
-            if kind == TERMINAL:
-                self._end(EndReason.COMPLETE, None, abrupt=False, trigger=Trigger.FINISH)
-            else:
-                # The engine's own report of its failure, in the dialect's terminal
-                # event: the body ends as the client would have read it directly.
-                self._end(EndReason.UPSTREAM_ERROR, ErrorCode.UPSTREAM_FAILED, abrupt=False,
-                          trigger=Trigger.FINISH)
-            self._enforce_cap(now)
-            return
-        if self._hide_usage_chunk and dialect.is_usage_only(event):
-            return  # asked for by tokenwire, read into the record above: not the client's
-        data = event.data
-        if data is not None:
-            acct.tokens_in += dialect.count_tokens(data)
-            if acct.meter.awaiting_token:
-                acct.meter.queued(data)
-        self._queue_event(event, upstream=True)
-        if self._state is C:
-            self._transition(Trigger.SEND)
-        self._after_queue(now)
-
-    def _speak(self, dialect: Dialect) -> Dialect:
-        """Apply ``dialect``'s rules from the first event on (the route's did not
-        fit, or a resumed stream's path names none)."""
-        self._dialect = dialect
-        self._marker = dialect.marker
-        self._fast_path = dialect.fast_path
-        self._one_call_path = self._one_call_path and dialect.fast_path
-        self._pending.use_dialect(dialect)
-        return dialect
-
-    def _on_upstream_ended(self, event: UpstreamEnded, now: float) -> None:
-        attempt = self._attempt
-        attempt.open = False
-        if self._state in _ENDED or attempt.retry_at is not None:
-            return
-        if attempt.status is None:
-            raise LocalProtocolError("UpstreamEnded before UpstreamHeaders")
-        if attempt.late_error_body is not None:
-            self._fail(attempt.late_error(), EndReason.UPSTREAM_ERROR, now)
-            return
-        if attempt.passthrough:
-            # An error status or a body that is not the stream asked for is passed
-            # through whole, but the record says what it was.
-            reason = self._passthrough_reason
-            self._end(reason, None if reason is EndReason.COMPLETE else ErrorCode.UPSTREAM_FAILED,
-                      abrupt=False, trigger=Trigger.FINISH)
-            return
-        attempt.parser.close()
-        truncated = attempt.parser.discarded_bytes > 0
-        if self._state is W and self._resume.reader:
-            # A reconnect after the last event of a finished stream: 204 is how
-            # an EventSource is told to stop reconnecting.
-            self._commit(204, (), streaming=False, now=now)
-            self._end(EndReason.COMPLETE, None, abrupt=False, trigger=Trigger.FINISH)
-        elif self._state is W:
-            self._upstream_failure(UpstreamError("upstream closed the stream before any event",
-                                                 ErrorCode.UPSTREAM_FAILED),
-                                   EndReason.UPSTREAM_ERROR, now)
-        elif not self._dialect.terminal_required and not truncated:
-            self._end(EndReason.COMPLETE, None, abrupt=False, trigger=Trigger.FINISH)
-        else:
-            why = ("a truncated final event" if truncated
-                   else f"no {self._dialect.terminal_name}")
-            self._fail(UpstreamError(f"upstream ended the stream early ({why})",
-                                     ErrorCode.UPSTREAM_FAILED), EndReason.UPSTREAM_ERROR, now)
-
-    def _on_upstream_failed(self, event: UpstreamFailed, now: float) -> None:
-        attempt = self._attempt
-        attempt.open = False
-        if self._state in _ENDED or attempt.retry_at is not None:
-            return
-        if attempt.late_error_body is not None:
-            self._fail(attempt.late_error(), EndReason.UPSTREAM_ERROR, now)  # as much as came
-            return
-        error, reason, unprocessed = failure_error(event)
-        self._upstream_failure(error, reason, now, unprocessed=unprocessed)
 
     # ------------------------------------------------------------ client and driver inputs
 
@@ -544,10 +263,8 @@ class WireStream(StreamDecisions):
         if self._hold_for_resume(now, EndReason.CLIENT_GONE, ErrorCode.CANCELLED):
             return
         if self._departure_ends():
-            # A complete answer the client did not get all of is still lost.
-            self._end_reason = None
             self._end(EndReason.CLIENT_GONE, ErrorCode.CANCELLED, abrupt=True,
-                      trigger=Trigger.ABORT)
+                      trigger=Trigger.ABORT, delivery_cut=True)
 
     def _departure_ends(self) -> bool:
         """A departure now ends the response: not held for a reconnect, and

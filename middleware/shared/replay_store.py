@@ -278,19 +278,6 @@ class MemoryReplayStore:
                 self._drop(stream_id, stored)
 
 
-def open_replay_store(url: str, config: WireConfig) -> ReplayStore:
-    """``memory`` (or empty) or ``redis://host:port/db``."""
-    if url in ("", "memory"):
-        return MemoryReplayStore.from_config(config)
-    if url.startswith(("redis://", "rediss://", "unix://")):
-        from .replay_redis import RedisReplayStore
-
-        return RedisReplayStore(url, ttl_s=config.resume_ttl_s)
-    from ..core.config import ConfigError
-
-    raise ConfigError("resume_store", f"expected memory or redis://HOST:PORT/DB, got {url!r}")
-
-
 async def admit(store: ReplayStore, route: ResumeFrom | ResumeAlias | Idempotent | None, *,
                 stream_id: str, owner: str, open_now: bool) -> ResumeFrom | None:
     """Where a request's answer comes from: the stream to replay, or None to

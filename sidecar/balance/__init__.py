@@ -3,7 +3,7 @@
 ``balancer`` (the set, the queue, the answers), ``policies`` (who gets the
 next stream), ``pods`` (one pod's health rules), ``load`` (reading an
 engine's ``/metrics``), ``prefix`` (a request's affinity key), ``members``
-(the ``upstream`` entries). The driver is ``tokenwire.sidecar.upstream.pods``.
+(the ``upstream`` entries). The driver is ``tokenwire.sidecar.upstream.pools``.
 """
 
 from .balancer import QUEUED, Balancer, BalanceSettings, Pick, Refusal, RefusalReason

@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-Sans-IO: the driver (``tokenwire.sidecar.upstream.pods``) tells it what happened
+Sans-IO: the driver (``tokenwire.sidecar.upstream.pools``) tells it what happened
 (members listed, a stream started or ended on a pod, an attempt failed before
 its first byte, a health check's result, a load reading, an operator's
 drain, time passing) and asks it where a stream goes. It never sleeps and

@@ -16,7 +16,7 @@ round-robin sends it that many turns, least-outstanding and queue-aware divide
 its load by it, prefix-affinity gives it that much of the hash space.
 
 Parsing only; resolving names and reading files is the driver's
-(``tokenwire.sidecar.upstream.pods``).
+(``tokenwire.sidecar.upstream.pools``).
 """
 
 from __future__ import annotations

@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import http
 import logging
 import socket
 import struct
@@ -60,8 +59,8 @@ from .connection import (
     with_cors,
 )
 from .framing import ChunkedScanner, head_length, request_line_end, request_line_problem
-from .http1_faults import framing_problem, h11_fault
-from .response_head import send_response_head
+from .h11_layout import chunk_size_line, declares_chunked, refusal_head, send_response_head
+from .http1_faults import h11_fault, request_problem
 
 logger = logging.getLogger("tokenwire.sidecar")
 
@@ -69,11 +68,6 @@ Header = tuple[bytes, bytes]
 
 # Pipelined requests buffered beyond this pause reading until the current response ends.
 _PIPELINE_BUFFER_BYTES = 64 * 1024
-# How a response head h11 wrote declares a chunked body (the lowered head is searched).
-_CHUNKED_HEADER_LINE = b"\r\ntransfer-encoding: chunked\r\n"
-# The size line of every chunk shorter than 4 KiB (an event's usual size), made
-# once: formatting one per write was a tenth of the sidecar's instructions per event.
-_SIZE_LINES: typing.Final[tuple[bytes, ...]] = tuple(b"%x\r\n" % size for size in range(4096))
 
 
 class Phase(enum.Enum):
@@ -239,56 +233,18 @@ class ClientConnection(asyncio.Protocol):
         self._phase = Phase.BODY
         self._arm_timer(config.body_read_timeout_s)
         headers = list(request.headers)
-        names = [name for name, _ in headers]
         received, self._head_received = self._head_received, bytearray()
         if self._context.draining or self._over_limit:
             self._refuse(503, "the server is not taking new requests", retry_after_s=1)
             return
-        # h11's buffer limit only catches a head still incomplete at the limit;
-        # one that arrives whole in a single read is measured here.
-        head_bytes = len(request.method) + len(request.target) + 12 + sum(
-            len(name) + len(value) + 4 for name, value in headers)
-        if head_bytes > config.max_head_bytes:
-            self._refuse(431, f"request head over {config.max_head_bytes} bytes")
-            return
-        if len(headers) > config.max_header_count:
-            self._refuse(400, f"more than {config.max_header_count} request headers")
-            return
-        if b"transfer-encoding" in names and b"content-length" in names:
-            # Request smuggling: two framings, and two hops that may pick differently.
-            self._refuse(400, "Content-Length and Transfer-Encoding together")
-            return
-        problem = framing_problem(received)
+        problem = request_problem(request, received, config)
         if problem is not None:
-            self._refuse(400, problem)
-            return
-        if b"transfer-encoding" in names and request.http_version == b"1.0":
-            # RFC 9112 section 6.1: chunked framing in HTTP/1.0 is faulty framing.
-            self._refuse(400, "Transfer-Encoding in an HTTP/1.0 request")
-            return
-        if b"upgrade" in names:
-            # h2c (and WebSocket) upgrades are not served; refusing them rather
-            # than dropping the header means no hop ever sees a half-upgraded
-            # connection (h2c smuggling past a front proxy's rules).
-            self._refuse(400, "protocol upgrades are not supported")
-            return
-        if not request.target.startswith(b"/"):
-            self._refuse(400, "only origin-form request targets are served")
-            return
-        if request.method in (b"CONNECT", b"TRACE"):
-            # TRACE would echo the request, credentials and all (nginx: 405).
-            self._refuse(405, f"{request.method.decode()} is not supported")
-            return
-        if request.http_version not in (b"1.0", b"1.1"):
-            self._refuse(505, "only HTTP/1.0 and HTTP/1.1 are supported")
+            self._refuse(*problem)
             return
         length = header_value(headers, b"content-length")
-        if length is not None and int(length) > config.max_body_bytes:
-            self._refuse(413, f"request body over {config.max_body_bytes} bytes")
-            return
         if length is not None and not self._reserve_body(int(length)):
             return
-        if b"transfer-encoding" in names:
+        if any(name == b"transfer-encoding" for name, _ in headers):
             self._chunks = ChunkedScanner(config.max_body_bytes)
             fault = self._chunks.feed(memoryview(received)[head_length(received):])
             if fault is not None:
@@ -352,16 +308,11 @@ class ClientConnection(asyncio.Protocol):
             headers.append((b"connection", b"close"))
         head = send_response_head(self._conn, status, headers)
         # h11 chose the body framing and wrote it into the head. When it is
-        # chunked, send_body frames the chunks itself: h11's chunked writer is
-        # stateless (each Data is "%x\r\n" + data + "\r\n", nothing counted or
-        # remembered) and Data changes no state in SEND_BODY, so h11 is still
-        # right about the connection when EndOfMessage goes through it. Skipping
-        # h11 there saves an event object, a state-machine pass and a join per
-        # event. A response that h11 would give no body (HEAD, 204, 304) or a
-        # Content-Length body keeps going through h11, which checks the length.
+        # chunked, send_body frames the chunks itself (h11_layout: why that is
+        # h11's framing); a Content-Length body keeps going through h11, which
+        # checks the length.
         request = self._request
-        self._chunked_body = (_CHUNKED_HEADER_LINE in head.lower() and status not in (204, 304)
-                              and (request is None or request.method != b"HEAD"))
+        self._chunked_body = declares_chunked(head, status, None if request is None else request.method)
         # Held for a moment: the first body bytes usually follow at once, and
         # head and body then leave in one send(). This loop turn sends it at the latest.
         self._held_head = head
@@ -376,9 +327,7 @@ class ClientConnection(asyncio.Protocol):
         if not self._chunked_body:
             self._write(head + self._conn.send(h11.Data(data=data)))
         elif data and self._transport is not None and not self._lost:
-            size = len(data)
-            size_line = _SIZE_LINES[size] if size < 4096 else b"%x\r\n" % size
-            self._transport.write(b"".join((head, size_line, data, b"\r\n")))
+            self._transport.write(b"".join((head, chunk_size_line(len(data)), data, b"\r\n")))
         else:
             self._write(head)
 
@@ -515,12 +464,7 @@ class ClientConnection(asyncio.Protocol):
             return
         self._release_body()
         headers, body = refusal(self._context, status, message, retry_after_s=retry_after_s)
-        lines = [f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}".encode()]
-        for name, value in headers:
-            lines.append(name + b": " + value)
-        lines += [b"connection: close", b"", b""]
-        # Raw bytes, not h11: the request may be too broken for h11 to answer it.
-        self._transport.write(b"\r\n".join(lines) + body)
+        self._transport.write(refusal_head(status, headers) + body)
         self._phase = Phase.CLOSING
         transport = self._transport
         if self._reading_paused:

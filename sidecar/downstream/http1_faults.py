@@ -1,9 +1,30 @@
-"""What is wrong with an HTTP/1.1 request, in words: faults h11 lets through
-that an edge proxy must refuse, and h11's own refusals said for the client."""
+"""What is wrong with an HTTP/1.1 request, in words: the limits and faults h11
+lets through that an edge proxy must refuse, and h11's own refusals said for
+the client. Pure functions of the bytes and the parsed head: the connection
+(``http1.py``) asks them and sends the refusal."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import h11
+from tokenwire.middleware.core.headers import header_value
+
+Problem = tuple[int, str]
+"""An HTTP status and the fault in words, for the refusal."""
+
+
+class RequestLimits(Protocol):
+    """The limits a request head is held to (the sidecar's config has them)."""
+
+    @property
+    def max_head_bytes(self) -> int: ...
+
+    @property
+    def max_header_count(self) -> int: ...
+
+    @property
+    def max_body_bytes(self) -> int: ...
 
 
 def framing_problem(received: bytes | bytearray) -> str | None:
@@ -60,3 +81,46 @@ def h11_fault(error: h11.RemoteProtocolError) -> str:
         if needle in text:
             return words
     return "a malformed request"
+
+
+def request_problem(request: h11.Request, received: bytes | bytearray,
+                    limits: RequestLimits) -> Problem | None:
+    """Why a request head h11 parsed is refused (status, words), or None.
+
+    ``received`` starts with the head as it came off the wire (for the
+    framing faults h11 lets through: :func:`framing_problem`)."""
+    headers = request.headers
+    names = [name for name, _ in headers]
+    # h11's buffer limit only catches a head still incomplete at the limit;
+    # one that arrives whole in a single read is measured here.
+    head_bytes = len(request.method) + len(request.target) + 12 + sum(
+        len(name) + len(value) + 4 for name, value in headers)
+    if head_bytes > limits.max_head_bytes:
+        return 431, f"request head over {limits.max_head_bytes} bytes"
+    if len(headers) > limits.max_header_count:
+        return 400, f"more than {limits.max_header_count} request headers"
+    if b"transfer-encoding" in names and b"content-length" in names:
+        # Request smuggling: two framings, and two hops that may pick differently.
+        return 400, "Content-Length and Transfer-Encoding together"
+    problem = framing_problem(received)
+    if problem is not None:
+        return 400, problem
+    if b"transfer-encoding" in names and request.http_version == b"1.0":
+        # RFC 9112 section 6.1: chunked framing in HTTP/1.0 is faulty framing.
+        return 400, "Transfer-Encoding in an HTTP/1.0 request"
+    if b"upgrade" in names:
+        # h2c (and WebSocket) upgrades are not served; refusing them rather
+        # than dropping the header means no hop ever sees a half-upgraded
+        # connection (h2c smuggling past a front proxy's rules).
+        return 400, "protocol upgrades are not supported"
+    if not request.target.startswith(b"/"):
+        return 400, "only origin-form request targets are served"
+    if request.method in (b"CONNECT", b"TRACE"):
+        # TRACE would echo the request, credentials and all (nginx: 405).
+        return 405, f"{request.method.decode()} is not supported"
+    if request.http_version not in (b"1.0", b"1.1"):
+        return 505, "only HTTP/1.0 and HTTP/1.1 are supported"
+    length = header_value(headers, b"content-length")
+    if length is not None and int(length) > limits.max_body_bytes:
+        return 413, f"request body over {limits.max_body_bytes} bytes"
+    return None

@@ -48,7 +48,8 @@ from hyperframe.frame import GoAwayFrame
 from ..context import SidecarContext
 from .connection import BUSY_BODIES, LINGER_S, Peer, new_exchange, preflight, refusal, set_up_transport
 from .http2_guard import Flood, FloodGuard
-from .http2_stream import Http2Stream, RequestHead, StreamHandler
+from .http2_request import RequestHead, request_head, request_problem
+from .http2_stream import Http2Stream, StreamHandler
 from .keepalive import TOO_MANY_PINGS, PingPolicy
 
 logger = logging.getLogger("tokenwire.sidecar")
@@ -64,8 +65,6 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
 # RFC 7540 section 6.9.2: a fresh stream's send window until SETTINGS say otherwise.
 _DEFAULT_WINDOW_BYTES = 65_535
-# What HPACK counts per header field beyond its name and value (RFC 7541 section 4.1).
-_FIELD_OVERHEAD_BYTES = 32
 _ErrorCodes = h2.errors.ErrorCodes
 
 
@@ -233,13 +232,15 @@ class Http2Connection(asyncio.Protocol):
             # that cancels what it opens cannot have more upstream work going.
             self._refuse_stream(stream_id)
             return
-        head = _request_head(stream_id, event.headers or [])
+        head = request_head(stream_id, event.headers or [])
         stream = Http2Stream(self, head)
         self.streams[stream_id] = stream
         self._fit_write_limits()
         if self._streams_opened >= self._config.http2_max_streams_per_connection:
             self._send_goaway(stream_id, _ErrorCodes.NO_ERROR)
-        problem = self._problem(head, event.headers or [])
+        problem: tuple[int, str] | None = (
+            (503, "the server is not taking new requests") if self.context.draining or self._over_limit
+            else request_problem(head, event.headers or [], self._config))
         if problem is not None:
             status, message = problem
             self._refuse(stream, status, message, 1 if status == 503 else None)
@@ -254,25 +255,6 @@ class Http2Connection(asyncio.Protocol):
             return
         stream.set_timer(self._config.body_read_timeout_s,
                          lambda: self._refuse(stream, 408, "the request was not received in time"))
-
-    def _problem(self, head: RequestHead, fields: list[tuple[bytes, bytes]]) -> tuple[int, str] | None:
-        """Why a request head is refused (status, words), or None."""
-        config = self._config
-        if self.context.draining or self._over_limit:
-            return 503, "the server is not taking new requests"
-        size = sum(len(name) + len(value) + _FIELD_OVERHEAD_BYTES for name, value in fields)
-        if size > config.http2_max_header_list_bytes:
-            return 431, f"request header list over {config.http2_max_header_list_bytes} bytes"
-        if len(head.headers) > config.max_header_count:
-            return 400, f"more than {config.max_header_count} request headers"
-        if head.method in (b"CONNECT", b"TRACE"):
-            return 405, f"{head.method.decode()} is not supported"
-        if not head.path.startswith(b"/"):
-            return 400, "only origin-form request targets are served"
-        length = head.header(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > config.max_body_bytes):
-            return 413, f"request body over {config.max_body_bytes} bytes"
-        return None
 
     def _on_data(self, event: h2.events.DataReceived, now: float) -> None:
         stream_id = event.stream_id
@@ -501,24 +483,3 @@ class Http2Connection(asyncio.Protocol):
         if not self.streams and not self.closing:
             self._send_goaway(self.h2.highest_inbound_stream_id, _ErrorCodes.NO_ERROR)
             self._close()
-
-
-def _request_head(stream_id: int, fields: list[tuple[bytes, bytes]]) -> RequestHead:
-    """Split pseudo-header fields from regular ones (h2 has validated both)."""
-    pseudo: dict[bytes, bytes] = {}
-    regular: list[Header] = []
-    cookies: list[bytes] = []
-    for name, value in fields:
-        name, value = bytes(name), bytes(value)
-        if name.startswith(b":"):
-            pseudo[name] = value
-        elif name == b"cookie":
-            cookies.append(value)
-        else:
-            regular.append((name, value))
-    if cookies:
-        # RFC 9113 section 8.2.3: crumbs are joined for an HTTP/1.1 hop.
-        regular.append((b"cookie", b"; ".join(cookies)))
-    return RequestHead(stream_id=stream_id, method=pseudo.get(b":method", b""),
-                       path=pseudo.get(b":path", b""), scheme=pseudo.get(b":scheme", b""),
-                       authority=pseudo.get(b":authority"), headers=tuple(regular))

@@ -41,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import h2.errors
@@ -51,6 +50,7 @@ from tokenwire.middleware.core.errors import ErrorCode
 
 from ..exchange.loop import Exchange
 from .connection import BodyReservation, with_cors
+from .http2_request import RequestHead
 
 if TYPE_CHECKING:
     from .http2 import Http2Connection
@@ -60,26 +60,6 @@ Header = tuple[bytes, bytes]
 # Connection-specific header fields: forbidden in HTTP/2 (RFC 9113 section 8.2.2).
 _CONNECTION_SPECIFIC = frozenset({b"connection", b"keep-alive", b"proxy-connection",
                                   b"transfer-encoding", b"upgrade"})
-
-
-@dataclass(frozen=True, slots=True)
-class RequestHead:
-    """An HTTP/2 request's head, pseudo-header fields apart."""
-
-    stream_id: int
-    method: bytes
-    path: bytes
-    scheme: bytes
-    authority: bytes | None
-    headers: tuple[Header, ...]
-    """The regular fields, lower-case, in order (``cookie`` crumbs joined)."""
-
-    def header(self, name: bytes) -> bytes | None:
-        """The first value of ``name`` (lower-case), or None."""
-        for key, value in self.headers:
-            if key == name:
-                return value
-        return None
 
 
 class StreamHandler(Protocol):

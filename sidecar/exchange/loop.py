@@ -17,8 +17,8 @@ may call ``pause_writing`` synchronously) are queued and handled right after,
 so the core never sees re-entrant calls.
 
 The client side is reached through :class:`Downstream` (the connection), the
-upstream side through one :func:`~tokenwire.sidecar.upstream.pods.run_attempt` task
-at a time.
+upstream side through the exchange's :class:`~tokenwire.sidecar.exchange.slot.AttemptSlot`:
+one attempt at a time, its pod the balancer's.
 """
 
 from __future__ import annotations
@@ -37,8 +37,6 @@ from tokenwire.middleware import (
     ClientGone,
     CloseClient,
     CommitHeaders,
-    EndReason,
-    ErrorCode,
     Finished,
     Input,
     PauseUpstream,
@@ -50,9 +48,6 @@ from tokenwire.middleware import (
     StreamRecord,
     Tick,
     UpstreamData,
-    UpstreamError,
-    UpstreamFailed,
-    UpstreamHeaders,
     WireStream,
     WriteCompleted,
 )
@@ -62,14 +57,11 @@ from tokenwire.middleware.core.retry import may_repeat
 from tokenwire.middleware.process.logs import wall_clock
 from tokenwire.middleware.shared.driver import DeadlineTimer, enter_resume, replay, wait_for_reader
 
-from ..balance import Refusal
 from ..context import SidecarContext
 from ..process.metrics import REPLAY_UPSTREAM
-from ..upstream.body import ChunkDelivery
-from ..upstream.pods import Grant, run_attempt
-from ..upstream.transport import UpstreamStream
 from .forwarding import client_response_headers
 from .milestones import Milestones, open_span, request_fields
+from .slot import AttemptSlot
 
 logger = logging.getLogger("tokenwire.sidecar")
 
@@ -133,12 +125,13 @@ class Exchange:
         self.http_version = http_version
         """The client's protocol (``1.1``, ``2``): a label of the stream's metrics, in its record."""
         self.client_address = client_address
-        self._method = method
-        self._target = target
+        self.method = method
+        self.target = target
         self._log_fields = request_fields(method, target, client_address, http_version)
         span, traced_headers = open_span(context.tracer, request_id, self._log_fields, upstream_headers)
-        self._upstream_headers = traced_headers
-        self._body = body
+        self.upstream_headers = traced_headers
+        """The request's headers as they go upstream (with the trace context)."""
+        self.body = body
         resume = context.config.wire.resume
         self.stream_id = new_stream_id() if resume else None
         self.replaying = False
@@ -146,11 +139,11 @@ class Exchange:
         self._reader_wait: asyncio.Task[None] | None = None
         self.stream = WireStream(
             context.config.wire, now=self._loop.time(), request_id=request_id,
-            # The pod of each attempt is the balancer's pick (self.upstream_address),
-            # not the core's index: it names one placeholder.
-            upstreams=("",), retry_budget=context.retry_budget,
+            # The pod of each attempt is the balancer's pick (the slot's address):
+            # the record is given it at the end (Finished.record_as).
+            retry_budget=context.retry_budget,
             expect_stream=expect_stream, stream_id=self.stream_id,
-            may_repeat=may_repeat(method, self._upstream_headers),
+            may_repeat=may_repeat(method, self.upstream_headers),
             dialect=dialect if dialect is not None else context.dialects.for_path(target.decode("latin-1")),
             hide_usage_chunk=hide_usage_chunk, summary=summary)
         self._milestones = (Milestones(self.stream, self._log_fields, span)
@@ -160,24 +153,11 @@ class Exchange:
         self._busy = False
         self._done = False
         self._response_ended = False
-        self._attempt: asyncio.Task[None] | None = None
-        self._attempt_connection: object | None = None
-        self._upstream_readable = asyncio.Event()
+        self._slot = AttemptSlot(self, context, self._loop)
         # Fed as an input of its own: a Tick must not run inside another input's loop.
         self._timer = DeadlineTimer(self._loop, lambda now: self.feed(Tick(), now))
-        self.upstream_address = ""
-        """The pod of the current (or last) attempt; empty before one was given."""
-        self._grant: Grant | None = None
-        self._grant_reported = False
-        self._tried: set[str] = set()
-        self._waiting_for_pod = False
         # The client left and the upstream was cut; the rest is pending (client_departed).
         self._departed = False
-        # An attempt _cut_attempt dropped, and its connection, for _abort_attempt to end.
-        self._cut: tuple[asyncio.Task[None] | None, object | None] = (None, None)
-        self._cut_at = 0.0
-        # A departed client's cut attempt, not yet timed (_cut_attempt's watch).
-        self._unwatched: asyncio.Task[None] | None = None
         self.send_framed: Callable[[bytes, bytes], None] | None = None
         """The client connection's write of a chunk the upstream framed as the
         client's chunks are framed (``send_framed(data, framed)`` writes
@@ -194,9 +174,9 @@ class Exchange:
         if self._milestones is not None:
             self._milestones.accepted(self.stream_id)
         if self._context.replay_store is None:
-            self._start_attempt(0)
+            self._slot.start()
         else:
-            self._attempt = self._loop.create_task(self._start_resumable())
+            self._slot.task = self._loop.create_task(self._start_resumable())
         self._reschedule()
 
     @property
@@ -204,6 +184,16 @@ class Exchange:
         """The client left, the upstream was cut, and the rest of the stream's
         end waits in :class:`~tokenwire.sidecar.exchange.departures.Departures`."""
         return self._departed
+
+    @property
+    def over(self) -> bool:
+        """Finished, or departed with its end pending: no new attempt may start."""
+        return self._done or self._departed
+
+    @property
+    def upstream_address(self) -> str:
+        """The pod of the current (or last) attempt; empty before one was given."""
+        return self._slot.address
 
     def feed(self, event: Input, now: float | None = None) -> None:
         """Hand the core one input (queued if the loop is already running)."""
@@ -248,7 +238,7 @@ class Exchange:
             return
         self._departed = True
         self._busy = True  # what arrives meanwhile queues behind the departure
-        self._cut_attempt(watch=False)
+        self._slot.cut(watch=False)
         self._inbox.append((_CLIENT_GONE, self._loop.time()))
         self._context.departures.defer(self._run_inbox)
 
@@ -376,22 +366,14 @@ class Exchange:
                     action.headers, self._context.config.request_id_header.encode(), self.request_id)
                 self._downstream.send_headers(action.status, headers)
             elif isinstance(action, AbortUpstream):
-                if action.reason in (EndReason.UPSTREAM_TIMEOUT, EndReason.UPSTREAM_ERROR):
-                    self._report_pod(ok=False)
-                self._abort_attempt()
+                self._slot.aborted(action.reason)
                 tell_engine = tell_engine or action.final
             elif isinstance(action, RetryUpstream):
-                self._report_pod(ok=False)
-                self._abort_attempt()
-                self._start_attempt(action.upstream_index)
+                self._slot.retry()
             elif isinstance(action, PauseUpstream):
-                self._upstream_readable.clear()
-                if isinstance(self._attempt_connection, UpstreamStream):
-                    self._attempt_connection.pause_delivery()
+                self._slot.pause()
             elif isinstance(action, ResumeUpstream):
-                self._upstream_readable.set()
-                if isinstance(self._attempt_connection, UpstreamStream):
-                    self._attempt_connection.resume_delivery()
+                self._slot.resume()
             elif isinstance(action, CloseClient):
                 self._response_ended = True
                 self._downstream.end_response(abrupt=action.abrupt, reset=action.reset)
@@ -413,7 +395,7 @@ class Exchange:
         context = self._context
         context.registry.remove(self)
         context.metrics.active_streams.dec()
-        self._release_pod()
+        self._slot.release()
         # One record, built here (not when the core emitted Finished: see
         # _abort_first), with the balancer's pod in it; a copy only for a replay.
         record = action.record_as(self.upstream_address)
@@ -427,17 +409,18 @@ class Exchange:
         self._timer.close()
         if self._reader_wait is not None:
             self._reader_wait.cancel()
-        attempt = self._attempt
+        attempt = self._slot.task
         if attempt is not None and not attempt.done():
             cutoff = self._loop.call_later(context.config.wire.upstream_tail_grace_s, attempt.cancel)
             attempt.add_done_callback(lambda _: cutoff.cancel())
+        self._slot.detach()
         self._downstream.exchange_finished(self)
 
     def _crash(self) -> None:
         """A bug in the driver or the core: drop both sides, never hang.
         Called in the ``except`` block that caught it (the log has its traceback)."""
         logger.exception("stream %s: driver failure; resetting the client", self.request_id)
-        self._abort_attempt()
+        self._slot.abort()
         if not self._done:
             self._done = True
             self._context.registry.remove(self)
@@ -445,6 +428,7 @@ class Exchange:
             if not self._response_ended:
                 self._response_ended = True
                 self._downstream.end_response(abrupt=True, reset=True)
+            self._slot.detach()
             self._downstream.exchange_finished(self)
 
     # ------------------------------------------------------------ timers
@@ -463,10 +447,10 @@ class Exchange:
         assert store is not None and caller_key is not None and self.stream_id is not None
         # Opened whatever the request looks like: an answer that turns out not
         # to be an event stream is discarded by the core at its end.
-        path, _, query = self._target.decode("latin-1").partition("?")
+        path, _, query = self.target.decode("latin-1").partition("?")
         entry = await enter_resume(
-            store, caller_key, method=self._method.decode("latin-1"), path=path, query=query,
-            headers=self._upstream_headers, body=self._body, stream_id=self.stream_id, open_now=True)
+            store, caller_key, method=self.method.decode("latin-1"), path=path, query=query,
+            headers=self.upstream_headers, body=self.body, stream_id=self.stream_id, open_now=True)
         if entry.refusal is not None:
             self.feed(Rejected(entry.refusal))
             return
@@ -476,192 +460,21 @@ class Exchange:
             # A reconnect, or the same request again (the answer being made, from the start).
             self._context.metrics.replays.labels("reconnect" if entry.reconnect else "idempotent").inc()
             self.replaying = True
-            self._upstream_readable.set()
+            slot = self._slot
+            slot.readable.set()
             task = asyncio.current_task()
 
             def feed_from_replay(event: Input) -> None:
-                if task is self._attempt:
+                if task is slot.task:
                     self.feed(event)
 
-            await replay(store, entry.replay, readable=self._upstream_readable, feed=feed_from_replay)
+            await replay(store, entry.replay, readable=slot.readable, feed=feed_from_replay)
             return
-        if self._attempt is asyncio.current_task():
-            self._start_attempt(0)
+        if self._slot.task is asyncio.current_task():
+            self._slot.start()
 
     async def _await_reader(self, action: AwaitReader) -> None:
         store = self._context.replay_store
         assert store is not None
         if await wait_for_reader(store, action, self._loop.time()):
             self.feed(ReaderAttached())
-
-    # ------------------------------------------------------------ upstream
-
-    def _start_attempt(self, upstream_index: int) -> None:
-        """Ask the balancer for a pod (the core's ``upstream_index`` counts
-        attempts; the pod is the balancer's pick, another than those that
-        failed this request where there is one). The answer may come later,
-        from the wait queue; meanwhile the core's deadlines run as for a slow
-        upstream (its commit, then heartbeats)."""
-        self._release_pod()
-        answer = self._context.pools.request(self, body=self._body, exclude=frozenset(self._tried),
-                                             on_answer=self._pod_answer)
-        if answer is None:
-            self._waiting_for_pod = True
-        else:
-            self._pod_answer(answer)
-
-    def _pod_answer(self, answer: Grant | Refusal) -> None:
-        self._waiting_for_pod = False
-        if isinstance(answer, Refusal):
-            self.feed(Rejected(UpstreamError(answer.message, ErrorCode.UPSTREAM_UNAVAILABLE,
-                                             http_status=503, retry_after_s=answer.retry_after_s)))
-            return
-        if self._done or self._departed:
-            self._context.pools.release(answer)
-            return
-        self._grant = answer
-        self._grant_reported = False
-        self._tried.add(answer.address)
-        self.upstream_address = answer.address
-        self._launch_attempt(answer)
-
-    def is_current(self, attempt: asyncio.Task[None]) -> bool:
-        """``attempt`` is the exchange's current one (not dropped, not replaced)."""
-        return attempt is self._attempt
-
-    def _report_pod(self, *, ok: bool) -> None:
-        """Tell the balancer how the attempt went before its first byte (once)."""
-        if self._grant is not None and not self._grant_reported:
-            self._grant_reported = True
-            self._context.pools.report(self._grant, ok)
-
-    def _release_pod(self) -> None:
-        if self._waiting_for_pod:
-            self._waiting_for_pod = False
-            self._context.pools.cancel(self)
-        grant, self._grant = self._grant, None
-        if grant is not None:
-            self._context.pools.release(grant)
-
-    def _launch_attempt(self, grant: Grant) -> None:
-        pools = self._context.pools
-        self._upstream_readable.set()
-        callbacks = _AttemptBody(self)
-        self._attempt_connection = None
-        attempt = self._loop.create_task(run_attempt(
-            grant.upstream, method=self._method, target=self._target,
-            headers=self._upstream_headers, body=self._body, timeouts=pools.timeouts,
-            readable=self._upstream_readable, feed=callbacks.feed, on_connection=callbacks.connected,
-            feed_body=callbacks))
-        self._attempt = callbacks.attempt = attempt
-        attempt.add_done_callback(callbacks.release)
-
-    def _attempt_feed(self, attempt: asyncio.Task[None], event: Input) -> None:
-        # A dropped attempt's late reports must not reach the core.
-        if attempt is self._attempt:
-            if not self._grant_reported:
-                if isinstance(event, UpstreamHeaders):
-                    self._report_pod(ok=event.status < 500)
-                elif isinstance(event, UpstreamFailed):
-                    self._report_pod(ok=False)
-            self.feed(event)
-
-    def _attempt_connected(self, attempt: asyncio.Task[None], stream: object) -> None:
-        if attempt is self._attempt:
-            self._attempt_connection = stream
-
-    def _abort_attempt(self) -> None:
-        self._release_pod()
-        self._cut_attempt()
-        attempt, connection = self._cut
-        self._cut = (None, None)
-        unwatched, self._unwatched = self._unwatched, None
-        if unwatched is not None:
-            # Cut for a departed client, its reading paused: it seldom ends before
-            # this runs (if it did, its end is timed when its callback runs).
-            self._watch_cut(unwatched)
-        if isinstance(connection, UpstreamStream):
-            connection.abort()
-        # The attempt may be the task running this very code (the input that
-        # made the core abort came from it): cancel() still works then, at its
-        # next await, which is where httpcore closes the connection.
-        if attempt is not None and not attempt.done():
-            attempt.cancel()
-
-    def _cut_attempt(self, watch: bool = True) -> None:
-        """Drop the current attempt: its reports no longer reach the core, and
-        the upstream sees its socket closed now (``UpstreamStream.cut``); the
-        transport's close and the task's cancellation are left to
-        :meth:`_abort_attempt`. ``watch``: time the attempt's end for the
-        ``abort_propagation`` metric now; else :meth:`_abort_attempt` does
-        (a departed client's cut does nothing it can leave for later)."""
-        attempt, self._attempt = self._attempt, None
-        connection, self._attempt_connection = self._attempt_connection, None
-        if attempt is None:
-            return
-        if attempt.done():
-            self._cut = (attempt, None)
-            return
-        self._cut = (attempt, connection)
-        if isinstance(connection, UpstreamStream):
-            connection.cut()
-        else:
-            # Still connecting (or not started): cancelled now, before it can
-            # reach the upstream (a stream reset in the read that opened it).
-            attempt.cancel()
-            watch = True  # it may end before the bookkeeping: timed from now
-        self._cut_at = self._loop.time()
-        if watch:
-            self._watch_cut(attempt)
-        else:
-            self._unwatched = attempt
-
-    def _watch_cut(self, attempt: asyncio.Task[None]) -> None:
-        """Observe, when ``attempt`` ends, how long it took since its cut."""
-        started_at = self._cut_at
-        histogram = self._context.metrics.abort_propagation
-
-        def closed(task: asyncio.Task[None]) -> None:
-            histogram.observe(self._loop.time() - started_at)
-
-        attempt.add_done_callback(closed)
-
-
-class _AttemptBody(ChunkDelivery):
-    """An attempt's reports (``feed``, ``connected``) and body reads, for its
-    exchange while the attempt is the current one (a dropped attempt's late
-    reads must not reach the core).
-
-    Released once the attempt's task is done: a task that ended in an
-    exception (a cancelled one) keeps its traceback, whose frames keep their
-    arguments, these callbacks among them; holding the exchange and the task
-    past that would be a reference cycle, and every aborted stream's objects
-    would wait for the cyclic collector instead of being freed at once."""
-
-    def __init__(self, exchange: Exchange) -> None:
-        self.exchange: Exchange | None = exchange
-        self.attempt: asyncio.Task[None] | None = None
-
-    def release(self, task: asyncio.Task[None]) -> None:
-        self.exchange = None
-        self.attempt = None
-
-    def feed(self, event: Input) -> None:
-        exchange, attempt = self.exchange, self.attempt
-        if exchange is not None and attempt is not None:
-            exchange._attempt_feed(attempt, event)
-
-    def connected(self, stream: object) -> None:
-        exchange, attempt = self.exchange, self.attempt
-        if exchange is not None and attempt is not None:
-            exchange._attempt_connected(attempt, stream)
-
-    def __call__(self, chunks: list[bytes]) -> None:
-        exchange, attempt = self.exchange, self.attempt
-        if exchange is not None and attempt is not None and exchange.is_current(attempt):
-            exchange.feed_chunks(chunks)
-
-    def framed_chunk(self, data: bytes, framed: bytes) -> None:
-        exchange, attempt = self.exchange, self.attempt
-        if exchange is not None and attempt is not None and exchange.is_current(attempt):
-            exchange.feed_framed_chunk(data, framed)

@@ -101,7 +101,7 @@ class Milestones:
                 self._log("committed", status=action.status, streaming=action.streaming,
                           upstream=stream.upstream)
             elif isinstance(action, RetryUpstream):
-                self._log("retry", upstream_index=action.upstream_index)
+                self._log("retry", attempt=action.attempt)
             elif isinstance(action, PauseUpstream):
                 self._log("paused", pending_bytes=stream.pending_bytes)
             elif isinstance(action, Finished):

@@ -43,7 +43,8 @@ from .routing import HEALTH_CHECK, HEALTH_WATCH, REFLECTION_PATHS, STREAM_METHOD
 from .transcode import decode_request
 
 if TYPE_CHECKING:
-    from ..downstream.http2_stream import Http2Stream, RequestHead, StreamHandler
+    from ..downstream.http2_request import RequestHead
+    from ..downstream.http2_stream import Http2Stream, StreamHandler
 
 Header = tuple[bytes, bytes]
 

@@ -28,7 +28,7 @@ from opentelemetry.trace import TracerProvider
 from tokenwire.middleware import ConfigError, EndReason, RetryBudget
 from tokenwire.middleware.core.resume import CallerKey
 from tokenwire.middleware.process.tracing import get_tracer, tracer_provider_from_env
-from tokenwire.middleware.shared.replay_store import open_replay_store
+from tokenwire.middleware.shared.open_store import open_replay_store
 
 from ..context import SidecarContext
 from ..downstream.cors import admin_origins
@@ -37,7 +37,7 @@ from ..logs import StreamLog
 from ..registry import StreamRegistry
 from ..settings import SidecarConfig, parse_host_port, read_admin_token
 from ..upstream.metrics import UpstreamCollector
-from ..upstream.pods import UpstreamPools
+from ..upstream.pools import UpstreamPools
 from .acceptor import Acceptor, bind_listeners
 from .admin import AdminAccess, AdminHandler
 from .admin import handler as admin_handler

@@ -2,12 +2,11 @@
 
 Theory of operation
 -------------------
-httpcore (with h11) reads the upstream's response head; the body of a chunked
-response is then read here. h11 turns every chunk into a ``Data`` event that
-httpcore yields through three async-generator layers, so a streaming upstream
-that sends one chunk per token cost a state-machine pass and four Python
-objects per token, and the sidecar fed the wire core, and wrote to the client,
-through async-generator layers even when one socket read held many chunks.
+The sidecar's own client reads the upstream's response head
+(:mod:`~tokenwire.sidecar.upstream.head`); the body of a chunked response is
+then read here. Through h11 and httpcore every chunk was a ``Data`` event
+yielded through three async-generator layers: a state-machine pass and four
+Python objects per token, even when one socket read held many chunks.
 :class:`ChunkedBodyReader` takes a whole read at once and returns the body
 bytes of each chunk it holds (a list: the wire core still sees one input per
 chunk, as the upstream framed it, so what it writes does not depend on how
@@ -35,7 +34,7 @@ from __future__ import annotations
 import re
 from typing import Final
 
-import httpcore
+from .errors import RemoteProtocolFault
 
 # Longest chunk-size line (size, extensions, CRLF) and trailer section accepted.
 _MAX_SIZE_LINE_BYTES = 4096
@@ -114,7 +113,7 @@ class ChunkedBodyReader:
 
     def feed(self, data: bytes) -> list[bytes]:
         """The body bytes in ``data``, one piece per chunk (or part of one);
-        raises :class:`httpcore.RemoteProtocolError` on a malformed body."""
+        raises :class:`RemoteProtocolFault` on a malformed body."""
         if self._state == _DONE:
             self.leftover += data
             return []
@@ -149,14 +148,14 @@ class ChunkedBodyReader:
                 line_end = buffer.find(b"\r\n", pos, pos + _MAX_SIZE_LINE_BYTES)
                 if line_end == -1:
                     if end - pos >= _MAX_SIZE_LINE_BYTES or b"\n" in buffer[pos:]:
-                        raise httpcore.RemoteProtocolError("malformed chunk-size line from the upstream")
+                        raise RemoteProtocolFault("malformed chunk-size line from the upstream")
                     break
                 digits = buffer[pos:line_end]
                 if not 0 < len(digits) <= 16 or digits.strip(_HEX_DIGITS):
                     # Not bare hex digits: extensions, or malformed.
                     match = _SIZE_LINE.match(buffer, pos, line_end)
                     if match is None:
-                        raise httpcore.RemoteProtocolError("malformed chunk-size line from the upstream")
+                        raise RemoteProtocolFault("malformed chunk-size line from the upstream")
                     digits = match.group(1)
                 size = int(digits, 16)
                 pos = line_end + 2
@@ -169,18 +168,18 @@ class ChunkedBodyReader:
                 if end - pos < 2:
                     break
                 if buffer[pos:pos + 2] != b"\r\n":
-                    raise httpcore.RemoteProtocolError("chunk data not followed by CRLF")
+                    raise RemoteProtocolFault("chunk data not followed by CRLF")
                 pos += 2
                 state = _SIZE
             elif state == _TRAILER:
                 line_end = buffer.find(b"\r\n", pos)
                 if line_end == -1:
                     if self._trailer_bytes + end - pos > _MAX_TRAILER_BYTES:
-                        raise httpcore.RemoteProtocolError("trailer section too large")
+                        raise RemoteProtocolFault("trailer section too large")
                     break
                 self._trailer_bytes += line_end + 2 - pos
                 if self._trailer_bytes > _MAX_TRAILER_BYTES:
-                    raise httpcore.RemoteProtocolError("trailer section too large")
+                    raise RemoteProtocolFault("trailer section too large")
                 if line_end == pos:
                     pos += 2
                     state = _DONE
@@ -189,7 +188,7 @@ class ChunkedBodyReader:
                     pos = end
                     break
                 if b"\n" in buffer[pos:line_end] or b":" not in buffer[pos:line_end]:
-                    raise httpcore.RemoteProtocolError("malformed trailer field from the upstream")
+                    raise RemoteProtocolFault("malformed trailer field from the upstream")
                 pos = line_end + 2
         self._state = state
         if pos < end:

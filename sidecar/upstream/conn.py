@@ -19,7 +19,7 @@ socket: pods are ``http://`` or ``unix:``), through
 head: 1xx heads are read and dropped, as h11 does, and the head
 is parsed by h11's rules (:func:`~tokenwire.sidecar.upstream.head.parse_response_head`).
 Whatever came after the head stays buffered in the stream, where the body
-readers (:func:`~tokenwire.sidecar.upstream.pods.run_attempt`) find it. The caller
+readers (:func:`~tokenwire.sidecar.upstream.attempt.run_attempt`) find it. The caller
 reads the body and says, with :meth:`UpstreamConnection.finish`, whether the
 connection ended its response cleanly; only then, and if the head allowed
 keep-alive, may it carry another request.
@@ -31,9 +31,10 @@ one request at a time, so nothing here locks. An idle connection is
 from the pod while idle, or a cut for a departed client, rules it out: its
 next request would read them as its answer).
 
-Errors are httpcore's exception types (``ConnectError``, ``ReadError``,
-``RemoteProtocolError``...): the sidecar maps them onto the wire core's
-failure kinds in one place (:func:`~tokenwire.sidecar.upstream.pods.failure_kind`).
+Errors are the client's own family (:mod:`~tokenwire.sidecar.upstream.errors`:
+``ConnectFailed``, ``ReadFailed``, ``RemoteProtocolFault``...), mapped onto
+the wire core's failure kinds in one place
+(:func:`~tokenwire.sidecar.upstream.errors.failure_kind`).
 """
 
 from __future__ import annotations
@@ -41,8 +42,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-import httpcore
-
+from .errors import RemoteProtocolFault
 from .head import ResponseHead, head_end, parse_response_head, request_head
 from .transport import UpstreamBackend, UpstreamStream
 
@@ -114,18 +114,18 @@ class UpstreamConnection:
             end = head_end(data)
             while end < 0:
                 if not data:
-                    raise httpcore.RemoteProtocolError("Server disconnected without sending a response.")
+                    raise RemoteProtocolFault("Server disconnected without sending a response.")
                 if len(data) > MAX_HEAD_BYTES:
-                    raise httpcore.RemoteProtocolError(
+                    raise RemoteProtocolFault(
                         f"the upstream's response head is over {MAX_HEAD_BYTES} bytes")
                 more = await stream.read(_HEAD_READ_BYTES)
                 if not more:
-                    raise httpcore.RemoteProtocolError("the upstream closed in the middle of a response head")
+                    raise RemoteProtocolFault("the upstream closed in the middle of a response head")
                 searched = max(0, len(data) - 2)  # an end may straddle the reads
                 data += more
                 end = head_end(data, searched)
             if end > MAX_HEAD_BYTES:
-                raise httpcore.RemoteProtocolError(
+                raise RemoteProtocolFault(
                     f"the upstream's response head is over {MAX_HEAD_BYTES} bytes")
             head = parse_response_head(data[:end], method)
             data = data[end:]

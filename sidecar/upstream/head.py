@@ -8,7 +8,7 @@ assembled from checked ones (:mod:`~tokenwire.sidecar.exchange.forwarding`), a b
 read whole, framed by a ``Content-Length``. :func:`request_head` writes such
 a request in one bytes object, after the checks h11 would make of it (the
 method a token, the target visible characters, every header field by h11's
-rules through :func:`~tokenwire.sidecar.downstream.header_fields.fields_valid`, one
+rules through :func:`~tokenwire.sidecar.downstream.h11_layout.fields_valid`, one
 ``Host``, a ``Content-Length`` that is the body's length).
 
 :func:`parse_response_head` reads a response head by h11's rules as a client
@@ -20,8 +20,8 @@ one before with a space; ``Content-Length`` is digits (at most 20), repeated
 or comma-listed only with one value, and ``Transfer-Encoding`` is once, and
 ``chunked``; a 101 is refused (the sidecar never asks for an upgrade). Names
 come back lower-cased, the two framing headers' values as h11 normalises
-them. Anything else raises ``httpcore.RemoteProtocolError``, as the same head
-read by httpcore would (a property test holds the verdicts and the parsed
+them. Anything else raises ``RemoteProtocolFault`` where the same head
+read by h11 would raise its ``RemoteProtocolError`` (a property test holds the verdicts and the parsed
 heads to h11's own). What the head says about the body
 (:attr:`ResponseHead.framing`, RFC 9112 section 6.3) and the connection
 (:attr:`ResponseHead.keep_alive`) is worked out here once.
@@ -33,9 +33,8 @@ import re
 from collections.abc import Sequence
 from typing import Final
 
-import httpcore
-
-from ..downstream.header_fields import TOKEN_CHARS, fields_valid
+from ..downstream.h11_layout import TOKEN_CHARS, fields_valid
+from .errors import LocalProtocolFault, RemoteProtocolFault
 
 Header = tuple[bytes, bytes]
 
@@ -81,14 +80,14 @@ def request_head(method: bytes, target: bytes, host: bytes, headers: Sequence[He
 
     ``Host`` goes first (``host`` unless ``headers`` hold one), then
     ``headers`` in order, then a ``Content-Length`` unless they hold one.
-    Raises ``httpcore.LocalProtocolError`` for what h11 would refuse to send.
+    Raises ``LocalProtocolFault`` for what h11 would refuse to send.
     """
     if not method or method.translate(None, TOKEN_CHARS):
-        raise httpcore.LocalProtocolError(f"illegal method {method!r}")
+        raise LocalProtocolFault(f"illegal method {method!r}")
     if not target or target.translate(None, _VCHAR):
-        raise httpcore.LocalProtocolError(f"illegal request target {target!r}")
+        raise LocalProtocolFault(f"illegal request target {target!r}")
     if not fields_valid(headers):
-        raise httpcore.LocalProtocolError("illegal header name or value")
+        raise LocalProtocolFault("illegal header name or value")
     hosts = 0
     length: bytes | None = None
     for name, value in headers:
@@ -97,15 +96,15 @@ def request_head(method: bytes, target: bytes, host: bytes, headers: Sequence[He
             hosts += 1
         elif lowered == b"content-length":
             if length is not None and value != length:
-                raise httpcore.LocalProtocolError("conflicting Content-Length headers")
+                raise LocalProtocolFault("conflicting Content-Length headers")
             length = value
         elif lowered == b"transfer-encoding":
             # The body is sent whole: only a Content-Length frames it.
-            raise httpcore.LocalProtocolError("a request body is sent with its Content-Length")
+            raise LocalProtocolFault("a request body is sent with its Content-Length")
     if hosts > 1:
-        raise httpcore.LocalProtocolError("Found multiple Host: headers")
+        raise LocalProtocolFault("Found multiple Host: headers")
     if length is not None and length != b"%d" % len(body):
-        raise httpcore.LocalProtocolError(f"Content-Length {length!r} is not the body's {len(body)} bytes")
+        raise LocalProtocolFault(f"Content-Length {length!r} is not the body's {len(body)} bytes")
     parts = [method, b" ", target, b" HTTP/1.1\r\n"]
     if not hosts:
         parts += (b"Host: ", host, b"\r\n")
@@ -134,17 +133,17 @@ def head_end(data: bytes, start: int = 0) -> int:
 
 def parse_response_head(head: bytes, method: bytes) -> ResponseHead:
     """The response head ``head`` (through its blank line; see :func:`head_end`)
-    to a ``method`` request. Raises ``httpcore.RemoteProtocolError``."""
+    to a ``method`` request. Raises ``RemoteProtocolFault``."""
     lines = head.split(b"\n")
     del lines[-2:]  # the blank line: "...\n\n" or "...\n\r\n" (the CR stripped below)
     if not lines:
-        raise httpcore.RemoteProtocolError("no response line received")
+        raise RemoteProtocolFault("no response line received")
     status_line = lines[0]
     if status_line[-1:] == b"\r":
         status_line = status_line[:-1]
     match = _STATUS_LINE.fullmatch(status_line)
     if match is None:
-        raise httpcore.RemoteProtocolError(f"illegal status line: {status_line!r}")
+        raise RemoteProtocolFault(f"illegal status line: {status_line!r}")
     http_version = match.group(1)
     status = int(match.group(2))
     raw = [line[:-1] if line[-1:] == b"\r" else line for line in lines[1:]]
@@ -154,13 +153,13 @@ def parse_response_head(head: bytes, method: bytes) -> ResponseHead:
     for line in raw:
         name, colon, value = line.partition(b":")
         if not colon:
-            raise httpcore.RemoteProtocolError(f"illegal header line: {line!r}")
+            raise RemoteProtocolFault(f"illegal header line: {line!r}")
         headers.append((name, value.strip(_OWS)))
     if not fields_valid(headers):
         # Which line: the error names it, as h11's does.
         for line, (name, value) in zip(raw, headers, strict=True):
             if not fields_valid([(name, value)]):
-                raise httpcore.RemoteProtocolError(f"illegal header line: {line!r}")
+                raise RemoteProtocolFault(f"illegal header line: {line!r}")
     return _framed(status, http_version, headers, method)
 
 
@@ -171,7 +170,7 @@ def _unfold(lines: list[bytes]) -> list[bytes]:
     for line in lines:
         if line[:1] in (b" ", b"\t"):
             if not out:
-                raise httpcore.RemoteProtocolError("continuation line at start of headers")
+                raise RemoteProtocolFault("continuation line at start of headers")
             out[-1] += b" " + line.lstrip(_OWS)
         else:
             out.append(line)
@@ -190,32 +189,32 @@ def _framed(status: int, http_version: bytes, fields: list[Header], method: byte
         if name == b"content-length":
             values = {part.strip(_OWS) for part in value.split(b",")}
             if len(values) != 1:
-                raise httpcore.RemoteProtocolError("conflicting Content-Length headers")
+                raise RemoteProtocolFault("conflicting Content-Length headers")
             value = values.pop()
             if (_CONTENT_LENGTH.fullmatch(value) is None
                     or len(value) > _CONTENT_LENGTH_MAX_DIGITS):
-                raise httpcore.RemoteProtocolError("bad Content-Length")
+                raise RemoteProtocolFault("bad Content-Length")
             if length is None:
                 length = value
             elif length != value:
-                raise httpcore.RemoteProtocolError("conflicting Content-Length headers")
+                raise RemoteProtocolFault("conflicting Content-Length headers")
             else:
                 continue  # h11 keeps the first of equal ones
         elif name == b"transfer-encoding":
             if chunked:
-                raise httpcore.RemoteProtocolError("multiple Transfer-Encoding headers")
+                raise RemoteProtocolFault("multiple Transfer-Encoding headers")
             value = value.lower()
             if value != b"chunked":
-                raise httpcore.RemoteProtocolError("Only Transfer-Encoding: chunked is supported")
+                raise RemoteProtocolFault("Only Transfer-Encoding: chunked is supported")
             chunked = True
         elif name == b"connection" and not close:
             close = any(token.strip(_OWS).lower() == b"close" for token in value.split(b","))
         headers.append((name, value))
     if status < 100:
-        raise httpcore.RemoteProtocolError(f"illegal status code {status}")
+        raise RemoteProtocolFault(f"illegal status code {status}")
     if status == 101:
         # The sidecar never asks for an upgrade (Upgrade is hop-by-hop): h11 refuses one too.
-        raise httpcore.RemoteProtocolError("a 101 answer to a request that asked for no upgrade")
+        raise RemoteProtocolFault("a 101 answer to a request that asked for no upgrade")
     framing: Framing
     if method == b"HEAD" or status < 200 or status in (204, 304):
         framing = NO_BODY

@@ -27,7 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from .pods import UpstreamPools
+    from .pools import UpstreamPools
 
 
 # How the ``--workers`` supervisor reports these gauges once for the N workers

@@ -14,7 +14,7 @@ of the sidecar's per-stream time in that bookkeeping (``bench/README.md``,
   past their keep-alive expiry are dropped without a scan;
 - a count of connections (open or being opened) bounded by
   ``max_connections``; a request beyond it waits, first come first served, at
-  most its pool timeout (``httpcore.PoolTimeout``);
+  most its pool timeout (``PoolTimedOut``);
 - :meth:`UpstreamPool.acquire` takes the top idle connection that is still
   :meth:`~tokenwire.sidecar.upstream.conn.UpstreamConnection.reusable`
   (others are closed and dropped), else makes one (it connects on its first
@@ -32,9 +32,8 @@ from __future__ import annotations
 import asyncio
 import collections
 
-import httpcore
-
 from .conn import Origin, UpstreamConnection
+from .errors import ConnectFailed, PoolTimedOut
 from .transport import UpstreamBackend
 
 # A closed pool refuses requests the way a refused connect fails.
@@ -67,7 +66,7 @@ class UpstreamPool:
         """A connection for one request: hand it back with :meth:`release`
         once the request is over, whatever happened."""
         if self._closed:
-            raise httpcore.ConnectError(_POOL_CLOSED)
+            raise ConnectFailed(_POOL_CLOSED)
         self._drop_expired_bottom()
         idle = self._idle
         while idle:
@@ -113,7 +112,7 @@ class UpstreamPool:
         self._busy.clear()
         for waiter in self._waiters:
             if not waiter.done():
-                waiter.set_exception(httpcore.ConnectError(_POOL_CLOSED))
+                waiter.set_exception(ConnectFailed(_POOL_CLOSED))
         self._waiters.clear()
         for connection in connections:
             connection.close()
@@ -147,7 +146,7 @@ class UpstreamPool:
             else:
                 waiter.cancel()
             if isinstance(error, TimeoutError):
-                raise httpcore.PoolTimeout(
+                raise PoolTimedOut(
                     f"no upstream connection free within {timeout_s:g} s "
                     f"({self._max_connections} in use)") from None
             raise

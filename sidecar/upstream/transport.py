@@ -26,9 +26,10 @@ response's framing stays here, where :attr:`UpstreamStream.buffered` sees it
 and the connection is closed instead of pooled: otherwise the next request on
 it would read those bytes as the start of its answer.
 
-Exceptions follow httpcore's names (the sidecar maps them onto failure kinds
-in one place): ``ConnectError``/``ConnectTimeout`` when connecting,
-``ReadError`` and ``WriteError`` after; ``b""`` from ``read()`` is EOF.
+Failures are the client's own family (:mod:`~tokenwire.sidecar.upstream.errors`,
+mapped onto failure kinds in one place): ``ConnectFailed``/``ConnectTimedOut``
+when connecting, ``ReadFailed`` and ``WriteFailed`` after; ``b""`` from
+``read()`` is EOF.
 """
 
 from __future__ import annotations
@@ -40,9 +41,8 @@ import socket
 import typing
 from collections.abc import Callable, Iterable
 
-import httpcore
-
 from .body import ChunkDelivery, ChunkedBodyReader
+from .errors import ConnectFailed, ConnectTimedOut, ReadFailed, RemoteProtocolFault, WriteFailed
 
 # Bytes buffered from the upstream before its transport stops reading.
 _READ_HIGH_WATER_BYTES = 256 * 1024
@@ -153,7 +153,7 @@ class _BodySink:
                 return
         try:
             chunks = self.reader.feed(data)
-        except httpcore.RemoteProtocolError as error:
+        except RemoteProtocolFault as error:
             self.done.set_exception(error)
             return
         if chunks:
@@ -164,9 +164,9 @@ class _BodySink:
     def closed(self, error: Exception | None) -> None:
         if not self.done.done():
             if error is not None:
-                self.done.set_exception(httpcore.ReadError(str(error) or type(error).__name__))
+                self.done.set_exception(ReadFailed(str(error) or type(error).__name__))
             else:
-                self.done.set_exception(httpcore.RemoteProtocolError(
+                self.done.set_exception(RemoteProtocolFault(
                     "the upstream closed before the end of its chunked body"))
 
 
@@ -207,10 +207,10 @@ class UpstreamStream:
         protocol.buffered_bytes += len(data)
 
     def send_request(self, data: bytes) -> None:
-        """Write a whole request (one ``send()``); ``httpcore.WriteError`` if
+        """Write a whole request (one ``send()``); ``WriteFailed`` if
         the connection is closed already."""
         if self._protocol.failure() is not None or self._transport.is_closing():
-            raise httpcore.WriteError("the upstream connection is closed")
+            raise WriteFailed("the upstream connection is closed")
         self._transport.write(data)
 
     async def drain(self) -> None:
@@ -223,7 +223,7 @@ class UpstreamStream:
         await waiter
         error = protocol.failure()
         if error is not None:
-            raise httpcore.WriteError(str(error) or type(error).__name__)
+            raise WriteFailed(str(error) or type(error).__name__)
 
     async def deliver_chunked(self, deliver: Callable[[list[bytes]], None]) -> None:
         """Read a chunked body to its last chunk, handing each read's chunks
@@ -274,13 +274,13 @@ class UpstreamStream:
 
     async def read(self, max_bytes: int) -> bytes:
         """What is buffered, up to ``max_bytes`` (waiting for some if none);
-        ``b""`` once the upstream closed; ``httpcore.ReadError`` if the
+        ``b""`` once the upstream closed; ``ReadFailed`` if the
         connection failed."""
         protocol = self._protocol
         if not protocol.chunks:
             error = protocol.failure()
             if error is not None:
-                raise httpcore.ReadError(str(error) or type(error).__name__)
+                raise ReadFailed(str(error) or type(error).__name__)
             if protocol.eof:
                 return b""
             waiter = self._loop.create_future()
@@ -293,7 +293,7 @@ class UpstreamStream:
             if not protocol.chunks:
                 error = protocol.failure()
                 if error is not None:
-                    raise httpcore.ReadError(str(error) or type(error).__name__)
+                    raise ReadFailed(str(error) or type(error).__name__)
                 return b""
         chunks = protocol.chunks
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -402,9 +402,9 @@ class UpstreamBackend:
             async with asyncio.timeout(timeout):
                 transport, protocol = await open_connection()
         except TimeoutError:
-            raise httpcore.ConnectTimeout(f"no connection to the upstream in {timeout:g} s") from None
+            raise ConnectTimedOut(f"no connection to the upstream in {timeout:g} s") from None
         except OSError as error:
-            raise httpcore.ConnectError(str(error) or type(error).__name__) from error
+            raise ConnectFailed(str(error) or type(error).__name__) from error
         transport = typing.cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
         fd = -1
@@ -418,5 +418,5 @@ class UpstreamBackend:
                     sock.setsockopt(*option)
             except OSError as error:
                 transport.abort()
-                raise httpcore.ConnectError(str(error)) from error
+                raise ConnectFailed(str(error)) from error
         return UpstreamStream(transport, protocol, fd)

@@ -221,7 +221,7 @@ def reference(scenario: Scenario) -> WireResult:
     """The core's own answer for ``scenario`` with a client that keeps up,
     in virtual time: what every driver must put on the wire."""
     now = 0.0
-    stream = WireStream(scenario.config, now=now, request_id="ref", upstreams=("app",))
+    stream = WireStream(scenario.config, now=now, request_id="ref", upstream="app")
     status = 0
     headers: dict[bytes, bytes] = {}
     body = bytearray()

@@ -1,4 +1,4 @@
-"""The app's ``send`` writing inline (``asgi_exchange.app_send``, ``asgi_writer.start_send``).
+"""The app's ``send`` writing inline (``asgi.exchange.app_send``, ``asgi.writer.start_send``).
 
 The server here is a hand-written ASGI ``send``/``receive`` pair, because the
 cases under test are the server's ``send`` suspending in the middle of a

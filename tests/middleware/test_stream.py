@@ -152,11 +152,11 @@ FAILURES = {
 
 
 @pytest.mark.parametrize("name", list(FAILURES))
-def test_retry_whenUpstreamFailsBeforeFirstByte_thenRetriedWithBackoffAcrossUpstreams(name: str) -> None:
+def test_retry_whenUpstreamFailsBeforeFirstByte_thenRetriedWithBackoff(name: str) -> None:
     fail, upstream_left_open = FAILURES[name]
     config = proxy_config(retry_attempts=3, retry_backoff_s=0.1, retry_backoff_max_s=0.3,
                         commit_deadline_s=100)
-    d = Driver(config, upstreams=("a", "b", "c"))
+    d = Driver(config)
     expected_delays = [0.1, 0.2, 0.3]  # doubled, then capped
     for attempt, delay in enumerate(expected_delays, start=1):
         start = d.now
@@ -171,8 +171,7 @@ def test_retry_whenUpstreamFailsBeforeFirstByte_thenRetriedWithBackoffAcrossUpst
         d.send(Tick(), at=start + delay - 0.001)
         assert d.of(RetryUpstream)[attempt - 1:] == []
         d.send(Tick(), at=start + delay)
-        assert d.of(RetryUpstream)[-1] == RetryUpstream(attempt=attempt, upstream_index=attempt % 3)
-        assert d.stream.upstream == "abc"[attempt % 3]
+        assert d.of(RetryUpstream)[-1] == RetryUpstream(attempt=attempt)
     assert d.of(CommitHeaders) == []
     assert d.stream.state is StreamState.WAITING
     # The retried attempt succeeds: nothing of the failed ones reaches the client.
@@ -183,7 +182,7 @@ def test_retry_whenUpstreamFailsBeforeFirstByte_thenRetriedWithBackoffAcrossUpst
     assert d.commit.status == 200
     assert [e.data for e in parse_all(d.written)] == [chunk("ok"), DONE]
     record = d.finished.record
-    assert (record.retries, record.end_reason, record.upstream) == (3, EndReason.COMPLETE, "a")
+    assert (record.retries, record.end_reason) == (3, EndReason.COMPLETE)
 
 
 EXHAUSTED = {
@@ -1124,11 +1123,6 @@ def test_handle_whenNotAnInput_thenTypeError() -> None:
         fresh().handle("data: x", 0.0)  # type: ignore[arg-type]
 
 
-def test_stream_whenNoUpstreams_thenValueError() -> None:
-    with pytest.raises(ValueError):
-        WireStream(PROXY_DEFAULTS, now=0.0, request_id="r", upstreams=())
-
-
 # ------------------------------------------------------------------ accounting
 
 
@@ -1245,11 +1239,10 @@ class FakeDriver:
     handle, reports WriteCompleted later, only feeds an upstream attempt that is
     open (and not paused), and checks the invariants after every step."""
 
-    def __init__(self, config: WireConfig, upstreams: int) -> None:
+    def __init__(self, config: WireConfig) -> None:
         self.config = config
         self.now = 0.0
-        self.stream = WireStream(config, now=0.0, request_id="p",
-                                 upstreams=tuple(f"u{i}" for i in range(upstreams)))
+        self.stream = WireStream(config, now=0.0, request_id="p", upstream="u")
         self.upstream = "connecting"  # | sse | passthrough | closed
         self.upstream_paused = False
         self.socket_paused = False
@@ -1297,7 +1290,7 @@ class FakeDriver:
         elif isinstance(action, RetryUpstream):
             # (4) never a retry after the first downstream byte
             assert not self.commits and not self.writes
-            assert 0 <= action.upstream_index < len(self.stream._upstreams)
+            assert action.attempt >= 1
             self.upstream = "connecting"
             self.upstream_paused = False
             self.attempt_text = {"content": "", "reasoning_content": ""}
@@ -1372,7 +1365,7 @@ class FakeDriver:
                     # Committed already: the core reads the error answer's body
                     # for its message (the upstream sends it, then ends); else
                     # the attempt was dropped for a retry or the end.
-                    late = self.stream._late_error_body is not None and not self.finished
+                    late = self.stream._attempt.late_error_body is not None and not self.finished
                     self.upstream = "passthrough" if late else "closed"
         elif name == "events" and self.upstream == "sse" and not self.upstream_paused:
             self.upstream_events(op[1], op[2])
@@ -1425,7 +1418,7 @@ class FakeDriver:
                and stream.state in (StreamState.COMMITTED, StreamState.STREAMING)
                and self.commits and self.commits[0].streaming
                and not self.socket_paused and not self.in_flight and stream.pending_bytes == 0
-               and stream._retry_at is None)
+               and stream._attempt.retry_at is None)
         self.handle(Tick())
         if due and stream.state in (StreamState.COMMITTED, StreamState.STREAMING):
             assert stream.heartbeats == heartbeats_before + 1
@@ -1439,7 +1432,7 @@ class FakeDriver:
                 self.step(("complete_write",))
             elif self.socket_paused and not self.client_closed:
                 self.step(("resume",))
-            elif self.upstream == "connecting" and self.stream._retry_at is None:
+            elif self.upstream == "connecting" and self.stream._attempt.retry_at is None:
                 self.step(("headers", "sse"))
             elif self.upstream in ("sse", "passthrough") and not self.upstream_paused:
                 self.step(("end", True))
@@ -1450,8 +1443,8 @@ class FakeDriver:
         raise AssertionError("the stream never finished")
 
 
-def check_run(config: WireConfig, upstreams: int, ops: list[tuple[Any, ...]]) -> FakeDriver:
-    driver = FakeDriver(config, upstreams)
+def check_run(config: WireConfig, ops: list[tuple[Any, ...]]) -> FakeDriver:
+    driver = FakeDriver(config)
     for op in ops:
         driver.step(op)
         if driver.stream.state not in (StreamState.DONE, StreamState.ABORTED):
@@ -1501,10 +1494,9 @@ def check_run(config: WireConfig, upstreams: int, ops: list[tuple[Any, ...]]) ->
 
 
 @settings(deadline=None, max_examples=300, suppress_health_check=[HealthCheck.too_slow])
-@given(CONFIGS, st.integers(1, 3), op_sequences())
-def test_properties_overRandomInterleavings(config: WireConfig, upstreams: int,
-                                            ops: list[tuple[Any, ...]]) -> None:
-    check_run(config, upstreams, ops)
+@given(CONFIGS, op_sequences())
+def test_properties_overRandomInterleavings(config: WireConfig, ops: list[tuple[Any, ...]]) -> None:
+    check_run(config, ops)
 
 
 @settings(deadline=None, max_examples=200, suppress_health_check=[HealthCheck.too_slow])
@@ -1518,7 +1510,7 @@ def test_properties_overRandomInterleavings(config: WireConfig, upstreams: int,
 def test_property_textReceivedEqualsUpstreamText_whateverPausingAndCoalescing(
         policy: SlowClientPolicy, ops: list[tuple[Any, ...]]) -> None:
     config = proxy_config(slow_client_policy=policy)
-    driver = check_run(config, 1, [("headers", "sse"), *ops, ("end", True)])
+    driver = check_run(config, [("headers", "sse"), *ops, ("end", True)])
     assert driver.finished[0].record.end_reason is EndReason.COMPLETE
     assert driver.expected_text["content"] or not any(o[0] == "events" for o in ops) or True
 
@@ -1533,6 +1525,6 @@ def test_property_textReceivedEqualsUpstreamText_whateverPausingAndCoalescing(
 def test_property_heartbeatAfterHeartbeatSOfSilence_neverWhileDataPending(
         events_first_at: float, ops: list[tuple[Any, ...]]) -> None:
     config = proxy_config(heartbeat_s=1.0, commit_deadline_s=0.5, write_deadline_s=1000.0)
-    driver = check_run(config, 1, [("headers", "sse"), ("tick", events_first_at), *ops, ("end", True)])
+    driver = check_run(config, [("headers", "sse"), ("tick", events_first_at), *ops, ("end", True)])
     record = driver.finished[0].record
     assert record.heartbeats == sum(w.count(HEARTBEAT) for w in driver.writes)

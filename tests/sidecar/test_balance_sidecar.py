@@ -9,7 +9,7 @@ import pytest
 from clients import chat_body, connect, exchange, read_response, request_bytes, reset, wait_for
 from conftest import LoopThread, make_config
 from tokenwire.middleware import ConfigError
-from tokenwire.sidecar.upstream.pods import UpstreamPools
+from tokenwire.sidecar.upstream.pools import UpstreamPools
 from upstreams import FakeUpstream
 
 

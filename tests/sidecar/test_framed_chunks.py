@@ -1,5 +1,5 @@
 """An upstream read that is one chunk, framed as the sidecar frames its own
-client's chunks, is forwarded as it came (``upstream_body.ChunkDelivery``,
+client's chunks, is forwarded as it came (``upstream.body.ChunkDelivery``,
 ``Exchange.feed_framed_chunk``, ``http1.send_framed``). The client must not
 be able to tell: whatever the upstream's size-line spelling and however many
 chunks a read holds, each read reaches the client as the chunks the sidecar

@@ -22,7 +22,8 @@ from clients import sse_datas, tls_client_context, tls_server_files, wait_for
 from conftest import LoopThread, RecordingLog, RunningSidecar, make_config
 from h2client import H2Client, chat_headers
 from tokenwire.sidecar import Sidecar
-from tokenwire.sidecar.downstream.http2_stream import Http2Stream, RequestHead, StreamHandler
+from tokenwire.sidecar.downstream.http2_request import RequestHead
+from tokenwire.sidecar.downstream.http2_stream import Http2Stream, StreamHandler
 from upstreams import FakeUpstream, expected_text
 
 CHAT = b'{"model":"m","stream":true,"messages":[]}'

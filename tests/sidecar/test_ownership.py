@@ -20,7 +20,7 @@ from tokenwire.sidecar.downstream.cors import origins_for
 from tokenwire.sidecar.process.admin import AdminAccess
 from tokenwire.sidecar.process.server import Sidecar
 from tokenwire.sidecar.settings import is_loopback
-from tokenwire.sidecar.upstream.pods import UpstreamPools
+from tokenwire.sidecar.upstream.pools import UpstreamPools
 from upstreams import FakeUpstream, expected_text
 
 from tokenwire.tools.cli import main

@@ -108,8 +108,8 @@ def test_sumMetrics_whenWorkersAdd_thenInfoAndStartTimesAreNotSummed() -> None:
     """The --workers admin port sums its workers' /metrics: counters and
     histograms add up, but a build-info sample stays 1 and a start time is the
     earliest, and the sum still passes promtool."""
+    from tokenwire.sidecar.process.exposition import sum_metrics
     from tokenwire.sidecar.process.metrics import SidecarMetrics
-    from tokenwire.sidecar.process.workers import sum_metrics
 
     texts = []
     for started_at in (200.0, 100.0):

@@ -22,7 +22,7 @@ import pytest
 from testbed.targets import child_lines, tokenwire_up
 
 _REQUESTS = 20
-# The target is 5 ms at the median (bench/README.md, "Telemetry": ~2 ms on an idle
+# The target is 5 ms at the median (docs/perf/telemetry.md: ~2 ms on an idle
 # machine). What separates the two clocks is two socket hops between processes, and
 # on a machine with a run queue of 6 per core each hop can take several ms to be
 # scheduled; the bound here holds there too and still fails the old 700 ms by far.

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import itertools
 
-import httpcore
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenwire.sidecar.upstream.body import ChunkedBodyReader
+from tokenwire.sidecar.upstream.errors import RemoteProtocolFault
 
 _BODY = (b"6\r\ndata: \r\n"
          b"1a;name=value\r\n" + b"x" * 26 + b"\r\n"
@@ -61,7 +61,7 @@ def test_bytesAfterTheEnd_areLeftOver_notBody() -> None:
 ])
 def test_malformedBodies_areRefused(bad: bytes) -> None:
     reader = ChunkedBodyReader()
-    with pytest.raises(httpcore.RemoteProtocolError):
+    with pytest.raises(RemoteProtocolFault):
         reader.feed(bad)
         reader.feed(b"\r\n\r\n")
 

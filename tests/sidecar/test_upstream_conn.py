@@ -17,8 +17,8 @@ from collections.abc import Callable
 import pytest
 from conftest import LoopThread
 from tokenwire.middleware import Input, UpstreamData, UpstreamEnded, UpstreamFailed, UpstreamHeaders
+from tokenwire.sidecar.upstream.attempt import Upstream, run_attempt
 from tokenwire.sidecar.upstream.conn import MAX_HEAD_BYTES, Origin
-from tokenwire.sidecar.upstream.pods import Upstream, run_attempt
 from tokenwire.sidecar.upstream.pool import UpstreamPool
 
 _EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
@@ -205,5 +205,5 @@ def test_aBrokenAnswer_isAFailureThatSaysWhat(loop_thread: LoopThread, answer: b
     runs, _, pool = _attempts(loop_thread, 1, configure=configure)
     failed = runs[0][-1]
     assert isinstance(failed, UpstreamFailed) and error in failed.message, runs[0]
-    assert failed.message.startswith(("RemoteProtocolError", "ReadError"))
+    assert failed.message.startswith(("RemoteProtocolFault", "ReadFailed"))
     assert pool.connections == []  # closed, not pooled

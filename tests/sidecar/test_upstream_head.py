@@ -1,4 +1,4 @@
-"""``upstream_head``: the upstream request written and the response head read as h11 does.
+"""``upstream/head.py``: the upstream request written and the response head read as h11 does.
 
 The sidecar speaks HTTP/1.1 to its pods itself; h11 stays the judge. Hypothesis
 builds response heads from the grammar's pieces and from bytes that break it
@@ -11,10 +11,10 @@ headers (names lower-cased, framing values as h11 normalises them).
 from __future__ import annotations
 
 import h11
-import httpcore
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from tokenwire.sidecar.upstream.errors import LocalProtocolFault, RemoteProtocolFault
 from tokenwire.sidecar.upstream.head import (
     CHUNKED,
     NO_BODY,
@@ -73,7 +73,7 @@ def _ours(head: bytes, method: bytes) -> tuple[int, bytes, list[Header]] | None:
     assert end == len(head) or head[:end] in (b"\n", b"\r\n")
     try:
         parsed = parse_response_head(head[:end], method)
-    except httpcore.RemoteProtocolError:
+    except RemoteProtocolFault:
         return None
     return parsed.status, parsed.http_version, list(parsed.headers)
 
@@ -148,7 +148,7 @@ def test_theRequestHead_isTheBytesH11Writes_orRefusedAsH11Refuses(
         expected = None
     try:
         ours: bytes | None = request_head(method, target, b"pod:8000", headers, body)
-    except httpcore.LocalProtocolError:
+    except LocalProtocolFault:
         ours = None
     assert ours == expected
 
@@ -156,9 +156,9 @@ def test_theRequestHead_isTheBytesH11Writes_orRefusedAsH11Refuses(
 def test_theRequestHead_keepsAGivenHost_andRefusesWhatFramesTheBodyWrongly() -> None:
     head = request_head(b"GET", b"/", b"pod", [(b"host", b"given"), (b"content-length", b"0")], b"")
     assert head == b"GET / HTTP/1.1\r\nhost: given\r\ncontent-length: 0\r\n\r\n"
-    with pytest.raises(httpcore.LocalProtocolError, match="multiple Host"):
+    with pytest.raises(LocalProtocolFault, match="multiple Host"):
         request_head(b"GET", b"/", b"pod", [(b"host", b"a"), (b"Host", b"b")], b"")
-    with pytest.raises(httpcore.LocalProtocolError, match="not the body's"):
+    with pytest.raises(LocalProtocolFault, match="not the body's"):
         request_head(b"POST", b"/", b"pod", [(b"content-length", b"3")], b"{}")
-    with pytest.raises(httpcore.LocalProtocolError, match="Content-Length"):
+    with pytest.raises(LocalProtocolFault, match="Content-Length"):
         request_head(b"POST", b"/", b"pod", [(b"transfer-encoding", b"chunked")], b"{}")

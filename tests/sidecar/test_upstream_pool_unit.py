@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-import httpcore
 import pytest
 from tokenwire.sidecar.upstream.conn import Origin
+from tokenwire.sidecar.upstream.errors import ConnectFailed, PoolTimedOut, RemoteProtocolFault
 from tokenwire.sidecar.upstream.pool import UpstreamPool
 
 
@@ -138,7 +138,7 @@ def test_atTheLimit_aRequestGivesUpAfterItsPoolTimeout() -> None:
     async def test(server: _Server, base: str) -> None:
         pool = _pool(base, max_connections=1)
         first = await _occupy(server, pool, base)
-        with pytest.raises(httpcore.PoolTimeout, match="1 in use"):
+        with pytest.raises(PoolTimedOut, match="1 in use"):
             await _get(pool, base, "/second", pool_timeout_s=0.05)
         server.hold.set()
         assert await first == b"ok"
@@ -197,7 +197,7 @@ def test_aFailedConnect_freesItsPlace() -> None:
         await server.stop()  # nothing listens there any more
         pool = _pool(base, max_connections=1)
         for _ in range(2):  # the second would wait for ever if the first kept the place
-            with pytest.raises(httpcore.ConnectError):
+            with pytest.raises(ConnectFailed):
                 await _get(pool, base, "/x")
         assert pool.connections == []
         await pool.aclose()
@@ -212,14 +212,14 @@ def test_closingThePool_failsWaitingRequests_andClosesItsConnections() -> None:
         waiting = asyncio.create_task(_get(pool, base, "/second", pool_timeout_s=None))
         await _turns(lambda: "1 queued" in repr(pool))
         await pool.aclose()
-        with pytest.raises(httpcore.ConnectError, match="closed"):
+        with pytest.raises(ConnectFailed, match="closed"):
             await waiting
         # The busy connection was closed under its request: it fails, no answer.
-        with pytest.raises(httpcore.RemoteProtocolError):
+        with pytest.raises(RemoteProtocolFault):
             await first
         server.hold.set()  # the server's handler, answering, finds its connection closed
         await _turns(lambda: server.closed == 1)
-        with pytest.raises(httpcore.ConnectError, match="closed"):
+        with pytest.raises(ConnectFailed, match="closed"):
             await _get(pool, base, "/third")
 
     _run(test)

@@ -28,8 +28,9 @@ from test_telemetry import promtool_check, sample
 from tokenwire.sidecar.balance.load import LoadSample
 from tokenwire.sidecar.balance.pods import PodState
 from tokenwire.sidecar.process import metrics as sidecar_metrics
+from tokenwire.sidecar.process.exposition import parse_exposition, sum_metrics
 from tokenwire.sidecar.process.metrics import SidecarMetrics
-from tokenwire.sidecar.process.workers import Supervisor, Worker, parse_exposition, sum_metrics
+from tokenwire.sidecar.process.workers import Supervisor, Worker
 from tokenwire.sidecar.upstream import metrics as upstream_metrics
 from tokenwire.sidecar.upstream.metrics import UpstreamCollector
 from upstreams import FakeUpstream

@@ -3,10 +3,12 @@ connection in exactly the state h11 leaves it, for any response."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import h11
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenwire.sidecar.downstream.response_head import send_response_head
+from tokenwire.sidecar.downstream.h11_layout import H11_TESTED, send_response_head
 
 Header = tuple[bytes, bytes]
 
@@ -65,3 +67,13 @@ def test_responseHead_stillRefusesAnInvalidHeader() -> None:
         conn = _connection(b"POST", b"1.1", [])
         headers = [(b"content-type", b"x"), bad]
         assert _outcome(lambda c=conn, h=headers: send_response_head(c, 200, h))[0] == "error"
+
+
+def test_the_installed_h11_is_the_version_its_byte_layout_was_checked_against() -> None:
+    """h11_layout writes some of h11's bytes itself: the pin in pyproject.toml,
+    the installed h11 and H11_TESTED must name the same minor version."""
+    installed = tuple(int(part) for part in h11.__version__.split(".")[:2])
+    assert installed == H11_TESTED
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    major, minor = H11_TESTED
+    assert f'"h11>={major}.{minor},<{major}.{minor + 1}"' in pyproject

@@ -5,7 +5,7 @@ from __future__ import annotations
 import h11
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from tokenwire.sidecar.downstream.header_fields import fields_valid
+from tokenwire.sidecar.downstream.h11_layout import fields_valid
 
 Header = tuple[bytes, bytes]
 

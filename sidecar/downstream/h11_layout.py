@@ -1,0 +1,152 @@
+"""Everything the sidecar's HTTP/1.1 side knows of h11's rules and output bytes, in one place.
+
+h11 is the client connection's parser and state machine; on the hot path the
+sidecar writes some of what h11 would write itself, byte for byte, and that
+depends on h11's output layout. Every such dependency lives here, held to h11
+by property tests (``tests/sidecar/test_h11_layout_head.py``,
+``test_h11_layout_fields.py``), and valid for the h11 versions ``pyproject.toml``
+pins (:data:`H11_TESTED`: a new minor version is allowed once those tests pass
+on it):
+
+* :func:`fields_valid`: h11's header field rules over a whole list at once;
+* :func:`send_response_head`: h11's response head with its headers checked once;
+* :func:`declares_chunked` and :func:`chunk_size_line`: the chunked framing
+  h11 chose, and its chunk frame (``%x`` CRLF data CRLF), written without h11;
+* :func:`refusal_head`: the head of a refusal, written raw (the request may be
+  too broken for h11 to answer it).
+
+Header fields
+-------------
+h11 checks every header it is given with two regular expressions (the name a
+``token``, the value ``field-value``: no NUL, no CR/LF or other whitespace
+but inner spaces and tabs, none leading or trailing), one Python call and
+one match each. :func:`fields_valid` applies the same rules to all names
+joined by a line feed and all values joined by one, with a few byte-table and
+substring passes (``bytes.translate``, ``find``) instead of a regular
+expression per field: a line feed is neither in a token nor in a field value,
+so a joined list passes exactly when every field does. Where it says no, h11
+checks the headers itself and raises its own error.
+
+The response head
+-----------------
+``h11.Connection.send(Response(...))`` checks every header of a response four
+times: the ``Response`` itself, then h11 rewrites the framing headers (drops
+``Content-Length``, sets ``Transfer-Encoding: chunked``, maybe adds
+``Connection: close``) by rebuilding the whole list twice and the event once,
+each rebuild checked again. For a streamed answer with a handful of headers
+that was most of a response head's cost.
+
+Those rewrites only ever remove ``Content-Length``, ``Transfer-Encoding`` and
+``Connection`` headers and append their new values after every other header
+(h11 puts a ``Host`` header first). So for a response that has none of those
+four, h11's head is exactly: its head for the same status with no headers at
+all, with the response's headers inserted after the status line in their
+order, and h11 chose the same framing and keep-alive for both (they depend on
+the status, the request and those four headers only). The headers are still
+checked, once, with h11's rules applied to the whole list at once
+(:func:`fields_valid`); any other response goes through
+h11 whole.
+
+Chunked bodies
+--------------
+h11's chunked writer is stateless (each ``Data`` is ``%x`` CRLF, the data,
+CRLF: nothing counted or remembered) and ``Data`` changes no state in
+``SEND_BODY``, so the connection frames its chunks itself and h11 is still
+right about the connection when ``EndOfMessage`` goes through it.
+"""
+
+from __future__ import annotations
+
+import http
+import typing
+from collections.abc import Sequence
+
+import h11
+
+H11_TESTED: typing.Final = (0, 16)
+"""The h11 minor version the byte layout here was checked against (``h11>=0.16,<0.17``)."""
+
+Header = tuple[bytes, bytes]
+
+# h11/_abnf.py: field_name = token; field_value = (field_vchar+ ([ \t]+ field_vchar+)*)?
+# with field_vchar = [^\x00\s] (bytes: \s is space, \t, \n, \r, \f, \v).
+TOKEN_CHARS = b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+"""The bytes of an HTTP token (a field name, a method)."""
+# Every byte a value may hold somewhere (not NUL, LF, CR, VT, FF); space and
+# tab only inside it, checked apart.
+_VALUE_CHARS = bytes(c for c in range(256) if c not in b"\x00\n\r\x0b\x0c")
+
+
+def fields_valid(headers: Sequence[tuple[object, object]]) -> bool:
+    """True if h11 would accept every name and value of ``headers`` (each a
+    ``bytes`` object: h11 takes other types through other paths, so anything
+    else is a no; typed ``object`` so that compiled code checks it here
+    rather than refusing it at the call)."""
+    count = len(headers)
+    if not count:
+        return True
+    names: list[bytes] = []
+    values: list[bytes] = []
+    for name, value in headers:
+        if type(name) is not bytes or type(value) is not bytes:
+            return False
+        names.append(name)
+        values.append(value)
+    # Joined, each list keeps nothing but its line feeds once the allowed
+    # bytes are deleted: one fewer than fields, or a field held one itself.
+    separators = b"\n" * (count - 1)
+    all_names = b"\n" + b"\n".join(names) + b"\n"
+    all_values = b"\n" + b"\n".join(values) + b"\n"
+    return (all_names.translate(None, TOKEN_CHARS) == b"\n" + separators + b"\n"
+            and all_names.find(b"\n\n") < 0  # an empty name
+            and all_values.translate(None, _VALUE_CHARS) == b"\n" + separators + b"\n"
+            # Space or tab leading or trailing a value.
+            and all_values.find(b"\n ") < 0 and all_values.find(b" \n") < 0
+            and all_values.find(b"\n\t") < 0 and all_values.find(b"\t\n") < 0)
+
+
+# The headers h11 moves or rewrites in a response head (see the module docstring).
+_REWRITTEN = frozenset({b"content-length", b"transfer-encoding", b"connection", b"host"})
+
+
+def send_response_head(conn: h11.Connection, status: int, headers: list[Header]) -> bytes:
+    """What ``conn.send(h11.Response(status_code=status, headers=headers))``
+    returns (and the same state change of ``conn``), for less work."""
+    items: list[Header]
+    if fields_valid(headers):  # h11's header rules, the whole list at once
+        items = headers
+    else:  # h11 says why (or takes what is not bytes)
+        items = h11.Response(status_code=status, headers=headers).headers.raw_items()
+    for name, _ in items:
+        if name.lower() in _REWRITTEN:
+            return conn.send(h11.Response(status_code=status, headers=headers)) or b""
+    bare = conn.send(h11.Response(status_code=status, headers=[])) or b""
+    line_end = bare.index(b"\r\n") + 2
+    return b"".join([bare[:line_end], *(b"%s: %s\r\n" % item for item in items), bare[line_end:]])
+
+
+# How a response head h11 wrote declares a chunked body (the lowered head is searched).
+_CHUNKED_HEADER_LINE = b"\r\ntransfer-encoding: chunked\r\n"
+# The size line of every chunk shorter than 4 KiB (an event's usual size), made
+# once: formatting one per write was a tenth of the sidecar's instructions per event.
+_SIZE_LINES: typing.Final[tuple[bytes, ...]] = tuple(b"%x\r\n" % size for size in range(4096))
+
+
+def declares_chunked(head: bytes, status: int, method: bytes | None) -> bool:
+    """Whether h11 framed the response whose ``head`` it wrote as chunked (and
+    so gives it a body: not to a HEAD request, not a 204 or 304)."""
+    return (_CHUNKED_HEADER_LINE in head.lower() and status not in (204, 304)
+            and method != b"HEAD")
+
+
+def chunk_size_line(size: int) -> bytes:
+    """The size line h11 writes before a chunk of ``size`` bytes."""
+    return _SIZE_LINES[size] if size < 4096 else b"%x\r\n" % size
+
+
+def refusal_head(status: int, headers: Sequence[Header]) -> bytes:
+    """A refusal's head, ``Connection: close``, written without h11."""
+    lines = [f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}".encode()]
+    lines += [name + b": " + value for name, value in headers]
+    lines += [b"connection: close", b"", b""]
+    return b"\r\n".join(lines)
