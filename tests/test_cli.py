@@ -87,6 +87,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out.strip() == f"tokenwire {importlib.metadata.version('tokenwire')}"
 
 
+@pytest.mark.slow
 def test_python_dash_m_tokenwire_is_the_command() -> None:
     result = subprocess.run([sys.executable, "-m", "tokenwire", "--version"], capture_output=True,
                             text=True, timeout=60, cwd="/")
@@ -97,6 +98,7 @@ def test_python_dash_m_tokenwire_is_the_command() -> None:
     assert listing.returncode == 0 and "probe" in listing.stdout
 
 
+@pytest.mark.slow
 def test_engine_help_does_not_import_torch() -> None:
     """``tokenwire engine --help`` reads the flags off the config alone: no torch,
     no transformers, no web stack. The time bound is generous (a busy machine);

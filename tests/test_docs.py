@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "architecture.md"
 SOURCES = ("middleware", "sidecar", "engine", "tokenwire", "tests", "bench", "scripts", "conf", "docs")
@@ -32,6 +34,7 @@ def _repository_texts() -> dict[Path, str]:
     return texts
 
 
+@pytest.mark.slow
 def test_every_pointer_into_the_document_lands_on_a_heading() -> None:
     anchors = {_slug(line.lstrip("#")) for line in DOC.read_text().splitlines() if line.startswith("#")}
     pointers = 0

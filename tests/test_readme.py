@@ -822,6 +822,7 @@ def _is_slow(block: Block) -> bool:
     return block.language in SHELL_LANGUAGES and engine is not None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", [
     pytest.param(b, id=f"line{b.line}-{b.language}", marks=[pytest.mark.slow] if _is_slow(b) else [])
     for b in BLOCKS])

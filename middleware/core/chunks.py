@@ -330,7 +330,7 @@ def plain_event_count(data: bytes, limit_bytes: int, marker: str | None) -> int:
         return 0
     # Scanned as text, not bytes: compiled, ``str``'s find/count/startswith/``in``
     # are direct C calls, while each of ``bytes``' goes through a generic method
-    # call that parses its arguments (~700 instructions, twelve of them a read).
+    # call that parses its arguments (docs/perf/compiled-core.md).
     # The decode is needed anyway: the parser replaces invalid UTF-8 with U+FFFD,
     # and bytes passed through unparsed must be no different, or the output
     # would depend on timing.

@@ -130,9 +130,10 @@ class WireConfig:
     (``*`` matches ``/`` too) against the path without its query."""
     socket_send_buffer_bytes: int = 16 * 1024
     """Drivers cap SO_SNDBUF so backpressure is seen before the kernel swallows it
-    (Linux doubles the value). 16 KiB still carries a 100 tokens/s answer over a
-    200 ms round trip; measured with a slow reader, 32 KiB left 3.8 s of text
-    stuck in kernel buffers, 16 KiB 1.6 s (bench/README.md)."""
+    (Linux doubles the value): what sits in kernel buffers is text a slow reader
+    has not read and the core can no longer merge or drop. 16 KiB still carries
+    a 100 tokens/s answer over a 200 ms round trip (the figures:
+    docs/perf/slow-readers.md)."""
     write_high_water_bytes: int = 8 * 1024
     """Transport write buffer at which the driver reports ``SocketPaused``."""
     max_line_bytes: int = 1 << 20

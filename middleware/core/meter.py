@@ -49,8 +49,8 @@ def gap_bucket(gap_s: float) -> int:
 
     The bounds written out, not a scan of the tuple or ``bisect_left``:
     compiled, each test is one comparison of C doubles, where a scan unboxed a
-    Python float per bound (~200 instructions a write) and the call to
-    ``bisect`` boxed the gap and compared Python floats (~750).
+    Python float per bound and the call to ``bisect`` boxed the gap and
+    compared Python floats (docs/perf/compiled-core.md).
     ``test_gapBucket_isBisectLeft_forEveryGap`` holds them to ``GAP_BUCKETS_S``,
     NaN (index 0, as ``bisect_left`` puts it) included."""
     if not gap_s > 0.005:

@@ -5,11 +5,11 @@ Theory of operation
 ``loop.create_server`` on uvloop takes *one* connection from the listening
 socket per loop turn (libuv's listen callback), and a turn of a busy sidecar
 is long: it forwards every stream's reads and sets up the streams accepted
-before. A burst of new connections therefore waited one turn each: with 200
-clients connecting at once (all connected by the kernel within 30 ms), the
-200th stream started 690 ms later while the sidecar was idle half of that
-time (``bench/README.md``, "Accepting a burst"). asyncio's own server accepts
-up to its backlog per turn, and nginx's turns are microseconds long.
+before. A burst of new connections therefore waited one turn each: the last
+of a burst of clients started long after the kernel had connected them all,
+while the sidecar was idle much of that time (docs/perf/sidecar-http1.md,
+"Accepting a burst"). asyncio's own server accepts up to its backlog per
+turn, and nginx's turns are microseconds long.
 
 Here each listening socket is registered with ``loop.add_reader``; when it is
 readable, connections are accepted until the kernel has none left or
@@ -37,12 +37,12 @@ from ..tasks import spawn
 logger = logging.getLogger("tokenwire.sidecar")
 
 # Bounds one turn's accepting; the rest are taken on the next turn (the socket
-# stays readable). Each accepted connection costs its set-up (~1 ms of CPU) in
-# the turns after, and the open streams' events wait for the turn to end: with
-# 200 streams starting at once, the p99 latency of all events was 9.6 ms at 64
-# a turn, 5.7 at 16, 4.6 at 8, 3.0 at 4, while the burst's last first event
-# came about as late at each (CPU-bound: 174-199 ms). A few more epoll calls
-# per burst are all a small bound costs.
+# stays readable). Each accepted connection costs its set-up in the turns
+# after, and the open streams' events wait for the turn to end: the smaller
+# the bound, the shorter the events' latency tail, while the burst's last
+# first event comes about as late (CPU-bound; the sweep:
+# docs/perf/sidecar-http1.md, "Accepting a burst"). A few more epoll calls per
+# burst are all a small bound costs.
 _MAX_ACCEPTS_PER_TURN = 4
 # How many queued connections a listening socket's close accepts first (the
 # kernel's default listen backlog bound, net.core.somaxconn, is 4096).

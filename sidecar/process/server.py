@@ -286,15 +286,15 @@ async def _serve(config: SidecarConfig, out: TextIO, reuse_port: bool) -> int:
         ready += f" admin={admin[0]}:{admin[1]}"
     # Everything made so far (modules, config, metrics, pools) lives as long as
     # the process: out of the collector's sight, a full collection walks only
-    # what streams made (measured: a full pass 45-95 ms -> 15 ms of stalled loop).
+    # what streams made (a shorter stall of the loop: docs/perf/sidecar-http1.md).
     gc.collect()
     gc.freeze()
     # A young-generation pass every 700 net allocations (Python's default)
     # mostly re-walks the open streams' objects made since the last one (what
-    # an event allocates dies by reference count): ~5 % of the instructions
-    # per event (bench/README.md, "sixth round"). Every 10,000 walks the same
-    # objects once where it walked them up to 14 times; a pass over 10,000
-    # young objects takes ~0.25 ms on the 2-core VM.
+    # an event allocates dies by reference count), a measurable share of the
+    # instructions per event (docs/perf/sidecar-http1.md, "sixth round"). Every
+    # 10,000 walks the same objects once where it walked them many times, and
+    # one such pass is short next to a stream's events.
     gc.set_threshold(_YOUNG_GC_THRESHOLD, *gc.get_threshold()[1:])
     print(ready, file=out, flush=True)
     await sidecar.wait_stopped()

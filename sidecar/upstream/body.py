@@ -59,7 +59,7 @@ def _size_line(data: bytes, pos: int, end: int, canonical: bool = False) -> tupl
 
     Byte by byte, not ``find``/``strip``/``int(..., 16)``: compiled, indexing
     ``bytes`` is a C array read, while each of those is a generic method call
-    that parses its arguments (three a chunk, ~2,500 instructions)."""
+    that parses its arguments (three a chunk; docs/perf/sidecar-http1.md)."""
     if canonical and pos < end and data[pos] == 48:
         return -1, 0
     size = 0

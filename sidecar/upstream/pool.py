@@ -4,9 +4,9 @@ Theory of operation
 -------------------
 A general pool (httpcore's ``AsyncConnectionPool``) serves any origin, so
 whenever a request starts or a response is closed it re-examines every
-connection it holds: with 200 streams open, a cProfile of a burst put ~40 %
-of the sidecar's per-stream time in that bookkeeping (``bench/README.md``,
-"The upstream pool"). A pod is one origin, and the sidecar needs less:
+connection it holds: with many streams open that bookkeeping was a large
+share of the sidecar's per-stream time (docs/perf/sidecar-http1.md, "The
+upstream pool and the collector"). A pod is one origin, and the sidecar needs less:
 
 - idle connections on a stack, the most recently used on top (warm, and the
   least likely to have been closed by the pod meanwhile); the bottom, the

@@ -177,7 +177,7 @@ class UpstreamStream:
     def __init__(self, transport: asyncio.Transport, protocol: _UpstreamProtocol, fd: int) -> None:
         """``fd``: the transport's descriptor (-1: none), for :meth:`cut`,
         looked up once here: ``get_extra_info("socket")`` builds uvloop's
-        stand-in socket and asks the kernel for its name, ~3 µs a call, and
+        stand-in socket and asks the kernel for its name on every call, and
         a burst of departing clients cuts its upstreams one after another."""
         self._transport = transport
         self._protocol = protocol
@@ -354,8 +354,8 @@ def shutdown_now(fd: int) -> None:
 
     Bare, with its family, type and protocol given: ``socket.socket`` would
     ask the stand-in for its family and type (a ``getsockopt`` each) and the
-    kernel for its protocol, ~3 µs a call on a 2-core VM where the
-    ``shutdown`` itself is ~5; with 50 clients resetting at once the last
+    kernel for its protocol, each about as dear as the ``shutdown`` itself
+    (docs/perf/resets.md); with many clients resetting at once the last
     upstream waits for all the others' cuts. ``shutdown(2)`` does not look
     at the family the object was made with, so ``AF_INET`` serves a Unix or
     IPv6 socket too."""

@@ -82,11 +82,11 @@ def cases(names: list[str]) -> list[object]:
     return list(names)
 
 
-def test_everyTranscriptHasAnExpectation() -> None:
+def test_every_transcript_has_an_expectation() -> None:
     assert sorted(EXPECT) == transcript_names()
 
 
-def test_transcripts_coverTheShapesTheIssueNames() -> None:
+def test_transcripts_cover_the_shapes_the_issue_names() -> None:
     """Role-only first chunks, usage chunks, tool-call deltas, reasoning deltas and
     in-band errors each appear in at least one transcript."""
     datas = [d for name in transcript_names() for d in sse_data(Transcript.load(name).body)]
@@ -107,7 +107,7 @@ def run(driver: str, name: str, *, repeat_text: int = 1, client_stall_s: float =
 
 @pytest.mark.parametrize("name", cases(sorted(EXPECT)))
 @pytest.mark.parametrize("driver", sorted(DRIVERS))
-def test_fastReader_getsTheEnginesEventsOneForOne_andItsEnding(driver: str, name: str) -> None:
+def test_fast_reader_gets_the_engines_events_one_for_one_and_its_ending(driver: str, name: str) -> None:
     transcript, expect, _, result = run(driver, name)
     assert result.status == 200
     assert result.headers[b"content-type"].startswith(b"text/event-stream")
@@ -137,9 +137,10 @@ def mergeable_bytes(name: str) -> int:
 MERGEABLE = [n for n in sorted(EXPECT) if mergeable_bytes(n)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", cases(MERGEABLE))
 @pytest.mark.parametrize("driver", sorted(DRIVERS))
-def test_slowReader_coalescesTextExactly_andNeverAcrossABarrier(driver: str, name: str) -> None:
+def test_slow_reader_coalesces_text_exactly_and_never_across_a_barrier(driver: str, name: str) -> None:
     repeat = -(-SLOW_READER_TEXT_BYTES // mergeable_bytes(name))
     transcript, expect, scenario, result = run(driver, name, repeat_text=repeat, client_stall_s=0.4)
     sent = [d for step in scenario.steps for d in sse_data(step.data)]  # type: ignore[union-attr]
@@ -188,7 +189,7 @@ def core_output(body: bytes, config: object, *, split_bytes: int | None) -> tupl
 
 @pytest.mark.parametrize("split_bytes", [None, 7], ids=["whole", "7-byte-pieces"])
 @pytest.mark.parametrize("name", cases(sorted(EXPECT)))
-def test_core_withEverythingPending_mergesOnlyWhatMayMerge(name: str, split_bytes: int | None) -> None:
+def test_core_with_everything_pending_merges_only_what_may_merge(name: str, split_bytes: int | None) -> None:
     transcript, expect = Transcript.load(name), EXPECT[name]
     body, complete = core_output(transcript.body, expect.config, split_bytes=split_bytes)
     got = sse_data(body)

@@ -137,6 +137,7 @@ def test_unreadable_config_file_names_config(tmp_path: Path) -> None:
     assert error.value.key == "config"
 
 
+@pytest.mark.slow
 def test_cli_reports_a_bad_file_before_loading_a_model(tmp_path: Path) -> None:
     """The real command line, in its own process: exit 2 and the key, no model built."""
     config_file = tmp_path / "engine.toml"
@@ -163,6 +164,7 @@ def test_event_loop_is_a_key_and_auto_follows_where_the_scheduler_runs() -> None
         build_engine_config(flags={"event_loop": "trio"})
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity (Linux)")
 def test_the_scheduler_process_needs_two_usable_cpus() -> None:
     """A real process pinned to one CPU runs the scheduler in a thread (and asyncio's loop),

@@ -94,7 +94,7 @@ def _spans_of(exporter: InMemorySpanExporter, trace_id: int, names: set[str],
         time.sleep(0.01)
 
 
-def test_trace_spansClientToSidecarToEnginePhases(traced: Traced) -> None:
+def test_trace_spans_client_to_sidecar_to_engine_phases(traced: Traced) -> None:
     body = {"model": "tiny", "prompt": "Once upon", "max_tokens": 6, "stream": True, "ignore_eos": True}
     headers = {"traceparent": f"00-{_TRACE_ID}-{_CLIENT_SPAN_ID}-01", "X-Request-Id": "traced-1"}
     with httpx.Client(timeout=30) as client, client.stream(
@@ -125,7 +125,7 @@ def test_trace_spansClientToSidecarToEnginePhases(traced: Traced) -> None:
     assert dict(request.attributes or {})["gen_ai.usage.output_tokens"] == 6
 
 
-def test_trace_withoutTraceparent_thenANewTraceStillJoinsTheEngine(traced: Traced) -> None:
+def test_trace_without_traceparent_then_a_new_trace_still_joins_the_engine(traced: Traced) -> None:
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": 2, "stream": True}
     with httpx.Client(timeout=30) as client:
         response = client.post(f"{traced.sidecar_url}/v1/completions", json=body,
@@ -145,7 +145,8 @@ def test_trace_withoutTraceparent_thenANewTraceStillJoinsTheEngine(traced: Trace
     assert request.parent is not None and request.parent.span_id == stream.context.span_id
 
 
-def test_engineMetrics_comparableWithTheSidecars_andPassPromtool(traced: Traced) -> None:
+@pytest.mark.slow
+def test_engine_metrics_comparable_with_the_sidecars_and_pass_promtool(traced: Traced) -> None:
     body = {"model": "tiny", "prompt": "Count", "max_tokens": 5, "stream": True, "ignore_eos": True}
     with httpx.Client(timeout=30) as client:
         assert client.post(f"{traced.engine_url}/v1/completions", json=body).status_code == 200

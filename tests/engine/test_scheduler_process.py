@@ -32,6 +32,8 @@ from tokenwire.engine.scheduler_process import (
     launch_scheduler,
 )
 
+pytestmark = pytest.mark.slow
+
 if TYPE_CHECKING:
     from conftest import RunningServer
 

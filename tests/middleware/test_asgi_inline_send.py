@@ -85,7 +85,7 @@ SCOPE = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "met
          "path": "/", "headers": []}
 
 
-def test_inlineSend_whenServerSendSuspends_thenAppGoesOnAndEveryEventArrivesInOrder() -> None:
+def test_inline_send_when_server_send_suspends_then_app_goes_on_and_every_event_arrives_in_order() -> None:
     records: list[StreamRecord] = []
 
     async def main() -> tuple[Server, bool, int]:
@@ -122,7 +122,7 @@ def test_inlineSend_whenServerSendSuspends_thenAppGoesOnAndEveryEventArrivesInOr
     assert [r.end_reason for r in records] == [EndReason.COMPLETE]
 
 
-def test_inlineSend_whenServerSendRaisesOSError_thenStreamEndsAsClientGoneAndNothingMoreIsSent() -> None:
+def test_inline_send_when_server_send_raises_os_error_then_stream_ends_as_client_gone_and_nothing_more_is_sent() -> None:  # noqa: E501
     records: list[StreamRecord] = []
 
     async def main() -> Server:

@@ -48,7 +48,7 @@ def stream_text(port: int) -> str:
 
 
 @pytest.mark.parametrize("server", SERVERS)
-def test_openaiSDK_whenStreamCompletes_thenGetsAllText(server: str) -> None:
+def test_openai_sdk_when_stream_completes_then_gets_all_text(server: str) -> None:
     hooks = Hooks()
     config = DEFAULT_CONFIG.replace(terminal_marker="[DONE]")
     app = TokenWireMiddleware(chat_app(None), config, on_finished=hooks.on_finished)
@@ -58,7 +58,7 @@ def test_openaiSDK_whenStreamCompletes_thenGetsAllText(server: str) -> None:
 
 
 @pytest.mark.parametrize("server", SERVERS)
-def test_openaiSDK_whenAppRaisesAfter10Events_thenRaisesAPIError(server: str) -> None:
+def test_openai_sdk_when_app_raises_after_10_events_then_raises_api_error(server: str) -> None:
     hooks = Hooks()
     app = TokenWireMiddleware(chat_app(10), on_finished=hooks.on_finished)
     received: list[str] = []

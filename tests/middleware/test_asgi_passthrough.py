@@ -73,7 +73,7 @@ def exchange(port: int, path: str, method: str = "GET", body: bytes = b"") -> by
     ("/crash", "GET", b""),
     ("/missing", "GET", b""),
 ])
-def test_passthrough_whenResponseIsNotSSE_thenBytesAreIdentical(
+def test_passthrough_when_response_is_not_sse_then_bytes_are_identical(
         server: str, path: str, method: str, body: bytes) -> None:
     with running_server(plain_app(), server) as port:
         bare = exchange(port, path, method, body)
@@ -105,7 +105,7 @@ def websocket_exchange(port: int) -> bytes:
 
 
 @pytest.mark.parametrize("server", ["uvicorn-h11", "hypercorn"])
-def test_passthrough_whenWebsocket_thenBytesAreIdentical(server: str) -> None:
+def test_passthrough_when_websocket_then_bytes_are_identical(server: str) -> None:
     with running_server(plain_app(), server) as port:
         bare = websocket_exchange(port)
     with running_server(TokenWireMiddleware(plain_app()), server) as port:
@@ -115,7 +115,7 @@ def test_passthrough_whenWebsocket_thenBytesAreIdentical(server: str) -> None:
 
 
 @pytest.mark.parametrize("scope_type", ["lifespan", "websocket"])
-def test_passthrough_whenNotHTTP_thenAppGetsTheSameObjects(scope_type: str) -> None:
+def test_passthrough_when_not_http_then_app_gets_the_same_objects(scope_type: str) -> None:
     seen: list[Any] = []
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
@@ -132,7 +132,7 @@ def test_passthrough_whenNotHTTP_thenAppGetsTheSameObjects(scope_type: str) -> N
     assert seen[0] is scope and seen[1] is receive and seen[2] is send
 
 
-def test_passthrough_whenLifespanUnderUvicorn_thenStartupAndShutdownReachApp() -> None:
+def test_passthrough_when_lifespan_under_uvicorn_then_startup_and_shutdown_reach_app() -> None:
     events: list[str] = []
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
@@ -150,7 +150,8 @@ def test_passthrough_whenLifespanUnderUvicorn_thenStartupAndShutdownReachApp() -
 
 
 @pytest.mark.parametrize("server", SERVERS)
-def test_passthrough_whenClientLeavesAfterResponse_thenBackgroundTaskIsNotCancelled(server: str) -> None:
+def test_passthrough_when_client_leaves_after_response_then_background_task_is_not_cancelled(
+        server: str) -> None:
     background_done = threading.Event()
     aborts: list[str] = []
     app = TokenWireMiddleware(plain_app(background_done), on_abort=lambda rid, reason: aborts.append(reason))

@@ -64,7 +64,7 @@ class ResponsesApp:
                             status_code=404)
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.slow)])
 def served(request: pytest.FixtureRequest) -> Iterator[tuple[int, ResponsesApp]]:
     app = ResponsesApp()
     store = RedisReplayStore(request.getfixturevalue("redis_url")) if request.param == "redis" else None

@@ -203,6 +203,7 @@ def test_grace_expiry_cancels_the_app_and_calls_on_abort(served: Any) -> None:
     assert json.loads(late.data_events[-1].data or "")["error"]["code"] == "cancelled"
 
 
+@pytest.mark.slow
 def test_random_disconnects_on_the_redis_store(served: Any, redis_url: str) -> None:
     port, _, _ = served(store=RedisReplayStore(redis_url), resume_grace_s=5.0)
     rng = random.Random(7)

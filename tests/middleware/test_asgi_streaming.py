@@ -68,7 +68,8 @@ def framework_app(framework: str, stream: Any) -> Any:
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("server", SERVERS)
-def test_stream_whenClientReads_thenEventsArriveWithSSEHeadersAndRecord(server: str, framework: str) -> None:
+def test_stream_when_client_reads_then_events_arrive_with_sse_headers_and_record(
+        server: str, framework: str) -> None:
     hooks = Hooks()
     app = TokenWireMiddleware(framework_app(framework, lambda request: chat_events(20)),
                               on_finished=hooks.on_finished)
@@ -88,7 +89,8 @@ def test_stream_whenClientReads_thenEventsArriveWithSSEHeadersAndRecord(server: 
 
 
 @pytest.mark.parametrize("server", SERVERS)
-def test_slowClient_whenItStopsReading_thenAppIsNotStalledAndPendingStaysBounded(server: str) -> None:
+def test_slow_client_when_it_stops_reading_then_app_is_not_stalled_and_pending_stays_bounded(
+        server: str) -> None:
     count = 5000
     hooks = Hooks()
     seen: dict[str, Any] = {"max_pending": 0}
@@ -142,7 +144,7 @@ def test_slowClient_whenItStopsReading_thenAppIsNotStalledAndPendingStaysBounded
 
 
 @pytest.mark.parametrize("server", SERVERS)
-def test_slowClient_whenPendingExceedsCap_thenAppIsCancelledWithSlowClient(server: str) -> None:
+def test_slow_client_when_pending_exceeds_cap_then_app_is_cancelled_with_slow_client(server: str) -> None:
     hooks = Hooks()
     seen: dict[str, Any] = {}
 
@@ -205,7 +207,7 @@ def prefill_app(style: str, seen: dict[str, Any], prefill_s: float = 5.0) -> Any
 
 @pytest.mark.parametrize("style", ["in-stream", "before-response"])
 @pytest.mark.parametrize("server", SERVERS)
-def test_disconnect_whenClientResetsDuringSilentPrefill_thenAppIsCancelledAtOnce(
+def test_disconnect_when_client_resets_during_silent_prefill_then_app_is_cancelled_at_once(
         server: str, style: str) -> None:
     hooks = Hooks()
     seen: dict[str, Any] = {}
@@ -230,7 +232,7 @@ def test_disconnect_whenClientResetsDuringSilentPrefill_thenAppIsCancelledAtOnce
 
 
 @pytest.mark.parametrize("server", SERVERS)
-def test_heartbeats_whenAppIsSilent_thenKeepaliveCommentsFlow(server: str) -> None:
+def test_heartbeats_when_app_is_silent_then_keepalive_comments_flow(server: str) -> None:
     async def stream(request: Request) -> AsyncIterator[str]:
         await asyncio.sleep(0.7)  # silent before the first event: headers commit at 0.1 s
         yield f"data: {chat_chunk('a')}\n\n"
@@ -251,7 +253,7 @@ def test_heartbeats_whenAppIsSilent_thenKeepaliveCommentsFlow(server: str) -> No
 
 
 @pytest.mark.parametrize("server", SERVERS)
-def test_appRaises_whenStreamStarted_thenInBandErrorAndTruncatedBody(server: str) -> None:
+def test_app_raises_when_stream_started_then_in_band_error_and_truncated_body(server: str) -> None:
     hooks = Hooks()
 
     async def stream(request: Request) -> AsyncIterator[str]:
@@ -272,7 +274,7 @@ def test_appRaises_whenStreamStarted_thenInBandErrorAndTruncatedBody(server: str
 
 
 @pytest.mark.parametrize("server", SERVERS)
-def test_appRaises_beforeFirstEvent_thenRealErrorStatus(server: str) -> None:
+def test_app_raises_before_first_event_then_real_error_status(server: str) -> None:
     async def stream(request: Request) -> AsyncIterator[str]:
         raise RuntimeError("boom")
         yield ""  # pragma: no cover
@@ -285,7 +287,7 @@ def test_appRaises_beforeFirstEvent_thenRealErrorStatus(server: str) -> None:
 
 
 @pytest.mark.parametrize("server", SERVERS)
-def test_extension_whenAppCallsAbort_thenStreamEndsWithCancelledError(server: str) -> None:
+def test_extension_when_app_calls_abort_then_stream_ends_with_cancelled_error(server: str) -> None:
     hooks = Hooks()
     seen: dict[str, Any] = {}
 
@@ -322,7 +324,7 @@ def test_extension_whenAppCallsAbort_thenStreamEndsWithCancelledError(server: st
 
 
 @pytest.mark.parametrize("server", SERVERS)
-def test_requestBody_whenLargerThanReadAhead_thenAppSeesItAll(server: str) -> None:
+def test_request_body_when_larger_than_read_ahead_then_app_sees_it_all(server: str) -> None:
     body = bytes(range(256)) * (3 * 4096)  # 3 MiB, over the 1 MiB read-ahead
 
     async def stream(request: Request) -> AsyncIterator[str]:
@@ -335,6 +337,6 @@ def test_requestBody_whenLargerThanReadAhead_thenAppSeesItAll(server: str) -> No
     assert sse_data(response.body) == [f"{len(body)} True"]
 
 
-def test_config_whenRetriesRequested_thenRefused() -> None:
+def test_config_when_retries_requested_then_refused() -> None:
     with pytest.raises(ValueError, match="retry_attempts"):
         TokenWireMiddleware(framework_app("starlette", chat_events), WireConfig(retry_attempts=1))

@@ -217,8 +217,9 @@ def chat_body() -> dict[str, Any]:
 # ---------------------------------------------------------------- under real servers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("server", ["uvicorn", "hypercorn"])
-def test_readmeExample_whenAStreamRuns_thenCountedLiveThenOneRecordLineAndItsMetrics(
+def test_readme_example_when_a_stream_runs_then_counted_live_then_one_record_line_and_its_metrics(
         server: str, tmp_path: Path) -> None:
     with serve(server, app_source(), tmp_path) as served, httpx.Client(timeout=WAIT_S) as client:
         metrics_url = served.base + "/metrics"
@@ -265,7 +266,8 @@ def test_readmeExample_whenAStreamRuns_thenCountedLiveThenOneRecordLineAndItsMet
     assert len(record_lines(served)) == 1, record_lines(served)
 
 
-def test_textFormat_underUvicorn_thenKeyValuePairsAfterTheMessage(tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_text_format_under_uvicorn_then_key_value_pairs_after_the_message(tmp_path: Path) -> None:
     with serve("uvicorn", app_source(extra='log_format="text"'), tmp_path) as served:
         response = httpx.post(served.base + "/v1/chat/completions", json=chat_body(),
                               headers={"x-request-id": "text-1"}, timeout=WAIT_S)
@@ -279,7 +281,9 @@ def test_textFormat_underUvicorn_thenKeyValuePairsAfterTheMessage(tmp_path: Path
     assert len(record_lines(served)) == 1
 
 
-def test_basicConfig_whenTheAppConfiguresLogging_thenItsHandlerWritesTheFieldsOnce(tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_basic_config_when_the_app_configures_logging_then_its_handler_writes_the_fields_once(
+        tmp_path: Path) -> None:
     """The issue's case: ``logging.basicConfig`` printed ``INFO:tokenwire.middleware:stream
     ended`` without a field. The app's handler writes the line, with the fields;
     the middleware adds no handler of its own (no line twice)."""
@@ -295,7 +299,8 @@ def test_basicConfig_whenTheAppConfiguresLogging_thenItsHandlerWritesTheFieldsOn
     assert "status=200" in line and f"tokens_out={COMPLETION_TOKENS}" in line
 
 
-def test_logFormatOff_underUvicorn_thenNoRecordLine(tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_log_format_off_under_uvicorn_then_no_record_line(tmp_path: Path) -> None:
     with serve("uvicorn", app_source(extra='log_format="off"'), tmp_path) as served:
         response = httpx.post(served.base + "/v1/chat/completions", json=chat_body(), timeout=WAIT_S)
         assert response.status_code == 200
@@ -315,7 +320,7 @@ def free_logger(name: str) -> logging.Logger:
     return logging.Logger(name)
 
 
-def test_defaultHandler_whenNothingHandlesTheLogger_thenItWritesUntilLoggingIsConfigured() -> None:
+def test_default_handler_when_nothing_handles_the_logger_then_it_writes_until_logging_is_configured() -> None:
     log = free_logger("tokenwire.middleware")
     out = io.StringIO()
     handler = install_default_handler(log, "json", out)
@@ -334,7 +339,7 @@ def test_defaultHandler_whenNothingHandlesTheLogger_thenItWritesUntilLoggingIsCo
     assert json.loads(theirs.getvalue())["request_id"] == "r-2"
 
 
-def test_defaultHandler_whenLoggingIsConfigured_thenNotInstalled() -> None:
+def test_default_handler_when_logging_is_configured_then_not_installed() -> None:
     parent = free_logger("tokenwire")
     parent.addHandler(logging.NullHandler())
     log = free_logger("tokenwire.middleware")
@@ -343,7 +348,7 @@ def test_defaultHandler_whenLoggingIsConfigured_thenNotInstalled() -> None:
     assert log.handlers == [] and log.level == logging.NOTSET
 
 
-def test_fieldsInMessage_whenAPlainFormatter_thenTheFieldsAreInTheMessage() -> None:
+def test_fields_in_message_when_a_plain_formatter_then_the_fields_are_in_the_message() -> None:
     log = free_logger("tokenwire.middleware")
     log.setLevel(logging.INFO)
     log.addFilter(FieldsInMessage())
@@ -368,7 +373,7 @@ def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = WAIT_S
         time.sleep(0.01)
 
 
-def test_metrics_whenTheClientLeavesMidStream_thenEndedAsClientGoneOnItsOwnRegistry() -> None:
+def test_metrics_when_the_client_leaves_mid_stream_then_ended_as_client_gone_on_its_own_registry() -> None:
     registry = CollectorRegistry()
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -405,7 +410,8 @@ def test_metrics_whenTheClientLeavesMidStream_thenEndedAsClientGoneOnItsOwnRegis
     assert sample(text, "tokenwire_streams_ended_total", reason="complete", **LABELS) is None
 
 
-def test_metricsPath_whenServed_thenTheMiddlewareAnswersItAndCountsNoStream() -> None:
+@pytest.mark.slow
+def test_metrics_path_when_served_then_the_middleware_answers_it_and_counts_no_stream() -> None:
     registry = CollectorRegistry()
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -420,7 +426,7 @@ def test_metricsPath_whenServed_thenTheMiddlewareAnswersItAndCountsNoStream() ->
     promtool_check(response.text)
 
 
-def test_settings_whenWrong_thenRefused() -> None:
+def test_settings_when_wrong_then_refused() -> None:
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None: ...
 
     with pytest.raises(ConfigError, match="log_format"):

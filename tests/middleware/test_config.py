@@ -10,7 +10,7 @@ from tokenwire.middleware import ConfigError, SlowClientPolicy, TokenWireMiddlew
 from tokenwire.middleware.core.config import NonStreamAnswer
 
 
-def test_defaults_followDesign() -> None:
+def test_defaults_follow_design() -> None:
     config = WireConfig()
     assert (config.heartbeat_s, config.commit_deadline_s, config.write_deadline_s) == (15.0, 2.0, 30.0)
     assert config.max_pending_bytes == 1 << 20
@@ -30,7 +30,7 @@ def test_defaults_followDesign() -> None:
     ("max_line_bytes", 0), ("retry_attempts", -1), ("retry_attempts", 1.5),
     ("slow_client_policy", "fast"), ("max_line_bytes", 10 << 20),
 ])
-def test_config_whenBadValue_thenConfigErrorNamesTheKey(key: str, value: Any) -> None:
+def test_config_when_bad_value_then_config_error_names_the_key(key: str, value: Any) -> None:
     with pytest.raises(ConfigError) as raised:
         WireConfig(**{key: value})
     assert raised.value.key == key
@@ -38,18 +38,18 @@ def test_config_whenBadValue_thenConfigErrorNamesTheKey(key: str, value: Any) ->
 
 
 @pytest.mark.parametrize("policy", ["coalesce", "drop", "block"])
-def test_config_whenPolicyGivenAsString_thenEnum(policy: str) -> None:
+def test_config_when_policy_given_as_string_then_enum(policy: str) -> None:
     assert WireConfig(slow_client_policy=policy).slow_client_policy is SlowClientPolicy(policy)  # type: ignore[arg-type]
 
 
-def test_replace_validatesAgain() -> None:
+def test_replace_validates_again() -> None:
     config = WireConfig().replace(heartbeat_s=1.0)
     assert config.heartbeat_s == 1.0
     with pytest.raises(ConfigError):
         config.replace(heartbeat_s=-1.0)
 
 
-def test_config_isFrozen() -> None:
+def test_config_is_frozen() -> None:
     with pytest.raises(AttributeError):
         WireConfig().heartbeat_s = 1.0  # type: ignore[misc]
 
@@ -72,7 +72,7 @@ SINGLE_KEYS = [f.name for f in dataclasses.fields(WireConfig) if f.name != "retr
 
 
 @pytest.mark.parametrize("key", SINGLE_KEYS)
-def test_middleware_whenAnySingleKeyChanged_thenValid(key: str) -> None:
+def test_middleware_when_any_single_key_changed_then_valid(key: str) -> None:
     """The README's first-contact promise: ``WireConfig(one_key=...)`` always
     builds a middleware (retry_attempts is the one key it refuses, by name)."""
     changed = WireConfig(**{key: _another_valid_value(getattr(WireConfig(), key))})

@@ -90,7 +90,7 @@ def responses_text(events: list[SSEEvent]) -> str:
                    if e.event == "response.output_text.delta")
 
 
-def test_responses_whenComplete_thenPassedExactlyWithUsageAndTtft() -> None:
+def test_responses_when_complete_then_passed_exactly_with_usage_and_ttft() -> None:
     d = driver("/v1/responses")
     script = ResponsesScript()
     for frame in [*script.opening(), script.delta("Hel"), script.delta("lo"), script.completed("Hello")]:
@@ -105,7 +105,7 @@ def test_responses_whenComplete_thenPassedExactlyWithUsageAndTtft() -> None:
 
 
 @pytest.mark.parametrize("kind", ["response.incomplete", "response.completed"])
-def test_responses_whenIncompleteOrCompleted_thenFinished(kind: str) -> None:
+def test_responses_when_incomplete_or_completed_then_finished(kind: str) -> None:
     d = driver("/v1/responses")
     script = ResponsesScript()
     for frame in [*script.opening(), script.delta("a"), script.completed("a", kind)]:
@@ -114,7 +114,7 @@ def test_responses_whenIncompleteOrCompleted_thenFinished(kind: str) -> None:
     assert d.finished.record.end_reason is EndReason.COMPLETE
 
 
-def test_responses_whenFailedEvent_thenForwardedAndEndedCleanlyButRecordedAsUpstreamError() -> None:
+def test_responses_when_failed_event_then_forwarded_and_ended_cleanly_but_recorded_as_upstream_error() -> None:  # noqa: E501
     d = driver("/v1/responses")
     script = ResponsesScript()
     for frame in [*script.opening(), script.delta("a"), script.completed("a", "response.failed")]:
@@ -126,7 +126,7 @@ def test_responses_whenFailedEvent_thenForwardedAndEndedCleanlyButRecordedAsUpst
     assert (record.end_reason, record.error_code) == (EndReason.UPSTREAM_ERROR, ErrorCode.UPSTREAM_FAILED)
 
 
-def test_responses_whenEofWithoutTerminal_thenErrorEventInTheDialectsShapeAndCut() -> None:
+def test_responses_when_eof_without_terminal_then_error_event_in_the_dialects_shape_and_cut() -> None:
     d = driver("/v1/responses")
     script = ResponsesScript()
     for frame in [*script.opening(), script.delta("a")]:
@@ -142,7 +142,7 @@ def test_responses_whenEofWithoutTerminal_thenErrorEventInTheDialectsShapeAndCut
     assert d.of(CloseClient) == [CloseClient(abrupt=True)]
 
 
-def test_responses_whenUpstreamErrorEvent_thenForwardedAsItCameAndEndedAsTheEngineEndedIt() -> None:
+def test_responses_when_upstream_error_event_then_forwarded_as_it_came_and_ended_as_the_engine_ended_it() -> None:  # noqa: E501
     d = driver("/v1/responses")
     script = ResponsesScript()
     for frame in script.opening():
@@ -156,7 +156,7 @@ def test_responses_whenUpstreamErrorEvent_thenForwardedAsItCameAndEndedAsTheEngi
     assert d.finished.record.end_reason is EndReason.UPSTREAM_ERROR
 
 
-def test_responses_whenSlowReader_thenDeltasMergeAndNumbersStayContiguous() -> None:
+def test_responses_when_slow_reader_then_deltas_merge_and_numbers_stay_contiguous() -> None:
     d = driver("/v1/responses")
     script = ResponsesScript()
     d.send(UpstreamData(b"".join(script.opening())))
@@ -178,7 +178,7 @@ def test_responses_whenSlowReader_thenDeltasMergeAndNumbersStayContiguous() -> N
     assert d.finished.record.end_reason is EndReason.COMPLETE
 
 
-def test_responses_whenDeltasOfTwoParts_thenEachMergesApart() -> None:
+def test_responses_when_deltas_of_two_parts_then_each_merges_apart() -> None:
     d = driver("/v1/responses")
     script = ResponsesScript()
     d.send(UpstreamData(b"".join(script.opening())))
@@ -193,7 +193,7 @@ def test_responses_whenDeltasOfTwoParts_thenEachMergesApart() -> None:
     assert [(x["content_index"], x["delta"]) for x in deltas] == [(0, "01"), (1, "23")]
 
 
-def test_responses_whenSlowClientCutAfterMerges_thenErrorCarriesTheNextClientNumber() -> None:
+def test_responses_when_slow_client_cut_after_merges_then_error_carries_the_next_client_number() -> None:
     d = driver("/v1/responses", proxy_config(max_pending_bytes=400_000))
     script = ResponsesScript()
     d.send(UpstreamData(b"".join(script.opening())))
@@ -247,7 +247,7 @@ def messages_text(events: list[SSEEvent], index: int = 0) -> str:
     return "".join(out)
 
 
-def test_messages_whenComplete_thenPassedExactlyWithUsageMerged() -> None:
+def test_messages_when_complete_then_passed_exactly_with_usage_merged() -> None:
     d = driver("/v1/messages")
     script = MessagesScript()
     for frame in [*script.opening(), script.add("ping"), script.text("Hi"), *script.closing()]:
@@ -262,7 +262,7 @@ def test_messages_whenComplete_thenPassedExactlyWithUsageMerged() -> None:
     assert record.upstream_keepalives == 1
 
 
-def test_messages_whenEofWithoutMessageStop_thenAnthropicErrorEventAndCut() -> None:
+def test_messages_when_eof_without_message_stop_then_anthropic_error_event_and_cut() -> None:
     d = driver("/v1/messages")
     script = MessagesScript()
     for frame in [*script.opening(), script.text("Hi")]:
@@ -278,7 +278,8 @@ def test_messages_whenEofWithoutMessageStop_thenAnthropicErrorEventAndCut() -> N
 
 
 @pytest.mark.parametrize("first", [True, False])
-def test_messages_whenUpstreamErrorEvent_thenForwardedInBandWithItsNameEvenFirst(first: bool) -> None:
+def test_messages_when_upstream_error_event_then_forwarded_in_band_with_its_name_even_first(
+        first: bool) -> None:
     d = driver("/v1/messages")
     script = MessagesScript()
     if not first:
@@ -292,13 +293,13 @@ def test_messages_whenUpstreamErrorEvent_thenForwardedInBandWithItsNameEvenFirst
     assert d.finished.record.end_reason is EndReason.UPSTREAM_ERROR
 
 
-def test_messages_whenUpstreamDiesWhileWaiting_thenRealStatusAsToday() -> None:
+def test_messages_when_upstream_dies_while_waiting_then_real_status_as_today() -> None:
     d = driver("/v1/messages", proxy_config(retry_attempts=0))
     d.send(UpstreamEnded())
     assert d.commit.status == 502
 
 
-def test_messages_whenSlowReader_thenDeltasOfOneBlockMergeAndOthersAreBarriers() -> None:
+def test_messages_when_slow_reader_then_deltas_of_one_block_merge_and_others_are_barriers() -> None:
     d = driver("/v1/messages")
     script = MessagesScript()
     d.send(UpstreamData(b"".join(script.opening())))
@@ -326,7 +327,7 @@ def test_messages_whenSlowReader_thenDeltasOfOneBlockMergeAndOthersAreBarriers()
     assert d.finished.record.end_reason is EndReason.COMPLETE
 
 
-def test_messages_whenOnlyPingsAfterTheFirstToken_thenContentInactivityTimeout() -> None:
+def test_messages_when_only_pings_after_the_first_token_then_content_inactivity_timeout() -> None:
     d = driver("/v1/messages", proxy_config(upstream_idle_timeout_s=2.0, heartbeat_s=0.5))
     script = MessagesScript()
     for frame in [*script.opening(), script.text("Hi")]:
@@ -345,7 +346,7 @@ def test_messages_whenOnlyPingsAfterTheFirstToken_thenContentInactivityTimeout()
     assert "keepalives only" in body["error"]["message"]
 
 
-def test_chat_whenOnlyCommentsAfterTheFirstToken_thenContentInactivityTimeout() -> None:
+def test_chat_when_only_comments_after_the_first_token_then_content_inactivity_timeout() -> None:
     d = driver("/v1/chat/completions", proxy_config(upstream_idle_timeout_s=2.0))
     d.send(UpstreamData(f"data: {chunk('a')}\n\n".encode()), at=1.0)
     for i in range(1, 20):
@@ -358,7 +359,7 @@ def test_chat_whenOnlyCommentsAfterTheFirstToken_thenContentInactivityTimeout() 
 # ---------------------------------------------------------------- Chat, generic, routes
 
 
-def test_chat_whenEofWithoutDone_thenStillAnInBandErrorAndCut() -> None:
+def test_chat_when_eof_without_done_then_still_an_in_band_error_and_cut() -> None:
     d = driver("/v1/chat/completions")
     d.send(UpstreamData(f"data: {chunk('a')}\n\n".encode()))
     d.send(UpstreamEnded())
@@ -367,7 +368,7 @@ def test_chat_whenEofWithoutDone_thenStillAnInBandErrorAndCut() -> None:
     assert d.of(CloseClient) == [CloseClient(abrupt=True)]
 
 
-def test_generic_whenUnknownRoute_thenPassedExactlyNothingMergedCleanEofComplete() -> None:
+def test_generic_when_unknown_route_then_passed_exactly_nothing_merged_clean_eof_complete() -> None:
     d = driver("/my/app/stream")
     frames = [f"data: {chunk(f'w{i}')}\n\n".encode() for i in range(5)]
     frames.append(b'data: {"error": {"message": "an app\'s own event"}}\n\n')
@@ -382,7 +383,7 @@ def test_generic_whenUnknownRoute_thenPassedExactlyNothingMergedCleanEofComplete
     assert (record.end_reason, record.dialect, record.coalesced_events) == (EndReason.COMPLETE, "generic", 0)
 
 
-def test_route_whenFirstEventDoesNotFitItsDialect_thenGenericAndPassedExactly() -> None:
+def test_route_when_first_event_does_not_fit_its_dialect_then_generic_and_passed_exactly() -> None:
     d = driver("/v1/chat/completions")
     frames = [named("message_start", {"type": "message_start"}), b"data: plain text\n\n"]
     for frame in frames:
@@ -392,7 +393,7 @@ def test_route_whenFirstEventDoesNotFitItsDialect_thenGenericAndPassedExactly() 
     assert (d.finished.record.end_reason, d.finished.record.dialect) == (EndReason.COMPLETE, "generic")
 
 
-def test_route_whenTheFirstEventCarriesNoData_thenTheFirstWithDataConfirms() -> None:
+def test_route_when_the_first_event_carries_no_data_then_the_first_with_data_confirms() -> None:
     d = driver("/v1/chat/completions")
     d.send(UpstreamData(b"retry: 1000\n\n"))
     d.send(UpstreamData(f"data: {chunk('a')}\n\n".encode()))
@@ -401,7 +402,7 @@ def test_route_whenTheFirstEventCarriesNoData_thenTheFirstWithDataConfirms() -> 
     assert d.finished.record.end_reason is EndReason.UPSTREAM_ERROR  # no [DONE]: the chat rule holds
 
 
-def test_generic_whenOperatorNamedAMarker_thenItIsRequired() -> None:
+def test_generic_when_operator_named_a_marker_then_it_is_required() -> None:
     d = driver("/stream", proxy_config(terminal_marker="END"))
     d.send(UpstreamData(b"data: a\n\n"))
     d.send(UpstreamEnded())
@@ -422,12 +423,12 @@ def test_table_routes() -> None:
 
 
 @pytest.mark.parametrize("routes", [("nope",), ("/a=klingon",), ("=generic",)])
-def test_config_whenRouteIsBad_thenConfigErrorNamesTheKey(routes: tuple[str, ...]) -> None:
+def test_config_when_route_is_bad_then_config_error_names_the_key(routes: tuple[str, ...]) -> None:
     with pytest.raises(ConfigError, match="dialect_routes"):
         WireConfig(dialect_routes=routes)
 
 
-def test_chat_whenEveryChunkCarriesCumulativeUsage_thenASlowReaderStillGetsMergedChunks() -> None:
+def test_chat_when_every_chunk_carries_cumulative_usage_then_a_slow_reader_still_gets_merged_chunks() -> None:
     """vLLM's continuous_usage_stats: usage in every chunk used to make each a barrier."""
     d = driver("/v1/chat/completions")
     d.send(UpstreamData(f"data: {chunk(role='assistant', text='')}\n\n".encode()))

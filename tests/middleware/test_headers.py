@@ -13,7 +13,7 @@ from tokenwire.middleware.core.headers import (
 )
 
 
-def test_sseHeaders_setTheStreamingHeadersAndDropFraming() -> None:
+def test_sse_headers_set_the_streaming_headers_and_drop_framing() -> None:
     upstream = [(b"content-type", b"text/event-stream"), (b"content-length", b"10"),
                 (b"content-encoding", b"gzip"), (b"transfer-encoding", b"chunked"),
                 (b"connection", b"keep-alive, x-hop"), (b"x-hop", b"1"), (b"keep-alive", b"timeout=5"),
@@ -24,19 +24,19 @@ def test_sseHeaders_setTheStreamingHeadersAndDropFraming() -> None:
     assert headers[3:] == ((b"x-request-id", b"r1"),)
 
 
-def test_sseHeaders_whenNoUpstream_thenJustTheStreamingSet() -> None:
+def test_sse_headers_when_no_upstream_then_just_the_streaming_set() -> None:
     assert [k for k, _ in sse_response_headers()] == [b"content-type", b"cache-control",
                                                       b"x-accel-buffering"]
 
 
-def test_passthroughHeaders_keepEndToEndOnly() -> None:
+def test_passthrough_headers_keep_end_to_end_only() -> None:
     upstream = [(b"content-type", b"application/json"), (b"content-length", b"2"),
                 (b"connection", b"close"), (b"upgrade", b"h2c"), (b"retry-after", b"3")]
     assert passthrough_headers(upstream) == ((b"content-type", b"application/json"),
                                              (b"content-length", b"2"), (b"retry-after", b"3"))
 
 
-def test_connectionTokens_areHopByHop() -> None:
+def test_connection_tokens_are_hop_by_hop() -> None:
     headers = [(b"connection", b" X-A , ,x-b"), (b"x-a", b"1"), (b"x-b", b"2"), (b"x-c", b"3")]
     assert connection_tokens(headers) == {b"x-a", b"x-b"}
     assert strip_hop_by_hop(headers) == [(b"x-c", b"3")]
@@ -46,7 +46,7 @@ def test_connectionTokens_areHopByHop() -> None:
     (b"text/event-stream", True), (b"text/event-stream; charset=utf-8", True),
     (b"Text/Event-Stream", True), (b" text/event-stream ;x=1", True), (b"application/json", False),
     (b"text/event-streams", False), (None, False)])
-def test_isEventStream(value: bytes | None, expected: bool) -> None:
+def test_is_event_stream(value: bytes | None, expected: bool) -> None:
     headers = [] if value is None else [(b"content-type", value)]
     assert is_event_stream(headers) is expected
 
@@ -54,6 +54,6 @@ def test_isEventStream(value: bytes | None, expected: bool) -> None:
 @pytest.mark.parametrize(("value", "expected"), [
     (b"gzip", True), (b"br", True), (b"identity", False), (b" Identity ", False), (b"", False),
     (None, False)])
-def test_isCompressed(value: bytes | None, expected: bool) -> None:
+def test_is_compressed(value: bytes | None, expected: bool) -> None:
     headers = [] if value is None else [(b"content-encoding", value)]
     assert is_compressed(headers) is expected

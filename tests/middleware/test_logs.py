@@ -28,12 +28,12 @@ def restore_root() -> Iterator[None]:
         logging.getLogger(name).setLevel(logging.NOTSET)
 
 
-def test_rfc3339_isUtcWithMicroseconds() -> None:
+def test_rfc3339_is_utc_with_microseconds() -> None:
     assert rfc3339(0.0) == "1970-01-01T00:00:00.000000Z"
     assert RFC3339_UTC.match(rfc3339(1_796_075_180.373945))
 
 
-def test_json_whenFieldsGiven_thenOneObjectPerLineWithThem(restore_root: None) -> None:
+def test_json_when_fields_given_then_one_object_per_line_with_them(restore_root: None) -> None:
     out = io.StringIO()
     configure_logging("info", LogFormat.JSON, out)
     log = logging.getLogger("tokenwire.test")
@@ -53,7 +53,7 @@ def test_json_whenFieldsGiven_thenOneObjectPerLineWithThem(restore_root: None) -
     assert len(lines) == 2
 
 
-def test_text_whenFieldsGiven_thenKeyValuesAfterTheMessage(restore_root: None) -> None:
+def test_text_when_fields_given_then_key_values_after_the_message(restore_root: None) -> None:
     out = io.StringIO()
     configure_logging("debug", "text", out)
     logging.getLogger("tokenwire.lifecycle").debug("first token", extra={"fields": {
@@ -64,14 +64,14 @@ def test_text_whenFieldsGiven_thenKeyValuesAfterTheMessage(restore_root: None) -
     assert rest == 'DEBUG tokenwire.lifecycle: first token request_id="r-2" ttft_s=0.25'
 
 
-def test_configure_whenCalledTwice_thenOneHandler(restore_root: None) -> None:
+def test_configure_when_called_twice_then_one_handler(restore_root: None) -> None:
     configure_logging("warning", LogFormat.TEXT, io.StringIO())
     configure_logging("info", LogFormat.JSON, io.StringIO())
     assert len(logging.getLogger().handlers) == 1
     assert logging.getLogger().level == logging.INFO
 
 
-def test_configure_whenDebug_thenHeaderLoggingLibrariesStayAtInfo(restore_root: None) -> None:
+def test_configure_when_debug_then_header_logging_libraries_stay_at_info(restore_root: None) -> None:
     """httpcore logs an upstream's response headers (Set-Cookie too) at debug."""
     out = io.StringIO()
     configure_logging("debug", LogFormat.JSON, out)

@@ -35,14 +35,14 @@ DONE = "[DONE]"
     ("plain text of a non-JSON stream", True),
     ("", False),
 ], ids=lambda v: v if isinstance(v, bool) else str(v)[:40])
-def test_carriesToken_table(data: str, token: bool) -> None:
+def test_carries_token_table(data: str, token: bool) -> None:
     assert carries_token(data.encode()) is token
     assert carries_token(b"data: " + data.encode() + b"\n\n") is token
     if data.startswith('{"id"'):  # an OpenAI chunk: the parsed fact agrees with the regex
         assert read_chunk(data).carries_token is token
 
 
-def test_meter_whenRoleChunkFirst_thenTimesFromTheFirstToken() -> None:
+def test_meter_when_role_chunk_first_then_times_from_the_first_token() -> None:
     meter = TokenMeter(10.0, carries_token)
     meter.queued(chunk(role="assistant", text=""))
     meter.wrote(1, 10.1)  # the role chunk: not a token
@@ -58,7 +58,7 @@ def test_meter_whenRoleChunkFirst_thenTimesFromTheFirstToken() -> None:
     assert sum(meter.gap_buckets) == 2 and len(meter.gap_buckets) == len(GAP_BUCKETS_S)
 
 
-def test_core_whenRoleChunkThenSilentPrefill_thenTtftIsTheTokensNotTheRoles() -> None:
+def test_core_when_role_chunk_then_silent_prefill_then_ttft_is_the_tokens_not_the_roles() -> None:
     """The issue's case: an engine sends its role chunk at once and its first
     token 0.8 s later; TTFT is 0.8 s, and no gap includes the prefill."""
     d = Driver(now=0.0)
@@ -78,7 +78,7 @@ def test_core_whenRoleChunkThenSilentPrefill_thenTtftIsTheTokensNotTheRoles() ->
     assert record.tokens_out == (2, "counted")  # the tokens: Hel, lo (the finish chunk carries none)
 
 
-def test_core_whenFirstTokenTakesTheFastPath_thenStillMetered() -> None:
+def test_core_when_first_token_takes_the_fast_path_then_still_metered() -> None:
     """Once the role chunk made the stream STREAMING, plain ``data:`` reads skip
     the parser (``forward_read`` and the fast branch): the meter sees them too."""
     d = Driver(now=0.0)
@@ -95,7 +95,7 @@ def test_core_whenFirstTokenTakesTheFastPath_thenStillMetered() -> None:
     assert d.stream.meter.content_events == 3
 
 
-def test_core_whenUpstreamSendsUsage_thenTokensFromUsage() -> None:
+def test_core_when_upstream_sends_usage_then_tokens_from_usage() -> None:
     d = Driver(now=0.0)
     d.sse_headers(at=0.0)
     d.send(event(chunk("a")), at=0.2)
@@ -111,7 +111,7 @@ def test_core_whenUpstreamSendsUsage_thenTokensFromUsage() -> None:
 
 @settings(max_examples=500, deadline=None)
 @given(gap_s=st.one_of(st.floats(allow_nan=True), st.sampled_from(GAP_BUCKETS_S)))
-def test_gapBucket_isBisectLeft_forEveryGap(gap_s: float) -> None:
+def test_gap_bucket_is_bisect_left_for_every_gap(gap_s: float) -> None:
     # The meter's scan must put every gap, a bound itself, inf and NaN
     # included, where bisect_left over the bounds would.
     assert gap_bucket(gap_s) == bisect.bisect_left(GAP_BUCKETS_S, gap_s)

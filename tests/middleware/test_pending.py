@@ -37,7 +37,7 @@ MERGES = [
 
 
 @pytest.mark.parametrize(("first", "second", "field"), [m[1:] for m in MERGES], ids=[m[0] for m in MERGES])
-def test_merge_whenTextOnlyChunksOfSameIdAndChoice_thenOneChunkWithConcatenatedText(
+def test_merge_when_text_only_chunks_of_same_id_and_choice_then_one_chunk_with_concatenated_text(
         first: str, second: str, field: str) -> None:
     buffer = buffer_of(first, second)
     data, count = buffer.take()
@@ -91,7 +91,7 @@ BARRIERS = [
 
 
 @pytest.mark.parametrize(("first", "second"), [b[1:] for b in BARRIERS], ids=[b[0] for b in BARRIERS])
-def test_merge_whenAnythingButTextOfSameKey_thenBarrierKeptAsItsOwnEvent(
+def test_merge_when_anything_but_text_of_same_key_then_barrier_kept_as_its_own_event(
         first: str, second: str | SSEEvent) -> None:
     buffer = buffer_of(first, second)
     data, count = buffer.take()
@@ -100,13 +100,13 @@ def test_merge_whenAnythingButTextOfSameKey_thenBarrierKeptAsItsOwnEvent(
     assert count == 2 and buffer.coalesced_events == 0
 
 
-def test_merge_whenBarrierBetween_thenNeverMergedAcross() -> None:
+def test_merge_when_barrier_between_then_never_merged_across() -> None:
     buffer = buffer_of(chunk("a"), chunk("b"), chunk(finish="stop"), chunk("c"), chunk("d"))
     events = parse_all(buffer.take()[0])
     assert [texts([e]) for e in events] == ["ab", "", "cd"]
 
 
-def test_merge_whenSurrogatePairSplitAcrossChunks_thenJoinedExactly() -> None:
+def test_merge_when_surrogate_pair_split_across_chunks_then_joined_exactly() -> None:
     first = chunk("x").replace('"x"', '"\\ud83d"')
     second = chunk("x").replace('"x"', '"\\ude42"')
     data, _ = buffer_of(first, second).take()
@@ -114,7 +114,7 @@ def test_merge_whenSurrogatePairSplitAcrossChunks_thenJoinedExactly() -> None:
     assert texts(parse_all(data)) == "🙂"
 
 
-def test_merge_whenLoneSurrogateEscapeOnSlowPath_thenStillValidUtf8() -> None:
+def test_merge_when_lone_surrogate_escape_on_slow_path_then_still_valid_utf8() -> None:
     first = json.dumps(json.loads(chunk("a")), indent=None).replace('"a"', '"\\ud83d"')
     second = chunk("b", extra={"created": 9})  # another shape: the re-serialising path
     data, _ = buffer_of(first, second).take()
@@ -122,18 +122,18 @@ def test_merge_whenLoneSurrogateEscapeOnSlowPath_thenStillValidUtf8() -> None:
     assert json.loads(parse_all(data)[0].data or "")["choices"][0]["delta"]["content"] == "\ud83db"
 
 
-def test_merge_whenNewestHasId_thenMergedEventKeepsNewestId() -> None:
+def test_merge_when_newest_has_id_then_merged_event_keeps_newest_id() -> None:
     buffer = buffer_of(SSEEvent(chunk("a"), id="1"), SSEEvent(chunk("b"), id="2"))
     events = parse_all(buffer.take()[0])
     assert [(e.id, texts([e])) for e in events] == [("2", "ab")]
 
 
-def test_merge_whenMergeOff_thenEverythingKept() -> None:
+def test_merge_when_merge_off_then_everything_kept() -> None:
     buffer = buffer_of(chunk("a"), chunk("b"), merge=False)
     assert buffer.take()[1] == 2
 
 
-def test_drop_whenListedEventType_thenNewestReplacesAndTheReaderIsTold() -> None:
+def test_drop_when_listed_event_type_then_newest_replaces_and_the_reader_is_told() -> None:
     buffer = PendingBuffer(merge=True, drop=True, droppable_types=frozenset({"p"}))
     for e in (SSEEvent("1", event="p"), SSEEvent("x"), SSEEvent("2", event="p"), SSEEvent("3", event="p"),
               SSEEvent("y"), SSEEvent("s1", event="status"), SSEEvent("s2", event="status")):
@@ -150,7 +150,7 @@ def test_drop_whenListedEventType_thenNewestReplacesAndTheReaderIsTold() -> None
     assert buffer.dropped_events == 2 and count == 6
 
 
-def test_drop_whenOpenAIChunks_thenTextMergesAndNothingIsLost() -> None:
+def test_drop_when_openai_chunks_then_text_merges_and_nothing_is_lost() -> None:
     buffer = PendingBuffer(merge=True, drop=True, droppable_types=frozenset({"p"}))
     for text in "abc":
         buffer.add_event(SSEEvent(chunk(text)))
@@ -158,7 +158,7 @@ def test_drop_whenOpenAIChunks_thenTextMergesAndNothingIsLost() -> None:
     assert texts(parse_all(data)) == "abc" and buffer.dropped_events == 0
 
 
-def test_merge_whenToolCallArgumentFragments_thenOneFragmentWithTheExactArguments() -> None:
+def test_merge_when_tool_call_argument_fragments_then_one_fragment_with_the_exact_arguments() -> None:
     first = chunk(role="assistant", text=None, extra_delta={"content": None, "tool_calls": [
         {"index": 0, "id": "call_1", "type": "function", "function": {"name": "write", "arguments": ""}}]})
     fragments = ['{"path": "a.txt", ', '"text": "line \\"one\\"\\n', 'é数', '😀"}']
@@ -173,7 +173,8 @@ def test_merge_whenToolCallArgumentFragments_thenOneFragmentWithTheExactArgument
 
 
 @pytest.mark.parametrize("volatile", [frozenset({"obfuscation"}), frozenset({"ts", "seq"})])
-def test_merge_whenOnlyVolatileFieldsDiffer_thenMergedWithTheNewestValues(volatile: frozenset[str]) -> None:
+def test_merge_when_only_volatile_fields_differ_then_merged_with_the_newest_values(
+        volatile: frozenset[str]) -> None:
     field = sorted(volatile)[0]
     buffer = PendingBuffer(merge=True, drop=False, volatile=volatile)
     for i, text in enumerate(["a", "bb", "ccc"]):
@@ -187,7 +188,7 @@ def test_merge_whenOnlyVolatileFieldsDiffer_thenMergedWithTheNewestValues(volati
     assert merged[field] == "x" * 15
 
 
-def test_merge_whenVolatileValuesVaryAndAnotherFieldDiffers_thenStillABarrier() -> None:
+def test_merge_when_volatile_values_vary_and_another_field_differs_then_still_a_barrier() -> None:
     buffer = PendingBuffer(merge=True, drop=False, volatile=frozenset({"ts"}))
     datas = [chunk("a", extra={"ts": 1.5}), chunk("b", extra={"ts": '2 "q"'}),
              chunk("c", extra={"ts": 3, "model": "other"}), chunk("d", extra={"ts": None, "model": "other"})]
@@ -199,7 +200,7 @@ def test_merge_whenVolatileValuesVaryAndAnotherFieldDiffers_thenStillABarrier() 
     assert [(m["ts"], m["model"]) for m in merged] == [('2 "q"', "m"), (None, "other")]
 
 
-def test_merge_whenUnlistedFieldDiffers_thenBarrier() -> None:
+def test_merge_when_unlisted_field_differs_then_barrier() -> None:
     buffer = PendingBuffer(merge=True, drop=False)
     for i, text in enumerate(["a", "b"]):
         data = chunk(text, extra={"ts": i})
@@ -207,7 +208,7 @@ def test_merge_whenUnlistedFieldDiffers_thenBarrier() -> None:
     assert buffer.take()[1] == 2 and buffer.coalesced_events == 0
 
 
-def test_pendingBytes_whenAddedAndTaken_thenMatchesBytesWritten() -> None:
+def test_pending_bytes_when_added_and_taken_then_matches_bytes_written() -> None:
     buffer = buffer_of(chunk("a"), chunk("b"), chunk(finish="stop"))
     buffer.add_bytes(b": keepalive\n\n")
     size = buffer.pending_bytes
@@ -217,7 +218,7 @@ def test_pendingBytes_whenAddedAndTaken_thenMatchesBytesWritten() -> None:
     assert buffer.take() == (b"", 0)
 
 
-def test_clear_forgetsEverything() -> None:
+def test_clear_forgets_everything() -> None:
     buffer = buffer_of(chunk("a"), "x")
     buffer.clear()
     assert buffer.pending_bytes == 0 and buffer.take() == (b"", 0)
@@ -229,7 +230,7 @@ TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=6)
 @settings(deadline=None, max_examples=300)
 @given(st.lists(st.tuples(st.sampled_from(["content", "reasoning", "role", "choice1", "finish"]), TEXT),
                 max_size=20), st.booleans())
-def test_property_mergedTextEqualsConcatenationAndSizeIsExact(pieces: list[tuple[str, str]],
+def test_property_merged_text_equals_concatenation_and_size_is_exact(pieces: list[tuple[str, str]],
                                                              spaced: bool) -> None:
     buffer = PendingBuffer(merge=True, drop=False)
     datas = []

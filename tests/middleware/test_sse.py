@@ -70,12 +70,12 @@ CASES: list[tuple[str, bytes, list[SSEEvent]]] = [
 
 
 @pytest.mark.parametrize(("stream", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_parse_whenFedAtOnce_thenEventsPerWhatwg(stream: bytes, expected: list[SSEEvent]) -> None:
+def test_parse_when_fed_at_once_then_events_per_whatwg(stream: bytes, expected: list[SSEEvent]) -> None:
     assert parse(stream)[0] == expected
 
 
 @pytest.mark.parametrize(("stream", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_parse_whenFedByteByByte_thenSameEvents(stream: bytes, expected: list[SSEEvent]) -> None:
+def test_parse_when_fed_byte_by_byte_then_same_events(stream: bytes, expected: list[SSEEvent]) -> None:
     assert parse_bytewise(stream) == expected
 
 
@@ -90,13 +90,13 @@ def test_parse_whenFedByteByByte_thenSameEvents(stream: bytes, expected: list[SS
     ((b"data: \xe6\x95", b"\xb0\n\n"), [D("数")]),  # a character split across feeds
 ], ids=["cr_lf_split", "cr_cr_split", "crlf_then_split_crlf", "empty_feed_between", "bom_1_2",
         "bom_2_1", "bom_1_1_1", "utf8_split"])
-def test_parse_whenSplitAtAwkwardPlaces_thenSameAsWhole(feeds: tuple[bytes, ...],
+def test_parse_when_split_at_awkward_places_then_same_as_whole(feeds: tuple[bytes, ...],
                                                         expected: list[SSEEvent]) -> None:
     assert parse(*feeds)[0] == expected
     assert parse(b"".join(feeds))[0] == expected
 
 
-def test_close_whenEventUnterminated_thenDiscardedBytesCounted() -> None:
+def test_close_when_event_unterminated_then_discarded_bytes_counted() -> None:
     _, parser = parse(b"data: a\n\ndata: bcd\n")
     assert parser.discarded_bytes == len(b"data: bcd\n")
     _, parser = parse(b"data: a\n\ndata: b")
@@ -105,19 +105,19 @@ def test_close_whenEventUnterminated_thenDiscardedBytesCounted() -> None:
     assert parser.discarded_bytes >= 1
 
 
-def test_close_whenStreamEndedCleanly_thenNothingDiscarded() -> None:
+def test_close_when_stream_ended_cleanly_then_nothing_discarded() -> None:
     _, parser = parse(b"data: a\n\n: comment\n")
     assert parser.discarded_bytes == 0
 
 
-def test_feed_afterClose_raises() -> None:
+def test_feed_after_close_raises() -> None:
     parser = SSEParser()
     parser.close()
     with pytest.raises(RuntimeError):
         parser.feed(b"data: x\n\n")
 
 
-def test_in_event_tracksPartialEvents() -> None:
+def test_in_event_tracks_partial_events() -> None:
     parser = SSEParser()
     assert not parser.in_event
     parser.feed(b"data: a\n")
@@ -139,7 +139,7 @@ def test_in_event_tracksPartialEvents() -> None:
                                                              "max_event_bytes": 120}),
 ], ids=["line_in_one_feed", "unterminated_line", "line_across_feeds", "comment_line",
         "event_in_one_feed", "event_across_feeds"])
-def test_feed_whenOverSizeLimits_thenSSEProtocolError(feeds: tuple[bytes, ...],
+def test_feed_when_over_size_limits_then_sse_protocol_error(feeds: tuple[bytes, ...],
                                                       limits: dict[str, int]) -> None:
     parser = SSEParser(**limits)
     with pytest.raises(SSEProtocolError) as raised:
@@ -148,13 +148,13 @@ def test_feed_whenOverSizeLimits_thenSSEProtocolError(feeds: tuple[bytes, ...],
     assert raised.value.code.value == "invalid_stream"
 
 
-def test_feed_whenLineExactlyAtLimit_thenAccepted() -> None:
+def test_feed_when_line_exactly_at_limit_then_accepted() -> None:
     line = b"data: " + b"x" * 58
     assert len(line) == 64
     assert parse(line + b"\n\n", max_line_bytes=64)[0] == [D("x" * 58)]
 
 
-def test_feed_whenLineTooLongAcrossFeeds_thenBufferNeverGrowsPastLimit() -> None:
+def test_feed_when_line_too_long_across_feeds_then_buffer_never_grows_past_limit() -> None:
     parser = SSEParser(max_line_bytes=1000)
     with pytest.raises(SSEProtocolError):
         for _ in range(2000):
@@ -163,7 +163,7 @@ def test_feed_whenLineTooLongAcrossFeeds_thenBufferNeverGrowsPastLimit() -> None
 
 
 @pytest.mark.parametrize("limits", [{"max_line_bytes": 0}, {"max_event_bytes": -1}])
-def test_parser_whenLimitsNotPositive_thenValueError(limits: dict[str, int]) -> None:
+def test_parser_when_limits_not_positive_then_value_error(limits: dict[str, int]) -> None:
     with pytest.raises(ValueError):
         SSEParser(**limits)
 
@@ -180,7 +180,7 @@ def test_parser_whenLimitsNotPositive_thenValueError(limits: dict[str, int]) -> 
     (D(comment=" keepalive"), b": keepalive\n\n"),
     (D("é"), "data: é\n\n".encode()),
 ])
-def test_encode_writesWireBytes(event: SSEEvent, wire: bytes) -> None:
+def test_encode_writes_wire_bytes(event: SSEEvent, wire: bytes) -> None:
     assert encode(event) == wire
     assert parse(wire)[0] == [event]
 
@@ -189,7 +189,7 @@ def test_encode_writesWireBytes(event: SSEEvent, wire: bytes) -> None:
     {"data": "a\rb"}, {"event": "a\nb"}, {"id": "a\nb"}, {"id": "a\x00b"}, {"retry": -1},
     {"comment": "x", "data": "y"}, {"comment": "a\nb"},
 ])
-def test_event_whenNotRepresentable_thenValueError(kwargs: dict[str, object]) -> None:
+def test_event_when_not_representable_then_value_error(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         SSEEvent(**kwargs)  # type: ignore[arg-type]
 
@@ -222,7 +222,7 @@ def splits(draw: st.DrawFn, data: bytes) -> list[bytes]:
 
 @settings(deadline=None, max_examples=300)
 @given(st.lists(parser_events(), max_size=8), st.data())
-def test_encode_thenFeed_roundTripsEveryParserEvent(events: list[SSEEvent], data: st.DataObject) -> None:
+def test_encode_then_feed_round_trips_every_parser_event(events: list[SSEEvent], data: st.DataObject) -> None:
     wire = b"".join(encode(e) for e in events)
     assert parse(*data.draw(splits(wire)))[0] == events
 
@@ -231,7 +231,7 @@ def test_encode_thenFeed_roundTripsEveryParserEvent(events: list[SSEEvent], data
 @given(st.binary(max_size=300) | st.lists(st.sampled_from(
     [b"data: ", b"data", b":", b"\r", b"\n", b"\r\n", b"id: ", b"retry: 12", b"event: x", BOM, b"x",
      b"\x00", b"\xe6\x95\xb0", b"\xff"]), max_size=40).map(b"".join), st.data())
-def test_feed_whenSplitAnywhere_thenSameEvents(stream: bytes, data: st.DataObject) -> None:
+def test_feed_when_split_anywhere_then_same_events(stream: bytes, data: st.DataObject) -> None:
     whole, whole_parser = parse(stream)
     split, split_parser = parse(*data.draw(splits(stream)))
     assert split == whole
@@ -240,7 +240,7 @@ def test_feed_whenSplitAnywhere_thenSameEvents(stream: bytes, data: st.DataObjec
 
 @settings(deadline=None, max_examples=300)
 @given(st.lists(st.binary(max_size=64) | st.sampled_from([b"\n", b"\r", b"data: ", b":"]), max_size=60))
-def test_feed_whenRandomBytes_thenOnlySSEProtocolErrorAndBoundedMemory(feeds: list[bytes]) -> None:
+def test_feed_when_random_bytes_then_only_sse_protocol_error_and_bounded_memory(feeds: list[bytes]) -> None:
     parser = SSEParser(max_line_bytes=48, max_event_bytes=96)
     try:
         for feed in feeds:

@@ -76,7 +76,7 @@ def error_of(data: str | None) -> dict[str, Any]:
 # ------------------------------------------------------------------ header commit
 
 
-def test_commit_whenFirstEventArrives_thenSseHeadersCommittedAtOnce() -> None:
+def test_commit_when_first_event_arrives_then_sse_headers_committed_at_once() -> None:
     d = Driver(proxy_config(commit_deadline_s=2.0))
     d.send(UpstreamHeaders(200, (*SSE_HEADERS, (b"x-request-id", b"abc"), (b"content-length", b"9"),
                                  (b"connection", b"keep-alive"))), at=0.1)
@@ -96,7 +96,8 @@ def test_commit_whenFirstEventArrives_thenSseHeadersCommittedAtOnce() -> None:
 
 @pytest.mark.parametrize("deadline_s", [0.5, 2.0])
 @pytest.mark.parametrize("headers_first", [True, False], ids=["upstream_answered", "upstream_silent"])
-def test_commit_whenNoEventByDeadline_thenCommittedAtDeadline(deadline_s: float, headers_first: bool) -> None:
+def test_commit_when_no_event_by_deadline_then_committed_at_deadline(
+        deadline_s: float, headers_first: bool) -> None:
     d = Driver(proxy_config(commit_deadline_s=deadline_s))
     if headers_first:
         d.sse_headers(at=0.1)
@@ -109,7 +110,7 @@ def test_commit_whenNoEventByDeadline_thenCommittedAtDeadline(deadline_s: float,
     assert d.written == b""
 
 
-def test_commit_whenRequestNotStreamed_thenNoDeadlineUntilUpstreamAnswers() -> None:
+def test_commit_when_request_not_streamed_then_no_deadline_until_upstream_answers() -> None:
     d = Driver(proxy_config(commit_deadline_s=1.0), expect_stream=False)
     d.send(Tick(), at=5.0)
     assert d.of(CommitHeaders) == []
@@ -152,7 +153,7 @@ FAILURES = {
 
 
 @pytest.mark.parametrize("name", list(FAILURES))
-def test_retry_whenUpstreamFailsBeforeFirstByte_thenRetriedWithBackoff(name: str) -> None:
+def test_retry_when_upstream_fails_before_first_byte_then_retried_with_backoff(name: str) -> None:
     fail, upstream_left_open = FAILURES[name]
     config = proxy_config(retry_attempts=3, retry_backoff_s=0.1, retry_backoff_max_s=0.3,
                         commit_deadline_s=100)
@@ -195,7 +196,7 @@ EXHAUSTED = {
 
 
 @pytest.mark.parametrize("name", list(EXHAUSTED))
-def test_retry_whenAttemptsExhausted_thenRealStatusWithJsonBody(name: str) -> None:
+def test_retry_when_attempts_exhausted_then_real_status_with_json_body(name: str) -> None:
     fail = FAILURES[name][0]
     status, retry_after, code = EXHAUSTED[name]
     d = Driver(proxy_config(retry_attempts=1, retry_backoff_s=0.1))
@@ -220,7 +221,7 @@ def test_retry_whenAttemptsExhausted_thenRealStatusWithJsonBody(name: str) -> No
     assert d.finished.record.status == status
 
 
-def test_retry_whenNotRetried_thenClientMayRetry() -> None:
+def test_retry_when_not_retried_then_client_may_retry() -> None:
     d = Driver(proxy_config(retry_attempts=0))
     fail_status(503)(d)
     d.send(UpstreamData(b'{"detail":"busy"}'))
@@ -241,7 +242,8 @@ def test_retry_whenNotRetried_thenClientMayRetry() -> None:
     ({"error": {"message": "engine crashed", "type": "server_error", "code": 500}}, 500),
 ], ids=["vllm_400", "string_404", "top_level_status", "openai_invalid_request", "tgi_validation",
         "server_error", "numeric_500"])
-def test_errorEventFirst_thenEnginesStatusAndBodyNeverRetried(payload: dict[str, Any], status: int) -> None:
+def test_error_event_first_then_engines_status_and_body_never_retried(
+        payload: dict[str, Any], status: int) -> None:
     d = Driver(proxy_config(retry_attempts=3))
     d.sse_headers()
     d.send(event(json.dumps(payload)))
@@ -263,7 +265,7 @@ def test_errorEventFirst_thenEnginesStatusAndBodyNeverRetried(payload: dict[str,
     assert (record.end_reason, record.status, record.retries) == (EndReason.UPSTREAM_ERROR, status, 0)
 
 
-def test_retry_whenUpstreamHeadersTimeout_then504AfterAbort() -> None:
+def test_retry_when_upstream_headers_timeout_then_504_after_abort() -> None:
     d = Driver(proxy_config(retry_attempts=0, upstream_headers_timeout_s=5.0, commit_deadline_s=10.0))
     assert d.stream.next_deadline() == 5.0
     d.send(Tick(), at=5.0)
@@ -273,7 +275,7 @@ def test_retry_whenUpstreamHeadersTimeout_then504AfterAbort() -> None:
 
 
 @pytest.mark.parametrize("name", ["connect", "eof_before_event", "protocol_before_event", "status_502"])
-def test_retry_whenCommittedByDeadline_thenNeverRetriedButInBandError(name: str) -> None:
+def test_retry_when_committed_by_deadline_then_never_retried_but_in_band_error(name: str) -> None:
     d = Driver(proxy_config(commit_deadline_s=1.0, retry_attempts=5))
     d.send(Tick(), at=1.0)
     assert d.commit.streaming
@@ -296,7 +298,8 @@ def test_retry_whenCommittedByDeadline_thenNeverRetriedButInBandError(name: str)
      {"message": "upstream answered 503: <html> Service Unavailable </html>", "type": "upstream_error",
       "code": "upstream_failed", "tokenwire": {"code": "upstream_failed", "number": "E7307"}}),
 ], ids=["error_object", "text"])
-def test_errorStatusAfterTheCommit_thenItsBodyIsTheInBandError(body: bytes, expected: dict[str, Any]) -> None:
+def test_error_status_after_the_commit_then_its_body_is_the_in_band_error(
+        body: bytes, expected: dict[str, Any]) -> None:
     """Retries that outlast commit_deadline_s: the upstream's last answer, an
     error status, can only travel in-band, and its body says what went wrong."""
     d = Driver(proxy_config(commit_deadline_s=1.0, retry_attempts=0))
@@ -312,7 +315,7 @@ def test_errorStatusAfterTheCommit_thenItsBodyIsTheInBandError(body: bytes, expe
     assert d.finished.record.end_reason is EndReason.UPSTREAM_ERROR
 
 
-def test_retry_whenAfterFirstEvent_thenNeverRetried() -> None:
+def test_retry_when_after_first_event_then_never_retried() -> None:
     d = Driver(proxy_config(retry_attempts=5))
     d.sse_headers()
     d.send(event(chunk("a")))
@@ -322,7 +325,7 @@ def test_retry_whenAfterFirstEvent_thenNeverRetried() -> None:
     assert error_of(parse_all(d.written)[-1].data)["code"] == "upstream_failed"
 
 
-def test_retryBudget_whenOutage_thenSharedBudgetRefusesMostRetries() -> None:
+def test_retry_budget_when_outage_then_shared_budget_refuses_most_retries() -> None:
     budget = RetryBudget(ratio=0.1, min_per_s=0.0, now=0.0, capacity=2.0)
     config = proxy_config(retry_attempts=2, retry_backoff_s=0.0)
     drivers = []
@@ -341,7 +344,7 @@ def test_retryBudget_whenOutage_thenSharedBudgetRefusesMostRetries() -> None:
     assert all(d.commit.status == 502 for d in drivers)
 
 
-def test_retryBudget_whenQuiet_thenFloorRefills() -> None:
+def test_retry_budget_when_quiet_then_floor_refills() -> None:
     budget = RetryBudget(ratio=0.0, min_per_s=1.0, now=0.0, capacity=1.0)
     config = proxy_config(retry_attempts=1, retry_backoff_s=0.0)
     first = Driver(config, retry_budget=budget)
@@ -368,7 +371,7 @@ UNREPEATABLE_RETRIED = {
 
 
 @pytest.mark.parametrize("name", list(UNREPEATABLE_RETRIED))
-def test_retry_whenRequestMayNotBeRepeated_thenOnlyUnprocessedFailuresRetried(name: str) -> None:
+def test_retry_when_request_may_not_be_repeated_then_only_unprocessed_failures_retried(name: str) -> None:
     config = proxy_config(retry_attempts=3, retry_backoff_s=0.1, commit_deadline_s=100)
     d = Driver(config, may_repeat=False)
     FAILURES[name][0](d)
@@ -383,7 +386,7 @@ def test_retry_whenRequestMayNotBeRepeated_thenOnlyUnprocessedFailuresRetried(na
         assert d.finished.record.retries == 0
 
 
-def test_retry_whenUpstreamTimesOutOnUnrepeatableRequest_thenNotSentAgain() -> None:
+def test_retry_when_upstream_times_out_on_unrepeatable_request_then_not_sent_again() -> None:
     d = Driver(proxy_config(retry_attempts=3, upstream_headers_timeout_s=5.0, commit_deadline_s=100),
                may_repeat=False)
     d.send(Tick(), at=5.0)
@@ -398,7 +401,7 @@ def test_retry_whenUpstreamTimesOutOnUnrepeatableRequest_thenNotSentAgain() -> N
     (b"POST", ((b"idempotency-key", b"k1"),), True),
     (b"POST", ((b"idempotency-key", b"  "),), False),
 ])
-def test_mayRepeat_whenMethodOrIdempotencyKey_thenRfc9110Idempotence(
+def test_may_repeat_when_method_or_idempotency_key_then_rfc9110_idempotence(
         method: bytes, headers: tuple[tuple[bytes, bytes], ...], expected: bool) -> None:
     assert may_repeat(method, headers) is expected
 
@@ -406,7 +409,7 @@ def test_mayRepeat_whenMethodOrIdempotencyKey_thenRfc9110Idempotence(
 # ------------------------------------------------------------------ a hung upstream
 
 
-def test_upstreamIdle_whenUpstreamStopsAfterFirstEvent_thenInBandTimeoutAndAbort() -> None:
+def test_upstream_idle_when_upstream_stops_after_first_event_then_in_band_timeout_and_abort() -> None:
     d = committed(proxy_config(upstream_idle_timeout_s=30.0, heartbeat_s=10.0), at=1.0)
     assert d.stream.next_deadline() == pytest.approx(11.0)  # the heartbeat comes first
     for at in (11.0, 21.0):
@@ -423,7 +426,7 @@ def test_upstreamIdle_whenUpstreamStopsAfterFirstEvent_thenInBandTimeoutAndAbort
     assert record.end_reason is EndReason.UPSTREAM_TIMEOUT and record.error_code == "upstream_timeout"
 
 
-def test_upstreamIdle_whenEachByteComesInTime_thenNeverTimedOut() -> None:
+def test_upstream_idle_when_each_byte_comes_in_time_then_never_timed_out() -> None:
     d = committed(proxy_config(upstream_idle_timeout_s=5.0, heartbeat_s=0), at=0.0)
     for i in range(1, 20):
         d.send(UpstreamData(f"data: {chunk(str(i))}\n\n".encode()), at=4.0 * i)
@@ -431,7 +434,7 @@ def test_upstreamIdle_whenEachByteComesInTime_thenNeverTimedOut() -> None:
     assert d.of(AbortUpstream) == [] and not d.stream.finished
 
 
-def test_upstreamIdle_whenBytesTakeTheKeepsUpPath_thenTheyCountToo() -> None:
+def test_upstream_idle_when_bytes_take_the_keeps_up_path_then_they_count_too() -> None:
     d = committed(proxy_config(upstream_idle_timeout_s=5.0, heartbeat_s=0), at=0.0)
     d.send(UpstreamData(f"data: {chunk('a')}\n\n".encode()), at=1.0)  # now STREAMING
     for i in range(1, 20):
@@ -446,7 +449,7 @@ def test_upstreamIdle_whenBytesTakeTheKeepsUpPath_thenTheyCountToo() -> None:
 @settings(deadline=None, max_examples=300, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.sampled_from(["read", "read", "read", "tick", "pause", "resume"]),
                           st.sampled_from([0.0, 0.1, 0.4, 0.9, 1.0, 2.5])), max_size=60))
-def test_property_keepsUpPath_neverTakesAReadOnceATimerIsDue(ops: list[tuple[str, float]]) -> None:
+def test_property_keeps_up_path_never_takes_a_read_once_a_timer_is_due(ops: list[tuple[str, float]]) -> None:
     # forward_read checks a bound on next_deadline() kept from the last input
     # (only later deadlines can follow on its own path): whatever the
     # interleaving, a read it takes must be one no timer was due before.
@@ -478,7 +481,7 @@ def test_property_keepsUpPath_neverTakesAReadOnceATimerIsDue(ops: list[tuple[str
     assert taken <= sum(op == "read" for op, _ in ops)
 
 
-def test_upstreamIdle_whenCorePausedTheUpstream_thenSilenceNotCounted() -> None:
+def test_upstream_idle_when_core_paused_the_upstream_then_silence_not_counted() -> None:
     config = proxy_config(upstream_idle_timeout_s=5.0, heartbeat_s=0,
                         slow_client_policy=SlowClientPolicy.BLOCK, max_pending_bytes=4096,
                         write_deadline_s=1000.0)
@@ -498,7 +501,7 @@ def test_upstreamIdle_whenCorePausedTheUpstream_thenSilenceNotCounted() -> None:
     assert d.of(AbortUpstream) == [AbortUpstream(EndReason.UPSTREAM_TIMEOUT)]
 
 
-def test_upstreamIdle_whenPassthroughBodyHangs_thenAbruptCloseAndAbort() -> None:
+def test_upstream_idle_when_passthrough_body_hangs_then_abrupt_close_and_abort() -> None:
     d = Driver(proxy_config(upstream_idle_timeout_s=5.0), expect_stream=False)
     d.send(UpstreamHeaders(200, ((b"content-type", b"application/json"),)), at=0.0)
     d.send(UpstreamData(b'{"a":'), at=1.0)
@@ -508,7 +511,7 @@ def test_upstreamIdle_whenPassthroughBodyHangs_thenAbruptCloseAndAbort() -> None
     assert d.written == b'{"a":'
 
 
-def test_upstreamIdle_whenUpstreamNeverAnswers_thenHeadersTimeoutNotIdle() -> None:
+def test_upstream_idle_when_upstream_never_answers_then_headers_timeout_not_idle() -> None:
     d = Driver(proxy_config(upstream_idle_timeout_s=1.0, upstream_headers_timeout_s=50.0,
                           commit_deadline_s=100.0, retry_attempts=0))
     assert d.stream.next_deadline() == 50.0
@@ -517,7 +520,7 @@ def test_upstreamIdle_whenUpstreamNeverAnswers_thenHeadersTimeoutNotIdle() -> No
 
 
 @pytest.mark.parametrize("committed_first", [True, False], ids=["streaming", "waiting"])
-def test_maxStreamDuration_whenReached_thenEndedWithTimeoutWhateverTheUpstreamDoes(
+def test_max_stream_duration_when_reached_then_ended_with_timeout_whatever_the_upstream_does(
         committed_first: bool) -> None:
     config = proxy_config(max_stream_duration_s=60.0, heartbeat_s=0, commit_deadline_s=100.0,
                         upstream_headers_timeout_s=1000.0)
@@ -534,7 +537,7 @@ def test_maxStreamDuration_whenReached_thenEndedWithTimeoutWhateverTheUpstreamDo
     assert d.finished.record.end_reason is EndReason.UPSTREAM_TIMEOUT
 
 
-def test_maxStreamDuration_whenOff_thenNoDeadlineFromIt() -> None:
+def test_max_stream_duration_when_off_then_no_deadline_from_it() -> None:
     d = committed(proxy_config(heartbeat_s=0, upstream_idle_timeout_s=0))
     assert PROXY_DEFAULTS.max_stream_duration_s == 0
     assert d.stream.next_deadline() is None
@@ -543,7 +546,7 @@ def test_maxStreamDuration_whenOff_thenNoDeadlineFromIt() -> None:
 # ------------------------------------------------------------------ passthrough
 
 
-def test_passthrough_whenUpstreamAnswersJson_thenBytesUnchangedAndCleanClose() -> None:
+def test_passthrough_when_upstream_answers_json_then_bytes_unchanged_and_clean_close() -> None:
     d = Driver(expect_stream=False)
     d.send(UpstreamHeaders(200, ((b"content-type", b"application/json"), (b"content-length", b"12"),
                                  (b"transfer-encoding", b"chunked"))))
@@ -557,7 +560,7 @@ def test_passthrough_whenUpstreamAnswersJson_thenBytesUnchangedAndCleanClose() -
     assert d.finished.record.end_reason is EndReason.COMPLETE
 
 
-def test_passthrough_whenSocketPausedOverHalfTheCap_thenUpstreamPausedThenResumed() -> None:
+def test_passthrough_when_socket_paused_over_half_the_cap_then_upstream_paused_then_resumed() -> None:
     d = Driver(proxy_config(max_pending_bytes=1000), expect_stream=False)
     d.send(UpstreamHeaders(400, ((b"content-type", b"application/json"),)))
     d.send(SocketPaused())
@@ -570,7 +573,7 @@ def test_passthrough_whenSocketPausedOverHalfTheCap_thenUpstreamPausedThenResume
     assert d.of(ResumeUpstream) == [ResumeUpstream()]
 
 
-def test_passthrough_whenClientStopsReadingPastCap_thenSlowClient() -> None:
+def test_passthrough_when_client_stops_reading_past_cap_then_slow_client() -> None:
     d = Driver(proxy_config(max_pending_bytes=1000), expect_stream=False)
     d.send(UpstreamHeaders(200, ((b"content-type", b"application/json"),)))
     d.send(SocketPaused())
@@ -579,7 +582,7 @@ def test_passthrough_whenClientStopsReadingPastCap_thenSlowClient() -> None:
     assert d.finished.record.error_code is ErrorCode.BACKPRESSURE_EXCEEDED
 
 
-def test_passthrough_whenUpstreamBreaks_thenAbruptCloseWithoutInjectedBytes() -> None:
+def test_passthrough_when_upstream_breaks_then_abrupt_close_without_injected_bytes() -> None:
     d = Driver(expect_stream=False)
     d.send(UpstreamHeaders(200, ((b"content-type", b"application/json"),)))
     d.send(UpstreamData(b'{"partial'))
@@ -599,7 +602,7 @@ def committed(config: WireConfig, at: float = 0.0) -> Driver:
 
 
 @pytest.mark.parametrize("heartbeat_s", [1.0, 15.0])
-def test_heartbeat_whenSilentForHeartbeatS_thenKeepaliveWritten(heartbeat_s: float) -> None:
+def test_heartbeat_when_silent_for_heartbeat_s_then_keepalive_written(heartbeat_s: float) -> None:
     d = committed(proxy_config(heartbeat_s=heartbeat_s), at=2.0)
     assert d.stream.next_deadline() == pytest.approx(2.0 + heartbeat_s)
     d.send(Tick(), at=2.0 + heartbeat_s - 0.01)
@@ -614,7 +617,7 @@ def test_heartbeat_whenSilentForHeartbeatS_thenKeepaliveWritten(heartbeat_s: flo
     assert d.stream.record(d.now).heartbeats == 2
 
 
-def test_heartbeat_whenBeforeFirstEvent_thenKeepaliveAfterCommit() -> None:
+def test_heartbeat_when_before_first_event_then_keepalive_after_commit() -> None:
     d = Driver(proxy_config(commit_deadline_s=2.0, heartbeat_s=5.0))
     d.sse_headers()
     d.send(Tick(), at=2.0)
@@ -625,7 +628,7 @@ def test_heartbeat_whenBeforeFirstEvent_thenKeepaliveAfterCommit() -> None:
     assert [e.comment for e in parse_all(d.written)] == [" keepalive"]
 
 
-def test_heartbeat_whenContentWritten_thenTimerRestarts() -> None:
+def test_heartbeat_when_content_written_then_timer_restarts() -> None:
     d = committed(proxy_config(heartbeat_s=5.0))
     d.send(event(chunk("b")), at=4.0)
     d.send(Tick(), at=8.0)
@@ -635,7 +638,7 @@ def test_heartbeat_whenContentWritten_thenTimerRestarts() -> None:
 
 
 @pytest.mark.parametrize("stall", ["paused", "write_in_flight"])
-def test_heartbeat_whenDataPending_thenNone(stall: str) -> None:
+def test_heartbeat_when_data_pending_then_none(stall: str) -> None:
     d = committed(proxy_config(heartbeat_s=1.0, write_deadline_s=30.0))
     if stall == "paused":
         d.send(SocketPaused(), at=0.5)
@@ -649,14 +652,14 @@ def test_heartbeat_whenDataPending_thenNone(stall: str) -> None:
     assert d.stream.record(d.now).heartbeats == 0
 
 
-def test_heartbeat_whenDisabled_thenNever() -> None:
+def test_heartbeat_when_disabled_then_never() -> None:
     d = committed(proxy_config(heartbeat_s=0.0, upstream_idle_timeout_s=0))
     assert d.stream.next_deadline() is None
     d.send(Tick(), at=1000.0)
     assert HEARTBEAT not in d.writes
 
 
-def test_heartbeat_whenUpstreamSendsComments_thenNotForwardedButOwnHeartbeats() -> None:
+def test_heartbeat_when_upstream_sends_comments_then_not_forwarded_but_own_heartbeats() -> None:
     d = committed(proxy_config(heartbeat_s=10.0))
     d.send(UpstreamData(b": ping\n\n: ping\n\n"), at=3.0)
     assert all(e.comment is None for e in parse_all(d.written))
@@ -666,7 +669,7 @@ def test_heartbeat_whenUpstreamSendsComments_thenNotForwardedButOwnHeartbeats() 
 # ------------------------------------------------------------------ coalescing through the stream
 
 
-def test_coalesce_whenSocketPaused_thenTextDeltasMergedAndBarriersKept() -> None:
+def test_coalesce_when_socket_paused_then_text_deltas_merged_and_barriers_kept() -> None:
     d = Driver()
     d.sse_headers()
     d.send(event(chunk(role="assistant", text="")))
@@ -690,7 +693,7 @@ def test_coalesce_whenSocketPaused_thenTextDeltasMergedAndBarriersKept() -> None
     assert (record.events_in, record.events_out, record.coalesced_events) == (10, 6, 4)
 
 
-def test_coalesce_whenWriteOutstanding_thenEventsQueueAndMerge() -> None:
+def test_coalesce_when_write_outstanding_then_events_queue_and_merge() -> None:
     d = Driver(auto_complete=False)
     d.sse_headers()
     d.send(event(chunk("a")))
@@ -703,7 +706,7 @@ def test_coalesce_whenWriteOutstanding_thenEventsQueueAndMerge() -> None:
     assert [texts([e]) for e in parse_all(d.writes[1])] == ["bc"]
 
 
-def test_coalesceWindow_whenCoalesceMsSet_thenWritesBatchedForWindow() -> None:
+def test_coalesce_window_when_coalesce_ms_set_then_writes_batched_for_window() -> None:
     d = Driver(proxy_config(coalesce_ms=20.0))
     d.sse_headers(at=0.0)
     d.send(event(chunk("a")), at=0.0)
@@ -717,7 +720,7 @@ def test_coalesceWindow_whenCoalesceMsSet_thenWritesBatchedForWindow() -> None:
 # ------------------------------------------------------------------ slow-client policies
 
 
-def test_drop_whenSocketPaused_thenNewestPerEventTypeKeptAndDoneNeverDropped() -> None:
+def test_drop_when_socket_paused_then_newest_per_event_type_kept_and_done_never_dropped() -> None:
     # A state stream of named events is no OpenAI stream: generic, ended by the
     # operator's marker.
     d = Driver(proxy_config(slow_client_policy=SlowClientPolicy.DROP, terminal_marker=DONE,
@@ -744,7 +747,7 @@ def tool_calls(events: list[SSEEvent]) -> list[dict[str, Any]]:
             for call in choice.get("delta", {}).get("tool_calls") or []]
 
 
-def test_drop_whenAnswerTextAndToolCalls_thenNothingLostAndTextMerged() -> None:
+def test_drop_when_answer_text_and_tool_calls_then_nothing_lost_and_text_merged() -> None:
     d = Driver(proxy_config(slow_client_policy=SlowClientPolicy.DROP, droppable_event_types=("progress",)))
     d.sse_headers()
     d.send(event(chunk("a")))
@@ -763,7 +766,7 @@ def test_drop_whenAnswerTextAndToolCalls_thenNothingLostAndTextMerged() -> None:
     assert d.finished.record.dropped_events == 0 and d.finished.record.coalesced_events == 3
 
 
-def test_slowReader_whenOneToolCallOf6000Fragments_thenExactArgumentsNotCut() -> None:
+def test_slow_reader_when_one_tool_call_of_6000_fragments_then_exact_arguments_not_cut() -> None:
     """An agent writing a file: a large tool call merges like text instead of
     filling the pending buffer (it used to end in backpressure_exceeded)."""
     d = Driver()
@@ -788,7 +791,7 @@ def test_slowReader_whenOneToolCallOf6000Fragments_thenExactArgumentsNotCut() ->
     assert record.end_reason is EndReason.COMPLETE and record.coalesced_events == 5999
 
 
-def test_drop_whenUpstreamErrorWhilePaused_thenErrorKept() -> None:
+def test_drop_when_upstream_error_while_paused_then_error_kept() -> None:
     d = Driver(proxy_config(slow_client_policy="drop"))  # type: ignore[arg-type]
     d.sse_headers()
     d.send(event("p0", event="progress"))
@@ -801,7 +804,7 @@ def test_drop_whenUpstreamErrorWhilePaused_thenErrorKept() -> None:
     assert error_of(events[-1].data)["code"] == "upstream_failed"
 
 
-def test_block_whenPendingOverHalfTheCap_thenUpstreamPausedUntilDrained() -> None:
+def test_block_when_pending_over_half_the_cap_then_upstream_paused_until_drained() -> None:
     d = Driver(proxy_config(slow_client_policy=SlowClientPolicy.BLOCK, max_pending_bytes=1000))
     d.sse_headers()
     d.send(event(chunk("start")))
@@ -819,7 +822,7 @@ def test_block_whenPendingOverHalfTheCap_thenUpstreamPausedUntilDrained() -> Non
 
 
 @pytest.mark.parametrize("policy", [SlowClientPolicy.COALESCE, SlowClientPolicy.BLOCK])
-def test_cap_whenPendingExceedsMaxPendingBytes_thenSlowClientReset(policy: SlowClientPolicy) -> None:
+def test_cap_when_pending_exceeds_max_pending_bytes_then_slow_client_reset(policy: SlowClientPolicy) -> None:
     d = Driver(proxy_config(max_pending_bytes=2000, slow_client_policy=policy))
     d.sse_headers()
     d.send(event(chunk("a")))
@@ -838,7 +841,7 @@ def test_cap_whenPendingExceedsMaxPendingBytes_thenSlowClientReset(policy: SlowC
 
 
 @pytest.mark.parametrize("terminal", ["done", "upstream_error_event", "upstream_failed"])
-def test_cap_whenTerminalEventWouldExceedCap_thenSlowClientToo(terminal: str) -> None:
+def test_cap_when_terminal_event_would_exceed_cap_then_slow_client_too(terminal: str) -> None:
     d = Driver(proxy_config(max_pending_bytes=1000))
     d.sse_headers()
     d.send(event(chunk("a")))
@@ -855,7 +858,8 @@ def test_cap_whenTerminalEventWouldExceedCap_thenSlowClientToo(terminal: str) ->
 
 @pytest.mark.parametrize("stall", ["paused", "write_in_flight", "paused_nothing_pending"])
 # write_in_flight: one write the client never takes, nothing queued behind it.
-def test_writeDeadline_whenNoProgressForWriteDeadlineS_thenSlowClientSendTimeout(stall: str) -> None:
+def test_write_deadline_when_no_progress_for_write_deadline_s_then_slow_client_send_timeout(
+        stall: str) -> None:
     d = committed(proxy_config(write_deadline_s=30.0, heartbeat_s=5.0), at=1.0)
     if stall == "write_in_flight":
         d.auto_complete = False
@@ -875,7 +879,7 @@ def test_writeDeadline_whenNoProgressForWriteDeadlineS_thenSlowClientSendTimeout
     assert d.finished.record.error_code is ErrorCode.SEND_TIMEOUT
 
 
-def test_writeDeadline_whenLastWriteNeverTaken_thenStreamStillEnds() -> None:
+def test_write_deadline_when_last_write_never_taken_then_stream_still_ends() -> None:
     d = Driver(proxy_config(write_deadline_s=30.0), auto_complete=False)
     d.sse_headers()
     d.send(event(chunk("a")), at=1.0)
@@ -888,7 +892,7 @@ def test_writeDeadline_whenLastWriteNeverTaken_thenStreamStillEnds() -> None:
     assert d.finished.record.end_reason is EndReason.SLOW_CLIENT
 
 
-def test_writeDeadline_whenSocketResumesInTime_thenNoTimeout() -> None:
+def test_write_deadline_when_socket_resumes_in_time_then_no_timeout() -> None:
     d = committed(proxy_config(write_deadline_s=30.0))
     d.send(SocketPaused(), at=1.0)
     d.send(event(chunk("b")), at=1.0)
@@ -903,7 +907,7 @@ def test_writeDeadline_whenSocketResumesInTime_thenNoTimeout() -> None:
 
 @pytest.mark.parametrize("phase", ["waiting_prefill", "waiting_after_headers", "streaming",
                                    "paused_with_pending", "done_not_flushed"])
-def test_clientGone_thenUpstreamAbortedAtOnceAndFinished(phase: str) -> None:
+def test_client_gone_then_upstream_aborted_at_once_and_finished(phase: str) -> None:
     d = Driver()
     if phase != "waiting_prefill":
         d.sse_headers()
@@ -924,7 +928,7 @@ def test_clientGone_thenUpstreamAbortedAtOnceAndFinished(phase: str) -> None:
     assert d.stream.handle(UpstreamData(b"data: x\n\n"), 2.0) == []
 
 
-def test_clientGone_whenUpstreamAlreadyEnded_thenNoAbort() -> None:
+def test_client_gone_when_upstream_already_ended_then_no_abort() -> None:
     d = Driver(auto_complete=False)
     d.sse_headers()
     d.send(event(chunk("a")))
@@ -938,7 +942,7 @@ def test_clientGone_whenUpstreamAlreadyEnded_thenNoAbort() -> None:
 # ------------------------------------------------------------------ terminal signal
 
 
-def test_terminal_whenDoneMarker_thenFinishPlusDoneAndCleanClose() -> None:
+def test_terminal_when_done_marker_then_finish_plus_done_and_clean_close() -> None:
     d = Driver()
     d.sse_headers()
     d.send(event(chunk("a")))
@@ -960,7 +964,7 @@ def test_terminal_whenDoneMarker_thenFinishPlusDoneAndCleanClose() -> None:
     (UpstreamData(b"data: " + b"x" * 200), "invalid_stream"),  # line over max_line_bytes
     (UpstreamEnded(), "upstream_failed"),  # EOF without [DONE]
 ], ids=["protocol", "timeout", "invalid_stream", "connect", "line_too_long", "eof_without_done"])
-def test_terminal_whenUpstreamFailsAfterCommit_thenInBandErrorAndAbruptClose(failure: Any,
+def test_terminal_when_upstream_fails_after_commit_then_in_band_error_and_abrupt_close(failure: Any,
                                                                              code: str) -> None:
     d = Driver(proxy_config(max_line_bytes=100))
     d.sse_headers()
@@ -973,7 +977,7 @@ def test_terminal_whenUpstreamFailsAfterCommit_thenInBandErrorAndAbruptClose(fai
     assert d.finished.record.end_reason in (EndReason.UPSTREAM_ERROR, EndReason.UPSTREAM_TIMEOUT)
 
 
-def test_terminal_whenEofMidEvent_thenTruncationReportedInBand() -> None:
+def test_terminal_when_eof_mid_event_then_truncation_reported_in_band() -> None:
     d = Driver()
     d.sse_headers()
     d.send(UpstreamData(("data: " + chunk("a") + "\n\ndata: {\"trunc").encode()))
@@ -982,7 +986,7 @@ def test_terminal_whenEofMidEvent_thenTruncationReportedInBand() -> None:
     assert "truncated" in message
 
 
-def test_terminal_whenNoTerminalMarkerConfigured_thenCleanEofCompletes() -> None:
+def test_terminal_when_no_terminal_marker_configured_then_clean_eof_completes() -> None:
     d = Driver(proxy_config(terminal_marker=None))
     d.sse_headers()
     d.send(event(chunk("a")))
@@ -1010,7 +1014,7 @@ OURS = {"tokenwire": {"code": "upstream_failed", "number": "E7307"}}
     ({"error": "plain"},
      {"error": {"message": "plain", "type": "upstream_error", "code": "upstream_failed", **OURS}}),
 ], ids=["openai", "openai_numeric_code", "null_code", "tgi", "bare_string"])
-def test_upstreamErrorEvent_whenMidStream_thenForwardedWithOurCodeBeside(
+def test_upstream_error_event_when_mid_stream_then_forwarded_with_our_code_beside(
         payload: dict[str, Any], expected: dict[str, Any]) -> None:
     d = Driver()
     d.sse_headers()
@@ -1021,7 +1025,7 @@ def test_upstreamErrorEvent_whenMidStream_thenForwardedWithOurCodeBeside(
     assert d.of(AbortUpstream) == [AbortUpstream(EndReason.UPSTREAM_ERROR)]
 
 
-def test_upstreamErrorEvent_whenChunkMentionsErrorInText_thenNotAnError() -> None:
+def test_upstream_error_event_when_chunk_mentions_error_in_text_then_not_an_error() -> None:
     d = Driver()
     d.sse_headers()
     d.send(event(chunk('the "error" key')))
@@ -1035,7 +1039,7 @@ def test_upstreamErrorEvent_whenChunkMentionsErrorInText_thenNotAnError() -> Non
 
 @pytest.mark.parametrize(("reason", "code", "retry_after"), [
     (EndReason.SHUTDOWN, "shutdown", b"1"), (EndReason.CANCELLED, "cancelled", None)])
-def test_stop_whenBeforeCommit_thenRealStatus(reason: EndReason, code: str,
+def test_stop_when_before_commit_then_real_status(reason: EndReason, code: str,
                                               retry_after: bytes | None) -> None:
     d = Driver()
     d.send(StopRequested(reason))
@@ -1048,7 +1052,7 @@ def test_stop_whenBeforeCommit_thenRealStatus(reason: EndReason, code: str,
 
 @pytest.mark.parametrize(("reason", "code"), [(EndReason.SHUTDOWN, "shutdown"),
                                               (EndReason.CANCELLED, "cancelled")])
-def test_stop_whenAfterCommit_thenInBandErrorAndAbruptClose(reason: EndReason, code: str) -> None:
+def test_stop_when_after_commit_then_in_band_error_and_abrupt_close(reason: EndReason, code: str) -> None:
     d = Driver()
     d.sse_headers()
     d.send(event(chunk("a")))
@@ -1058,7 +1062,7 @@ def test_stop_whenAfterCommit_thenInBandErrorAndAbruptClose(reason: EndReason, c
     assert d.finished.record.end_reason is reason
 
 
-def test_stop_whenAlreadyDone_thenIgnored() -> None:
+def test_stop_when_already_done_then_ignored() -> None:
     d = Driver(auto_complete=False)
     d.sse_headers()
     d.send(event(DONE))
@@ -1070,7 +1074,7 @@ def test_stop_whenAlreadyDone_thenIgnored() -> None:
 # ------------------------------------------------------------------ compressed SSE
 
 
-def test_compressed_whenBeforeCommit_thenRefusedWith502() -> None:
+def test_compressed_when_before_commit_then_refused_with_502() -> None:
     d = Driver(proxy_config(retry_attempts=3))
     d.send(UpstreamHeaders(200, (*SSE_HEADERS, (b"content-encoding", b"gzip"))))
     assert d.commit.status == 502
@@ -1079,7 +1083,7 @@ def test_compressed_whenBeforeCommit_thenRefusedWith502() -> None:
     assert d.of(AbortUpstream) == [AbortUpstream(EndReason.UPSTREAM_ERROR)]
 
 
-def test_compressed_whenAfterDeadlineCommit_thenInBandError() -> None:
+def test_compressed_when_after_deadline_commit_then_in_band_error() -> None:
     d = Driver(proxy_config(commit_deadline_s=1.0))
     d.send(Tick(), at=1.0)
     d.send(UpstreamHeaders(200, (*SSE_HEADERS, (b"content-encoding", b"br"))))
@@ -1087,7 +1091,7 @@ def test_compressed_whenAfterDeadlineCommit_thenInBandError() -> None:
 
 
 @pytest.mark.parametrize("encoding", [b"identity", b""])
-def test_compressed_whenIdentity_thenAccepted(encoding: bytes) -> None:
+def test_compressed_when_identity_then_accepted(encoding: bytes) -> None:
     d = Driver()
     d.send(UpstreamHeaders(200, (*SSE_HEADERS, (b"content-encoding", encoding))))
     d.send(event(chunk("a")))
@@ -1110,7 +1114,7 @@ def fresh() -> WireStream:
     [UpstreamHeaders(400, ((b"content-type", b"application/json"),)), event("x")],
 ], ids=["write_completed_without_write", "data_before_headers", "event_before_headers",
         "ended_before_headers", "headers_twice", "event_on_passthrough"])
-def test_localProtocolError_whenInputNotAllowedInState(inputs: list[Any]) -> None:
+def test_local_protocol_error_when_input_not_allowed_in_state(inputs: list[Any]) -> None:
     stream = fresh()
     for item in inputs[:-1]:
         stream.handle(item, 0.0)
@@ -1118,7 +1122,7 @@ def test_localProtocolError_whenInputNotAllowedInState(inputs: list[Any]) -> Non
         stream.handle(inputs[-1], 0.0)
 
 
-def test_handle_whenNotAnInput_thenTypeError() -> None:
+def test_handle_when_not_an_input_then_type_error() -> None:
     with pytest.raises(TypeError):
         fresh().handle("data: x", 0.0)  # type: ignore[arg-type]
 
@@ -1126,7 +1130,7 @@ def test_handle_whenNotAnInput_thenTypeError() -> None:
 # ------------------------------------------------------------------ accounting
 
 
-def test_record_whenCompleteStream_thenCountsEverything() -> None:
+def test_record_when_complete_stream_then_counts_everything() -> None:
     d = Driver(proxy_config(heartbeat_s=5.0), now=100.0, auto_complete=False)
     d.sse_headers(at=100.5)
     d.send(event(chunk(role="assistant", text="")), at=101.0)  # first byte: ttfb 1.0
@@ -1165,7 +1169,7 @@ def test_record_whenCompleteStream_thenCountsEverything() -> None:
     assert json.loads(json.dumps(record.to_json()))["end_reason"] == "complete"
 
 
-def test_finished_isEmittedExactlyOnceAndNothingAfter() -> None:
+def test_finished_is_emitted_exactly_once_and_nothing_after() -> None:
     d = Driver()
     d.sse_headers()
     d.send(event(DONE))
@@ -1495,7 +1499,7 @@ def check_run(config: WireConfig, ops: list[tuple[Any, ...]]) -> FakeDriver:
 
 @settings(deadline=None, max_examples=300, suppress_health_check=[HealthCheck.too_slow])
 @given(CONFIGS, op_sequences())
-def test_properties_overRandomInterleavings(config: WireConfig, ops: list[tuple[Any, ...]]) -> None:
+def test_properties_over_random_interleavings(config: WireConfig, ops: list[tuple[Any, ...]]) -> None:
     check_run(config, ops)
 
 
@@ -1507,7 +1511,7 @@ def test_properties_overRandomInterleavings(config: WireConfig, ops: list[tuple[
            st.tuples(st.just("pause")), st.tuples(st.just("resume")),
            st.tuples(st.just("complete_write")), st.tuples(st.just("tick"), st.just(0.01))),
            max_size=60))
-def test_property_textReceivedEqualsUpstreamText_whateverPausingAndCoalescing(
+def test_property_text_received_equals_upstream_text_whatever_pausing_and_coalescing(
         policy: SlowClientPolicy, ops: list[tuple[Any, ...]]) -> None:
     config = proxy_config(slow_client_policy=policy)
     driver = check_run(config, [("headers", "sse"), *ops, ("end", True)])
@@ -1522,7 +1526,7 @@ def test_property_textReceivedEqualsUpstreamText_whateverPausingAndCoalescing(
     st.tuples(st.just("pause")), st.tuples(st.just("resume")), st.tuples(st.just("complete_write")),
     st.tuples(st.just("tick"), st.sampled_from([0.3, 0.6, 1.0, 1.5])), st.tuples(st.just("tick_deadline")),
 ), max_size=40))
-def test_property_heartbeatAfterHeartbeatSOfSilence_neverWhileDataPending(
+def test_property_heartbeat_after_heartbeat_s_of_silence_never_while_data_pending(
         events_first_at: float, ops: list[tuple[Any, ...]]) -> None:
     config = proxy_config(heartbeat_s=1.0, commit_deadline_s=0.5, write_deadline_s=1000.0)
     driver = check_run(config, [("headers", "sse"), ("tick", events_first_at), *ops, ("end", True)])

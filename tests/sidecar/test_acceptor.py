@@ -47,7 +47,7 @@ def _run(loop_factory: Callable[[], asyncio.AbstractEventLoop],
 
 @pytest.mark.parametrize("loop_factory", [uvloop.new_event_loop, asyncio.new_event_loop],
                          ids=["uvloop", "asyncio"])
-def test_burst_isAcceptedInAFewTurns_notOneTurnPerConnection(
+def test_burst_is_accepted_in_a_few_turns_not_one_turn_per_connection(
         loop_factory: Callable[[], asyncio.AbstractEventLoop]) -> None:
     async def main() -> None:
         listeners = await bind_listeners("127.0.0.1", 0, backlog=BURST * 2, reuse_port=False)
@@ -74,7 +74,7 @@ def test_burst_isAcceptedInAFewTurns_notOneTurnPerConnection(
     _run(loop_factory, main)
 
 
-def test_closedAcceptor_refusesNewConnections_andKeepsOpenOnes() -> None:
+def test_closed_acceptor_refuses_new_connections_and_keeps_open_ones() -> None:
     async def main() -> None:
         listeners = await bind_listeners("127.0.0.1", 0, backlog=16, reuse_port=False)
         port = listeners[0].getsockname()[1]
@@ -97,7 +97,7 @@ def test_closedAcceptor_refusesNewConnections_andKeepsOpenOnes() -> None:
     _run(uvloop.new_event_loop, main)
 
 
-def test_bindListeners_portInUse_namesTheAddress() -> None:
+def test_bind_listeners_port_in_use_names_the_address() -> None:
     async def main() -> None:
         taken = socket.socket()
         taken.bind(("127.0.0.1", 0))
@@ -152,7 +152,8 @@ asyncio.run(main())
 '''
 
 
-def test_outOfDescriptors_isLogged_andAcceptingResumesOnceSomeAreFree() -> None:
+@pytest.mark.slow
+def test_out_of_descriptors_is_logged_and_accepting_resumes_once_some_are_free() -> None:
     """EMFILE pauses accepting (logged) instead of spinning or dying; the
     queued client is served once descriptors are free (a child process, so
     the descriptor limit is its own)."""

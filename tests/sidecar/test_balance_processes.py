@@ -23,6 +23,8 @@ from processes import SidecarProcess, spawn
 
 from testbed.fake_pods import FakePod, spawn_pod  # testbed/fake_pods.py
 
+pytestmark = pytest.mark.slow
+
 PATH = "/v1/chat/completions"
 
 

@@ -16,7 +16,7 @@ PREFLIGHT = {"Origin": PAGE, "Access-Control-Request-Method": "POST",
              "Access-Control-Request-Headers": "content-type"}
 
 
-def test_preflight_fromAllowedOrigin_thenAnswered204WithoutReachingTheUpstream(
+def test_preflight_from_allowed_origin_then_answered_204_without_reaching_the_upstream(
         start_sidecar, upstream: FakeUpstream) -> None:
     sidecar = start_sidecar(cors_allow_origins=(PAGE,))
     seen = len(upstream.requests)
@@ -31,7 +31,7 @@ def test_preflight_fromAllowedOrigin_thenAnswered204WithoutReachingTheUpstream(
     assert len(upstream.requests) == seen
 
 
-def test_preflight_fromOtherOrigin_thenRefused403WithoutCorsHeaders(start_sidecar,
+def test_preflight_from_other_origin_then_refused_403_without_cors_headers(start_sidecar,
                                                                     upstream: FakeUpstream) -> None:
     sidecar = start_sidecar(cors_allow_origins=(PAGE,))
     seen = len(upstream.requests)
@@ -43,7 +43,7 @@ def test_preflight_fromOtherOrigin_thenRefused403WithoutCorsHeaders(start_sideca
     assert len(upstream.requests) == seen
 
 
-def test_streamedAnswer_forAllowedOrigin_carriesAllowAndExposeHeaders(start_sidecar) -> None:
+def test_streamed_answer_for_allowed_origin_carries_allow_and_expose_headers(start_sidecar) -> None:
     sidecar = start_sidecar(cors_allow_origins=(PAGE,))
     response = exchange(sidecar.port, "POST", "/normal/v1/chat/completions", body=chat_body(),
                         headers={"Origin": PAGE, "X-Request-Id": "cors-1"})
@@ -58,14 +58,14 @@ def test_streamedAnswer_forAllowedOrigin_carriesAllowAndExposeHeaders(start_side
     assert other.status == 200 and "access-control-allow-origin" not in other.headers
 
 
-def test_plainAnswer_models_forAllowedOrigin_carriesAllowOrigin(start_sidecar) -> None:
+def test_plain_answer_models_for_allowed_origin_carries_allow_origin(start_sidecar) -> None:
     sidecar = start_sidecar(cors_allow_origins=("*",))
     response = exchange(sidecar.port, "GET", "/models/v1/models", headers={"Origin": "http://any.example:3000"})
     assert response.status == 200 and response.json()["data"][0]["id"] == "fake"
     assert response.headers["access-control-allow-origin"] == "http://any.example:3000"
 
 
-def test_preflight_thenRequest_onOneKeepAliveConnection_bothServed(start_sidecar) -> None:
+def test_preflight_then_request_on_one_keep_alive_connection_both_served(start_sidecar) -> None:
     sidecar = start_sidecar(cors_allow_origins=(PAGE,))
     with connect(sidecar.port) as sock:
         sock.sendall(request_bytes("OPTIONS", "/normal/v1/chat/completions", headers=PREFLIGHT))
@@ -78,7 +78,7 @@ def test_preflight_thenRequest_onOneKeepAliveConnection_bothServed(start_sidecar
     assert second.headers["access-control-allow-origin"] == PAGE
 
 
-def test_withoutCorsConfigured_optionsIsForwardedAndNoHeadersAdded(start_sidecar) -> None:
+def test_without_cors_configured_options_is_forwarded_and_no_headers_added(start_sidecar) -> None:
     sidecar = start_sidecar()
     response = exchange(sidecar.port, "OPTIONS", "/echo/v1/chat/completions", headers=PREFLIGHT)
     # The engine answers its own preflights when the sidecar has no CORS policy.
@@ -101,14 +101,14 @@ def test_origin_allowed(allowed: tuple[str, ...], origin: bytes | None, expected
     assert cors.origin_allowed(allowed, origin) is expected
 
 
-def test_with_cors_headers_dropsTheUpstreamsOwnCorsHeaders() -> None:
+def test_with_cors_headers_drops_the_upstreams_own_cors_headers() -> None:
     upstream = [(b"content-type", b"text/event-stream"), (b"access-control-allow-origin", b"*")]
     headers = cors.with_cors_headers(upstream, (PAGE,), PAGE.encode())
     assert [v for k, v in headers if k == b"access-control-allow-origin"] == [PAGE.encode()]
     assert cors.with_cors_headers(upstream, (), PAGE.encode()) == upstream
 
 
-def test_is_preflight_needsOriginAndRequestMethod() -> None:
+def test_is_preflight_needs_origin_and_request_method() -> None:
     assert cors.is_preflight(b"OPTIONS", [(b"origin", b"x"), (b"access-control-request-method", b"POST")])
     assert not cors.is_preflight(b"OPTIONS", [(b"origin", b"x")])
     assert not cors.is_preflight(b"GET", [(b"origin", b"x"), (b"access-control-request-method", b"POST")])
@@ -117,7 +117,7 @@ def test_is_preflight_needsOriginAndRequestMethod() -> None:
 # ---------------------------------------------------------------- configuration
 
 
-def test_config_repeatedFlag_envAndToml() -> None:
+def test_config_repeated_flag_env_and_toml() -> None:
     config = load_sidecar_config(["--upstream", "http://a:1", "--cors-allow-origin", "http://A:1/",
                                   "--cors-allow-origin", "https://b"], {})
     assert config.cors_allow_origins == ("http://a:1", "https://b")
@@ -129,7 +129,7 @@ def test_config_repeatedFlag_envAndToml() -> None:
 
 
 @pytest.mark.parametrize("origin", ["127.0.0.1:8081", "http://h/path", "ftp://h", "http://"])
-def test_config_badOrigin_namesTheKey(origin: str) -> None:
+def test_config_bad_origin_names_the_key(origin: str) -> None:
     with pytest.raises(ConfigError) as error:
         build_config(flags={"upstream": ["http://a:1"], "cors_allow_origins": [origin]})
     assert error.value.key == "cors_allow_origins"

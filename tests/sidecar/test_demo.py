@@ -18,6 +18,8 @@ import pytest
 
 from tokenwire.tools.demo_sections import split_wire
 
+pytestmark = pytest.mark.slow
+
 _DEMO_TIMEOUT_S = 420  # a loaded two-core machine; the tour itself takes ~20 s
 
 

@@ -102,7 +102,7 @@ class GrpcH2Client(H2Client):
 # ---------------------------------------------------------------- normal streams
 
 
-def test_grpc_whenSyncClient_thenSameTextAsSseAndStatusOk(
+def test_grpc_when_sync_client_then_same_text_as_sse_and_status_ok(
         start_sidecar: Callable[..., RunningSidecar]) -> None:
     sidecar = start_sidecar()
     with httpx.Client(http2=True, http1=False, base_url=sidecar.url) as client:
@@ -129,7 +129,7 @@ def test_grpc_whenSyncClient_thenSameTextAsSseAndStatusOk(
     assert sidecar.log.extras["g-sync"]["http_version"] == "2"
 
 
-def test_grpc_whenAioClient_thenManyConcurrentCallsOnOneChannelComplete(
+def test_grpc_when_aio_client_then_many_concurrent_calls_on_one_channel_complete(
         start_sidecar: Callable[..., RunningSidecar]) -> None:
     sidecar = start_sidecar()
 
@@ -148,7 +148,7 @@ def test_grpc_whenAioClient_thenManyConcurrentCallsOnOneChannelComplete(
     assert results == [(grpc.StatusCode.OK, expected_text(6))] * 20
 
 
-def test_grpc_whenCompletions_thenTextChunks(start_sidecar: Callable[..., RunningSidecar],
+def test_grpc_when_completions_then_text_chunks(start_sidecar: Callable[..., RunningSidecar],
                                             upstream: FakeUpstream) -> None:
     sidecar = start_sidecar()
     with grpc.insecure_channel(f"{sidecar.host}:{sidecar.port}") as channel:
@@ -166,7 +166,7 @@ def test_grpc_whenCompletions_thenTextChunks(start_sidecar: Callable[..., Runnin
 # ---------------------------------------------------------------- cancel, deadline, upstream death
 
 
-def test_grpc_whenClientCancels_thenUpstreamAbortedAtOnce(start_sidecar: Callable[..., RunningSidecar],
+def test_grpc_when_client_cancels_then_upstream_aborted_at_once(start_sidecar: Callable[..., RunningSidecar],
                                                          upstream: FakeUpstream) -> None:
     sidecar = start_sidecar()
     with grpc.insecure_channel(f"{sidecar.host}:{sidecar.port}") as channel:
@@ -182,7 +182,7 @@ def test_grpc_whenClientCancels_thenUpstreamAbortedAtOnce(start_sidecar: Callabl
     assert sidecar.record("g-cancel").end_reason is EndReason.CLIENT_GONE
 
 
-def test_grpc_whenDeadlinePasses_thenServerEndsDeadlineExceededAndAbortsUpstream(
+def test_grpc_when_deadline_passes_then_server_ends_deadline_exceeded_and_aborts_upstream(
         start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
     """The raw client never cancels: the sidecar honours grpc-timeout itself."""
     sidecar = start_sidecar()
@@ -199,8 +199,8 @@ def test_grpc_whenDeadlinePasses_thenServerEndsDeadlineExceededAndAbortsUpstream
     assert upstream.connection_of("g-deadline").closed.wait(5)
 
 
-def test_grpc_whenClientDeadline_thenGrpcioSeesDeadlineExceeded(start_sidecar: Callable[..., RunningSidecar],
-                                                                upstream: FakeUpstream) -> None:
+def test_grpc_when_client_deadline_then_grpcio_sees_deadline_exceeded(
+        start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
     sidecar = start_sidecar()
     with grpc.insecure_channel(f"{sidecar.host}:{sidecar.port}") as channel:
         call = pbg.ChatCompletionsStub(channel).Create(_request(), metadata=_metadata("g-dl", 500, 0.02),
@@ -211,8 +211,8 @@ def test_grpc_whenClientDeadline_thenGrpcioSeesDeadlineExceeded(start_sidecar: C
     assert upstream.connection_of("g-dl").closed.wait(5)
 
 
-def test_grpc_whenUpstreamDiesMidStream_thenUnavailableNeverOk(start_sidecar: Callable[..., RunningSidecar],
-                                                              upstream: FakeUpstream) -> None:
+def test_grpc_when_upstream_dies_mid_stream_then_unavailable_never_ok(
+        start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
     sidecar = start_sidecar(upstreams=f"{upstream.url}/die")
     with grpc.insecure_channel(f"{sidecar.host}:{sidecar.port}") as channel:
         call = pbg.ChatCompletionsStub(channel).Create(_request(), metadata=_metadata("g-die", 10),
@@ -227,7 +227,7 @@ def test_grpc_whenUpstreamDiesMidStream_thenUnavailableNeverOk(start_sidecar: Ca
     assert trailing["tokenwire-error-code"] == "upstream_failed"
 
 
-def test_grpc_whenUpstreamRefusesBeforeTheFirstMessage_thenRetriedAndOk(
+def test_grpc_when_upstream_refuses_before_the_first_message_then_retried_and_ok(
         start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
     """The core's retry rule, per call: a 503 before anything reached the client is retried."""
     sidecar = start_sidecar(upstreams=f"{upstream.url}/status503")
@@ -240,7 +240,7 @@ def test_grpc_whenUpstreamRefusesBeforeTheFirstMessage_thenRetriedAndOk(
     assert sidecar.record("g-retry").retries == 1
 
 
-def test_grpc_whenOperatorCancels_thenCancelledWithTheCode(start_sidecar: Callable[..., RunningSidecar],
+def test_grpc_when_operator_cancels_then_cancelled_with_the_code(start_sidecar: Callable[..., RunningSidecar],
                                                          upstream: FakeUpstream) -> None:
     sidecar = start_sidecar()
     with grpc.insecure_channel(f"{sidecar.host}:{sidecar.port}") as channel:
@@ -256,8 +256,8 @@ def test_grpc_whenOperatorCancels_thenCancelledWithTheCode(start_sidecar: Callab
     assert upstream.connection_of("g-op").closed.wait(5)
 
 
-def test_grpc_whenDrainTimeEnds_thenUnavailableWithShutdown(start_sidecar: Callable[..., RunningSidecar],
-                                                           loop_thread: LoopThread) -> None:
+def test_grpc_when_drain_time_ends_then_unavailable_with_shutdown(
+        start_sidecar: Callable[..., RunningSidecar], loop_thread: LoopThread) -> None:
     sidecar = start_sidecar(drain_s=0.5)
     with grpc.insecure_channel(f"{sidecar.host}:{sidecar.port}") as channel:
         call = pbg.ChatCompletionsStub(channel).Create(_request(), metadata=_metadata("g-drain", 1000, 0.02),
@@ -272,7 +272,7 @@ def test_grpc_whenDrainTimeEnds_thenUnavailableWithShutdown(start_sidecar: Calla
     assert dict(error.value.trailing_metadata())["tokenwire-error-code"] == "shutdown"
 
 
-def test_grpc_whenEngineRefuses_thenInvalidArgumentWithItsMessage(
+def test_grpc_when_engine_refuses_then_invalid_argument_with_its_message(
         start_sidecar: Callable[..., RunningSidecar], recorder: Any) -> None:
     async def refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         body = b'{"error":{"message":"max_tokens is too large","type":"invalid_request_error"}}'
@@ -293,7 +293,7 @@ def test_grpc_whenEngineRefuses_thenInvalidArgumentWithItsMessage(
 # ---------------------------------------------------------------- flow control
 
 
-def test_grpc_whenReaderIsSlow_thenChunksMergeIntoFewerMessagesWithExactText(
+def test_grpc_when_reader_is_slow_then_chunks_merge_into_fewer_messages_with_exact_text(
         start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
     """A window the client keeps shut: the core coalesces; opened, fewer messages, same text."""
     sidecar = start_sidecar()
@@ -319,7 +319,7 @@ def test_grpc_whenReaderIsSlow_thenChunksMergeIntoFewerMessagesWithExactText(
     assert sidecar.record("g-slow").coalesced_events > 0
 
 
-def test_grpc_whenReaderNeverOpensItsWindow_thenResourceExhaustedTrailersAndUpstreamAborted(
+def test_grpc_when_reader_never_opens_its_window_then_resource_exhausted_trailers_and_upstream_aborted(
         start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
     """Past max_pending_bytes the call ends at once: trailers (not flow-controlled)
     with RESOURCE_EXHAUSTED and E7302, what the window held back dropped."""
@@ -340,7 +340,7 @@ def test_grpc_whenReaderNeverOpensItsWindow_thenResourceExhaustedTrailersAndUpst
 # ---------------------------------------------------------------- bad input
 
 
-def test_grpc_whenBadInput_thenSpecStatusesAndNothingForwarded(
+def test_grpc_when_bad_input_then_spec_statuses_and_nothing_forwarded(
         start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
     sidecar = start_sidecar()
     with GrpcH2Client(sidecar.port) as client:
@@ -364,7 +364,7 @@ def test_grpc_whenBadInput_thenSpecStatusesAndNothingForwarded(
         assert not upstream.requests_with(f"g-bad-{i}")
 
 
-def test_grpc_whenMessageOverLimitFromGrpcio_thenResourceExhausted(
+def test_grpc_when_message_over_limit_from_grpcio_then_resource_exhausted(
         start_sidecar: Callable[..., RunningSidecar]) -> None:
     sidecar = start_sidecar()
     with grpc.insecure_channel(f"{sidecar.host}:{sidecar.port}") as channel:
@@ -377,7 +377,7 @@ def test_grpc_whenMessageOverLimitFromGrpcio_thenResourceExhausted(
 # ---------------------------------------------------------------- health, reflection, keepalive
 
 
-def test_grpc_health_whenDraining_thenWatchSeesNotServingAndCheckFollows(
+def test_grpc_health_when_draining_then_watch_sees_not_serving_and_check_follows(
         start_sidecar: Callable[..., RunningSidecar], loop_thread: LoopThread) -> None:
     sidecar = start_sidecar(drain_s=1.0)
     target = f"{sidecar.host}:{sidecar.port}"
@@ -401,7 +401,8 @@ def test_grpc_health_whenDraining_thenWatchSeesNotServingAndCheckFollows(
         stopping.join(10)
 
 
-def test_grpc_reflection_listsAndDescribesTheServices(start_sidecar: Callable[..., RunningSidecar]) -> None:
+def test_grpc_reflection_lists_and_describes_the_services(
+        start_sidecar: Callable[..., RunningSidecar]) -> None:
     from google.protobuf.descriptor_pool import DescriptorPool
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
@@ -417,7 +418,7 @@ def test_grpc_reflection_listsAndDescribesTheServices(start_sidecar: Callable[..
         assert method.name == "Create" and method.output_type.full_name == "tokenwire.v1.ChatCompletionChunk"
 
 
-def test_grpc_keepalive_whenPingsTooFrequent_thenGoawayTooManyPings(
+def test_grpc_keepalive_when_pings_too_frequent_then_goaway_too_many_pings(
         start_sidecar: Callable[..., RunningSidecar]) -> None:
     sidecar = start_sidecar(grpc_keepalive_min_ping_interval_s=10.0, grpc_keepalive_max_ping_strikes=2,
                             grpc_keepalive_permit_without_calls=True)
@@ -438,7 +439,7 @@ def test_grpc_keepalive_whenPingsTooFrequent_thenGoawayTooManyPings(
 # ---------------------------------------------------------------- resume
 
 
-def test_grpc_resume_whenReconnectWithLastEventId_thenTheRestOfTheAnswer(
+def test_grpc_resume_when_reconnect_with_last_event_id_then_the_rest_of_the_answer(
         start_sidecar: Callable[..., RunningSidecar]) -> None:
     sidecar = start_sidecar(resume=True, resume_grace_s=10.0)
     tokens = 30
@@ -462,7 +463,7 @@ def test_grpc_resume_whenReconnectWithLastEventId_thenTheRestOfTheAnswer(
         assert dict(error.value.trailing_metadata())["tokenwire-error-number"] == "E7300"
 
 
-def test_grpc_andSse_onOnePort(start_sidecar: Callable[..., RunningSidecar]) -> None:
+def test_grpc_and_sse_on_one_port(start_sidecar: Callable[..., RunningSidecar]) -> None:
     """The same port serves SSE to an HTTP/1.1 client while gRPC calls run."""
     sidecar = start_sidecar()
     with grpc.insecure_channel(f"{sidecar.host}:{sidecar.port}") as channel:

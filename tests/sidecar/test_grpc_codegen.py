@@ -25,6 +25,7 @@ def _normalised(data: bytes) -> bytes:
     return _VERSION_LINES.sub(b"<version>", data)
 
 
+@pytest.mark.slow
 def test_generated_code_matches_the_proto(tmp_path: Path) -> None:
     pytest.importorskip("grpc_tools")
     out = tmp_path / "out"

@@ -19,9 +19,9 @@ NODE_DIR = ROOT / "tests/compat/clients/node"
 PROTO = ROOT / "tokenwire/v1/streaming.proto"
 OK, CANCELLED, DEADLINE_EXCEEDED, UNAVAILABLE = 0, 1, 4, 14
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     shutil.which("node") is None or not (NODE_DIR / "node_modules/@grpc/grpc-js").is_dir(),
-    reason="node and @grpc/grpc-js (scripts/node-deps.sh) are needed")
+    reason="node and @grpc/grpc-js (scripts/node-deps.sh) are needed")]
 
 
 def _run(target: str, cases: list[dict[str, Any]]) -> dict[str, Any]:
@@ -38,7 +38,7 @@ def _chat(request_id: str, tokens: int, delay_s: float = 0.0, **extra: Any) -> d
                          "x-fake-delay-s": str(delay_s)}, **extra}
 
 
-def test_grpcjs_normalCancelDeadline(start_sidecar: Callable[..., RunningSidecar],
+def test_grpcjs_normal_cancel_deadline(start_sidecar: Callable[..., RunningSidecar],
                                      upstream: FakeUpstream) -> None:
     sidecar = start_sidecar()
     results = _run(f"{sidecar.host}:{sidecar.port}", [
@@ -59,7 +59,7 @@ def test_grpcjs_normalCancelDeadline(start_sidecar: Callable[..., RunningSidecar
         assert upstream.connection_of(request_id).closed.wait(5)
 
 
-def test_grpcjs_upstreamDeath_unavailableWithTheCode(start_sidecar: Callable[..., RunningSidecar],
+def test_grpcjs_upstream_death_unavailable_with_the_code(start_sidecar: Callable[..., RunningSidecar],
                                                      upstream: FakeUpstream) -> None:
     sidecar = start_sidecar(upstreams=f"{upstream.url}/die")
     result = _run(f"{sidecar.host}:{sidecar.port}", [_chat("node-die", 10)])["node-die"]

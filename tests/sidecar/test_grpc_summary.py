@@ -143,7 +143,7 @@ def _request() -> pb.ChatCompletionRequest:
     return pb.ChatCompletionRequest(model="m", messages=[pb.ChatMessage(role="user", content="hi")], seed=1)
 
 
-def test_grpc_whenSummaryAsked_thenFiguresAsTrailersMatchingTheRecord(
+def test_grpc_when_summary_asked_then_figures_as_trailers_matching_the_record(
         start_sidecar: Callable[..., RunningSidecar]) -> None:
     sidecar = start_sidecar()
     trailing: dict[bool, dict[str, str]] = {}

@@ -275,7 +275,7 @@ def test_valid_text() -> None:
 # ---------------------------------------------------------------- end to end
 
 
-def test_grpc_whenEngineSplitsASurrogatePair_thenCallIsOkWithTheSseText(
+def test_grpc_when_engine_splits_a_surrogate_pair_then_call_is_ok_with_the_sse_text(
         start_sidecar: Callable[..., RunningSidecar], recorder: Any) -> None:
     async def respond(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"

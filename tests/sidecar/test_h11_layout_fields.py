@@ -34,13 +34,13 @@ def _h11_accepts(headers: list[Header]) -> bool:
 @example([(b"x-a", b"a\r\nx-b: smuggled")])
 @example([(b"x-a", b"\x80\xff")])
 @example([(b"x a", b"v")])
-def test_fieldsValid_isH11sJudgement(headers: list[Header]) -> None:
+def test_fields_valid_is_h11s_judgement(headers: list[Header]) -> None:
     framing = {b"content-length", b"transfer-encoding", b"host"}
     headers = [(name, value) for name, value in headers if name.lower() not in framing]
     assert fields_valid([(b"host", b"x"), *headers]) == _h11_accepts(headers)
 
 
-def test_fieldsValid_leavesOtherTypesToH11() -> None:
+def test_fields_valid_leaves_other_types_to_h11() -> None:
     assert fields_valid([]) is True
     assert fields_valid([(b"x-a", bytearray(b"v"))]) is False
     assert fields_valid([("x-a", "v")]) is False  # type: ignore[list-item]

@@ -47,7 +47,7 @@ def _outcome(send: object) -> tuple[str, object]:
        status=st.sampled_from([200, 201, 204, 304, 404, 500, 502, 503]),
        headers=st.lists(st.sampled_from(_HEADERS), max_size=8),
        body=st.sampled_from([b"", b"hello", b"data: x\n\n"]))
-def test_responseHead_isH11sOwn_bytesAndState(method: bytes, version: bytes, request_extra: list[Header],
+def test_response_head_is_h11s_own_bytes_and_state(method: bytes, version: bytes, request_extra: list[Header],
                                               status: int, headers: list[Header], body: bytes) -> None:
     by_h11 = _connection(method, version, request_extra)
     ours = _connection(method, version, request_extra)
@@ -62,7 +62,7 @@ def test_responseHead_isH11sOwn_bytesAndState(method: bytes, version: bytes, req
         assert (ours.our_state, ours.their_state) == (by_h11.our_state, by_h11.their_state)
 
 
-def test_responseHead_stillRefusesAnInvalidHeader() -> None:
+def test_response_head_still_refuses_an_invalid_header() -> None:
     for bad in [(b"x-bad", b"a\r\nb"), (b"bad name", b"v"), (b"x-nul", b"a\x00b")]:
         conn = _connection(b"POST", b"1.1", [])
         headers = [(b"content-type", b"x"), bad]

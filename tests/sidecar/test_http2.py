@@ -51,7 +51,7 @@ def tls_files(tmp_path: Path, ca: trustme.CA) -> dict[str, str]:
     return tls_server_files(ca, tmp_path)
 
 
-def test_http2_whenPriorKnowledge_thenSameBodyAsHttp11AndRecordSaysVersion(
+def test_http2_when_prior_knowledge_then_same_body_as_http11_and_record_says_version(
         start_sidecar: Callable[..., RunningSidecar]) -> None:
     sidecar = start_sidecar()
     bodies = {}
@@ -75,7 +75,7 @@ def test_http2_whenPriorKnowledge_thenSameBodyAsHttp11AndRecordSaysVersion(
     assert 'tokenwire_client_requests_total{protocol="http/1.1"} 1.0' in metrics
 
 
-def test_http2_whenTls_thenAlpnPicksH2OrHttp11(start_sidecar: Callable[..., RunningSidecar],
+def test_http2_when_tls_then_alpn_picks_h2_or_http11(start_sidecar: Callable[..., RunningSidecar],
                                                ca: trustme.CA, tls_files: dict[str, str]) -> None:
     sidecar = start_sidecar(tls_cert=tls_files["tls_cert"], tls_key=tls_files["tls_key"])
     for http2, version in ((True, "HTTP/2"), (False, "HTTP/1.1")):
@@ -86,7 +86,7 @@ def test_http2_whenTls_thenAlpnPicksH2OrHttp11(start_sidecar: Callable[..., Runn
         assert _text(response.content) == expected_text(3)
 
 
-def test_http2_whenHttp2Off_thenTlsOffersOnlyHttp11(start_sidecar: Callable[..., RunningSidecar],
+def test_http2_when_http2_off_then_tls_offers_only_http11(start_sidecar: Callable[..., RunningSidecar],
                                                     ca: trustme.CA, tls_files: dict[str, str]) -> None:
     sidecar = start_sidecar(tls_cert=tls_files["tls_cert"], tls_key=tls_files["tls_key"], http2=False)
     with httpx.Client(http2=True, verify=tls_client_context(ca),
@@ -94,7 +94,7 @@ def test_http2_whenHttp2Off_thenTlsOffersOnlyHttp11(start_sidecar: Callable[...,
         assert client.get("/models/v1/models").http_version == "HTTP/1.1"
 
 
-def test_http2_whenTwentyStreamsOnOneConnection_thenAllFlowAtOnce(
+def test_http2_when_twenty_streams_on_one_connection_then_all_flow_at_once(
         start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
     """Over HTTP/1.1 a browser's seventh stream waits; here 20 share one connection."""
     sidecar = start_sidecar()
@@ -112,7 +112,7 @@ def test_http2_whenTwentyStreamsOnOneConnection_thenAllFlowAtOnce(
             assert _text(bytes(state.body)) == expected_text(20)
 
 
-def test_http2_whenStreamFinishes_thenEndStream_whenUpstreamDies_thenErrorTrailers(
+def test_http2_when_stream_finishes_then_end_stream_when_upstream_dies_then_error_trailers(
         start_sidecar: Callable[..., RunningSidecar]) -> None:
     """A finished answer ends with END_STREAM; one cut after its first byte gets
     its in-band error event, then trailers naming the error on END_STREAM
@@ -131,7 +131,7 @@ def test_http2_whenStreamFinishes_thenEndStream_whenUpstreamDies_thenErrorTraile
     assert json.loads(events[-1])["error"]["code"] == "upstream_failed"
 
 
-def test_http2_whenClientResetsStream_thenItsUpstreamIsAbortedAndOthersGoOn(
+def test_http2_when_client_resets_stream_then_its_upstream_is_aborted_and_others_go_on(
         start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
     sidecar = start_sidecar()
     with H2Client(sidecar.port) as client:
@@ -150,7 +150,7 @@ def test_http2_whenClientResetsStream_thenItsUpstreamIsAbortedAndOthersGoOn(
     assert sidecar.record("h2-cancel").end_reason.value == "client_gone"
 
 
-def test_http2_whenClientNeverOpensItsWindow_thenOthersFlowAndWriteDeadlineEndsIt(
+def test_http2_when_client_never_opens_its_window_then_others_flow_and_write_deadline_ends_it(
         start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
     """The zero-window hold: a stream whose window stays shut is paused for the
     core (its events coalesce) and ends at ``write_deadline_s``; its neighbours
@@ -178,7 +178,7 @@ def test_http2_whenClientNeverOpensItsWindow_thenOthersFlowAndWriteDeadlineEndsI
     assert upstream.connection_of("h2-stuck").closed.wait(5)
 
 
-def test_http2_whenClientSendsGoaway_thenItsStreamsEndAndUpstreamsAbort(
+def test_http2_when_client_sends_goaway_then_its_streams_end_and_upstreams_abort(
         start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
     sidecar = start_sidecar()
     with H2Client(sidecar.port) as client:
@@ -191,7 +191,7 @@ def test_http2_whenClientSendsGoaway_thenItsStreamsEndAndUpstreamsAbort(
     assert sidecar.record("h2-goaway").end_reason.value == "client_gone"
 
 
-def test_http2_whenShutdown_thenGoawayWithLastStreamAndOpenStreamsFinish(
+def test_http2_when_shutdown_then_goaway_with_last_stream_and_open_streams_finish(
         start_sidecar: Callable[..., RunningSidecar], loop_thread: LoopThread) -> None:
     sidecar = start_sidecar(drain_s=10.0)
     with H2Client(sidecar.port) as client:
@@ -208,7 +208,7 @@ def test_http2_whenShutdown_thenGoawayWithLastStreamAndOpenStreamsFinish(
         assert client.read_until(lambda: client.closed, 5)
 
 
-def test_http2_whenCorsOrigin_thenPreflightAnsweredAndHeadersAdded(
+def test_http2_when_cors_origin_then_preflight_answered_and_headers_added(
         start_sidecar: Callable[..., RunningSidecar]) -> None:
     sidecar = start_sidecar(cors_allow_origins=("https://app.example",))
     origin = (b"origin", b"https://app.example")
@@ -221,7 +221,7 @@ def test_http2_whenCorsOrigin_thenPreflightAnsweredAndHeadersAdded(
         assert dict(plain.headers)[b"access-control-allow-origin"] == b"https://app.example"
 
 
-def test_http2_whenRequestBody_thenForwardedWholeWithAuthorityAsHost(
+def test_http2_when_request_body_then_forwarded_whole_with_authority_as_host(
         start_sidecar: Callable[..., RunningSidecar]) -> None:
     sidecar = start_sidecar()
     body = b"x" * 300_000  # beyond the default 64 KiB window: the sidecar credits as it reads
@@ -234,7 +234,7 @@ def test_http2_whenRequestBody_thenForwardedWholeWithAuthorityAsHost(
     assert echoed["headers"]["cookie"] == "a=1"
 
 
-def test_http2_whenTlsClientResets_thenSameAbortPath(
+def test_http2_when_tls_client_resets_then_same_abort_path(
         start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream, ca: trustme.CA,
         tls_files: dict[str, str]) -> None:
     sidecar = start_sidecar(tls_cert=tls_files["tls_cert"], tls_key=tls_files["tls_key"])
@@ -267,7 +267,7 @@ class _EchoHandler:
         self.stream.exchange_finished(None)
 
 
-def test_http2_whenRouteClaimsAStream_thenItsHandlerAnswersAndNothingIsProxied(
+def test_http2_when_route_claims_a_stream_then_its_handler_answers_and_nothing_is_proxied(
         loop_thread: LoopThread, upstream: FakeUpstream) -> None:
     def route(head: RequestHead, stream: Http2Stream) -> StreamHandler | None:
         if head.header(b"content-type") == b"application/grpc":
@@ -296,7 +296,7 @@ def test_http2_whenRouteClaimsAStream_thenItsHandlerAnswersAndNothingIsProxied(
         loop_thread.run(sidecar.shutdown())
 
 
-def test_http2_whenBodyTooSlowOrTooLarge_thenStream408Or413AndNothingForwarded(
+def test_http2_when_body_too_slow_or_too_large_then_stream_408_or_413_and_nothing_forwarded(
         start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
     sidecar = start_sidecar(body_read_timeout_s=0.3, max_body_bytes=1000)
     before = len(upstream.requests)

@@ -62,7 +62,7 @@ class _Bystander(threading.Thread):
         return max(b - a for a, b in itertools.pairwise(times))
 
 
-def test_attack_rapidReset_whenOpenCancelFlood_thenGoawayCalmAndUpstreamSeesAtMostTheLimit(
+def test_attack_rapid_reset_when_open_cancel_flood_then_goaway_calm_and_upstream_sees_at_most_the_limit(
         start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream,
         loop_thread: LoopThread) -> None:
     """CVE-2023-44487: streams opened and cancelled at once cost the server
@@ -91,8 +91,10 @@ def test_attack_rapidReset_whenOpenCancelFlood_thenGoawayCalmAndUpstreamSeesAtMo
     flood_cpu_s = loop_thread.cpu_time_s() - cpu_before_s
     assert goaway is not None and goaway.error_code == ENHANCE_YOUR_CALM, goaway
     # The loop (sidecar, upstream and all) worked this long while the flood came:
-    # a stall of the bystander's stream can be no longer, whatever the load.
-    assert flood_cpu_s < 1.0, flood_cpu_s
+    # a stall of the bystander's stream can be no longer, whatever the load. The
+    # bound sits between the defended figure and the undefended one (see the
+    # docstring) with room for a busy machine, where a thread's CPU time grows.
+    assert flood_cpu_s < 1.5, flood_cpu_s
     bystander.join(30)
     assert bystander.client.streams[bystander.stream_id].ended
     # bench/h2_bench.py measures this bound apart from the load (81 ms there);
@@ -106,7 +108,7 @@ def test_attack_rapidReset_whenOpenCancelFlood_thenGoawayCalmAndUpstreamSeesAtMo
     _serves(sidecar)
 
 
-def test_attack_tooManyStreams_whenOverTheLimit_thenRefusedStreamAndNothingForwarded(
+def test_attack_too_many_streams_when_over_the_limit_then_refused_stream_and_nothing_forwarded(
         start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
     sidecar = start_sidecar(http2_max_concurrent_streams=4)
     with H2Client(sidecar.port) as client:
@@ -126,7 +128,7 @@ def test_attack_tooManyStreams_whenOverTheLimit_thenRefusedStreamAndNothingForwa
     assert not upstream.requests_with("cap-4") and not upstream.requests_with("cap-5")
 
 
-def test_attack_continuationFlood_whenEndlessHeaderBlock_thenGoawayAfterABoundedRun(
+def test_attack_continuation_flood_when_endless_header_block_then_goaway_after_a_bounded_run(
         start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
     """CVE-2024-27316: a header block that never ends, one CONTINUATION after
     another, held in memory by servers that wait for END_HEADERS. h2 allows 64
@@ -154,7 +156,7 @@ def test_attack_continuationFlood_whenEndlessHeaderBlock_thenGoawayAfterABounded
     _serves(sidecar)
 
 
-def test_attack_hpackBomb_whenSmallBlockInflatesHuge_thenGoawayCalmAndNothingForwarded(
+def test_attack_hpack_bomb_when_small_block_inflates_huge_then_goaway_calm_and_nothing_forwarded(
         start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
     """A 4 KB header put in the dynamic table once, then named by its one-byte
     index 500 times: 5 KB on the wire, 2 MB decoded. The decoder stops at twice
@@ -177,7 +179,7 @@ def test_attack_hpackBomb_whenSmallBlockInflatesHuge_thenGoawayCalmAndNothingFor
     _serves(sidecar)
 
 
-def test_attack_headerListOverLimit_thenStream431AndConnectionStays(
+def test_attack_header_list_over_limit_then_stream_431_and_connection_stays(
         start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
     sidecar = start_sidecar(http2_max_header_list_bytes=8192)
     before = len(upstream.requests)
@@ -191,7 +193,7 @@ def test_attack_headerListOverLimit_thenStream431AndConnectionStays(
 
 
 @pytest.mark.parametrize("flood", ["settings", "ping", "priority"])
-def test_attack_controlFrameFlood_thenGoawayCalm(start_sidecar: Callable[..., RunningSidecar],
+def test_attack_control_frame_flood_then_goaway_calm(start_sidecar: Callable[..., RunningSidecar],
                                                  flood: str) -> None:
     """CVE-2019-9512 (PING), -9515 (SETTINGS), -9516/-9513 (PRIORITY): frames
     that make the server answer or reorder, nothing asked. Past
@@ -217,7 +219,7 @@ def test_attack_controlFrameFlood_thenGoawayCalm(start_sidecar: Callable[..., Ru
     _serves(sidecar)
 
 
-def test_attack_emptyDataFlood_thenGoawayCalmAndNothingForwarded(
+def test_attack_empty_data_flood_then_goaway_calm_and_nothing_forwarded(
         start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
     """CVE-2019-9518: DATA frames with nothing in them, each an event to handle."""
     sidecar = start_sidecar(http2_max_empty_frames_per_s=100)
@@ -237,7 +239,7 @@ def test_attack_emptyDataFlood_thenGoawayCalmAndNothingForwarded(
     _serves(sidecar)
 
 
-def test_attack_streamsPerConnection_whenMany_thenGoawayNoErrorAndTheRestRefused(
+def test_attack_streams_per_connection_when_many_then_goaway_no_error_and_the_rest_refused(
         start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
     """A connection is not forever: after http2_max_streams_per_connection it
     is asked to go (GOAWAY NO_ERROR naming the last stream it serves); what
@@ -256,7 +258,7 @@ def test_attack_streamsPerConnection_whenMany_thenGoawayNoErrorAndTheRestRefused
     assert not upstream.requests_with("per-3")
 
 
-def test_attack_streamIdExhaustion_whenLastIdUsed_thenServedAndLowerIdIsAConnectionError(
+def test_attack_stream_id_exhaustion_when_last_id_used_then_served_and_lower_id_is_a_connection_error(
         start_sidecar: Callable[..., RunningSidecar]) -> None:
     """Stream ids only grow, to 2**31 - 1. A client there is served; an id
     below it (a wrapped counter) ends the connection, and the sidecar is fine."""

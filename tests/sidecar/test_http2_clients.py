@@ -55,8 +55,9 @@ def _h2load(url: str, body: Path, *, requests: int, clients: int, streams: int) 
     return {"total": total, "done": done, "succeeded": succeeded, "failed": failed}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tls", [False, True], ids=["prior-knowledge", "tls-alpn"])
-def test_h2load_whenManyStreamsPerConnection_thenEveryOneSucceeds(
+def test_h2load_when_many_streams_per_connection_then_every_one_succeeds(
         start_sidecar: Callable[..., RunningSidecar], tmp_path: Path, tls_files: dict[str, str],
         tls: bool) -> None:
     options = {"tls_cert": tls_files["tls_cert"], "tls_key": tls_files["tls_key"]} if tls else {}
@@ -70,7 +71,8 @@ def test_h2load_whenManyStreamsPerConnection_thenEveryOneSucceeds(
     assert {extra["http_version"] for extra in sidecar.log.extras.values()} == {"2"}
 
 
-def test_nghttp_whenStreamed_thenTheWholeAnswerAndEndStream(
+@pytest.mark.slow
+def test_nghttp_when_streamed_then_the_whole_answer_and_end_stream(
         start_sidecar: Callable[..., RunningSidecar], tmp_path: Path) -> None:
     sidecar = start_sidecar()
     body = tmp_path / "chat.json"
@@ -88,7 +90,8 @@ def test_nghttp_whenStreamed_thenTheWholeAnswerAndEndStream(
     assert "RST_STREAM" not in run.stdout
 
 
-def test_openaiSdk_overHttp2Httpx_thenStreamsAndCreates(start_sidecar: Callable[..., RunningSidecar]) -> None:
+def test_openai_sdk_over_http2_httpx_then_streams_and_creates(
+        start_sidecar: Callable[..., RunningSidecar]) -> None:
     sidecar = start_sidecar()
     with httpx.Client(http1=False, http2=True) as http_client:
         client = openai.OpenAI(base_url=f"{sidecar.url}/normal/v1", api_key="sk-test",
@@ -177,9 +180,10 @@ class _TickerUpstream:
             writer.close()
 
 
-def test_chromium_whenTwentyEventSourcesOverTls_thenAllFlowAtOnceAndAClosedOneAbortsItsUpstream(
-        start_sidecar: Callable[..., RunningSidecar], loop_thread: LoopThread, browser: Any,
-        page_origin: str, tls_files: dict[str, str]) -> None:
+@pytest.mark.slow
+def test_chromium_when_twenty_event_sources_over_tls_then_all_flow_at_once_and_a_closed_one_aborts_its_upstream(  # noqa: E501
+        start_sidecar: Callable[..., RunningSidecar], loop_thread: LoopThread, browser: Any, page_origin: str,
+        tls_files: dict[str, str]) -> None:
     ticker = _TickerUpstream()
     loop_thread.run(ticker.start())
     try:

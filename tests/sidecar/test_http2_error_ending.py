@@ -71,7 +71,7 @@ def tls_files(tmp_path: Path) -> dict[str, str]:
 # ------------------------------------------------------------------ the frames
 
 
-def test_h2_whenUpstreamDies_thenErrorEventThenErrorTrailersOnEndStream_andAFinishedOneHasNone(
+def test_h2_when_upstream_dies_then_error_event_then_error_trailers_on_end_stream_and_a_finished_one_has_none(
         start_sidecar: Callable[..., RunningSidecar]) -> None:
     sidecar = start_sidecar()
     with H2Client(sidecar.port) as client:
@@ -87,7 +87,7 @@ def test_h2_whenUpstreamDies_thenErrorEventThenErrorTrailersOnEndStream_andAFini
             _assert_failed_answer(sse_datas(bytes(died.body)))
 
 
-def test_h2_whenTheWindowLetsSixteenBytesAtATime_thenTheTrailersComeAfterTheWholeErrorEvent(
+def test_h2_when_the_window_lets_sixteen_bytes_at_a_time_then_the_trailers_come_after_the_whole_error_event(
         start_sidecar: Callable[..., RunningSidecar]) -> None:
     """A stream window of 16 bytes, credited as each DATA frame is read: the
     error event leaves in pieces, each waiting for a WINDOW_UPDATE, and the
@@ -101,7 +101,7 @@ def test_h2_whenTheWindowLetsSixteenBytesAtATime_thenTheTrailersComeAfterTheWhol
     _assert_failed_answer(sse_datas(bytes(died.body)))
 
 
-def test_h2_whenTheClientStopsReadingBeforeTheErrorEvent_thenResetAfterCloseFlushTimeout(
+def test_h2_when_the_client_stops_reading_before_the_error_event_then_reset_after_close_flush_timeout(
         start_sidecar: Callable[..., RunningSidecar]) -> None:
     """The error event and its trailers wait for a window that never opens:
     ``close_flush_timeout_s`` later the stream is reset (INTERNAL_ERROR), which
@@ -141,8 +141,9 @@ def _trailers(headers_file: Path) -> dict[bytes, bytes]:
     return {name.strip().lower(): value.strip() for name, value in fields}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tls", [False, True], ids=["prior-knowledge", "tls-alpn"])
-def test_curl_whenUpstreamDies_thenEveryRunShowsTheErrorEventAndTheErrorTrailers(
+def test_curl_when_upstream_dies_then_every_run_shows_the_error_event_and_the_error_trailers(
         start_sidecar: Callable[..., RunningSidecar], tls_files: dict[str, str], tmp_path: Path,
         tls: bool) -> None:
     """``curl -N`` over HTTP/2: the text, the whole error event, and the
@@ -172,7 +173,7 @@ def test_curl_whenUpstreamDies_thenEveryRunShowsTheErrorEventAndTheErrorTrailers
 # ------------------------------------------------------------------ the OpenAI SDK
 
 
-def test_openaiSdk_overHttp2Httpx_whenUpstreamDies_thenTheTextThenApiErrorFromTheEvent(
+def test_openai_sdk_over_http2_httpx_when_upstream_dies_then_the_text_then_api_error_from_the_event(
         start_sidecar: Callable[..., RunningSidecar]) -> None:
     sidecar = start_sidecar()
     with httpx.Client(http1=False, http2=True) as http_client:
@@ -239,7 +240,7 @@ def tls_sidecar(start_sidecar: Callable[..., RunningSidecar], tls_files: dict[st
 
 
 @pytest.mark.slow
-def test_chromium_fetchOverH2_whenUpstreamDies_thenEveryRunReadsTheTextAndTheWholeErrorEvent(
+def test_chromium_fetch_over_h2_when_upstream_dies_then_every_run_reads_the_text_and_the_whole_error_event(
         tls_sidecar: RunningSidecar, browser: Any, page_origin: str) -> None:
     url = f"https://localhost:{tls_sidecar.port}{DIE_PATH}"
     with new_page(browser, ignore_https_errors=True) as page:
@@ -253,7 +254,7 @@ def test_chromium_fetchOverH2_whenUpstreamDies_thenEveryRunReadsTheTextAndTheWho
 
 
 @pytest.mark.slow
-def test_chromium_eventSourceOverH2_whenUpstreamDies_thenEveryRunDispatchesTheTextAndTheErrorEvent(
+def test_chromium_event_source_over_h2_when_upstream_dies_then_every_run_dispatches_the_text_and_the_error_event(  # noqa: E501
         tls_sidecar: RunningSidecar, browser: Any, page_origin: str) -> None:
     url = f"https://localhost:{tls_sidecar.port}{DIE_PATH}"
     with new_page(browser, ignore_https_errors=True) as page:

@@ -50,7 +50,7 @@ def _text(response: SSEResponse) -> str:
 
 
 @pytest.mark.parametrize("other", [MALLORY, {}], ids=["another-credential", "no-credential"])
-def test_resume_byAnotherCaller_isTheSame404AsAnUnknownStream(
+def test_resume_by_another_caller_is_the_same_404_as_an_unknown_stream(
         start_sidecar: Callable[..., RunningSidecar], other: dict[str, str]) -> None:
     sidecar = start_sidecar(resume=True)
     first = _post(sidecar, {**ALICE, "x-request-id": "owned-1"})
@@ -77,7 +77,7 @@ def test_resume_byAnotherCaller_isTheSame404AsAnUnknownStream(
     assert _text(first) == expected_text(5)
 
 
-def test_streamsWithoutACredential_areOneCaller(start_sidecar: Callable[..., RunningSidecar]) -> None:
+def test_streams_without_a_credential_are_one_caller(start_sidecar: Callable[..., RunningSidecar]) -> None:
     sidecar = start_sidecar(resume=True)
     first = _post(sidecar, {})
     assert resume(sidecar.port, first.stream_id, None).status == 200
@@ -85,7 +85,7 @@ def test_streamsWithoutACredential_areOneCaller(start_sidecar: Callable[..., Run
     assert exchange(sidecar.port, "GET", f"/v1/streams/{first.stream_id}", headers=ALICE).status == 404
 
 
-def test_ownerHeader_isConfigurable(start_sidecar: Callable[..., RunningSidecar]) -> None:
+def test_owner_header_is_configurable(start_sidecar: Callable[..., RunningSidecar]) -> None:
     sidecar = start_sidecar(resume=True, resume_owner_header="x-api-key")
     first = _post(sidecar, {"x-api-key": "k-1", **ALICE})
     path = f"/v1/streams/{first.stream_id}"
@@ -94,7 +94,7 @@ def test_ownerHeader_isConfigurable(start_sidecar: Callable[..., RunningSidecar]
     assert open_stream(sidecar.port, "GET", path, headers={"x-api-key": "k-1"}).status == 200
 
 
-def test_idempotencyKey_isScopedByCaller_noReplayAndNo422AcrossCallers(
+def test_idempotency_key_is_scoped_by_caller_no_replay_and_no_422_across_callers(
         start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
     sidecar = start_sidecar(resume=True)
     key = {"Idempotency-Key": "order-77"}
@@ -116,7 +116,7 @@ def test_idempotencyKey_isScopedByCaller_noReplayAndNo422AcrossCallers(
     assert reused.status == 422 and reused.json()["error"]["code"] == "idempotency_key_reused"
 
 
-def test_streamsList_showsNoStreamId(start_sidecar: Callable[..., RunningSidecar]) -> None:
+def test_streams_list_shows_no_stream_id(start_sidecar: Callable[..., RunningSidecar]) -> None:
     sidecar = start_sidecar(resume=True)
     with connect(sidecar.port) as sock:
         sock.sendall(request_bytes("POST", "/silent/v1/chat/completions", body=chat_body(),
@@ -136,7 +136,7 @@ def test_streamsList_showsNoStreamId(start_sidecar: Callable[..., RunningSidecar
 # ---------------------------------------------------------------- the admin token
 
 
-def test_adminToken_guardsEverythingButTheProbesAndThePage(
+def test_admin_token_guards_everything_but_the_probes_and_the_page(
         start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
     sidecar = start_sidecar(admin_token=ADMIN_TOKEN)
     good = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -162,13 +162,13 @@ def test_adminToken_guardsEverythingButTheProbesAndThePage(
     assert json.loads(rest.datas()[-1])["error"]["code"] == "cancelled"
 
 
-def test_metricsPublic_opensOnlyMetrics(start_sidecar: Callable[..., RunningSidecar]) -> None:
+def test_metrics_public_opens_only_metrics(start_sidecar: Callable[..., RunningSidecar]) -> None:
     sidecar = start_sidecar(admin_token=ADMIN_TOKEN, metrics_public=True)
     assert httpx.get(sidecar.admin_url + "/metrics").status_code == 200
     assert httpx.get(sidecar.admin_url + "/streams").status_code == 401
 
 
-def test_nonLoopbackAdmin_withoutToken_refusesToStart_namingTheFlag(
+def test_non_loopback_admin_without_token_refuses_to_start_naming_the_flag(
         upstream: FakeUpstream, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ConfigError) as refused:
         make_config(upstream.url, admin_listen="0.0.0.0:0")
@@ -182,7 +182,8 @@ def test_nonLoopbackAdmin_withoutToken_refusesToStart_namingTheFlag(
     make_config(upstream.url, admin_listen="0.0.0.0:0", admin_token=ADMIN_TOKEN)
 
 
-def test_adminTokenFile_isReadAtStart(loop_thread: LoopThread, upstream: FakeUpstream, tmp_path: Any) -> None:
+def test_admin_token_file_is_read_at_start(
+        loop_thread: LoopThread, upstream: FakeUpstream, tmp_path: Any) -> None:
     token_file = tmp_path / "token"
     token_file.write_text(f"  {ADMIN_TOKEN}\n")
     sidecar = Sidecar(make_config(upstream.url, admin_listen="0.0.0.0:0", admin_token_file=str(token_file),
@@ -205,7 +206,7 @@ def test_adminTokenFile_isReadAtStart(loop_thread: LoopThread, upstream: FakeUps
 # ---------------------------------------------------------------- request ids and the abort call
 
 
-def test_abortCall_usesTheSidecarsOwnId_andTheClientKeepsItsOwn(
+def test_abort_call_uses_the_sidecars_own_id_and_the_client_keeps_its_own(
         start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
     sidecar = start_sidecar(abort_url=upstream.url + "/abort/{request_id}")
     sock = connect(sidecar.port)
@@ -222,7 +223,7 @@ def test_abortCall_usesTheSidecarsOwnId_andTheClientKeepsItsOwn(
     assert sidecar.record("a?admin=1#frag").end_reason == "client_gone"
 
 
-def test_aClientSentRequestId_cannotAbortAnothersGeneration(
+def test_a_client_sent_request_id_cannot_abort_anothers_generation(
         start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
     sidecar = start_sidecar(abort_url=upstream.url + "/abort/{request_id}")
     with connect(sidecar.port) as victim:
@@ -248,7 +249,7 @@ def test_aClientSentRequestId_cannotAbortAnothersGeneration(
     assert not any(r.path == f"/abort/{victim_seen.headers['x-request-id']}" for r in upstream.requests)
 
 
-def test_abortUrl_percentEncodesTheId(loop_thread: LoopThread, upstream: FakeUpstream) -> None:
+def test_abort_url_percent_encodes_the_id(loop_thread: LoopThread, upstream: FakeUpstream) -> None:
     pools = UpstreamPools(make_config(upstream.url, abort_url=upstream.url + "/abort/{request_id}"))
     before = len(upstream.requests)
 
@@ -271,7 +272,7 @@ def test_abortUrl_percentEncodesTheId(loop_thread: LoopThread, upstream: FakeUps
     ("127.0.0.1", True), ("127.9.9.9", True), ("::1", True), ("localhost", True), ("LocalHost", True),
     ("0.0.0.0", False), ("::", False), ("10.0.0.5", False), ("box.example", False),
 ])
-def test_isLoopback(host: str, loopback: bool) -> None:
+def test_is_loopback(host: str, loopback: bool) -> None:
     assert is_loopback(host) is loopback
 
 
@@ -291,7 +292,7 @@ def test_isLoopback(host: str, loopback: bool) -> None:
     (AdminAccess("t"), "/readyz", None, True),
     (AdminAccess("t"), "/", None, True),
 ])
-def test_adminAccess(access: AdminAccess, path: str, authorization: bytes | None, allowed: bool) -> None:
+def test_admin_access(access: AdminAccess, path: str, authorization: bytes | None, allowed: bool) -> None:
     assert access.allows(path, authorization) is allowed
 
 
@@ -305,6 +306,6 @@ OWN = ("http://127.0.0.1:9090", "http://localhost:9090")
     (("http://app.example",), b"http://app.example", ("http://app.example", *OWN)),
     (("http://app.example",), None, ("http://app.example", *OWN)),
 ])
-def test_corsOriginsFor(configured: tuple[str, ...], origin: bytes | None,
+def test_cors_origins_for(configured: tuple[str, ...], origin: bytes | None,
                         expected: tuple[str, ...]) -> None:
     assert origins_for(configured, OWN, origin) == expected

@@ -93,7 +93,8 @@ def _text(page: Any, selector: str) -> str:
     return str(page.text_content(selector))
 
 
-def test_adminRoot_servesTheSelfContainedPage_pointedAtTheBoundProxyPort(start_sidecar) -> None:
+@pytest.mark.slow
+def test_admin_root_serves_the_self_contained_page_pointed_at_the_bound_proxy_port(start_sidecar) -> None:
     sidecar = start_sidecar()  # listen port 0: only the bound port is right
     response = httpx.get(sidecar.admin_url + "/")
     assert response.status_code == 200
@@ -113,20 +114,21 @@ def test_adminRoot_servesTheSelfContainedPage_pointedAtTheBoundProxyPort(start_s
     ("0.0.0.0", None, "http://127.0.0.1:8080"),
     ("::1", b"[::1]:9", "http://[::1]:8080"),
 ])
-def test_playground_proxyUrl_isWhatTheBrowserCanReach(bound_host: str, host_header: bytes | None,
+def test_playground_proxy_url_is_what_the_browser_can_reach(bound_host: str, host_header: bytes | None,
                                                       expected: str) -> None:
     playground = Playground("{{PROXY_URL}}", "http", bound_host, 8080)
     assert playground.proxy_url(host_header) == expected
     assert playground.render(host_header) == expected.encode()
 
 
-def test_up_allowsTheAdminOrigin_underEitherLoopbackName() -> None:
+def test_up_allows_the_admin_origin_under_either_loopback_name() -> None:
     assert admin_origins("127.0.0.1", 8081) == ["http://127.0.0.1:8081", "http://localhost:8081",
                                                 "http://[::1]:8081"]
     assert admin_origins("10.0.0.5", 8081) == ["http://10.0.0.5:8081"]
 
 
-def test_page_streamsTheAnswerThroughTheProxy_withTimingsAndScreenshot(
+@pytest.mark.slow
+def test_page_streams_the_answer_through_the_proxy_with_timings_and_screenshot(
         start_sidecar, page_upstream: PageUpstream, page: Any, tmp_path: Path) -> None:
     page_upstream.tokens, page_upstream.delay_s = 40, 0.01
     sidecar = _playground(start_sidecar, page_upstream)
@@ -159,7 +161,8 @@ def test_page_streamsTheAnswerThroughTheProxy_withTimingsAndScreenshot(
         shutil.copyfile(shot, SCREENSHOT)
 
 
-def test_killButton_midStream_stopsTheTextAndTheUpstreamSeesTheDisconnect(
+@pytest.mark.slow
+def test_kill_button_mid_stream_stops_the_text_and_the_upstream_sees_the_disconnect(
         start_sidecar, page_upstream: PageUpstream, page: Any) -> None:
     page_upstream.tokens, page_upstream.delay_s = 200, 0.05  # ten seconds of answer
     sidecar = _playground(start_sidecar, page_upstream)
@@ -182,7 +185,8 @@ def test_killButton_midStream_stopsTheTextAndTheUpstreamSeesTheDisconnect(
     assert page.is_disabled("#kill") and page.is_disabled("#resume")
 
 
-def test_throttledReader_getsSeveralEventsPerRead_andStillTheWholeText(
+@pytest.mark.slow
+def test_throttled_reader_gets_several_events_per_read_and_still_the_whole_text(
         start_sidecar, page_upstream: PageUpstream, page: Any) -> None:
     page_upstream.tokens, page_upstream.delay_s = 120, 0.002
     sidecar = _playground(start_sidecar, page_upstream)
@@ -198,7 +202,8 @@ def test_throttledReader_getsSeveralEventsPerRead_andStillTheWholeText(
     assert _text(page, "#tokens") == "120"
 
 
-def test_resumeButton_afterAKill_appendsTheRestFromTheReplay_exactlyOnce(
+@pytest.mark.slow
+def test_resume_button_after_a_kill_appends_the_rest_from_the_replay_exactly_once(
         start_sidecar, page_upstream: PageUpstream, page: Any) -> None:
     page_upstream.tokens, page_upstream.delay_s = 60, 0.03
     # Grace keeps the engine generating into the replay store while the page is away.
@@ -237,7 +242,8 @@ NARROW_PX = 400
 NARROW_SCREENSHOT = SCREENSHOT.with_name("playground-400px.png")
 
 
-def test_narrowPage_at400px_fitsWithoutSideScrolling_andStillStreams(
+@pytest.mark.slow
+def test_narrow_page_at_400px_fits_without_side_scrolling_and_still_streams(
         start_sidecar, page_upstream: PageUpstream, browser: Any, tmp_path: Path) -> None:
     page_upstream.tokens, page_upstream.delay_s = 30, 0.005
     sidecar = _playground(start_sidecar, page_upstream)
@@ -263,7 +269,8 @@ def test_narrowPage_at400px_fitsWithoutSideScrolling_andStillStreams(
             shutil.copyfile(shot, NARROW_SCREENSHOT)
 
 
-def test_minTokens_isSentAsTheEnginesMinTokens_andRaisesMaxTokensToMatch(
+@pytest.mark.slow
+def test_min_tokens_is_sent_as_the_engines_min_tokens_and_raises_max_tokens_to_match(
         start_sidecar, page_upstream: PageUpstream, page: Any) -> None:
     page_upstream.tokens, page_upstream.delay_s = 5, 0.0
     sidecar = _playground(start_sidecar, page_upstream)
@@ -281,7 +288,8 @@ def test_minTokens_isSentAsTheEnginesMinTokens_andRaisesMaxTokensToMatch(
     assert "min_tokens" not in sent and sent["max_tokens"] == 50
 
 
-def test_aPageFromAnotherOrigin_isToldWhichFlagLetsItIn(
+@pytest.mark.slow
+def test_a_page_from_another_origin_is_told_which_flag_lets_it_in(
         start_sidecar, page_upstream: PageUpstream, page: Any) -> None:
     sidecar = _playground(start_sidecar, page_upstream)
     with served_page(httpx.get(sidecar.admin_url + "/").content) as origin:
@@ -296,7 +304,8 @@ def test_aPageFromAnotherOrigin_isToldWhichFlagLetsItIn(
                                     f"{origin} read its answers: start it with --cors-allow-origin {origin}")
 
 
-def test_nothingListening_saysSoInWords(page: Any) -> None:
+@pytest.mark.slow
+def test_nothing_listening_says_so_in_words(page: Any) -> None:
     dead = f"http://127.0.0.1:{_free_port()}"
     template = importlib.resources.files("tokenwire.sidecar.process").joinpath("static/playground.html")
     with served_page(template.read_text("utf-8").replace("{{PROXY_URL}}", dead).encode()) as origin:
@@ -308,7 +317,8 @@ def test_nothingListening_saysSoInWords(page: Any) -> None:
     assert _text(page, "#note").startswith(f"nothing answers at {dead}: is the sidecar running")
 
 
-def test_anErrorStatus_isShownWithTheSidecarsMessage(start_sidecar, page: Any) -> None:
+@pytest.mark.slow
+def test_an_error_status_is_shown_with_the_sidecars_message(start_sidecar, page: Any) -> None:
     # An upstream that refuses connections: the sidecar answers 502 with its reason.
     sidecar = start_sidecar(f"http://127.0.0.1:{_free_port()}", admin_listen="127.0.0.1:0", retry_attempts=0)
     _open(page, sidecar)

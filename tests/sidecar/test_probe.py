@@ -43,7 +43,7 @@ def unix_upstream(loop_thread: LoopThread) -> Iterator[tuple[FakeUpstream, str]]
         loop_thread.run(fake.stop())
 
 
-def test_probe_whenStreamsComplete_thenCountsThemAndExitsZero(
+def test_probe_when_streams_complete_then_counts_them_and_exits_zero(
         upstream: FakeUpstream, capsys: pytest.CaptureFixture[str]) -> None:
     url = upstream.url + "/normal/v1"
     code, report = _run(capsys, url, "--requests", "6", "--concurrency", "3")
@@ -59,7 +59,7 @@ def test_probe_whenStreamsComplete_thenCountsThemAndExitsZero(
     assert summary["tokens_per_s"]["p50"] > 0 and report["run"]["tokens_per_s"] > 0
 
 
-def test_probe_whenWarmupAsked_thenWarmupStreamsAreSentButNotCounted(
+def test_probe_when_warmup_asked_then_warmup_streams_are_sent_but_not_counted(
         upstream: FakeUpstream, capsys: pytest.CaptureFixture[str]) -> None:
     url = upstream.url + "/normal/v1"
     before = len(upstream.requests)
@@ -69,7 +69,7 @@ def test_probe_whenWarmupAsked_thenWarmupStreamsAreSentButNotCounted(
     assert report[url]["summary"]["requests"] == 3 and report["run"]["warmup"] == 2
 
 
-def test_probe_whenEnginePrefillsSlowly_thenPrefillIsInTtftAndNeverInTheInterTokenGap(
+def test_probe_when_engine_prefills_slowly_then_prefill_is_in_ttft_and_never_in_the_inter_token_gap(
         upstream: FakeUpstream, capsys: pytest.CaptureFixture[str]) -> None:
     # The role-only chunk comes at once, the first token 0.5 s later, then one every 10 ms.
     url = upstream.url + "/normal/v1"
@@ -83,7 +83,7 @@ def test_probe_whenEnginePrefillsSlowly_thenPrefillIsInTtftAndNeverInTheInterTok
     assert summary["itl_ms"]["max"] < 250, "inter-token gaps start at the first token"
 
 
-def test_probe_whenApiIsCompletions_thenPostsPromptToCompletionsAndReadsTextChunks(
+def test_probe_when_api_is_completions_then_posts_prompt_to_completions_and_reads_text_chunks(
         upstream: FakeUpstream, capsys: pytest.CaptureFixture[str]) -> None:
     url = upstream.url + "/normal/v1"
     before = len(upstream.requests)
@@ -98,7 +98,7 @@ def test_probe_whenApiIsCompletions_thenPostsPromptToCompletionsAndReadsTextChun
     assert all(s["events"] == 7 and s["ttft_s"] is not None for s in report[url]["streams"])
 
 
-def test_probe_whenUpstreamDiesMidStream_thenReportsTruncationAndExitsOne(
+def test_probe_when_upstream_dies_mid_stream_then_reports_truncation_and_exits_one(
         upstream: FakeUpstream, capsys: pytest.CaptureFixture[str]) -> None:
     url = upstream.url + "/die/v1"
     code, report = _run(capsys, url, "--requests", "2", "--concurrency", "2", "--warmup", "0")
@@ -109,7 +109,7 @@ def test_probe_whenUpstreamDiesMidStream_thenReportsTruncationAndExitsOne(
     assert summary["truncated"] + summary["errors"] == 2
 
 
-def test_probe_whenTargetIsUnixSocket_thenStreamsOverIt(
+def test_probe_when_target_is_unix_socket_then_streams_over_it(
         unix_upstream: tuple[FakeUpstream, str], capsys: pytest.CaptureFixture[str]) -> None:
     fake, path = unix_upstream
     target = f"unix:{path}"
@@ -121,7 +121,8 @@ def test_probe_whenTargetIsUnixSocket_thenStreamsOverIt(
     assert len(fake.connections) == 2
 
 
-def test_probe_compare_whenEngineSocketDirectAndThroughSidecar_thenInterleavedPairsAfterWarmup(
+@pytest.mark.slow
+def test_probe_compare_when_engine_socket_direct_and_through_sidecar_then_interleaved_pairs_after_warmup(
         unix_upstream: tuple[FakeUpstream, str], start_sidecar: Callable[..., Any]) -> None:
     """What ``tokenwire up`` allows: the engine's socket against the sidecar in front of it,
     with the ``tokenwire`` command as a user runs it."""
@@ -146,7 +147,7 @@ def test_probe_compare_whenEngineSocketDirectAndThroughSidecar_thenInterleavedPa
     assert isinstance(report["ttft_gap_p50_ms"], float)
 
 
-def test_probe_compare_whenOneTargetPrefillsLonger_thenTheIntervalHoldsTheDifference(
+def test_probe_compare_when_one_target_prefills_longer_then_the_interval_holds_the_difference(
         upstream: FakeUpstream, capsys: pytest.CaptureFixture[str]) -> None:
     fast, slow = upstream.url + "/normal/v1", upstream.url + "/prefill/v1"  # /prefill: +0.5 s
     code, report = _run(capsys, fast, "--compare", slow, "--requests", "6", "--concurrency", "2",
@@ -158,7 +159,7 @@ def test_probe_compare_whenOneTargetPrefillsLonger_thenTheIntervalHoldsTheDiffer
     assert report["ttft_gap_p50_ms"] >= 250
 
 
-def test_probe_whenServerClosesItsKeptAliveConnection_thenTheNextRequestGoesOnANewOne(
+def test_probe_when_server_closes_its_kept_alive_connection_then_the_next_request_goes_on_a_new_one(
         recorder: ScriptedUpstream, capsys: pytest.CaptureFixture[str]) -> None:
     """An engine closes an idle keep-alive connection (uvicorn after 5 s) with no
     ``Connection: close`` to say so: that is no failed stream."""
@@ -175,7 +176,7 @@ def test_probe_whenServerClosesItsKeptAliveConnection_thenTheNextRequestGoesOnAN
     assert report[recorder.url]["summary"]["ok"] == 3 and recorder.connections == 3
 
 
-def test_probe_whenTargetIsHttps_thenVerifiesItWithTheGivenCa(
+def test_probe_when_target_is_https_then_verifies_it_with_the_given_ca(
         start_sidecar: Callable[..., Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     files = tls_server_files(trustme.CA(), tmp_path)
     sidecar = start_sidecar(tls_cert=files["tls_cert"], tls_key=files["tls_key"])
@@ -187,14 +188,14 @@ def test_probe_whenTargetIsHttps_thenVerifiesItWithTheGivenCa(
     assert code == 1 and "CERTIFICATE_VERIFY_FAILED" in report[url]["summary"]["error_samples"][0]
 
 
-def test_probe_whenUrlIsNotHttp_thenUsageErrorNamesIt(capsys: pytest.CaptureFixture[str]) -> None:
+def test_probe_when_url_is_not_http_then_usage_error_names_it(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["ftp://example", "--requests", "1"])
     assert exit_info.value.code == 2
     assert "ftp://example" in capsys.readouterr().err
 
 
-def test_probe_whenTextReport_thenNamesEachFigure(
+def test_probe_when_text_report_then_names_each_figure(
         upstream: FakeUpstream, capsys: pytest.CaptureFixture[str]) -> None:
     url = upstream.url + "/normal/v1"
     assert main([url, "--requests", "2", "--warmup", "0"]) == 0
@@ -203,7 +204,7 @@ def test_probe_whenTextReport_thenNamesEachFigure(
         assert figure in out
 
 
-def test_probe_compare_whenTextReport_thenEachFigureHasItsDifferenceAndInterval(
+def test_probe_compare_when_text_report_then_each_figure_has_its_difference_and_interval(
         upstream: FakeUpstream, capsys: pytest.CaptureFixture[str]) -> None:
     first, second = upstream.url + "/normal/v1", upstream.url + "/prefill/v1"
     assert main([first, "--compare", second, "--requests", "3", "--warmup", "0"]) == 0
@@ -214,7 +215,7 @@ def test_probe_compare_whenTextReport_thenEachFigureHasItsDifferenceAndInterval(
         assert "[" in line and "(3 pairs)" in line, line
 
 
-def test_stats_pairedDifference_isTheMedianOfPairDifferencesWithAnIntervalAroundIt() -> None:
+def test_stats_paired_difference_is_the_median_of_pair_differences_with_an_interval_around_it() -> None:
     pairs = [(1.0, 1.5), (2.0, 2.4), (1.0, 1.6), (3.0, 3.5), (1.0, 1.45)]
     diff = paired_difference(pairs, scale=1000)
     assert diff["pairs"] == 5 and diff["median"] == 500.0
@@ -223,7 +224,7 @@ def test_stats_pairedDifference_isTheMedianOfPairDifferencesWithAnIntervalAround
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile([], 99) is None
 
 
-def test_readChunk_textReasoningAndToolCallsAreTokens_theRoleFinishAndUsageChunksAreNot() -> None:
+def test_read_chunk_text_reasoning_and_tool_calls_are_tokens_the_role_finish_and_usage_chunks_are_not() -> None:  # noqa: E501
     def chunk_with(delta: dict[str, Any], **extra: Any) -> str:
         return json.dumps({"choices": [{"index": 0, "delta": delta, "finish_reason": None}], **extra})
 

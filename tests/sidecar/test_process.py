@@ -11,6 +11,8 @@ from clients import ResponseReader, chat_body, connect, read_response, request_b
 from processes import spawn
 from upstreams import FakeUpstream
 
+pytestmark = pytest.mark.slow
+
 
 def test_sigterm_lets_short_streams_finish_and_ends_long_ones_with_shutdown(upstream: FakeUpstream) -> None:
     process = spawn(["--upstream", upstream.url, "--drain-s", "0.6", "--heartbeat-s", "0.2"])

@@ -26,6 +26,8 @@ from conftest import RunningSidecar
 from resume_client import open_stream
 from upstreams import FakeUpstream, expected_text
 
+pytestmark = pytest.mark.slow
+
 PATH = "/normal/v1/chat/completions"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TOKENS = 60
@@ -119,7 +121,7 @@ def _open_reader(sidecar: RunningSidecar, stream_id: str, timeout_s: float = 5.0
 
 
 @pytest.mark.parametrize("store", ["memory", "redis"])
-def test_eventSource_droppedByTheServer_reconnectsWithLastEventId_andShowsTheWholeAnswerOnce(
+def test_event_source_dropped_by_the_server_reconnects_with_last_event_id_and_shows_the_whole_answer_once(
         start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream, page_origin: str,
         browser: Any, request: pytest.FixtureRequest, tmp_path: Path, store: str) -> None:
     resume_store = request.getfixturevalue("redis_url") if store == "redis" else "memory"

@@ -17,6 +17,8 @@ from tokenwire.middleware.shared.replay_redis import RedisReplayStore
 from tokenwire.middleware.shared.replay_store import KeyReused, ReplayUnavailable, StreamNotFound
 from upstreams import FakeUpstream, expected_text
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def replicas(redis_url: str, upstream: FakeUpstream) -> Iterator[Callable[..., SidecarProcess]]:

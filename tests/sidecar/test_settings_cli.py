@@ -98,7 +98,7 @@ def test_cli_engine_without_torch_says_how_to_install(monkeypatch: pytest.Monkey
     assert "pip install tokenwire[engine]" in capsys.readouterr().err
 
 
-def test_up_whenPortTaken_thenExitsNonZeroNamingIt(capsys: pytest.CaptureFixture[str]) -> None:
+def test_up_when_port_taken_then_exits_non_zero_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

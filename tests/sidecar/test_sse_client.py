@@ -23,7 +23,7 @@ def _chunk(data: bytes) -> bytes:
     return b"%x\r\n%b\r\n" % (len(data), data)
 
 
-def test_parser_reportsHeadThenEventsThenEnd_asTheBytesArrive() -> None:
+def test_parser_reports_head_then_events_then_end_as_the_bytes_arrive() -> None:
     parser = ResponseParser(keep_raw=True)
     assert parser.next_event() is NEED_DATA
     parser.receive_data(HEAD_BYTES + _chunk(b"id: s.1\ndata: a\n\n: keepalive\n\ndata: b"))
@@ -39,13 +39,13 @@ def test_parser_reportsHeadThenEventsThenEnd_asTheBytesArrive() -> None:
     assert response.ids == ["s.1"] and response.raw.startswith(b"HTTP/1.1 200")
 
 
-def test_parser_whenBodyIsCutBeforeItsTerminator_thenNotCleanAndSaysWhy() -> None:
+def test_parser_when_body_is_cut_before_its_terminator_then_not_clean_and_says_why() -> None:
     response = parse_response(HEAD_BYTES + _chunk(b"data: a\n\n"))
     assert response.datas() == ["a"]
     assert not response.clean_end and "RemoteProtocolError" in response.error
 
 
-def test_parser_whenResponsesArePipelined_thenTheNextOnesStartIsKept() -> None:
+def test_parser_when_responses_are_pipelined_then_the_next_ones_start_is_kept() -> None:
     second = b"HTTP/1.1 204 No Content\r\n\r\n"
     parser = ResponseParser()
     parser.receive_data(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}" + second)
@@ -55,7 +55,7 @@ def test_parser_whenResponsesArePipelined_thenTheNextOnesStartIsKept() -> None:
     assert parse_response(parser.trailing).status == 204
 
 
-def test_blockingReader_whenPeerClosesMidBody_thenUnclean() -> None:
+def test_blocking_reader_when_peer_closes_mid_body_then_unclean() -> None:
     client, server = socket.socketpair()
     with client, server:
         server.sendall(HEAD_BYTES + _chunk(b"data: a\n\n"))
@@ -68,7 +68,7 @@ def test_blockingReader_whenPeerClosesMidBody_thenUnclean() -> None:
     assert response.status == 200 and response.datas() == ["a"] and not response.clean_end
 
 
-def test_blockingReader_stopsWhenAskedAndReadsOnWhenCalledAgain() -> None:
+def test_blocking_reader_stops_when_asked_and_reads_on_when_called_again() -> None:
     client, server = socket.socketpair()
     with client, server:
         server.sendall(HEAD_BYTES + _chunk(b"data: 1\n\ndata: 2\n\ndata: 3\n\n") + b"0\r\n\r\n")

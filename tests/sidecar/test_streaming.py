@@ -33,6 +33,7 @@ def test_openai_sdk_non_streaming_answer_is_passed_through(start_sidecar) -> Non
     assert [m.id for m in models] == ["fake"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl not installed")
 def test_curl_no_buffer_gets_every_event_and_done(start_sidecar) -> None:
     sidecar = start_sidecar()

@@ -32,7 +32,7 @@ def promtool_check(text: str) -> None:
         result.stdout + result.stderr
 
 
-def test_ttft_whenRoleChunkComesFirst_thenTimedAtTheFirstToken(start_sidecar) -> None:
+def test_ttft_when_role_chunk_comes_first_then_timed_at_the_first_token(start_sidecar) -> None:
     """The fake engine sends its role chunk at once and each token 0.5 s later:
     the first byte is the role chunk, the first token comes at least 0.5 s in."""
     sidecar = start_sidecar()
@@ -47,7 +47,7 @@ def test_ttft_whenRoleChunkComesFirst_thenTimedAtTheFirstToken(start_sidecar) ->
     assert record.tokens_out == (2, "usage")
 
 
-def test_metrics_whileAStreamRuns_thenItsFirstTokenAndBytesAreCountedLive(
+def test_metrics_while_a_stream_runs_then_its_first_token_and_bytes_are_counted_live(
         start_sidecar, upstream: FakeUpstream) -> None:
     sidecar = start_sidecar()
     labels = {"upstream": upstream.url, "status_class": "2xx", "http_version": "1.1"}
@@ -79,7 +79,8 @@ def test_metrics_whileAStreamRuns_thenItsFirstTokenAndBytesAreCountedLive(
     assert sample(text, "tokenwire_active_streams") == 0
 
 
-def test_metrics_passPromtoolCheck(start_sidecar) -> None:
+@pytest.mark.slow
+def test_metrics_pass_promtool_check(start_sidecar) -> None:
     sidecar = start_sidecar()
     exchange(sidecar.port, "POST", "/normal/v1/chat/completions", body=chat_body(),
              headers={"X-Request-Id": "p-1"})
@@ -92,8 +93,9 @@ def test_metrics_passPromtoolCheck(start_sidecar) -> None:
     promtool_check(text)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rules", ["tokenwire-alerts.yml"])
-def test_alertRules_passPromtoolCheckRules(rules: str) -> None:
+def test_alert_rules_pass_promtool_check_rules(rules: str) -> None:
     from pathlib import Path
 
     promtool = shutil.which("promtool")
@@ -104,7 +106,8 @@ def test_alertRules_passPromtoolCheckRules(rules: str) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_sumMetrics_whenWorkersAdd_thenInfoAndStartTimesAreNotSummed() -> None:
+@pytest.mark.slow
+def test_sum_metrics_when_workers_add_then_info_and_start_times_are_not_summed() -> None:
     """The --workers admin port sums its workers' /metrics: counters and
     histograms add up, but a build-info sample stays 1 and a start time is the
     earliest, and the sum still passes promtool."""
@@ -124,7 +127,7 @@ def test_sumMetrics_whenWorkersAdd_thenInfoAndStartTimesAreNotSummed() -> None:
     promtool_check(summed)
 
 
-def test_metrics_whenHttp2Client_thenItsStreamsHaveTheirOwnLabel(
+def test_metrics_when_http2_client_then_its_streams_have_their_own_label(
         start_sidecar, upstream: FakeUpstream) -> None:
     sidecar = start_sidecar()
     with httpx.Client(http1=False, http2=True, base_url=sidecar.url) as client:
@@ -139,7 +142,7 @@ def test_metrics_whenHttp2Client_thenItsStreamsHaveTheirOwnLabel(
     assert sample(text, "tokenwire_time_to_first_token_seconds_count", http_version="1.1", **labels) is None
 
 
-def test_logs_atDebug_holdNoAuthorizationCookiePromptOrCompletion(
+def test_logs_at_debug_hold_no_authorization_cookie_prompt_or_completion(
         loop_thread, upstream: FakeUpstream) -> None:
     """Every line the sidecar logs for a stream (its lifecycle at debug, its end
     line), as JSON: none holds the credential, the cookie, the prompt or the answer."""

@@ -21,6 +21,8 @@ import pytest
 
 from testbed.targets import child_lines, tokenwire_up
 
+pytestmark = pytest.mark.slow
+
 _REQUESTS = 20
 # The target is 5 ms at the median (docs/perf/telemetry.md: ~2 ms on an idle
 # machine). What separates the two clocks is two socket hops between processes, and
@@ -32,7 +34,7 @@ _SECRETS = ("Bearer sk-SECRET-TOKEN-6f1d2", "session=COOKIE-SECRET-93a1", "PROMP
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_up_sidecarAndEngineTtftAgree_logsAreJson_andHoldNoSecrets(
+def test_up_sidecar_and_engine_ttft_agree_logs_are_json_and_hold_no_secrets(
         tiny_cache: tuple[Path, Path], tmp_path: Path) -> None:
     cache_dir, model_dir = tiny_cache
     # Debug shows every lifecycle line, which must be as free of secrets as the rest.
@@ -100,7 +102,8 @@ for child in children:
 """
 
 
-def test_upEcho_twoChildrenLoggingAtOnce_everyEchoedLineIsOneWholeLineOfOneChild(tmp_path: Path) -> None:
+def test_up_echo_two_children_logging_at_once_every_echoed_line_is_one_whole_line_of_one_child(
+        tmp_path: Path) -> None:
     """``up --verbose`` echoes each child's lines from its own thread into one
     stderr: a line must never be split by the other child's (it was, when the
     echo wrote a line and its newline apart: a sidecar line with an engine

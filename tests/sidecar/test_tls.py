@@ -102,6 +102,7 @@ def fresh_ca() -> Iterator[trustme.CA]:
     yield trustme.CA()
 
 
+@pytest.mark.slow
 def test_sighup_reloads_the_certificate_while_an_open_stream_continues(
         upstream: FakeUpstream, ca: trustme.CA, fresh_ca: trustme.CA, server_files: dict[str, str]) -> None:
     process = spawn(["--upstream", upstream.url, "--tls-cert", server_files["tls_cert"],

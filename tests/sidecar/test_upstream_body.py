@@ -23,7 +23,7 @@ def _read(pieces: list[bytes]) -> tuple[bytes, ChunkedBodyReader]:
     return out, reader
 
 
-def test_everySplit_givesTheSameBody() -> None:
+def test_every_split_gives_the_same_body() -> None:
     expected = b"data: " + b"x" * 26 + b"0123456789"
     for cut in range(len(_BODY) + 1):
         for second in range(cut, len(_BODY) + 1, 7):
@@ -34,14 +34,14 @@ def test_everySplit_givesTheSameBody() -> None:
     assert body == expected and reader.done
 
 
-def test_oneReadOfManyChunks_givesOnePiecePerChunk() -> None:
+def test_one_read_of_many_chunks_gives_one_piece_per_chunk() -> None:
     reader = ChunkedBodyReader()
     assert reader.feed(b"2\r\nab\r\n2\r\ncd\r\n3\r\nef") == [b"ab", b"cd", b"ef"]
     assert reader.feed(b"g\r\n") == [b"g"]
     assert not reader.done
 
 
-def test_bytesAfterTheEnd_areLeftOver_notBody() -> None:
+def test_bytes_after_the_end_are_left_over_not_body() -> None:
     body, reader = _read([b"1\r\na\r\n0\r\n\r\nHTTP/1.1 200 OK\r\n", b"more"])
     assert body == b"a"
     assert reader.done
@@ -59,7 +59,7 @@ def test_bytesAfterTheEnd_areLeftOver_notBody() -> None:
     b"0\r\nno colon\r\n\r\n",        # malformed trailer
     b"1" * 5000,                     # a size line that never ends
 ])
-def test_malformedBodies_areRefused(bad: bytes) -> None:
+def test_malformed_bodies_are_refused(bad: bytes) -> None:
     reader = ChunkedBodyReader()
     with pytest.raises(RemoteProtocolFault):
         reader.feed(bad)
@@ -79,7 +79,7 @@ def _encoded(pieces: list[bytes], sizes_as: list[str]) -> bytes:
 @given(pieces=st.lists(st.binary(min_size=1, max_size=300), min_size=1, max_size=6),
        forms=st.lists(st.sampled_from(["lower", "upper", "padded", "extension"]), min_size=6, max_size=6),
        cuts=st.lists(st.integers(min_value=0, max_value=2000), max_size=4))
-def test_anySizeSpelling_anyCuts_giveTheSameBody(pieces: list[bytes], forms: list[str],
+def test_any_size_spelling_any_cuts_give_the_same_body(pieces: list[bytes], forms: list[str],
                                                  cuts: list[int]) -> None:
     # The one-chunk path and the byte-by-byte size scan must read every
     # spelling RFC 9112 allows (either case, leading zeros up to 16 digits,
@@ -91,7 +91,7 @@ def test_anySizeSpelling_anyCuts_giveTheSameBody(pieces: list[bytes], forms: lis
     assert reader.done and reader.leftover == b""
 
 
-def test_oneWholeChunkPerRead_isOnePiece_inEverySpelling() -> None:
+def test_one_whole_chunk_per_read_is_one_piece_in_every_spelling() -> None:
     for size_line in (b"1a", b"1A", b"000000000000001a", b"1a;x=y", b"1a \t"):
         reader = ChunkedBodyReader()
         assert reader.feed(size_line + b"\r\n" + b"y" * 26 + b"\r\n") == [b"y" * 26], size_line
@@ -111,7 +111,7 @@ def _spelled(piece: bytes, form: str) -> bytes:
                      min_size=1, max_size=8),
        cuts=st.lists(st.integers(min_value=0, max_value=6000), max_size=5),
        whole=st.booleans())
-def test_property_aFramedChunkRead_isWhatFeedWouldGive_spelledAsTheSidecarFramesIt(
+def test_property_a_framed_chunk_read_is_what_feed_would_give_spelled_as_the_sidecar_frames_it(
         spec: list[tuple[int, bytes, str]], cuts: list[int], whole: bool) -> None:
     # The sidecar forwards a read that framed_chunk_start accepts as it came
     # and never feeds it to the reader. That is only right if (1) feeding it
@@ -152,7 +152,7 @@ def test_property_aFramedChunkRead_isWhatFeedWouldGive_spelledAsTheSidecarFrames
                              for chunk, (piece, _) in zip(chunks, pieces, strict=True))
 
 
-def test_framedChunkStart_onlyForOneWholeCanonicalChunk_atABoundary() -> None:
+def test_framed_chunk_start_only_for_one_whole_canonical_chunk_at_a_boundary() -> None:
     reader = ChunkedBodyReader()
     one = b"1a\r\n" + b"y" * 26 + b"\r\n"
     assert reader.framed_chunk_start(one) == 4

@@ -111,7 +111,7 @@ def _body(fed: list[Input]) -> bytes:
     return b"".join(event.data for event in fed if isinstance(event, UpstreamData))
 
 
-def test_sequentialStreams_shareOneKeptAliveConnection(loop_thread: LoopThread) -> None:
+def test_sequential_streams_share_one_kept_alive_connection(loop_thread: LoopThread) -> None:
     """Three chunked answers in a row: each attempt reports its head, its event
     and its end, and the connection goes back to the pool for the next one."""
     runs, connections, _ = _attempts(loop_thread, 3)
@@ -124,7 +124,7 @@ def test_sequentialStreams_shareOneKeptAliveConnection(loop_thread: LoopThread) 
     assert connections == 1
 
 
-def test_theRequest_namesThePodsHost_andItsBodysLength(loop_thread: LoopThread) -> None:
+def test_the_request_names_the_pods_host_and_its_bodys_length(loop_thread: LoopThread) -> None:
     seen: list[bytes] = []
     _attempts(loop_thread, 1, configure=lambda upstream: setattr(upstream, "requests", seen))
     assert re.fullmatch(rb"POST /v1/chat/completions HTTP/1\.1\r\nHost: 127\.0\.0\.1:\d+\r\n"
@@ -132,7 +132,7 @@ def test_theRequest_namesThePodsHost_andItsBodysLength(loop_thread: LoopThread) 
 
 
 @pytest.mark.parametrize("pieces", [tuple([1] * 120), (17,), (70, 3), (len(_CHUNKED) - 3,)])
-def test_aHeadCutAnywhere_isReadWhole(loop_thread: LoopThread, pieces: tuple[int, ...]) -> None:
+def test_a_head_cut_anywhere_is_read_whole(loop_thread: LoopThread, pieces: tuple[int, ...]) -> None:
     runs, connections, _ = _attempts(loop_thread, 2,
                                      configure=lambda upstream: setattr(upstream, "pieces", pieces))
     for fed in runs:
@@ -141,7 +141,7 @@ def test_aHeadCutAnywhere_isReadWhole(loop_thread: LoopThread, pieces: tuple[int
     assert connections == 1
 
 
-def test_informationalHeads_areSkipped(loop_thread: LoopThread) -> None:
+def test_informational_heads_are_skipped(loop_thread: LoopThread) -> None:
     answer = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n" + _CHUNKED
     runs, connections, _ = _attempts(loop_thread, 2, configure=lambda upstream: (
         setattr(upstream, "answer", answer), setattr(upstream, "pieces", (30, 5))))
@@ -159,7 +159,7 @@ def test_informationalHeads_areSkipped(loop_thread: LoopThread) -> None:
     (b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhelloEXTRA", False),  # past its framing
     (_CHUNKED + b"HTTP/1.1 200 OK\r\n", False),
 ])
-def test_onlyAResponseEndedCleanly_leavesItsConnectionForTheNext(
+def test_only_a_response_ended_cleanly_leaves_its_connection_for_the_next(
         loop_thread: LoopThread, answer: bytes, reused: bool) -> None:
     runs, connections, _ = _attempts(loop_thread, 2,
                                      configure=lambda upstream: setattr(upstream, "answer", answer))
@@ -168,7 +168,7 @@ def test_onlyAResponseEndedCleanly_leavesItsConnectionForTheNext(
     assert connections == (1 if reused else 2)
 
 
-def test_aBodyToTheClose_isReadToTheClose(loop_thread: LoopThread) -> None:
+def test_a_body_to_the_close_is_read_to_the_close(loop_thread: LoopThread) -> None:
     def configure(upstream: type[_Upstream]) -> None:
         upstream.answer = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\nall of it"
         upstream.pieces = (40, 3)
@@ -180,7 +180,7 @@ def test_aBodyToTheClose_isReadToTheClose(loop_thread: LoopThread) -> None:
     assert connections == 2
 
 
-def test_aHeadAnswer_hasNoBody(loop_thread: LoopThread) -> None:
+def test_a_head_answer_has_no_body(loop_thread: LoopThread) -> None:
     answer = b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n"
     runs, connections, _ = _attempts(loop_thread, 2, method=b"HEAD",
                                      configure=lambda upstream: setattr(upstream, "answer", answer))
@@ -197,7 +197,8 @@ def test_aHeadAnswer_hasNoBody(loop_thread: LoopThread) -> None:
     (b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n", "conflicting Content-Length"),
     (b"HTTP/1.1 101 Switching Protocols\r\n\r\n", "asked for no upgrade"),
 ])
-def test_aBrokenAnswer_isAFailureThatSaysWhat(loop_thread: LoopThread, answer: bytes, error: str) -> None:
+def test_a_broken_answer_is_a_failure_that_says_what(
+        loop_thread: LoopThread, answer: bytes, error: str) -> None:
     def configure(upstream: type[_Upstream]) -> None:
         upstream.answer = answer
         upstream.close_after = True

@@ -88,11 +88,11 @@ def _ours(head: bytes, method: bytes) -> tuple[int, bytes, list[Header]] | None:
 @example(b"\r\n", b"POST")
 @example(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\ntransfer-encoding: chunked\r\n\r\n", b"POST")
 @example(b"HTTP/1.1 200 OK\r\nx-a: a\rb\r\n\r\n", b"POST")
-def test_theResponseHead_isReadAsH11ReadsIt(head: bytes, method: bytes) -> None:
+def test_the_response_head_is_read_as_h11_reads_it(head: bytes, method: bytes) -> None:
     assert _ours(head, method) == _h11_reads(head, method)
 
 
-def test_theHeadsEnd_isFoundWhereverTheReadsCutIt() -> None:
+def test_the_heads_end_is_found_wherever_the_reads_cut_it() -> None:
     head = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
     assert head_end(head) == len(head) - 2
     assert head_end(b"HTTP/1.1 200 OK\n\nok") == len(b"HTTP/1.1 200 OK\n\n")
@@ -114,7 +114,7 @@ def test_theHeadsEnd_isFoundWhereverTheReadsCutIt() -> None:
     (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: keep-alive, Close\r\n\r\n", b"POST", 2, False),
     (b"HTTP/1.0 200 OK\r\ncontent-length: 2\r\n\r\n", b"POST", 2, False),
 ])
-def test_theHead_saysHowTheBodyEnds_andWhetherTheConnectionStays(
+def test_the_head_says_how_the_body_ends_and_whether_the_connection_stays(
         head: bytes, method: bytes, framing: object, keep_alive: bool) -> None:
     parsed = parse_response_head(head, method)
     assert (parsed.framing, parsed.keep_alive) == (framing, keep_alive)
@@ -137,7 +137,7 @@ _HEADER_BYTES = st.sampled_from([*b"aZ09-_.~!|", *b" \t\n\r\x00\x7f\x80:"])
        st.lists(st.tuples(st.lists(_HEADER_BYTES, min_size=1, max_size=4).map(bytes),
                           st.lists(_HEADER_BYTES, max_size=4).map(bytes)), max_size=3),
        st.binary(max_size=8))
-def test_theRequestHead_isTheBytesH11Writes_orRefusedAsH11Refuses(
+def test_the_request_head_is_the_bytes_h11_writes_or_refused_as_h11_refuses(
         method: bytes, target: bytes, headers: list[Header], body: bytes) -> None:
     headers = [(name, value) for name, value in headers
                if name.lower() not in (b"host", b"content-length", b"transfer-encoding")]
@@ -153,7 +153,7 @@ def test_theRequestHead_isTheBytesH11Writes_orRefusedAsH11Refuses(
     assert ours == expected
 
 
-def test_theRequestHead_keepsAGivenHost_andRefusesWhatFramesTheBodyWrongly() -> None:
+def test_the_request_head_keeps_a_given_host_and_refuses_what_frames_the_body_wrongly() -> None:
     head = request_head(b"GET", b"/", b"pod", [(b"host", b"given"), (b"content-length", b"0")], b"")
     assert head == b"GET / HTTP/1.1\r\nhost: given\r\ncontent-length: 0\r\n\r\n"
     with pytest.raises(LocalProtocolFault, match="multiple Host"):

@@ -47,7 +47,7 @@ def _unsent_bytes(sock: socket.socket) -> int:
     return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
 
 
-def test_aClientLeavingAsItsResponseEnds_neverHandsTheCutConnectionToTheNextRequest(
+def test_a_client_leaving_as_its_response_ends_never_hands_the_cut_connection_to_the_next_request(
         loop_thread: LoopThread, start_sidecar: StartSidecar) -> None:
     """One upstream connection allowed, so the second request waits in the pool
     for the first one's. The first client resets its socket in the same loop
@@ -199,7 +199,7 @@ def _metric(sidecar: RunningSidecar, name: str, upstream: str) -> float:
     ("GET", None),
     ("POST", {"Idempotency-Key": "req-1"}),
 ], ids=["GET", "POST-with-Idempotency-Key"])
-def test_aRequestOnAReusedConnectionTheUpstreamClosed_isResentOnce(
+def test_a_request_on_a_reused_connection_the_upstream_closed_is_resent_once(
         closing_on_reuse: ClosingOnReuse, start_sidecar: StartSidecar, loop_thread: LoopThread,
         method: str, headers: dict[str, str] | None, caplog: pytest.LogCaptureFixture) -> None:
     """No core retries here (``retry_attempts = 0``): the answer comes from the
@@ -220,7 +220,7 @@ def test_aRequestOnAReusedConnectionTheUpstreamClosed_isResentOnce(
     assert [record.retries for record in sidecar.log.records] == [0, 0]
 
 
-def test_aPostWithoutIdempotencyKey_isNotResent(
+def test_a_post_without_idempotency_key_is_not_resent(
         closing_on_reuse: ClosingOnReuse, start_sidecar: StartSidecar, loop_thread: LoopThread) -> None:
     """The upstream may have read it before it closed: sent again, it could
     start a second generation. It fails as before (502), sent once."""
@@ -232,7 +232,7 @@ def test_aPostWithoutIdempotencyKey_isNotResent(
     assert _metric(sidecar, "tokenwire_upstream_resent_total", upstream.upstream.url) == 0.0
 
 
-def test_aFreshConnectionClosedBeforeAnyAnswer_isNotResent(
+def test_a_fresh_connection_closed_before_any_answer_is_not_resent(
         loop_thread: LoopThread, start_sidecar: StartSidecar) -> None:
     """Only a reused connection is the keep-alive race: an upstream that closes
     a new connection on its first request is failing, and that is the core's
@@ -254,7 +254,7 @@ def test_aFreshConnectionClosedBeforeAnyAnswer_isNotResent(
 
 
 @pytest.mark.parametrize("key", [None, "chat-1"], ids=["no-key", "Idempotency-Key"])
-def test_theOpenAiSdksPost_isResent_onlyWithAnIdempotencyKey(
+def test_the_openai_sdks_post_is_resent_only_with_an_idempotency_key(
         closing_on_reuse: ClosingOnReuse, start_sidecar: StartSidecar, loop_thread: LoopThread,
         key: str | None) -> None:
     """The real openai SDK sends no ``Idempotency-Key`` on a chat completion

@@ -29,6 +29,8 @@ from processes import SidecarProcess, spawn
 from prometheus_client.parser import text_string_to_metric_families
 from upstreams import FakeUpstream
 
+pytestmark = pytest.mark.slow
+
 _STREAMS = 20
 
 
@@ -70,7 +72,7 @@ def _open_silent_streams(process: SidecarProcess, silence_s: float, prefix: str
     return opened
 
 
-def test_adminPort_listsSumsAndCancels_acrossWorkers(workers: tuple[SidecarProcess, Path]) -> None:
+def test_admin_port_lists_sums_and_cancels_across_workers(workers: tuple[SidecarProcess, Path]) -> None:
     process, _ = workers
     assert [w["alive"] for w in _json(process, "/workers")] == [True, True]
     for _ in range(6):
@@ -105,7 +107,7 @@ def test_adminPort_listsSumsAndCancels_acrossWorkers(workers: tuple[SidecarProce
         sock.close()
 
 
-def test_adminToken_isAskedByTheSupervisor_andPassedToTheWorkers(upstream: FakeUpstream) -> None:
+def test_admin_token_is_asked_by_the_supervisor_and_passed_to_the_workers(upstream: FakeUpstream) -> None:
     token = "s3cret-admin-token"
     process = spawn(["--upstream", upstream.url, "--workers", "2", "--admin-token", token], timeout_s=60)
     try:
@@ -122,7 +124,7 @@ def test_adminToken_isAskedByTheSupervisor_andPassedToTheWorkers(upstream: FakeU
         assert process.stop() == 0
 
 
-def test_sigterm_drainsEveryWorker(upstream: FakeUpstream) -> None:
+def test_sigterm_drains_every_worker(upstream: FakeUpstream) -> None:
     process = spawn(["--upstream", upstream.url, "--workers", "2", "--drain-s", "10"], timeout_s=60)
     opened = _open_silent_streams(process, 1.0, "drain")
     pids = [w["pid"] for w in _json(process, "/workers")]
@@ -136,7 +138,8 @@ def test_sigterm_drainsEveryWorker(upstream: FakeUpstream) -> None:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
 
 
-def test_deadWorker_isRestarted_andItsStreamsEndAsWorkerLost(workers: tuple[SidecarProcess, Path]) -> None:
+def test_dead_worker_is_restarted_and_its_streams_end_as_worker_lost(
+        workers: tuple[SidecarProcess, Path]) -> None:
     process, log = workers
     opened = _open_silent_streams(process, 30, "lost")
     # The supervisor knows which worker holds which stream once it has polled them all.
@@ -186,7 +189,7 @@ def _handshake(port: int, ca: trustme.CA) -> bool:
         return False
 
 
-def test_sighup_reloadsTlsInEveryWorker(upstream: FakeUpstream, ca: trustme.CA, tmp_path: Path) -> None:
+def test_sighup_reloads_tls_in_every_worker(upstream: FakeUpstream, ca: trustme.CA, tmp_path: Path) -> None:
     cert_path, key_path = _cert_files(ca, tmp_path)
     process = spawn(["--upstream", upstream.url, "--workers", "2", "--tls-cert", str(cert_path),
                      "--tls-key", str(key_path)], timeout_s=60)
@@ -202,7 +205,7 @@ def test_sighup_reloadsTlsInEveryWorker(upstream: FakeUpstream, ca: trustme.CA, 
         assert process.stop() == 0
 
 
-def test_resumeWithTheMemoryStore_refusesSeveralWorkers(upstream: FakeUpstream) -> None:
+def test_resume_with_the_memory_store_refuses_several_workers(upstream: FakeUpstream) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENWIRE_")}
     result = subprocess.run(
         [sys.executable, "-m", "tokenwire.sidecar", "sidecar", "--listen", "127.0.0.1:0",

@@ -57,7 +57,7 @@ def _worker_metrics(*, up_b: bool = True, waiting_a: float = 3.0, open_a: int = 
     return metrics
 
 
-def test_sumMetrics_podGaugesOnce_processGaugesAndCountersAdd() -> None:
+def test_sum_metrics_pod_gauges_once_process_gauges_and_counters_add() -> None:
     first = _worker_metrics(waiting_a=3, open_a=2, queued=1, ended=4)
     second = _worker_metrics(up_b=False, waiting_a=2, open_a=5, queued=2, ended=3, extra_status="413")
     summed = sum_metrics([first.render(), second.render()]).decode()
@@ -81,7 +81,7 @@ def test_sumMetrics_podGaugesOnce_processGaugesAndCountersAdd() -> None:
     promtool_check(summed)
 
 
-def test_sumMetrics_creationTimes_areTheEarliest_notASumOfTwoTimestamps() -> None:
+def test_sum_metrics_creation_times_are_the_earliest_not_a_sum_of_two_timestamps() -> None:
     def text(created: float) -> bytes:
         return (b"# HELP x_total X.\n# TYPE x_total counter\nx_total{a=\"1\"} 2.0\n"
                 b"# HELP x_created X.\n# TYPE x_created gauge\nx_created{a=\"1\"} %r\n" % created)
@@ -91,7 +91,7 @@ def test_sumMetrics_creationTimes_areTheEarliest_notASumOfTwoTimestamps() -> Non
     assert sample(summed, "x_created", a="1") == 100.0
 
 
-def test_everyGaugeAWorkerExports_hasAMergeRule() -> None:
+def test_every_gauge_a_worker_exports_has_a_merge_rule() -> None:
     """A new gauge must say how N workers report it: add up (a process's own
     figure) or once (a pod's), in PROCESS_GAUGES / POD_GAUGES / EARLIEST_GAUGES."""
     ruled = (sidecar_metrics.PROCESS_GAUGES | sidecar_metrics.EARLIEST_GAUGES
@@ -113,7 +113,7 @@ def _fake_worker(index: int, metrics: SidecarMetrics, streams: int = 0) -> Worke
     return worker
 
 
-def test_supervisor_whenAWorkerDies_keepsItsTotals_andCountsItsStreamsLost(tmp_path: Any) -> None:
+def test_supervisor_when_a_worker_dies_keeps_its_totals_and_counts_its_streams_lost(tmp_path: Any) -> None:
     supervisor = Supervisor(make_config(_POD_A, log_file=str(tmp_path / "streams.jsonl")), [])
     supervisor.workers = {0: _fake_worker(0, _worker_metrics(ended=5, open_a=3), streams=3),
                           1: _fake_worker(1, _worker_metrics(ended=2, open_a=1), streams=1)}
@@ -197,7 +197,7 @@ def two_pods() -> Iterator[tuple[FakePod, FakePod]]:
 
 
 @pytest.mark.slow
-def test_twoWorkers_reportEachPodOnce(two_pods: tuple[FakePod, FakePod]) -> None:
+def test_two_workers_report_each_pod_once(two_pods: tuple[FakePod, FakePod]) -> None:
     """``--workers 2``: up is 1 per healthy pod (not 2), and an engine's queue
     is the engine's own (not twice it), while the workers' own figures add up."""
     busy, idle = two_pods
@@ -266,7 +266,7 @@ class _Scraper(threading.Thread):
 
 
 @pytest.mark.slow
-def test_twoWorkers_whenOneIsKilledMidStream_countersNeverGoDown_andItsStreamsCountAsLost(
+def test_two_workers_when_one_is_killed_mid_stream_counters_never_go_down_and_its_streams_count_as_lost(
         upstream: FakeUpstream) -> None:
     # With an admin token: the supervisor's own reads of its workers carry it.
     process = spawn(["--upstream", upstream.url, "--workers", "2", "--drain-s", "0",

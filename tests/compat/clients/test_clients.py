@@ -40,7 +40,7 @@ CLIENTS = (*PY_CLIENTS, *NODE_CLIENTS, *BROWSER_CLIENTS)
 PYTHON_THREADS = 12
 # The first case asked of a batch runs the whole batch (hundreds of cases): on a
 # busy machine that takes longer than the suite's default per-test timeout.
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 BROWSER_REPEATS = 8
 GET_CLIENTS = frozenset({"browser-eventsource"})
 """A browser ``EventSource`` can only GET; every other client POSTs."""

@@ -34,7 +34,7 @@ def _gone_at(at: float) -> tuple[Driver, Finished]:
     return d, d.finished
 
 
-def test_finished_whenReadAfterLaterInputs_thenTheRecordIsAsOfTheFinishingInput() -> None:
+def test_finished_when_read_after_later_inputs_then_the_record_is_as_of_the_finishing_input() -> None:
     d, finished = _gone_at(5.0)
     expected = d.stream.record(5.0)
     # What a driver may still feed once the stream is over changes nothing.
@@ -51,7 +51,7 @@ def test_finished_whenReadAfterLaterInputs_thenTheRecordIsAsOfTheFinishingInput(
     assert finished.record is record  # built once, then kept
 
 
-def test_finished_recordAs_thenTheSameRecordWithTheDriversPod() -> None:
+def test_finished_record_as_then_the_same_record_with_the_drivers_pod() -> None:
     d, finished = _gone_at(2.0)
     as_pod = finished.record_as("http://10.0.0.7:8000")
     assert as_pod.upstream == "http://10.0.0.7:8000"
@@ -61,7 +61,7 @@ def test_finished_recordAs_thenTheSameRecordWithTheDriversPod() -> None:
     assert finished.record_as("other") == dataclasses.replace(as_pod, upstream="other")
 
 
-def test_finished_whenGivenARecord_thenItCarriesItAsTheDataclassDid() -> None:
+def test_finished_when_given_a_record_then_it_carries_it_as_the_dataclass_did() -> None:
     d = Driver()
     d.sse_headers()
     d.send(event(chunk("a")))

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import trustme
 from clients import (
     StreamWatcher,
@@ -28,6 +29,8 @@ from clients import (
     wait_for,
 )
 from conftest import RunningSidecar
+
+pytestmark = pytest.mark.slow
 
 # The bystander's worst tolerated gap: well below the header timeout, so a loop
 # that blocked for an abuser's silence fails, and 60x the bystander's token
@@ -118,7 +121,7 @@ def _silent_connection(port: int) -> tuple[bytes, float]:
         return received, time.monotonic() - started
 
 
-def test_limits_whenEachIsHit_thenRightStatusInTimeAndBystanderUndisturbed(
+def test_limits_when_each_is_hit_then_right_status_in_time_and_bystander_undisturbed(
         start_sidecar: Callable[..., RunningSidecar]) -> None:
     sidecar = start_sidecar(max_head_bytes=4096, max_header_count=20, max_body_bytes=1000,
                             header_read_timeout_s=_TIMEOUT_S, body_read_timeout_s=_TIMEOUT_S)
@@ -152,7 +155,7 @@ def test_limits_whenEachIsHit_thenRightStatusInTimeAndBystanderUndisturbed(
     wait_for(lambda: not context.connections, timeout_s=3)
 
 
-def test_limits_whenTlsClientNeverSendsAByte_thenClosedWithinTheHeaderTimeout(
+def test_limits_when_tls_client_never_sends_a_byte_then_closed_within_the_header_timeout(
         start_sidecar: Callable[..., RunningSidecar], tmp_path: Path) -> None:
     ca = trustme.CA()
     files = tls_server_files(ca, tmp_path)

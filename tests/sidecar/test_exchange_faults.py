@@ -51,7 +51,7 @@ async def _read_then_garbage(reader: asyncio.StreamReader, writer: asyncio.Strea
     ("POST", {"Idempotency-Key": "k-1"}, 3),  # the client said a repeat is safe
     ("GET", {}, 3),  # idempotent by method
 ], ids=["post", "post-with-idempotency-key", "get"])
-def test_retries_whenUpstreamReadTheRequestThenFailed_thenRepeatedOnlyIfSafe(
+def test_retries_when_upstream_read_the_request_then_failed_then_repeated_only_if_safe(
         start_sidecar: StartSidecar, recorder: ScriptedUpstream, answer: object, method: str,
         headers: dict[str, str], sent: int) -> None:
     recorder.respond = answer  # type: ignore[assignment]
@@ -62,7 +62,7 @@ def test_retries_whenUpstreamReadTheRequestThenFailed_thenRepeatedOnlyIfSafe(
     assert bytes(recorder.received).count(f"{method} /v1/chat/completions HTTP/1.1".encode()) == sent
 
 
-def test_retries_whenUpstreamAnswers503_thenPostIsRetried(
+def test_retries_when_upstream_answers_503_then_post_is_retried(
         start_sidecar: StartSidecar, upstream: FakeUpstream) -> None:
     sidecar = start_sidecar(retry_attempts=2, retry_backoff_s=0.0)
     response = exchange(sidecar.port, "POST", "/status503/v1/chat/completions", body=chat_body(),
@@ -71,7 +71,7 @@ def test_retries_whenUpstreamAnswers503_thenPostIsRetried(
     assert len(upstream.requests_with("r503")) == 2
 
 
-def test_retries_whenConnectionRefused_thenPostGoesToTheNextUpstream(
+def test_retries_when_connection_refused_then_post_goes_to_the_next_upstream(
         start_sidecar: StartSidecar, upstream: FakeUpstream) -> None:
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
@@ -86,7 +86,7 @@ def test_retries_whenConnectionRefused_thenPostGoesToTheNextUpstream(
 # ------------------------------------------------------------------ a hung upstream
 
 
-def test_hungUpstream_whenSilentAfterFirstEvent_thenInBandTimeoutAndUpstreamClosed(
+def test_hung_upstream_when_silent_after_first_event_then_in_band_timeout_and_upstream_closed(
         start_sidecar: StartSidecar, upstream: FakeUpstream) -> None:
     # Heartbeats every 50 ms keep the client's connection busy: they must not hide the hang.
     sidecar = start_sidecar(upstream_idle_timeout_s=0.5, heartbeat_s=0.05)
@@ -100,7 +100,7 @@ def test_hungUpstream_whenSilentAfterFirstEvent_thenInBandTimeoutAndUpstreamClos
     assert upstream.connection_of("hung-1").closed.wait(30.0), "the hung upstream was left open"
 
 
-def test_maxStreamDuration_whenReached_thenInBandTimeoutAndUpstreamClosed(
+def test_max_stream_duration_when_reached_then_in_band_timeout_and_upstream_closed(
         start_sidecar: StartSidecar, upstream: FakeUpstream) -> None:
     sidecar = start_sidecar(max_stream_duration_s=0.5)
     response = exchange(sidecar.port, "POST", "/normal/v1/chat/completions", body=chat_body(),
@@ -128,7 +128,7 @@ def _start_upload(port: int, size: int) -> tuple[socket.socket, int]:
     return sock, int(head.split(b" ", 2)[1])
 
 
-def test_bodies_whenBufferedBytesWouldPassTheCap_then503UntilTheyAreReleased(
+def test_bodies_when_buffered_bytes_would_pass_the_cap_then_503_until_they_are_released(
         start_sidecar: StartSidecar) -> None:
     sidecar = start_sidecar(max_buffered_body_bytes=1_000_000)
     held, status = _start_upload(sidecar.port, 800_000)
@@ -146,7 +146,7 @@ def test_bodies_whenBufferedBytesWouldPassTheCap_then503UntilTheyAreReleased(
     wait_for(lambda: exchange(sidecar.port, "POST", "/models/v1/models", body=b"y" * 300_000).status == 200)
 
 
-def test_bodies_whenChunkedBodyGrowsPastTheCap_then503(start_sidecar: StartSidecar) -> None:
+def test_bodies_when_chunked_body_grows_past_the_cap_then_503(start_sidecar: StartSidecar) -> None:
     sidecar = start_sidecar(max_buffered_body_bytes=1_000_000)
     held, status = _start_upload(sidecar.port, 900_000)
     assert status == 100
@@ -215,7 +215,8 @@ def engine_apart() -> Iterator[FakeUpstream]:
     thread.close()
 
 
-def test_bodies_whenManyLargeUploadsAtOnce_thenCapRefusesSomeAndBystanderKeepsFlowing(
+@pytest.mark.slow
+def test_bodies_when_many_large_uploads_at_once_then_cap_refuses_some_and_bystander_keeps_flowing(
         start_sidecar: StartSidecar, engine_apart: FakeUpstream) -> None:
     """8 x 15 MiB against the default 64 MiB cap (the 32-upload figure is bench/body_bench.py's).
 
@@ -245,7 +246,7 @@ def test_bodies_whenManyLargeUploadsAtOnce_thenCapRefusesSomeAndBystanderKeepsFl
 # ------------------------------------------------------------------ forwarding headers
 
 
-def test_forwarding_whenClientSendsItsOwnForwardingHeaders_thenReplacedAsNginxDoes(
+def test_forwarding_when_client_sends_its_own_forwarding_headers_then_replaced_as_nginx_does(
         start_sidecar: StartSidecar) -> None:
     sidecar = start_sidecar()
     raw = (b"GET /echo/ HTTP/1.1\r\nHost: api.example:8443\r\n"
@@ -268,7 +269,7 @@ def test_forwarding_whenClientSendsItsOwnForwardingHeaders_thenReplacedAsNginxDo
     assert headers["x-tenant"] == "user"
 
 
-def test_forwarding_whenUnderscoreHeadersAllowed_thenForwarded(start_sidecar: StartSidecar) -> None:
+def test_forwarding_when_underscore_headers_allowed_then_forwarded(start_sidecar: StartSidecar) -> None:
     sidecar = start_sidecar(drop_underscore_headers=False)
     response = exchange(sidecar.port, "GET", "/echo/", headers={"X_Tenant": "a"})
     assert response.json()["headers"]["x_tenant"] == "a"

@@ -84,7 +84,7 @@ def _served(port: int, context: ssl.SSLContext) -> bool:
 
 @pytest.mark.filterwarnings("ignore:ssl.TLSVersion.TLSv1:DeprecationWarning")
 @pytest.mark.parametrize("version", [ssl.TLSVersion.TLSv1, ssl.TLSVersion.TLSv1_1], ids=["1.0", "1.1"])
-def test_tls_whenClientOffersOnlyTls10Or11_thenHandshakeRefused(
+def test_tls_when_client_offers_only_tls10_or11_then_handshake_refused(
         start_sidecar: StartSidecar, ca: trustme.CA, server_files: dict[str, str],
         version: ssl.TLSVersion) -> None:
     client = _weak_client(version, "ALL:@SECLEVEL=0")
@@ -99,7 +99,7 @@ def test_tls_whenClientOffersOnlyTls10Or11_thenHandshakeRefused(
     "ECDHE-ECDSA-AES128-SHA:ECDHE-ECDSA-AES256-SHA",          # CBC with SHA-1
     "ECDHE-ECDSA-AES128-SHA256:ECDHE-ECDSA-AES256-SHA384",    # CBC with SHA-2
 ])
-def test_tls_whenClientOffersOnlyNonAeadCiphers_thenHandshakeRefused(
+def test_tls_when_client_offers_only_non_aead_ciphers_then_handshake_refused(
         start_sidecar: StartSidecar, ca: trustme.CA, server_files: dict[str, str], ciphers: str) -> None:
     client = _weak_client(ssl.TLSVersion.TLSv1_2, ciphers + ":@SECLEVEL=0")
     assert _handshakes_with_a_permissive_server(client, ca), "the weak client cannot handshake anywhere"
@@ -113,7 +113,7 @@ def test_tls_whenClientOffersOnlyNonAeadCiphers_thenHandshakeRefused(
 
 
 @pytest.mark.parametrize("client_cert", ["from-another-ca", "expired", "not-yet-valid"])
-def test_tls_whenMtlsClientCertificateIsNotAcceptable_thenRefused(
+def test_tls_when_mtls_client_certificate_is_not_acceptable_then_refused(
         start_sidecar: StartSidecar, ca: trustme.CA, server_files: dict[str, str], client_cert: str) -> None:
     sidecar = start_sidecar(tls_cert=server_files["tls_cert"], tls_key=server_files["tls_key"],
                             tls_client_ca=server_files["ca"])
@@ -147,7 +147,7 @@ _GROUPS = [("X25519", True), ("prime256v1", True), ("secp384r1", True), ("X448",
     for version, label in ((ssl.TLSVersion.TLSv1_2, "1.2"), (ssl.TLSVersion.TLSv1_3, "1.3"))
     for group, accepted in _GROUPS
     if not (group.startswith("ffdhe") and version is ssl.TLSVersion.TLSv1_2)])
-def test_tls_keyExchangeGroups_areExactlyMozillaIntermediate(
+def test_tls_key_exchange_groups_are_exactly_mozilla_intermediate(
         start_sidecar: StartSidecar, ca: trustme.CA, tmp_path: Path, version: ssl.TLSVersion,
         group: str, accepted: bool) -> None:
     # An RSA certificate: with ECDSA, TLS 1.2 would also need the certificate's
@@ -168,7 +168,7 @@ def test_tls_keyExchangeGroups_areExactlyMozillaIntermediate(
             connect(sidecar.port, ssl_context=client)
 
 
-def test_tls_cipherSuites_areExactlyMozillaIntermediate(server_files: dict[str, str]) -> None:
+def test_tls_cipher_suites_are_exactly_mozilla_intermediate(server_files: dict[str, str]) -> None:
     """What the server context would negotiate is what it lists: no DHE suite is
     listed without the parameters to offer it."""
     config = make_config("http://127.0.0.1:1", tls_cert=server_files["tls_cert"],
@@ -188,7 +188,7 @@ def test_tls_cipherSuites_areExactlyMozillaIntermediate(server_files: dict[str, 
     ("from-another-ca", ("unknown ca",)),
     ("expired", ("certificate expired",)),
 ])
-def test_tls_whenMtlsHandshakeFails_thenClientIsToldWhyByAnAlert(
+def test_tls_when_mtls_handshake_fails_then_client_is_told_why_by_an_alert(
         start_sidecar: StartSidecar, ca: trustme.CA, server_files: dict[str, str], version: ssl.TLSVersion,
         client_cert: str, alert: tuple[str, ...]) -> None:
     """Not a vanished connection: the alert names the fault, as nginx sends it."""

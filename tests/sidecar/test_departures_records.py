@@ -41,7 +41,7 @@ def _burst(sidecar: RunningSidecar, upstream: FakeUpstream, prefix: str) -> tupl
     return ids, started
 
 
-def test_reset_bursts_recordAndCountEachStreamOnce_withItsPod(
+def test_reset_bursts_record_and_count_each_stream_once_with_its_pod(
         start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
     sidecar = start_sidecar()
     context = sidecar.sidecar.context

@@ -39,7 +39,7 @@ def _settled(sidecar: RunningSidecar) -> bool:
     return len(context.registry) == 0 and len(context.departures) == 0
 
 
-def test_finishedAndResetStreams_leaveNoCyclicGarbage(
+def test_finished_and_reset_streams_leave_no_cyclic_garbage(
         start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
     sidecar = start_sidecar()
     context = sidecar.sidecar.context

@@ -69,7 +69,7 @@ def _assert_nothing_forwarded(sidecar: RunningSidecar, recorder: ScriptedUpstrea
 
 
 @pytest.mark.parametrize("raw", [raw for _, raw in REFUSED], ids=[case for case, _ in REFUSED])
-def test_smuggling_whenAmbiguousOrMalformed_then400AndNothingForwarded(
+def test_smuggling_when_ambiguous_or_malformed_then_400_and_nothing_forwarded(
         start_sidecar: Callable[..., RunningSidecar], recorder: ScriptedUpstream, raw: bytes) -> None:
     sidecar = start_sidecar(recorder.url)
     with connect(sidecar.port, timeout_s=3.0) as sock:
@@ -105,7 +105,7 @@ AT_ONCE: list[tuple[str, bytes, int, str]] = [
 
 @pytest.mark.parametrize(("raw", "status", "words"), [case[1:] for case in AT_ONCE],
                          ids=[case[0] for case in AT_ONCE])
-def test_smuggling_whenNginxWouldAnswerAtOnce_thenAnsweredBeforeAnyTimeoutAndNothingForwarded(
+def test_smuggling_when_nginx_would_answer_at_once_then_answered_before_any_timeout_and_nothing_forwarded(
         start_sidecar: Callable[..., RunningSidecar], recorder: ScriptedUpstream, raw: bytes, status: int,
         words: str) -> None:
     # Timeouts far beyond the read's: an answer can only come from the check itself.
@@ -123,7 +123,7 @@ def test_smuggling_whenNginxWouldAnswerAtOnce_thenAnsweredBeforeAnyTimeoutAndNot
     _assert_nothing_forwarded(sidecar, recorder)
 
 
-def test_smuggling_whenChunkedBodyWithExtensions_thenUpstreamGetsContentLengthOnly(
+def test_smuggling_when_chunked_body_with_extensions_then_upstream_gets_content_length_only(
         start_sidecar: Callable[..., Any], recorder: ScriptedUpstream) -> None:
     """Whatever framing the client used, the upstream sees one Content-Length and
     the decoded body: chunk extensions (odd but valid ones: quoted, valueless) and the

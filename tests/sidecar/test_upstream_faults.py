@@ -86,7 +86,7 @@ def _content(datas: list[str]) -> str:
     return "".join(text)
 
 
-def test_upstream_whenBodyEndsBeforeAnyEvent_then502(
+def test_upstream_when_body_ends_before_any_event_then_502(
         start_sidecar: StartSidecar, scripted: Scripted) -> None:
     upstream = scripted(_stream_of(end=False))
     sidecar = start_sidecar(upstream.url, retry_attempts=0)
@@ -97,7 +97,7 @@ def test_upstream_whenBodyEndsBeforeAnyEvent_then502(
     assert sidecar.record("cut-early").end_reason == "upstream_error"
 
 
-def test_upstream_whenEndlessLineBeforeFirstEvent_then502AndUpstreamCutOffEarly(
+def test_upstream_when_endless_line_before_first_event_then_502_and_upstream_cut_off_early(
         start_sidecar: StartSidecar, scripted: Scripted) -> None:
     upstream = scripted(_endless_line(lambda: upstream))
     sidecar = start_sidecar(upstream.url, retry_attempts=0)
@@ -113,7 +113,7 @@ def test_upstream_whenEndlessLineBeforeFirstEvent_then502AndUpstreamCutOffEarly(
     assert record.end_reason == "upstream_error" and record.error_code == "invalid_stream"
 
 
-def test_upstream_whenEndlessLineAfterFirstEvent_thenInBandErrorAndBoundedMemory(
+def test_upstream_when_endless_line_after_first_event_then_in_band_error_and_bounded_memory(
         start_sidecar: StartSidecar, scripted: Scripted) -> None:
     upstream = scripted(_endless_line(lambda: upstream, chunk(role="assistant"), chunk("hello")))
     sidecar = start_sidecar(upstream.url)
@@ -130,7 +130,7 @@ def test_upstream_whenEndlessLineAfterFirstEvent_thenInBandErrorAndBoundedMemory
     assert record.pending_high_water_bytes <= sidecar.sidecar.config.wire.max_pending_bytes
 
 
-def test_upstream_whenNotUtf8_thenStreamCompletesWithReplacementCharacters(
+def test_upstream_when_not_utf8_then_stream_completes_with_replacement_characters(
         start_sidecar: StartSidecar, scripted: Scripted) -> None:
     # Latin-1 é (0xE9) where UTF-8 was due, in the first event (parsed before
     # the commit) and in a later one (which may take the core's no-parse path).
@@ -152,7 +152,7 @@ def test_upstream_whenNotUtf8_thenStreamCompletesWithReplacementCharacters(
     assert sidecar.record("latin1").end_reason == "complete"
 
 
-def test_upstream_whenCrOnlyLineEnds_thenEventsReframedWithLf(
+def test_upstream_when_cr_only_line_ends_then_events_reframed_with_lf(
         start_sidecar: StartSidecar, scripted: Scripted) -> None:
     events = [chunk(role="assistant"), chunk("one "), chunk("two"), chunk(finish="stop"), DONE]
     upstream = scripted(_stream_of(*(event.replace(b"\n", b"\r") for event in events)))
@@ -166,7 +166,7 @@ def test_upstream_whenCrOnlyLineEnds_thenEventsReframedWithLf(
     assert sidecar.record("cr-only").events_in == len(events)
 
 
-def test_upstream_whenSseIsGzipped_then502AndIdentityWasAsked(
+def test_upstream_when_sse_is_gzipped_then_502_and_identity_was_asked(
         start_sidecar: StartSidecar, scripted: Scripted) -> None:
     """The wire core parses events, so it cannot pass gzip through, and
     decompressing would let a small upstream body expand without bound: the
@@ -185,7 +185,7 @@ def test_upstream_whenSseIsGzipped_then502AndIdentityWasAsked(
     assert sidecar.record("gzip-sse").end_reason == "upstream_error"
 
 
-def test_upstream_whenJsonIsGzipped_thenPassedThroughUntouched(
+def test_upstream_when_json_is_gzipped_then_passed_through_untouched(
         start_sidecar: StartSidecar, scripted: Scripted) -> None:
     """A non-stream answer is not parsed, so an upstream that compresses it
     (ignoring the identity asked for) is forwarded byte for byte, header and all."""
@@ -204,7 +204,7 @@ def test_upstream_whenJsonIsGzipped_thenPassedThroughUntouched(
     assert response.body == payload
 
 
-def test_upstream_serverAndDateHeaders_areReplacedByTheSidecars(
+def test_upstream_server_and_date_headers_are_replaced_by_the_sidecars(
         start_sidecar: StartSidecar, scripted: Scripted) -> None:
     # As nginx's proxy_hide_header defaults: the engine's software and clock are not the client's.
     head = _SSE_HEAD + b"server: engine/1.2\r\ndate: Thu, 01 Jan 1970 00:00:00 GMT\r\nx-engine-kept: 1\r\n"

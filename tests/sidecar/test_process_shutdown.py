@@ -11,9 +11,12 @@ import signal
 import socket
 import time
 
+import pytest
 from clients import ResponseReader, chat_body, connect, read_response, request_bytes
 from processes import spawn
 from upstreams import FakeUpstream
+
+pytestmark = pytest.mark.slow
 
 # Long enough that "closed at once" and "closed after the drain" cannot be
 # confused on a loaded machine (the sidecar process shares its cores with the
@@ -37,7 +40,8 @@ def _closed_within(sock: socket.socket, timeout_s: float) -> bool:
     return True
 
 
-def test_shutdown_whenSigtermWithMixedConnections_thenNoneHangAndExit0(upstream: FakeUpstream) -> None:
+def test_shutdown_when_sigterm_with_mixed_connections_then_none_hang_and_exit_0(
+        upstream: FakeUpstream) -> None:
     process = spawn(["--upstream", upstream.url, "--drain-s", str(_DRAIN_S),
                      "--socket-send-buffer-bytes", "4096", "--write-high-water-bytes", "4096"])
     long_streams = []
@@ -89,7 +93,7 @@ def test_shutdown_whenSigtermWithMixedConnections_thenNoneHangAndExit0(upstream:
         sock.close()
 
 
-def test_shutdown_whenConnectionsWaitInTheBacklog_thenEachIsAnswered(upstream: FakeUpstream) -> None:
+def test_shutdown_when_connections_wait_in_the_backlog_then_each_is_answered(upstream: FakeUpstream) -> None:
     """Connections the kernel already established but the sidecar has not
     accepted yet (its backlog) when SIGTERM comes: closing the listening
     socket would reset each, and their clients, whose connect() succeeded,

@@ -17,6 +17,8 @@ import pytest
 from tokenwire.middleware import WireConfig
 from tokenwire.sidecar import Sidecar, SidecarConfig
 
+pytestmark = pytest.mark.slow
+
 if TYPE_CHECKING:
     from conftest import RunningServer
 

@@ -45,7 +45,7 @@ def sse(*datas: str) -> UpstreamData:
     return UpstreamData(b"".join(b"data: " + d.encode() + b"\n\n" for d in datas))
 
 
-def test_lifecycle_whenTriggerNotInTable_thenLocalProtocolError() -> None:
+def test_lifecycle_when_trigger_not_in_table_then_local_protocol_error() -> None:
     assert next_state(StreamState.WAITING, Trigger.COMMIT) is StreamState.COMMITTED
     with pytest.raises(LocalProtocolError, match="can't send in state waiting"):
         next_state(StreamState.WAITING, Trigger.SEND)
@@ -53,7 +53,7 @@ def test_lifecycle_whenTriggerNotInTable_thenLocalProtocolError() -> None:
         next_state(StreamState.ABORTED, Trigger.ABORT)
 
 
-def test_attempt_whenRetriedThenAnswered_thenPhasesFollowTheDocstring() -> None:
+def test_attempt_when_retried_then_answered_then_phases_follow_the_docstring() -> None:
     d = Driver(proxy_config(retry_attempts=1, retry_backoff_s=0.5))
     attempt = d.stream._attempt
     assert attempt.phase is AttemptPhase.CONNECTING
@@ -69,7 +69,7 @@ def test_attempt_whenRetriedThenAnswered_thenPhasesFollowTheDocstring() -> None:
     assert attempt.phase is AttemptPhase.CLOSED
 
 
-def test_attempt_whenErrorStatusAfterCommit_thenLateErrorReadsItsBody() -> None:
+def test_attempt_when_error_status_after_commit_then_late_error_reads_its_body() -> None:
     d = Driver(proxy_config(commit_deadline_s=1.0))
     d.send(SocketResumed(), at=1.0)  # the commit deadline passes: the SSE headers go out
     assert d.stream.state is StreamState.COMMITTED
@@ -81,7 +81,7 @@ def test_attempt_whenErrorStatusAfterCommit_thenLateErrorReadsItsBody() -> None:
     assert d.finished.record.end_reason is EndReason.UPSTREAM_ERROR
 
 
-def test_clientSocket_whenPausedWritingGone_thenPhasesFollow() -> None:
+def test_client_socket_when_paused_writing_gone_then_phases_follow() -> None:
     d = Driver(proxy_config(), auto_complete=False)
     client = d.stream._client
     assert client.phase is SocketPhase.WRITABLE
@@ -94,7 +94,7 @@ def test_clientSocket_whenPausedWritingGone_thenPhasesFollow() -> None:
     assert client.phase is SocketPhase.GONE
 
 
-def test_recorder_whenClientLeavesAndReaderAttaches_thenRecordingEndsDetached() -> None:
+def test_recorder_when_client_leaves_and_reader_attaches_then_recording_ends_detached() -> None:
     config = proxy_config(resume=True, resume_grace_s=5.0)
     d = Driver(config, stream_id="s1")
     recorder, hold = d.stream._resume, d.stream._hold
@@ -114,7 +114,7 @@ def test_recorder_whenClientLeavesAndReaderAttaches_thenRecordingEndsDetached() 
     assert d.finished.record.end_reason is EndReason.DETACHED
 
 
-def test_recorder_whenPastResumeMaxBytes_thenOverflowedAndStopsRecording() -> None:
+def test_recorder_when_past_resume_max_bytes_then_overflowed_and_stops_recording() -> None:
     d = Driver(proxy_config(resume=True, resume_max_bytes=200), stream_id="s2")
     d.sse_headers(at=0.0)
     for n in range(6):
@@ -124,7 +124,7 @@ def test_recorder_whenPastResumeMaxBytes_thenOverflowedAndStopsRecording() -> No
     assert len(overflowed) == 1
 
 
-def test_accounting_whenCounterAssigned_thenReadOnly() -> None:
+def test_accounting_when_counter_assigned_then_read_only() -> None:
     d = Driver(proxy_config())
     d.sse_headers(at=0.0)
     d.send(sse(chunk("a")), at=0.1)
@@ -134,7 +134,7 @@ def test_accounting_whenCounterAssigned_thenReadOnly() -> None:
         d.stream.events_in = 0  # type: ignore[misc]
 
 
-def test_readChunk_whenTextFinishUsageOrError_thenClientView() -> None:
+def test_read_chunk_when_text_finish_usage_or_error_then_client_view() -> None:
     facts = read_chunk('{"choices":[{"delta":{"content":"hi"},"finish_reason":"stop"}],'
                        '"usage":{"completion_tokens":3}}')
     assert (facts.text, facts.finish_reason, facts.completion_tokens, facts.error) == ("hi", "stop", 3, None)
@@ -145,7 +145,7 @@ def test_readChunk_whenTextFinishUsageOrError_thenClientView() -> None:
 # ------------------------------------------------------------------ driver.py
 
 
-def test_deadlineTimer_whenArmedLaterThenEarlier_thenFiresOnceAtTheEarlierNeverBefore() -> None:
+def test_deadline_timer_when_armed_later_then_earlier_then_fires_once_at_the_earlier_never_before() -> None:
     asyncio.run(_deadline_timer())
 
 
@@ -172,7 +172,7 @@ async def _deadline_timer() -> None:
     assert len(fired) == 1
 
 
-def test_enterResume_whenReconnectReusedKeyOrPlain_thenOneAnswerForEveryDriver() -> None:
+def test_enter_resume_when_reconnect_reused_key_or_plain_then_one_answer_for_every_driver() -> None:
     asyncio.run(_enter_resume())
 
 
@@ -214,7 +214,7 @@ _EVENT_PIECES = st.lists(st.sampled_from([
 
 @settings(max_examples=500, deadline=None)
 @given(pieces=_EVENT_PIECES, raw_tail=st.sampled_from([b"", b"\xff\n\n", b"data: \xc3\n\n"]))
-def test_plainEventCount_whenNonZero_thenThatManyPlainEventsTheParserAgreesWith(
+def test_plain_event_count_when_non_zero_then_that_many_plain_events_the_parser_agrees_with(
         pieces: list[str], raw_tail: bytes) -> None:
     # The keeps-up path passes a read through unparsed only when this says it is
     # nothing but plain data events; the parser must then see exactly that many,

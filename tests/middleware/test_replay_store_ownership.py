@@ -14,7 +14,7 @@ ALICE = [(b"authorization", b"Bearer sk-alice")]
 MALLORY = [(b"authorization", b"Bearer sk-mallory")]
 
 
-def test_owner_isAKeyedHashOfTheHeader_neverTheValue() -> None:
+def test_owner_is_a_keyed_hash_of_the_header_never_the_value() -> None:
     key = CallerKey.from_config(WireConfig(resume_owner_secret="s"))
     alice = key.owner(ALICE)
     assert alice == key.owner([(b"authorization", b"Bearer sk-alice ")])  # surrounding space ignored
@@ -30,14 +30,14 @@ def test_owner_isAKeyedHashOfTheHeader_neverTheValue() -> None:
     assert by_api_key.owner([*ALICE, (b"x-api-key", b"k")]) == by_api_key.owner([(b"x-api-key", b"k")])
 
 
-def test_sameCaller_andScopedKey() -> None:
+def test_same_caller_and_scoped_key() -> None:
     assert same_caller("a" * 64, "a" * 64) and not same_caller("a" * 64, "b" * 64)
     assert not same_caller(None, "a" * 64)
     assert scoped_key("o1", "k") != scoped_key("o2", "k") != scoped_key("o1", "k2")
     assert scoped_key("o1", "k") == scoped_key("o1", "k")
 
 
-def test_admit_servesOnlyTheOwner_andScopesKeys() -> None:
+def test_admit_serves_only_the_owner_and_scopes_keys() -> None:
     async def scenario() -> None:
         store = MemoryReplayStore()
         await store.open("s1", owner="alice")

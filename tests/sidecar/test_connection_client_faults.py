@@ -31,7 +31,7 @@ StartSidecar = Callable[..., RunningSidecar]
 
 
 @pytest.mark.parametrize("when", ["before-the-answer", "mid-stream"])
-def test_clients_whenHalfClosed_thenTreatedAsGoneAndUpstreamAborted(
+def test_clients_when_half_closed_then_treated_as_gone_and_upstream_aborted(
         start_sidecar: StartSidecar, upstream: FakeUpstream, when: str) -> None:
     """A half-close (FIN after the request) ends the stream as a disconnect
     would, as nginx does by default: an LLM answer nobody can be proven to read
@@ -81,7 +81,8 @@ _IDLE_CONNECTIONS = 1000
 _WARM_UP = 200
 
 
-def test_clients_whenManyIdleKeepAliveConnections_thenSmallMemoryEachAndStillServing(
+@pytest.mark.slow
+def test_clients_when_many_idle_keep_alive_connections_then_small_memory_each_and_still_serving(
         upstream: FakeUpstream) -> None:
     """Memory per idle keep-alive connection, measured on a real process (the
     10,000-connection figure comes from ``bench/soak.py idle``)."""
@@ -113,7 +114,7 @@ _MAX_CONNECTIONS = 40
 _STORM = 300
 
 
-def test_clients_whenConnectionStormAboveMaxConnections_thenFast503AndRecovery(
+def test_clients_when_connection_storm_above_max_connections_then_fast_503_and_recovery(
         start_sidecar: StartSidecar) -> None:
     sidecar = start_sidecar(max_connections=_MAX_CONNECTIONS)
     bystander = StreamWatcher(sidecar.port)

@@ -104,7 +104,7 @@ _READ = st.lists(st.tuples(_TEXT, st.sampled_from(["lower", "upper", "zero", "ex
                            st.booleans()), min_size=1, max_size=2)
 
 
-def test_property_eachRead_reachesTheClient_framedAsTheSidecarFramesIt(
+def test_property_each_read_reaches_the_client_framed_as_the_sidecar_frames_it(
         start_sidecar: StartSidecar, recorder: ScriptedUpstream, loop_thread: LoopThread) -> None:
     sidecar = start_sidecar(recorder.url)
 
@@ -138,7 +138,7 @@ def test_property_eachRead_reachesTheClient_framedAsTheSidecarFramesIt(
     check()
 
 
-def test_anHttp10Client_getsTheEventsUnframed(
+def test_an_http10_client_gets_the_events_unframed(
         start_sidecar: StartSidecar, recorder: ScriptedUpstream, loop_thread: LoopThread) -> None:
     # No chunked framing to an HTTP/1.0 client: a read framed as the sidecar
     # would frame it still goes through send_body (h11's close-delimited body).

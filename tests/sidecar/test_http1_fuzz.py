@@ -41,7 +41,7 @@ def _send_and_read(port: int, data: bytes, cuts: list[int]) -> bytes:
         return received
 
 
-def test_downstream_whenRandomBytesInRandomSplits_thenErrorOrCloseAndStillServing(
+def test_downstream_when_random_bytes_in_random_splits_then_error_or_close_and_still_serving(
         start_sidecar: Callable[..., Any], loop_thread: LoopThread) -> None:
     sidecar = start_sidecar(header_read_timeout_s=0.3, body_read_timeout_s=0.3, keepalive_timeout_s=0.3)
     errors: list[dict[str, Any]] = []
@@ -72,7 +72,7 @@ def test_downstream_whenRandomBytesInRandomSplits_thenErrorOrCloseAndStillServin
 
 
 @pytest.mark.parametrize("prefix", [b"", b"GET / HTTP/1.1\r\nX-Long: "])
-def test_downstream_whenMegabytesOfHeadGarbage_thenMemoryStaysBounded(
+def test_downstream_when_megabytes_of_head_garbage_then_memory_stays_bounded(
         start_sidecar: Callable[..., Any], prefix: bytes) -> None:
     """4 MiB that never completes a head, in 16 KiB writes: the sidecar answers
     431 (or closes) and its traced memory (the loop runs in this process) never
