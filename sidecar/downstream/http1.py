@@ -237,7 +237,7 @@ class ClientConnection(asyncio.Protocol):
         if self._context.draining or self._over_limit:
             self._refuse(503, "the server is not taking new requests", retry_after_s=1)
             return
-        problem = request_problem(request, received, config)
+        problem = request_problem(request, headers, received, config)
         if problem is not None:
             self._refuse(*problem)
             return

@@ -83,13 +83,14 @@ def h11_fault(error: h11.RemoteProtocolError) -> str:
     return "a malformed request"
 
 
-def request_problem(request: h11.Request, received: bytes | bytearray,
+def request_problem(request: h11.Request, headers: list[tuple[bytes, bytes]], received: bytes | bytearray,
                     limits: RequestLimits) -> Problem | None:
     """Why a request head h11 parsed is refused (status, words), or None.
 
+    ``headers``: the request's headers as a list (h11's ``Headers`` is a
+    sequence written in Python: each item read from it is a call).
     ``received`` starts with the head as it came off the wire (for the
     framing faults h11 lets through: :func:`framing_problem`)."""
-    headers = request.headers
     names = [name for name, _ in headers]
     # h11's buffer limit only catches a head still incomplete at the limit;
     # one that arrives whole in a single read is measured here.
