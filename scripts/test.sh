@@ -13,6 +13,6 @@ scripts/system-deps.sh redis-server chromium nginx nodejs npm curl nghttp2-clien
 # openai-node and eventsource for the compatibility suite, from its lock file.
 scripts/node-deps.sh
 py=.venv/bin/python
-echo "== ruff"; $py -m ruff check tokenwire middleware sidecar engine tests bench
-echo "== mypy --strict (middleware, sidecar, engine)"; scripts/typecheck.sh
+echo "== ruff"; $py -m ruff check tokenwire middleware sidecar engine tests bench testbed
+echo "== mypy --strict (middleware, sidecar, engine, tools)"; scripts/typecheck.sh
 echo "== pytest"; $py -m pytest -q -p no:cacheprovider "$@"
