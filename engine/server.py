@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import gc
 import logging
 import os
+import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -117,6 +119,23 @@ def _wrap_in_middleware(app: ASGIApp, wire: WireConfig | None = None) -> ASGIApp
     return TokenWireMiddleware(app, config=wire or engine_wire_defaults())
 
 
+def _listen(listen: ListenAddress, wire: WireConfig) -> socket.socket | None:
+    """The TCP listening socket, bound now (our own: it caps the send buffer of
+    accepted connections, so the middleware sees a slow client,
+    docs/architecture.md#slow-readers); for a Unix socket, None once its
+    directory is there to bind in (uvicorn binds it, replacing a stale one).
+    Raises ``OSError`` naming what is wrong."""
+    if listen.unix_path is None:
+        assert listen.host is not None and listen.port is not None
+        return listening_socket(listen.host, listen.port, wire)
+    folder = Path(listen.unix_path).parent
+    if not folder.is_dir():
+        raise FileNotFoundError(errno.ENOENT, "no such directory", str(folder))
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, "the directory is not writable", str(folder))
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``tokenwire engine`` and ``python -m tokenwire.engine.server``."""
     try:
@@ -135,10 +154,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     import uvicorn
 
+    # Listen before anything loads: a busy port or a missing socket directory
+    # is one line and exit 2 at once, not a traceback after the model built
+    # with a scheduler child left running (a hung process under systemd).
+    try:
+        sock = _listen(listen, config.wire)
+    except OSError as error:
+        print(f"tokenwire engine: cannot listen on {config.listen}: {error.strerror or error}"
+              + (f" ({error.filename})" if error.filename else ""), file=sys.stderr)
+        return 2
     provider = tracer_provider_from_env(os.environ, "tokenwire-engine")
     try:
         app = build_asgi_app(config, provider)
     except (OSError, ValueError, RuntimeError) as error:  # SchedulerProcessError included
+        if sock is not None:
+            sock.close()
         print(f"tokenwire engine: {error}", file=sys.stderr)
         return 2
     # log_config=None: uvicorn's loggers go through our handler (configure_logging);
@@ -153,13 +183,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # over them held the GIL ~60 ms: the loop and the scheduler thread stalled).
     gc.collect()
     gc.freeze()
-    if listen.unix_path is not None:
+    if sock is None:
         server.run()
     else:
-        # Our own listening socket: it caps the send buffer of accepted
-        # connections, so the middleware sees a slow client (docs/architecture.md#slow-readers).
-        assert listen.host is not None and listen.port is not None
-        sock = listening_socket(listen.host, listen.port, config.wire)
         server.run(sockets=[sock])
     shutdown = getattr(provider, "shutdown", None)
     if shutdown is not None:

@@ -184,3 +184,29 @@ def test_the_scheduler_process_needs_two_usable_cpus() -> None:
     assert placement(cpus[:1]) == "False asyncio"
     if len(cpus) >= 2:
         assert placement(cpus[:2]) == "True uvloop"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["busy port", "missing socket directory"])
+def test_cli_that_cannot_listen_says_where_in_one_line_and_exits_before_loading_a_model(
+        tmp_path: Path, where: str) -> None:
+    """Listening comes first: a busy port or a missing socket directory is exit 2
+    and one line naming the address or the folder, with no model loaded (a
+    traceback and a process left running were what a supervisor saw)."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        listen, named = ((f"127.0.0.1:{port}", f"127.0.0.1:{port}") if where == "busy port"
+                         else (f"unix:{tmp_path}/absent/engine.sock", f"{tmp_path}/absent"))
+        # A model path that does not exist: were the model loaded first, this
+        # would fail on the model instead, naming it.
+        result = subprocess.run([sys.executable, "-m", "tokenwire.engine.server", "--listen", listen,
+                                 "--model", str(tmp_path / "no-model")],
+                                capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot listen" in lines[0] and named in lines[0], result.stderr
+    assert "Traceback" not in result.stderr and "no-model" not in result.stderr
