@@ -135,9 +135,9 @@ class AttemptSlot:
             self._reported = True
             self._context.pools.report(self._grant, ok)
 
-    def aborted(self, reason: EndReason | None) -> None:
+    def aborted(self, reason: EndReason) -> None:
         """The core aborted the attempt: a failure of the pod's where the balancer says so."""
-        if reason is not None and verdicts.abort_is_pod_failure(reason):
+        if verdicts.abort_is_pod_failure(reason):
             self.report(ok=False)
         self.abort()
 
