@@ -78,9 +78,9 @@ def test_retries_when_connection_refused_then_post_goes_to_the_next_upstream(
         dead = f"http://127.0.0.1:{closed.getsockname()[1]}"  # bound, never listening: refused
         sidecar = start_sidecar([dead, upstream.url], retry_attempts=1, retry_backoff_s=0.0)
         response = exchange(sidecar.port, "POST", "/normal/v1/chat/completions", body=chat_body(),
-                            headers={"x-request-id": "refused-1"})
+                            headers={"x-request-id": "refused-next-1"})
     assert response.status == 200
-    assert len(upstream.requests_with("refused-1")) == 1
+    assert len(upstream.requests_with("refused-next-1")) == 1
 
 
 # ------------------------------------------------------------------ a hung upstream
