@@ -149,6 +149,8 @@ function aiError(error) {
   return out;
 }
 
+const BEFORE_ANSWER = new Set(["start", "start-step"]);
+
 // streamText(...).fullStream: the parts, as the AI SDK's docs read them.
 async function aiSdk(c) {
   const out = { status: null, text: "", thinking: "", tools: [], parts: [], error: null };
@@ -164,7 +166,9 @@ async function aiSdk(c) {
       else if (part.type === "tool-call") out.tools.push({ id: part.toolCallId, name: part.toolName, arguments: part.input });
       else if (part.type === "finish") { out.stop = part.finishReason; out.usage = plain(part.totalUsage); }
       else if (part.type === "error") errors.push(aiError(part.error));
-      if (c.stall && ++seen === 1) stallBlocking(c.stall);
+      // "start" is enqueued before the request is sent, "start-step" maybe before the
+      // answer's first byte: a stall there could come before tokenwire had anything to hold.
+      if (c.stall && !BEFORE_ANSWER.has(part.type) && ++seen === 1) stallBlocking(c.stall);
     }
   } catch (e) {
     errors.push(aiError(e));
