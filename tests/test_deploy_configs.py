@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +71,12 @@ class Stage:
     cmd: list[str] = field(default_factory=list)
 
 
+def _expand(value: str, env: dict[str, str]) -> str:
+    """``$NAME`` in an ENV value, as Docker reads it: the stage's value so far, else
+    the base image's (this machine's, for a run outside the image)."""
+    return re.sub(r"\$\{?(\w+)\}?", lambda m: env.get(m[1], os.environ.get(m[1], "")), value)
+
+
 def dockerfile_stages(path: Path = ROOT / "Dockerfile") -> dict[str, Stage]:
     """The stages of ``path``: continuation lines joined, comments dropped."""
     text = re.sub(r"\\\n", " ", path.read_text())
@@ -89,7 +96,7 @@ def dockerfile_stages(path: Path = ROOT / "Dockerfile") -> dict[str, Stage]:
         elif instruction == "ENV":
             for item in shlex.split(rest):
                 key, _, value = item.partition("=")
-                stage.env[key] = value
+                stage.env[key] = _expand(value, stage.env)
         elif instruction == "COPY" and not rest.startswith("--from"):
             *sources, destination = rest.split()
             for source in sources:
@@ -195,7 +202,7 @@ def wait_for(check: Any, timeout_s: float, process: subprocess.Popen[bytes]) -> 
 def test_sidecar_image_entrypoint_runs_as_in_the_image(sse_upstream: int) -> None:
     """``tokenwire sidecar --config /etc/tokenwire/sidecar.toml`` with the image's
     ENV; the environment only moves the ports (as a deployment would) and names
-    the upstream, which conf/sidecar.toml points at localhost:8000."""
+    the upstream, which conf/sidecar.toml points at the engine's localhost:8001."""
     stage = dockerfile_stages()["sidecar"]
     port, admin_port = free_port(), free_port()
     env = {**os.environ, **stage.env, "TOKENWIRE_LISTEN": f"127.0.0.1:{port}",
@@ -447,3 +454,14 @@ def test_engine_toml_in_the_image_is_the_defaults_file() -> None:
     assert stages["sidecar"].copies["/etc/tokenwire/sidecar.toml"] == "conf/sidecar.toml"
     assert stages["engine"].copies["/etc/tokenwire/engine.toml"] == "conf/engine.toml"
     assert load_toml(ROOT / "conf" / "engine.toml")
+
+
+def test_sidecar_config_when_read_then_its_upstream_is_the_engines_port() -> None:
+    """conf/sidecar.toml (the sidecar image's config) points at the port the bundled
+    engine listens on, in conf/engine.toml and in the engine image."""
+    sidecar = tomllib.loads((ROOT / "conf" / "sidecar.toml").read_text())
+    engine = tomllib.loads((ROOT / "conf" / "engine.toml").read_text())
+    engine_port = engine["listen"].rsplit(":", 1)[1]
+    assert [url.rsplit(":", 1)[1] for url in sidecar["upstream"]] == [engine_port], sidecar["upstream"]
+    image_listen = dockerfile_stages()["engine"].env["TOKENWIRE_ENGINE_LISTEN"]
+    assert image_listen.rsplit(":", 1)[1] == engine_port, image_listen
