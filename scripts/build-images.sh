@@ -20,6 +20,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="$PWD"
+# The checks' helpers (a free port, the fake upstream, JSON) need only the standard library.
+py="$py"; [ -x "$py" ] || py="$(command -v python3)"
 version="$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | head -1)"
 sidecar_only=0
 base=""
@@ -111,7 +113,7 @@ if [ "$sidecar_only" = 0 ]; then
 fi
 
 # ---- inside the images
-free_port() { "$root/.venv/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+free_port() { "$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 entry() { "$tool" image inspect "$1" --format '{{join .Config.Entrypoint " "}} {{join .Config.Cmd " "}}'; }
 pids=()
 containers=()
@@ -147,7 +149,7 @@ compiled = m.compiled_modules()
 assert compiled, "no compiled modules: the image runs the pure-Python core"
 print(f"{len(compiled)} compiled modules; redis {redis.__version__}")' || fail "sidecar: compiled modules or the Redis client"
     log="$(mktemp)"
-    background "$root/.venv/bin/python" "$root/testbed/fake_engine.py" --tokens 5 >"$log" 2>&1
+    background "$py" "$root/testbed/fake_engine.py" --tokens 5 >"$log" 2>&1
     for _ in $(seq 100); do grep -q '^ready port=' "$log" && break; sleep 0.1; done
     upstream_port="$(sed -n 's/^ready port=//p' "$log")"
     [ -n "$upstream_port" ] || fail "sidecar: the fake upstream did not start: $(cat "$log")"
@@ -184,7 +186,7 @@ print("the tiny model:", built[0].parent)' || fail "engine: the tiny model"
     read -r -a argv <<<"$(entry "$image")"
     background inside "$ctr" "${argv[@]}" --listen "127.0.0.1:$port"
     for _ in $(seq 600); do curl -fsS -o /dev/null "http://127.0.0.1:$port/health" 2>/dev/null && break; sleep 0.2; done
-    model="$(curl -fsS "http://127.0.0.1:$port/v1/models" | "$root/.venv/bin/python" -c \
+    model="$(curl -fsS "http://127.0.0.1:$port/v1/models" | "$py" -c \
         'import json, sys; print(json.load(sys.stdin)["data"][0]["id"])')" || fail "engine: /v1/models"
     out="$(curl -fsSN --max-time 60 "http://127.0.0.1:$port/v1/chat/completions" -H 'content-type: application/json' \
         -d '{"model": "'"$model"'", "stream": true, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}')" \
