@@ -21,7 +21,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root="$PWD"
 # The checks' helpers (a free port, the fake upstream, JSON) need only the standard library.
-py="$py"; [ -x "$py" ] || py="$(command -v python3)"
+py="$root/.venv/bin/python"; [ -x "$py" ] || py="$(command -v python3)"
 version="$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | head -1)"
 sidecar_only=0
 base=""
