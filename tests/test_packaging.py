@@ -9,6 +9,7 @@ virtualenv that has no torch, and imports every module of the base install.
 from __future__ import annotations
 
 import email.parser
+import os
 import re
 import shutil
 import subprocess
@@ -39,8 +40,11 @@ class Built:
 def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
     """The wheel as a user builds it (``python -m build --wheel``, isolated)."""
     out = tmp_path_factory.mktemp("dist")
+    # Without PYTHONDONTWRITEBYTECODE (which the test run may set): distutils says
+    # "byte-compiling is disabled" for it, a note about this machine, not the package.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     run = subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(out), str(ROOT)],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     (path,) = out.glob("tokenwire-*.whl")
     return Built(path, run.stdout + run.stderr)
