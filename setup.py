@@ -57,8 +57,10 @@ MODULES = (
     "sidecar/exchange/slot",
     "sidecar/downstream/http1",
     # Once a request: its head's checks, called from http1 (interpreted, they
-    # cost the stream's set-up a few percent of its instructions).
+    # cost the stream's set-up a few percent of its instructions), and the rules
+    # both HTTP versions share.
     "sidecar/downstream/http1_faults",
+    "sidecar/downstream/request_rules",
 )
 GROUP = "tokenwire.middleware._core"
 """The library the compiled modules share (``middleware/_core__mypyc*.so``)."""

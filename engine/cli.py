@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``tokenwire engine`` parser on its own (``python -m tokenwire.engine.server``)."""
-    parser = argparse.ArgumentParser(prog="tokenwire engine")
+    parser = argparse.ArgumentParser(prog="tokenwire engine", allow_abbrev=False)
     add_arguments(parser)
     return parser
 

@@ -87,6 +87,27 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out.strip() == f"tokenwire {importlib.metadata.version('tokenwire')}"
 
 
+def test_short_version_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["-V"]) == 0
+    assert capsys.readouterr().out.strip() == f"tokenwire {importlib.metadata.version('tokenwire')}"
+
+
+@pytest.mark.parametrize("command", ["sidecar", "up", "demo", "probe"])
+def test_unknown_flag_when_given_then_the_commands_own_usage_and_status_2(
+        command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([command, "--no-such-flag", "http://127.0.0.1:1"]) == 2  # probe takes the URL as its TARGET
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: tokenwire {command} "), err[:300]
+    assert f"tokenwire {command}: error: unrecognized arguments: --no-such-flag" in err, err[-300:]
+
+
+def test_flag_prefix_when_given_then_refused_not_taken_for_the_longer_flag(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--heartbeat 5`` would otherwise set ``heartbeat_s`` silently (argparse's prefix matching)."""
+    assert main(["sidecar", "--upstream", "http://127.0.0.1:1", "--heartbeat", "5"]) == 2
+    assert "unrecognized arguments: --heartbeat 5" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_python_dash_m_tokenwire_is_the_command() -> None:
     result = subprocess.run([sys.executable, "-m", "tokenwire", "--version"], capture_output=True,

@@ -17,8 +17,7 @@ from __future__ import annotations
 import enum
 import re
 
-Problem = tuple[int, str]
-"""An HTTP status and the fault in words, for the refusal."""
+from .request_rules import Problem
 
 _VERSION = re.compile(rb"HTTP/([0-9])\.([0-9])")
 # RFC 9112 section 7.1.1: chunk-ext = *( BWS ";" BWS name [ BWS "=" BWS ( token / quoted-string ) ] )

@@ -10,8 +10,7 @@ from typing import Protocol
 import h11
 from tokenwire.middleware.core.headers import header_value
 
-Problem = tuple[int, str]
-"""An HTTP status and the fault in words, for the refusal."""
+from .request_rules import Problem, head_problem
 
 
 class RequestLimits(Protocol):
@@ -90,7 +89,9 @@ def request_problem(request: h11.Request, headers: list[tuple[bytes, bytes]], re
     ``headers``: the request's headers as a list (h11's ``Headers`` is a
     sequence written in Python: each item read from it is a call).
     ``received`` starts with the head as it came off the wire (for the
-    framing faults h11 lets through: :func:`framing_problem`)."""
+    framing faults h11 lets through: :func:`framing_problem`). What only
+    HTTP/1.1 can get wrong is checked here; the rest is
+    :func:`~.request_rules.head_problem`'s, as for HTTP/2."""
     names = [name for name, _ in headers]
     # h11's buffer limit only catches a head still incomplete at the limit;
     # one that arrives whole in a single read is measured here.
@@ -98,8 +99,6 @@ def request_problem(request: h11.Request, headers: list[tuple[bytes, bytes]], re
         len(name) + len(value) + 4 for name, value in headers)
     if head_bytes > limits.max_head_bytes:
         return 431, f"request head over {limits.max_head_bytes} bytes"
-    if len(headers) > limits.max_header_count:
-        return 400, f"more than {limits.max_header_count} request headers"
     if b"transfer-encoding" in names and b"content-length" in names:
         # Request smuggling: two framings, and two hops that may pick differently.
         return 400, "Content-Length and Transfer-Encoding together"
@@ -114,14 +113,6 @@ def request_problem(request: h11.Request, headers: list[tuple[bytes, bytes]], re
         # than dropping the header means no hop ever sees a half-upgraded
         # connection (h2c smuggling past a front proxy's rules).
         return 400, "protocol upgrades are not supported"
-    if not request.target.startswith(b"/"):
-        return 400, "only origin-form request targets are served"
-    if request.method in (b"CONNECT", b"TRACE"):
-        # TRACE would echo the request, credentials and all (nginx: 405).
-        return 405, f"{request.method.decode()} is not supported"
     if request.http_version not in (b"1.0", b"1.1"):
         return 505, "only HTTP/1.0 and HTTP/1.1 are supported"
-    length = header_value(headers, b"content-length")
-    if length is not None and int(length) > limits.max_body_bytes:
-        return 413, f"request body over {limits.max_body_bytes} bytes"
-    return None
+    return head_problem(request.method, request.target, header_value(headers, b"host"), headers, limits)

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from .request_rules import Problem, head_problem
+
 Header = tuple[bytes, bytes]
 
 # What HPACK counts per header field beyond its name and value (RFC 7541 section 4.1).
@@ -74,18 +76,11 @@ def request_head(stream_id: int, fields: list[tuple[bytes, bytes]]) -> RequestHe
 
 
 def request_problem(head: RequestHead, fields: list[tuple[bytes, bytes]],
-                    limits: RequestLimits) -> tuple[int, str] | None:
-    """Why a request head is refused (status, words), or None."""
+                    limits: RequestLimits) -> Problem | None:
+    """Why a request head is refused (status, words), or None: its HPACK size
+    here, the rest :func:`~.request_rules.head_problem`'s, as for HTTP/1.1."""
     size = sum(len(name) + len(value) + _FIELD_OVERHEAD_BYTES for name, value in fields)
     if size > limits.http2_max_header_list_bytes:
         return 431, f"request header list over {limits.http2_max_header_list_bytes} bytes"
-    if len(head.headers) > limits.max_header_count:
-        return 400, f"more than {limits.max_header_count} request headers"
-    if head.method in (b"CONNECT", b"TRACE"):
-        return 405, f"{head.method.decode()} is not supported"
-    if not head.path.startswith(b"/"):
-        return 400, "only origin-form request targets are served"
-    length = head.header(b"content-length")
-    if length is not None and (not length.isdigit() or int(length) > limits.max_body_bytes):
-        return 413, f"request body over {limits.max_body_bytes} bytes"
-    return None
+    host = head.authority if head.authority is not None else head.header(b"host")
+    return head_problem(head.method, head.path, host, head.headers, limits)

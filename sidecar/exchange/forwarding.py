@@ -26,12 +26,18 @@ _REPLACED_UPSTREAM = frozenset({
     b"host", b"content-length", b"accept-encoding", b"expect",
     b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host", b"x-forwarded-port",
     b"x-real-ip", b"forwarded",
-    # Client-certificate headers of RFC 9440, nginx, Envoy, Traefik and HAProxy setups.
-    b"client-cert", b"client-cert-chain", b"x-client-cert", b"x-client-verify", b"x-client-dn",
-    b"x-ssl-client-cert", b"x-ssl-client-verify", b"x-ssl-client-dn", b"x-ssl-client-s-dn",
-    b"x-ssl-client-i-dn", b"x-ssl-cert", b"ssl-client-cert", b"ssl-client-verify",
-    b"x-forwarded-client-cert", b"x-forwarded-tls-client-cert",
 })
+# Client-certificate headers, by what their names hold rather than a list of the
+# spellings seen (RFC 9440's Client-Cert, nginx's X-SSL-Client-*, Envoy's
+# X-Forwarded-Client-Cert, X-Client-Cert-DN, ...): an engine that trusts one
+# must only ever see the sidecar's own (Client-Cert with mTLS), as Envoy
+# sanitises x-forwarded-client-cert by default.
+_CLIENT_CERT_PARTS = (b"client-cert", b"client-verify", b"client-dn", b"client-s-dn", b"client-i-dn",
+                      b"ssl-client", b"x-ssl-")
+
+
+def _client_cert_header(name: bytes) -> bool:
+    return any(part in name for part in _CLIENT_CERT_PARTS)
 
 
 def wants_stream(headers: Iterable[Header], body: bytes) -> bool:
@@ -115,6 +121,7 @@ def upstream_request_headers(
     headers = list(headers)
     kept = [(k, v) for k, v in strip_hop_by_hop(headers)
             if k not in _REPLACED_UPSTREAM and k != request_id_header and k != CLIENT_REQUEST_ID_HEADER
+            and not _client_cert_header(k)
             and not (drop_underscores and b"_" in k)]
     host = header_value(headers, b"host")
     chain = [v.strip() for k, v in headers if k == b"x-forwarded-for" and v.strip()]

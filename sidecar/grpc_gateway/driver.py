@@ -307,9 +307,9 @@ class StreamCall:
         self._timer: asyncio.TimerHandle | None = None
         self.transcoder = ResponseTranscoder(
             method, metadata_headers=(self._context.config.request_id_header.encode(),))
-        deadline = Deadline.from_headers(head.headers, self._loop.time())  # GrpcCallError if malformed
-        if deadline is not None:
-            self._timer = self._loop.call_at(deadline.at, self._deadline_passed)
+        self._deadline = Deadline.from_headers(head.headers, self._loop.time())  # GrpcCallError if malformed
+        if self._deadline is not None:
+            self._timer = self._loop.call_at(self._deadline.at, self._deadline_passed)
 
     # ------------------------------------------------------------ StreamHandler
 
@@ -326,6 +326,12 @@ class StreamCall:
         if len(self._requests) != 1:
             self._refuse(GrpcCallError(GrpcStatus.INTERNAL,
                                        f"expected one request message, got {len(self._requests)}"))
+            return
+        if self._deadline is not None and self._deadline.passed(self._loop.time()):
+            # Already past (grpc-timeout: 0n, or spent reading the request): no
+            # generation for an answer nobody waits for; the timer may not have run yet.
+            self._cancel_timer()
+            self._deadline_passed()
             return
         try:
             request = decode_request(self._method.request_type, self._requests[0])

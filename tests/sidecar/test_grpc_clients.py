@@ -199,6 +199,27 @@ def test_grpc_when_deadline_passes_then_server_ends_deadline_exceeded_and_aborts
     assert upstream.connection_of("g-deadline").closed.wait(5)
 
 
+def test_grpc_when_deadline_already_past_then_deadline_exceeded_and_nothing_sent_upstream(
+        start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
+    """``grpc-timeout: 0n`` (a deadline spent before the call arrived): no
+    generation starts for an answer nobody is waiting for."""
+    sidecar = start_sidecar()
+    with GrpcH2Client(sidecar.port) as client:
+        stream_id = client.call(CHAT_PATH, _request().SerializeToString(),
+                                [(b"grpc-timeout", b"0n"), (b"x-request-id", b"g-past")])
+        state = client.response(stream_id)
+        status = client.status(stream_id)
+    assert state.ended
+    assert status[b"grpc-status"] == b"4", status  # DEADLINE_EXCEEDED
+    assert _messages(bytes(state.body)) == []
+    # A later call on the same sidecar is served, and the past one never reached the upstream.
+    with grpc.insecure_channel(f"{sidecar.host}:{sidecar.port}") as channel:
+        list(pbg.ChatCompletionsStub(channel).Create(_request(), metadata=_metadata("g-after", 2, 0.0),
+                                                     timeout=10))
+    assert upstream.requests_with("g-after")
+    assert upstream.requests_with("g-past") == []
+
+
 def test_grpc_when_client_deadline_then_grpcio_sees_deadline_exceeded(
         start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
     sidecar = start_sidecar()

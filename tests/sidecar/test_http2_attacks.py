@@ -17,7 +17,7 @@ from collections.abc import Callable
 import hpack
 import pytest
 from conftest import LoopThread, RunningSidecar
-from h2client import PREFACE, STATIC_GET_BLOCK, H2Client, chat_headers, frame, read_goaway
+from h2client import PREFACE, STATIC_GET_BLOCK, H2Client, StreamState, chat_headers, frame, read_goaway
 from hyperframe.frame import ContinuationFrame, HeadersFrame
 from upstreams import FakeUpstream, expected_text
 
@@ -190,6 +190,41 @@ def test_attack_header_list_over_limit_then_stream_431_and_connection_stays(
         assert len(upstream.requests) == before
         fine = client.response(client.request("/models/v1/models"))
         assert fine.status == 200
+
+
+@pytest.mark.parametrize(("method", "path", "status"), [
+    ("get", "/models/v1/models", 400),  # methods are case-sensitive
+    ("TRACE", "/models/v1/models", 405),
+    ("GET", "/models/v1/../../etc/passwd", 400),
+    ("GET", "/models/v1/%2e%2e/x", 400),
+    ("GET", "/models/v1/" + "a" * 9000, 414),
+])
+def test_request_rules_when_over_http2_then_refused_as_over_http1_and_nothing_forwarded(
+        start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream, method: str, path: str,
+        status: int) -> None:
+    """The rules both versions share (sidecar/downstream/request_rules.py): the
+    same statuses as the HTTP/1.1 payload corpus gets, the connection kept."""
+    sidecar = start_sidecar()
+    before = len(upstream.requests)
+    with H2Client(sidecar.port) as client:
+        refused = client.response(client.request(path, method=method))
+        assert (refused.status, refused.ended) == (status, True), bytes(refused.body)
+        assert len(upstream.requests) == before
+        assert client.response(client.request("/models/v1/models")).status == 200
+
+
+def test_request_rules_when_authority_is_no_host_then_400(start_sidecar: Callable[..., RunningSidecar],
+                                                         upstream: FakeUpstream) -> None:
+    sidecar = start_sidecar()
+    before = len(upstream.requests)
+    with H2Client(sidecar.port) as client:
+        stream_id = client.conn.get_next_available_stream_id()
+        client.conn.send_headers(stream_id, [(b":method", b"GET"), (b":path", b"/models/v1/models"),
+                                             (b":scheme", b"http"), (b":authority", b"a/b")], end_stream=True)
+        client.streams[stream_id] = StreamState()
+        client.flush()
+        assert client.response(stream_id).status == 400
+        assert len(upstream.requests) == before
 
 
 @pytest.mark.parametrize("flood", ["settings", "ping", "priority"])

@@ -72,7 +72,7 @@ def test_conf_file_has_every_key_with_its_default() -> None:
     values = load_toml(CONF)
     assert set(values) == {key.name for key in all_keys()}
     config = build_config(file_values=values)
-    defaults = build_config(flags={"upstream": ["http://127.0.0.1:8000"]})
+    defaults = build_config(flags={"upstream": ["http://127.0.0.1:8001"]})  # the bundled engine's port
     assert config == defaults
 
 

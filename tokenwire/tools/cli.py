@@ -80,14 +80,16 @@ def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentPa
     which imports their modules; the others are listed with their summary.
     """
     parser = argparse.ArgumentParser(
-        prog="tokenwire",
+        prog="tokenwire", allow_abbrev=False,
         description="The wire between LLM engines and the people reading their answers. "
                     "`tokenwire help COMMAND` or `tokenwire COMMAND --help` lists a command's options.")
-    parser.add_argument("--version", action="version", version=f"tokenwire {version()}",
+    parser.add_argument("-V", "--version", action="version", version=f"tokenwire {version()}",
                         help="print the version and exit")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for command in COMMANDS:
-        sub = subparsers.add_parser(command.name, help=command.summary, description=command.summary)
+        # No prefix matching (``--heartbeat 5`` is not ``--heartbeat-s 5``), as in every parser here.
+        sub = subparsers.add_parser(command.name, help=command.summary, description=command.summary,
+                                    allow_abbrev=False)
         if commands is None or command.name in commands:
             _resolve(command.arguments)(sub)
     helper = subparsers.add_parser("help", help="show a command's options",
@@ -114,7 +116,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         first = args[0]
     parser = build_parser([first] if first in _BY_NAME else ())
     try:
-        namespace = parser.parse_args(args)
+        namespace, unknown = parser.parse_known_args(args)
+        if unknown:
+            # The command's own usage, not the top level's (argparse hands a
+            # subcommand's unknown flags up to the parser above it).
+            _subparser(parser, namespace.command or "").error(f"unrecognized arguments: {' '.join(unknown)}")
     except SystemExit as stop:  # --help, --version or a usage error, already printed
         return _status(stop)
     if namespace.command in (None, "help"):
@@ -126,6 +132,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cast(int, _resolve(_BY_NAME[namespace.command].entry)(args[1:]))
     except SystemExit as stop:  # a command's own usage error (argparse exits)
         return _status(stop)
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of subcommand ``name`` (``parser`` itself for none)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+            return cast(argparse.ArgumentParser, action.choices[name])
+    return parser
 
 
 def _status(stop: SystemExit) -> int:
@@ -162,7 +176,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def sidecar_parser() -> argparse.ArgumentParser:
     """The ``tokenwire sidecar`` parser on its own."""
-    parser = argparse.ArgumentParser(prog="tokenwire sidecar")
+    parser = argparse.ArgumentParser(prog="tokenwire sidecar", allow_abbrev=False)
     add_arguments(parser)
     return parser
 

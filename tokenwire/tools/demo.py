@@ -134,7 +134,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``tokenwire demo``: run the tour, print the report, write the HTML; 0 if all checks held."""
-    parser = argparse.ArgumentParser(prog="tokenwire demo")
+    parser = argparse.ArgumentParser(prog="tokenwire demo", allow_abbrev=False)
     add_arguments(parser)
     args = parser.parse_args(list(argv) if argv is not None else None)
     if bool(args.url) != bool(args.engine_socket):

@@ -169,7 +169,7 @@ def _headers(given: Sequence[str], parser: argparse.ArgumentParser) -> tuple[tup
 
 def main(argv: list[str] | None = None) -> int:
     """``tokenwire probe``: run the load, print the summary; 0 if every stream completed."""
-    parser = argparse.ArgumentParser(prog="tokenwire probe")
+    parser = argparse.ArgumentParser(prog="tokenwire probe", allow_abbrev=False)
     add_arguments(parser)
     args = parser.parse_args(argv)
     if args.concurrency < 1 or args.requests < 1 or args.warmup < 0:

@@ -219,7 +219,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``tokenwire up``: start both, print the banner, wait; non-zero if a child died."""
-    parser = argparse.ArgumentParser(prog="tokenwire up")
+    parser = argparse.ArgumentParser(prog="tokenwire up", allow_abbrev=False)
     add_arguments(parser)
     args = parser.parse_args(list(argv) if argv is not None else None)
     # SIGTERM stops us like Ctrl-C does, also while the children start, so
