@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import inspect
 import itertools
 import tomllib
@@ -52,6 +53,7 @@ class ConfigError(ValueError):
     def __init__(self, key: str, message: str) -> None:
         super().__init__(f"{key}: {message}")
         self.key = key
+        self.reason = message
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,14 +306,28 @@ def merge_layers(
     values: dict[str, object] = {}
     for name, value in (file_values or {}).items():
         if name not in keys:
-            raise ConfigError(name, "unknown configuration key")
-        values[name] = from_toml(keys[name], value)
+            suggestion = _did_you_mean(name, keys)
+            raise ConfigError(name, f"unknown configuration key in the config file{suggestion}")
+        values[name] = _read(from_toml, keys[name], value, "in the config file")
     for key in keys.values():
         text = (environ or {}).get(key.env)
         if text is not None:
-            values[key.name] = from_text(key, text)
+            values[key.name] = _read(from_text, key, text, f"from {key.env}={text!r}")
     for name, text in (flags or {}).items():
         if name not in keys:
-            raise ConfigError(name, "unknown configuration key")
-        values[name] = from_text(keys[name], text)
+            raise ConfigError(name, "unknown configuration key" + _did_you_mean(name, keys))
+        values[name] = _read(from_text, keys[name], text, f"from --{name.replace('_', '-')}")
     return values
+
+
+def _read(convert: Callable[[KeyT, Any], object], key: KeyT, value: Any, source: str) -> object:
+    """``convert(key, value)``, its error saying which layer the bad value came from."""
+    try:
+        return convert(key, value)
+    except ConfigError as error:
+        raise ConfigError(error.key, f"{error.reason} ({source})") from None
+
+
+def _did_you_mean(name: str, keys: Mapping[str, object]) -> str:
+    close = difflib.get_close_matches(name, list(keys), n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
