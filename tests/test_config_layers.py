@@ -75,10 +75,12 @@ def test_optional_keys_are_unset_by_an_empty_value_or_zero_in_every_layer() -> N
 
 
 @pytest.mark.parametrize(("layers", "says"), [
-    ({"environ": {"TOKENWIRE_HEARTBEAT_S": "abc"}}, "not a valid number: 'abc' (from TOKENWIRE_HEARTBEAT_S='abc')"),
+    ({"environ": {"TOKENWIRE_HEARTBEAT_S": "abc"}},
+     "not a valid number: 'abc' (from TOKENWIRE_HEARTBEAT_S='abc')"),
     ({"flags": {**_UPSTREAM, "heartbeat_s": "abc"}}, "(from --heartbeat-s)"),
     ({"file_values": {"heartbeat_s": "abc"}}, "(in the config file)"),
-    ({"file_values": {"heartbeat": 3}}, "unknown configuration key in the config file (did you mean heartbeat_s?)"),
+    ({"file_values": {"heartbeat": 3}},
+     "unknown configuration key in the config file (did you mean heartbeat_s?)"),
 ])
 def test_bad_value_when_refused_then_the_message_names_its_layer(layers: dict[str, Any], says: str) -> None:
     """Which variable, flag or file key to fix: the message says where the value came from."""
