@@ -512,6 +512,19 @@ def check_docker_build(run: ShellRun, command: Command) -> None:
     assert lint.returncode == 0, lint.stdout + lint.stderr
 
 
+def check_build_images(run: ShellRun, command: Command) -> None:
+    """The build itself runs in tests/test_images.py (``--sidecar-only --base debian``:
+    minutes, and podman); both images, as the README's first line asks, take minutes
+    more and a torch wheel, so here: the script parses and takes every flag the line gives."""
+    text = _script(command).read_text()
+    accepted = set(re.findall(r"^\s+(--[\w-]+)\)", text, re.M))
+    given = [arg for arg in command.argv[1:] if arg.startswith("--")]
+    unknown = sorted(set(given) - accepted)
+    assert not unknown, f"{command.text}: {unknown} not among the script's flags {sorted(accepted)}"
+    assert '"build-images.sh"' in (ROOT / "tests" / "test_images.py").read_text(), \
+        "tests/test_images.py no longer runs the script"
+
+
 def check_main_sh(run: ShellRun, command: Command) -> None:
     """The tour itself runs in tests/sidecar/test_demo.py (``tokenwire demo --quick``);
     running the script here would (re)install the virtualenv. Checked: it parses, it
@@ -569,6 +582,8 @@ SHELL_RULES = (
     ShellRule(r"tokenwire (--version|help\b)", "run as written, exit 0", run_tokenwire_quick),
     ShellRule(r"vllm serve\b", "a fake OpenAI upstream on that port", fake_vllm),
     ShellRule(r"docker build\b", "no daemon: target stage, ARGs, hadolint", check_docker_build),
+    ShellRule(r"scripts/build-images\.sh\b", "static checks; the build runs in test_images.py",
+              check_build_images),
 )
 
 
