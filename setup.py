@@ -153,6 +153,10 @@ class BuildExt(build_ext):
             if os.environ.get("TOKENWIRE_REQUIRE_COMPILED") == "1":
                 raise
             _say(f"the C build failed ({error}); the pure-Python wheel instead")
+            # None of what did build: a module's extension without the library the
+            # set shares would not import.
+            for extension in self.extensions:
+                Path(self.get_ext_fullpath(extension.name)).unlink(missing_ok=True)
             self.extensions = []
 
 
