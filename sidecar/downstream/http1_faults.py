@@ -10,20 +10,14 @@ from typing import Protocol
 import h11
 from tokenwire.middleware.core.headers import header_value
 
-from .request_rules import Problem, head_problem
+from .request_rules import HeadLimits, Problem, head_problem
 
 
-class RequestLimits(Protocol):
-    """The limits a request head is held to (the sidecar's config has them)."""
+class RequestLimits(HeadLimits, Protocol):
+    """The limits an HTTP/1.1 request head is held to: the shared ones and its size."""
 
     @property
     def max_head_bytes(self) -> int: ...
-
-    @property
-    def max_header_count(self) -> int: ...
-
-    @property
-    def max_body_bytes(self) -> int: ...
 
 
 def framing_problem(received: bytes | bytearray) -> str | None:

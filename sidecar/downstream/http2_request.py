@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from .request_rules import Problem, head_problem
+from .request_rules import HeadLimits, Problem, head_problem
 
 Header = tuple[bytes, bytes]
 
@@ -41,17 +41,11 @@ class RequestHead:
 
 
 
-class RequestLimits(Protocol):
-    """The limits an HTTP/2 request head is held to (the sidecar's config has them)."""
+class RequestLimits(HeadLimits, Protocol):
+    """The limits an HTTP/2 request head is held to: the shared ones and its HPACK size."""
 
     @property
     def http2_max_header_list_bytes(self) -> int: ...
-
-    @property
-    def max_header_count(self) -> int: ...
-
-    @property
-    def max_body_bytes(self) -> int: ...
 
 
 def request_head(stream_id: int, fields: list[tuple[bytes, bytes]]) -> RequestHead:
