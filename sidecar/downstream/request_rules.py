@@ -82,6 +82,8 @@ def has_dot_segment(target: bytes) -> bool:
     """Whether the path of ``target`` has a ``.`` or ``..`` segment, spelled
     plainly, percent-encoded (``%2e``) or between encoded separators
     (``%2f``, ``%5c``, a backslash)."""
+    if b"." not in target and b"%2e" not in target and b"%2E" not in target:
+        return False  # no dot however spelled (most API paths): none of the copies below
     path = target.split(b"?", 1)[0].lower()
     for spelled, meant in _SPELLINGS:
         path = path.replace(spelled, meant)
