@@ -82,11 +82,12 @@ class H2Client:
                 self.send_failed = True  # the peer hung up; what it sent may still be read
 
     def request(self, path: str, *, method: str = "GET", body: bytes = b"",
-                headers: Iterable[Header] = (), end: bool = True, flush: bool = True) -> int:
+                headers: Iterable[Header] = (), end: bool = True, flush: bool = True,
+                authority: bytes = b"localhost") -> int:
         """Open a stream; its id."""
         stream_id = self.conn.get_next_available_stream_id()
         fields = [(b":method", method.encode()), (b":path", path.encode()), (b":scheme", b"http"),
-                  (b":authority", b"localhost"), *headers]
+                  (b":authority", authority), *headers]
         self.conn.send_headers(stream_id, fields, end_stream=end and not body)
         if body:
             self.conn.send_data(stream_id, body, end_stream=end)

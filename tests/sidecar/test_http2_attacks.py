@@ -17,7 +17,7 @@ from collections.abc import Callable
 import hpack
 import pytest
 from conftest import LoopThread, RunningSidecar
-from h2client import PREFACE, STATIC_GET_BLOCK, H2Client, StreamState, chat_headers, frame, read_goaway
+from h2client import PREFACE, STATIC_GET_BLOCK, H2Client, chat_headers, frame, read_goaway
 from hyperframe.frame import ContinuationFrame, HeadersFrame
 from upstreams import FakeUpstream, expected_text
 
@@ -218,12 +218,7 @@ def test_request_rules_when_authority_is_no_host_then_400(start_sidecar: Callabl
     sidecar = start_sidecar()
     before = len(upstream.requests)
     with H2Client(sidecar.port) as client:
-        stream_id = client.conn.get_next_available_stream_id()
-        client.conn.send_headers(stream_id, [(b":method", b"GET"), (b":path", b"/models/v1/models"),
-                                             (b":scheme", b"http"), (b":authority", b"a/b")], end_stream=True)
-        client.streams[stream_id] = StreamState()
-        client.flush()
-        assert client.response(stream_id).status == 400
+        assert client.response(client.request("/models/v1/models", authority=b"a/b")).status == 400
         assert len(upstream.requests) == before
 
 
