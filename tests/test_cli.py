@@ -14,14 +14,9 @@ import pytest
 from tokenwire.engine.config import engine_keys
 from tokenwire.sidecar.settings import all_keys
 
-from tokenwire.tools.cli import COMMANDS, build_parser, main
+from tokenwire.tools.cli import COMMANDS, build_parser, main, subcommand_parsers
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    (action,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return dict(action.choices)
 
 
 def test_every_config_key_has_a_docstring() -> None:
@@ -32,7 +27,7 @@ def test_every_config_key_has_a_docstring() -> None:
 
 
 def test_every_flag_of_every_subcommand_has_help() -> None:
-    subparsers = _subparsers(build_parser())
+    subparsers = subcommand_parsers(build_parser())
     assert set(subparsers) == {c.name for c in COMMANDS} | {"help"}
     for name, parser in subparsers.items():
         actions = [a for a in parser._actions if a.help != argparse.SUPPRESS]

@@ -120,7 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if unknown:
             # The command's own usage, not the top level's (argparse hands a
             # subcommand's unknown flags up to the parser above it).
-            _subparser(parser, namespace.command or "").error(f"unrecognized arguments: {' '.join(unknown)}")
+            command_parser = subcommand_parsers(parser).get(namespace.command or "", parser)
+            command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     except SystemExit as stop:  # --help, --version or a usage error, already printed
         return _status(stop)
     if namespace.command in (None, "help"):
@@ -134,12 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _status(stop)
 
 
-def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
-    """The parser of subcommand ``name`` (``parser`` itself for none)."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
-            return cast(argparse.ArgumentParser, action.choices[name])
-    return parser
+def subcommand_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The parser of each subcommand of :func:`build_parser`'s ``parser``, by name."""
+    (action,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
 
 
 def _status(stop: SystemExit) -> int:
