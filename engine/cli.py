@@ -44,5 +44,5 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_engine_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> EngineConfig:
     """Parse flags, read the environment and the ``--config`` file; merge them."""
-    flags, file_values = read_command_line(build_parser(), argv, environ, CONFIG_ENV)
-    return build_engine_config(flags=flags, environ=environ, file_values=file_values)
+    flags, file_values, file_path = read_command_line(build_parser(), argv, environ, CONFIG_ENV)
+    return build_engine_config(flags=flags, environ=environ, file_values=file_values, file_path=file_path)

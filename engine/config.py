@@ -207,6 +207,7 @@ def build_engine_config(
     flags: Mapping[str, str | Sequence[str]] | None = None,
     environ: Mapping[str, str] | None = None,
     file_values: Mapping[str, Any] | None = None,
+    file_path: str | None = None,
 ) -> EngineConfig:
     """Merge the layers (flag > env > file > default) into a validated config.
 
@@ -216,4 +217,4 @@ def build_engine_config(
     may set keys this version lacks); unknown file keys and flags are errors.
     """
     return build_layered(EngineConfig, engine_wire_defaults(), engine_keys(), flags=flags,
-                         environ=environ, file_values=file_values)
+                         environ=environ, file_values=file_values, file_path=file_path)

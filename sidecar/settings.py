@@ -244,7 +244,8 @@ class SidecarConfig:
                     "loopback, where it lists and cancels streams: give it a token (--admin-token-file "
                     "FILE, TOKENWIRE_ADMIN_TOKEN or --admin-token) or listen on 127.0.0.1")
         if not self.upstream:
-            raise ConfigError("upstream", "at least one upstream is required")
+            raise ConfigError("upstream", "at least one upstream is required (--upstream URL, "
+                              "TOKENWIRE_UPSTREAM or upstream in the config file)")
         if not isinstance(self.log_level, str) or self.log_level.lower() not in LOG_LEVELS:
             raise ConfigError("log_level", f"must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if isinstance(self.http2_header_table_bytes, bool) or not isinstance(
@@ -377,6 +378,11 @@ def parse_host_port(value: str, key: str) -> tuple[str, int]:
     return host.strip("[]"), int(port_text)
 
 
+def format_host_port(host: str, port: int) -> str:
+    """``HOST:PORT`` as :func:`parse_host_port` reads it back: an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 # ---------------------------------------------------------------- keys
 
 
@@ -394,6 +400,7 @@ def build_config(
     flags: Mapping[str, str | Sequence[str]] | None = None,
     environ: Mapping[str, str] | None = None,
     file_values: Mapping[str, Any] | None = None,
+    file_path: str | None = None,
 ) -> SidecarConfig:
     """Merge the layers (flag > env > file > default) into a validated config.
 
@@ -401,4 +408,4 @@ def build_config(
     texts for repeatable keys such as ``upstream``).
     """
     return build_layered(SidecarConfig, SIDECAR_WIRE_DEFAULTS, all_keys(), flags=flags, environ=environ,
-                         file_values=file_values)
+                         file_values=file_values, file_path=file_path)

@@ -298,17 +298,19 @@ def merge_layers(
     flags: Mapping[str, str] | None = None,
     environ: Mapping[str, str] | None = None,
     file_values: Mapping[str, Any] | None = None,
+    file_path: str | None = None,
 ) -> dict[str, object]:
     """The values set in any layer, flag > environment > file (defaults stay
-    the dataclass's). Unknown file keys and flags are errors naming the key;
-    unknown variables are ignored (a newer deployment may set keys this
-    version lacks)."""
+    the dataclass's). Unknown file keys and flags are errors naming the key
+    (and ``file_path``, the file the values came from); unknown variables are
+    ignored (a newer deployment may set keys this version lacks)."""
     values: dict[str, object] = {}
+    in_file = f"in {file_path}" if file_path else "in the config file"
     for name, value in (file_values or {}).items():
         if name not in keys:
             suggestion = _did_you_mean(name, keys)
-            raise ConfigError(name, f"unknown configuration key in the config file{suggestion}")
-        values[name] = _read(from_toml, keys[name], value, "in the config file")
+            raise ConfigError(name, f"unknown configuration key {in_file}{suggestion}")
+        values[name] = _read(from_toml, keys[name], value, in_file)
     for key in keys.values():
         text = (environ or {}).get(key.env)
         if text is not None:

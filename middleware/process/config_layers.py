@@ -198,12 +198,13 @@ def add_key_flags(parser: argparse.ArgumentParser, keys: list[ConfigKey], defaul
 
 def read_command_line(
     parser: argparse.ArgumentParser, argv: Sequence[str], environ: Mapping[str, str] | None, config_env: str,
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The flags given (by key name) and the values of the ``--config`` file (or the
-    file ``config_env`` names): the top two layers but the environment."""
+) -> tuple[dict[str, Any], dict[str, Any], str | None]:
+    """The flags given (by key name), the values of the ``--config`` file (or the
+    file ``config_env`` names) and that file's path: the top two layers but the
+    environment."""
     flags = vars(parser.parse_args(list(argv)))
-    config_path = flags.pop("config", None) or (environ or {}).get(config_env)
-    return flags, load_toml(config_path) if config_path else {}
+    config_path: str | None = flags.pop("config", None) or (environ or {}).get(config_env) or None
+    return flags, load_toml(config_path) if config_path else {}, config_path
 
 
 def config_defaults(config_class: type) -> dict[str, object]:
@@ -232,6 +233,7 @@ def build_layered(
     flags: Mapping[str, str | Sequence[str]] | None = None,
     environ: Mapping[str, str] | None = None,
     file_values: Mapping[str, Any] | None = None,
+    file_path: str | None = None,
 ) -> ConfigT:
     """Merge the layers (flag > env > file > default) into a validated ``config_class``:
     the wire keys onto ``wire_defaults``, the others onto the class's defaults.
@@ -239,13 +241,13 @@ def build_layered(
     ``flags`` maps key names to the text given on the command line; only the
     flags actually given belong in it. Unknown variables are ignored (a newer
     deployment may set keys this version lacks); unknown file keys and flags
-    are errors. A repeated flag (a list of texts) reads as the comma list its
-    variable would be."""
+    are errors (naming ``file_path``, where the file values came from). A
+    repeated flag (a list of texts) reads as the comma list its variable would be."""
     by_name = {key.name: key for key in keys}
     texts = {name: given if isinstance(given, str) else ",".join(given)
              for name, given in (flags or {}).items()}
     values = merge_layers(by_name, from_text=value_from_text, from_toml=value_from_toml, flags=texts,
-                          environ=environ, file_values=file_values)
+                          environ=environ, file_values=file_values, file_path=file_path)
     wire_values = {name: value for name, value in values.items() if by_name[name].wire}
     own_values = {name: value for name, value in values.items() if not by_name[name].wire}
     return config_class(wire=wire_defaults.replace(**wire_values), **own_values)

@@ -32,6 +32,7 @@ import socket
 import ssl
 from collections.abc import Callable
 
+from ..settings import format_host_port
 from ..tasks import spawn
 
 logger = logging.getLogger("tokenwire.sidecar")
@@ -73,8 +74,8 @@ async def bind_listeners(host: str | None, port: int, *, backlog: int,
             try:
                 sock.bind(address)
             except OSError as error:
-                raise OSError(error.errno, f"error while attempting to bind on address {address!r}: "
-                                           f"{(error.strerror or '').lower()}") from None
+                raise OSError(error.errno, f"cannot listen on {format_host_port(str(address[0]), int(address[1]))}: "
+                                           f"{error.strerror or error}") from None
             sock.listen(backlog)
             sock.setblocking(False)
     except BaseException:

@@ -35,7 +35,7 @@ from ..downstream.cors import admin_origins
 from ..downstream.http2 import StreamRoute
 from ..logs import StreamLog
 from ..registry import StreamRegistry
-from ..settings import SidecarConfig, parse_host_port, read_admin_token
+from ..settings import SidecarConfig, format_host_port, parse_host_port, read_admin_token
 from ..upstream.metrics import UpstreamCollector
 from ..upstream.pools import UpstreamPools
 from .acceptor import Acceptor, bind_listeners
@@ -86,6 +86,12 @@ class Sidecar:
         self._loop = loop
         self._stop = asyncio.Event()
         wire = config.wire
+        # What can refuse to start (the certificate, the address) comes first, so
+        # a refusal is the only line a failed start prints.
+        if config.tls:
+            self._ssl = server_context(config)
+        host, port = parse_host_port(config.listen, "listen")
+        sockets = await bind_listeners(host, port, backlog=4096, reuse_port=self._reuse_port)
         access: AdminAccess | None = None
         own_origins: tuple[str, ...] = ()
         if config.admin_listen:
@@ -116,9 +122,6 @@ class Sidecar:
         self.context = context
         context.metrics.registry.register(UpstreamCollector(context.pools))
         await context.pools.start()
-        if config.tls:
-            self._ssl = server_context(config)
-        host, port = parse_host_port(config.listen, "listen")
         # A TLS client that never finishes its handshake (or never sends a byte)
         # gets no more time than a plain one that never finishes its head; the
         # loop's default would hold the socket for 60 s, before the connection
@@ -128,7 +131,6 @@ class Sidecar:
         factory: Callable[[], asyncio.BaseProtocol] = lambda: ProtocolSelector(context, route)  # noqa: E731
         alerting = (alerting_protocol_factory(factory, self._ssl, handshake_timeout_s)
                     if self._ssl is not None and config.tls_client_ca else None)
-        sockets = await bind_listeners(host, port, backlog=4096, reuse_port=self._reuse_port)
         if alerting is not None:
             # mTLS: TLS is terminated by asyncio's protocol (with the handshake
             # alert fix, see tls.py) rather than uvloop's, which has no such fix.
@@ -252,8 +254,11 @@ def raise_fd_limit(max_connections: int) -> int:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
             soft = target
     if soft < wanted:
-        logger.warning("open-file limit %d is below the %d that max_connections=%d needs",
-                       soft, wanted, max_connections)
+        logger.warning("open-file limit %d (hard limit %s) is below the %d that max_connections=%d needs: "
+                       "raise the hard limit (`ulimit -Hn %d` as root, LimitNOFILE=%d under systemd, "
+                       "--ulimit nofile=%d for a container) or set --max-connections %d",
+                       soft, "unlimited" if hard == resource.RLIM_INFINITY else hard, wanted, max_connections,
+                       wanted, wanted, wanted, max(1, (soft - 256) // 2))
     return soft
 
 
@@ -280,10 +285,10 @@ async def _serve(config: SidecarConfig, out: TextIO, reuse_port: bool) -> int:
     loop.add_signal_handler(signal.SIGHUP, sidecar.reload)
     host, port = sidecar.address
     scheme = "https" if config.tls else "http"
-    ready = f"ready listen={host}:{port} scheme={scheme}"
+    ready = f"ready listen={format_host_port(host, port)} scheme={scheme}"
     admin = sidecar.admin_address
     if admin is not None:
-        ready += f" admin={admin[0]}:{admin[1]}"
+        ready += f" admin={format_host_port(*admin)}"
     # Everything made so far (modules, config, metrics, pools) lives as long as
     # the process: out of the collector's sight, a full collection walks only
     # what streams made (a shorter stall of the loop: docs/perf/sidecar-http1.md).

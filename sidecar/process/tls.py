@@ -12,6 +12,7 @@ import _ssl
 import asyncio
 import ctypes
 import logging
+import os
 import ssl
 from asyncio import sslproto
 from collections.abc import Callable
@@ -88,13 +89,32 @@ def load_certificates(context: ssl.SSLContext, config: SidecarConfig) -> None:
     try:
         context.load_cert_chain(config.tls_cert, config.tls_key)
     except (OSError, ssl.SSLError) as error:
-        raise ConfigError("tls_cert", f"cannot load {config.tls_cert} / {config.tls_key}: {error}") from None
+        raise certificate_error(config.tls_cert, config.tls_key, error) from None
     if config.tls_client_ca:
         try:
             context.load_verify_locations(cafile=config.tls_client_ca)
         except (OSError, ssl.SSLError) as error:
             raise ConfigError("tls_client_ca", f"cannot load {config.tls_client_ca}: {error}") from None
         context.verify_mode = ssl.CERT_REQUIRED
+
+
+def certificate_error(cert_path: str, key_path: str, error: OSError) -> ConfigError:
+    """Which of the two files ``load_cert_chain`` refused, and why.
+
+    OpenSSL says ``PEM lib`` for a bad certificate and a bad key alike, so
+    the certificate is tried on its own (as a trust anchor, which parses it
+    and nothing else) to tell the two apart."""
+    for key, path in (("tls_cert", cert_path), ("tls_key", key_path)):
+        if not os.access(path, os.R_OK):
+            reason = "no such file" if not os.path.exists(path) else "not readable"
+            return ConfigError(key, f"cannot read {path}: {reason}")
+    if getattr(error, "reason", None) == "KEY_VALUES_MISMATCH":
+        return ConfigError("tls_key", f"{key_path} is not the private key of the certificate in {cert_path}")
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=cert_path)
+    except (OSError, ssl.SSLError):
+        return ConfigError("tls_cert", f"{cert_path} holds no PEM certificate")
+    return ConfigError("tls_key", f"{key_path} holds no PEM private key (or one encrypted with a passphrase)")
 
 
 class _AlertingSSLProtocol(sslproto.SSLProtocol):

@@ -55,7 +55,7 @@ from tokenwire.middleware import EndReason, StreamRecord
 from tokenwire.middleware.core.headers import header_value
 
 from ..logs import StreamLog
-from ..settings import SidecarConfig, parse_host_port, read_admin_token
+from ..settings import SidecarConfig, format_host_port, parse_host_port, read_admin_token
 from ..tasks import spawn
 from . import metrics as sidecar_metrics
 from .admin import AdminAccess, serve_one
@@ -186,11 +186,11 @@ class Supervisor:
             self._spawn(self._poll_streams())
             self._spawn(self._poll_metrics())
             scheme = "https" if self.config.tls else "http"
-            ready = (f"ready listen={self._listen[0]}:{self._listen[1]} scheme={scheme} "
+            ready = (f"ready listen={format_host_port(*self._listen)} scheme={scheme} "
                      f"workers={len(self.workers)}")
             if self._admin is not None:
                 admin_address = self._admin.sockets[0].getsockname()
-                ready += f" admin={admin_address[0]}:{admin_address[1]}"
+                ready += f" admin={format_host_port(admin_address[0], admin_address[1])}"
             print(ready, file=self._out, flush=True)
             await stopped.wait()
             await asyncio.gather(*(w.process.wait() for w in list(self.workers.values())))

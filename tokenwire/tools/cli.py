@@ -182,8 +182,8 @@ def sidecar_parser() -> argparse.ArgumentParser:
 
 def load_sidecar_config(argv: Sequence[str], environ: dict[str, str] | None = None) -> SidecarConfig:
     """Parse flags, read the environment and the ``--config`` file; merge them."""
-    flags, file_values = read_command_line(sidecar_parser(), argv, environ, "TOKENWIRE_CONFIG")
-    return build_config(flags=flags, environ=environ, file_values=file_values)
+    flags, file_values, file_path = read_command_line(sidecar_parser(), argv, environ, "TOKENWIRE_CONFIG")
+    return build_config(flags=flags, environ=environ, file_values=file_values, file_path=file_path)
 
 
 def sidecar_main(argv: Sequence[str]) -> int:
@@ -209,5 +209,6 @@ def sidecar_main(argv: Sequence[str]) -> int:
         print(f"tokenwire sidecar: configuration error: {error}", file=sys.stderr)
         return 2
     except OSError as error:
-        print(f"tokenwire sidecar: cannot start: {error}", file=sys.stderr)
+        where = f" ({error.filename})" if error.filename else ""
+        print(f"tokenwire sidecar: cannot start: {error.strerror or error}{where}", file=sys.stderr)
         return 1
