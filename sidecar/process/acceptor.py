@@ -50,6 +50,7 @@ _MAX_ACCEPTS_PER_TURN = 4
 _MAX_QUEUED_AT_CLOSE = 4096
 # Out of descriptors or memory: how long accepting pauses (asyncio's own delay).
 _ACCEPT_RETRY_S = 1.0
+_PLAIN_HTTP_HOSTS_KEPT = 1024
 _RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
@@ -74,8 +75,8 @@ async def bind_listeners(host: str | None, port: int, *, backlog: int,
             try:
                 sock.bind(address)
             except OSError as error:
-                raise OSError(error.errno, f"cannot listen on {format_host_port(str(address[0]), int(address[1]))}: "
-                                           f"{error.strerror or error}") from None
+                where = format_host_port(str(address[0]), int(address[1]))
+                raise OSError(error.errno, f"cannot listen on {where}: {error.strerror or error}") from None
             sock.listen(backlog)
             sock.setblocking(False)
     except BaseException:
@@ -92,6 +93,7 @@ class Acceptor:
     def __init__(self, sockets: list[socket.socket], protocol_factory: Callable[[], asyncio.BaseProtocol],
                  *, tls: ssl.SSLContext | None = None, tls_handshake_timeout_s: float | None = None) -> None:
         self.sockets = sockets
+        self._port = sockets[0].getsockname()[1] if sockets else 0
         self._factory = protocol_factory
         self._tls = tls
         self._tls_handshake_timeout_s = tls_handshake_timeout_s if tls is not None else None
@@ -99,6 +101,10 @@ class Acceptor:
         self._handovers: set[asyncio.Task[object]] = set()
         self._closed = False
         self._retry: asyncio.TimerHandle | None = None
+        # Hosts already told of in the log for plain HTTP on the TLS port: once
+        # each (a misconfigured client retries, each time a line otherwise),
+        # bounded so that many such hosts cost no more than this many entries.
+        self._plain_http_hosts: set[str] = set()
 
     def start(self) -> None:
         """Start accepting."""
@@ -137,7 +143,7 @@ class Acceptor:
     def _accept(self, listener: socket.socket, most: int = _MAX_ACCEPTS_PER_TURN) -> None:
         for _ in range(most):
             try:
-                connection, _ = listener.accept()
+                connection, peer = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except ConnectionAbortedError:
@@ -150,9 +156,9 @@ class Acceptor:
                     self._pause()
                 return
             connection.setblocking(False)
-            spawn(self._handovers, self._hand_over(connection))
+            spawn(self._handovers, self._hand_over(connection, peer))
 
-    async def _hand_over(self, connection: socket.socket) -> object:
+    async def _hand_over(self, connection: socket.socket, peer: object) -> object:
         try:
             return await self._loop.connect_accepted_socket(
                 self._factory, connection, ssl=self._tls, ssl_handshake_timeout=self._tls_handshake_timeout_s)
@@ -160,8 +166,23 @@ class Acceptor:
             # A client that failed its TLS handshake or vanished first: its
             # connection was never the proxy's; create_server drops these too.
             logger.debug("connection dropped before it was served: %r", error)
+            if getattr(error, "reason", None) == "HTTP_REQUEST":
+                self._plain_http(peer)
             connection.close()
             return None
+
+    def _plain_http(self, peer: object) -> None:
+        """A client spoke plain HTTP to the TLS port (OpenSSL recognises the
+        request line). The handshake's failure has already closed the socket, so
+        no 400 can be written as nginx does; the log says it, once per host."""
+        host = str(peer[0]) if isinstance(peer, tuple) and peer else str(peer)
+        if host in self._plain_http_hosts:
+            return
+        if len(self._plain_http_hosts) >= _PLAIN_HTTP_HOSTS_KEPT:
+            self._plain_http_hosts.clear()
+        self._plain_http_hosts.add(host)
+        logger.warning("plain HTTP from %s on the TLS port %s: the client must use https:// "
+                       "(said once per client host)", host, self._port)
 
     def _pause(self) -> None:
         for sock in self.sockets:

@@ -195,6 +195,10 @@ class Sidecar:
         if context is None:
             return
         context.draining = True
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        logger.info("draining: %d open streams on %d connections, for up to %g s",
+                    len(context.registry), len(context.connections), self.config.drain_s)
         for listener in list(context.on_drain):
             listener()
         if self._server is not None:
@@ -205,13 +209,14 @@ class Sidecar:
                 await asyncio.wait_for(self._server.handed_over(), self.config.drain_s)
         for connection in list(context.connections):
             connection.close_if_idle()
-        loop = asyncio.get_running_loop()
-        drain_until = loop.time() + self.config.drain_s
+        drain_until = began + self.config.drain_s
         while len(context.registry) and loop.time() < drain_until:
             await asyncio.sleep(_POLL_S)
         stopped = context.registry.stop_all(EndReason.SHUTDOWN)
         if stopped:
             logger.info("drain time over: ended %d open streams", stopped)
+        else:
+            logger.info("drained in %.1f s: every stream ended", loop.time() - began)
         flush_until = loop.time() + _FINAL_FLUSH_S
         while context.connections and loop.time() < flush_until:
             for connection in list(context.connections):
@@ -307,4 +312,5 @@ async def _serve(config: SidecarConfig, out: TextIO, reuse_port: bool) -> int:
     shutdown = getattr(provider, "shutdown", None)
     if shutdown is not None:
         shutdown()  # the SDK's: exports the spans still batched
+    logger.info("exiting")
     return 0

@@ -194,6 +194,7 @@ class Supervisor:
             print(ready, file=self._out, flush=True)
             await stopped.wait()
             await asyncio.gather(*(w.process.wait() for w in list(self.workers.values())))
+            logger.info("exiting: every worker has")
             return 0
         finally:
             self._stopping = True

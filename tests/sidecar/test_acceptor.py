@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import socket
+import ssl
 import subprocess
 import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
+import trustme
 import uvloop
 from tokenwire.sidecar.process.acceptor import Acceptor, bind_listeners
 
@@ -173,3 +176,42 @@ def test_out_of_descriptors_is_logged_and_accepting_resumes_once_some_are_free()
     assert child.returncode == 0, err
     assert "logged: cannot accept connections ([Errno 24] Too many open files): pausing for 1.0 s" in out
     assert out.rstrip().endswith("accepted")
+
+
+@pytest.mark.parametrize("loop_factory", [uvloop.new_event_loop, asyncio.new_event_loop],
+                         ids=["uvloop", "asyncio"])
+def test_plain_http_on_tls_port_when_repeated_then_logged_once_per_client_host(
+        loop_factory: Callable[[], asyncio.AbstractEventLoop], caplog: pytest.LogCaptureFixture) -> None:
+    """``curl http://`` against the TLS port: the handshake fails and the
+    connection closes (asyncio has closed the socket by then, so no 400 can be
+    written as nginx does); the operator reads one warning per client host,
+    not one per attempt."""
+    authority = trustme.CA()
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    authority.issue_cert("localhost").configure_cert(tls)
+
+    async def plain_request(port: int, source: str) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        answer = await reader.read()
+        writer.close()
+        return answer
+
+    async def main() -> None:
+        listeners = await bind_listeners("127.0.0.1", 0, backlog=16, reuse_port=False)
+        port = listeners[0].getsockname()[1]
+        acceptor = Acceptor(listeners, asyncio.Protocol, tls=tls, tls_handshake_timeout_s=10.0)
+        acceptor.start()
+        try:
+            for source in ("127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.1"):
+                assert await plain_request(port, source) == b""
+                await acceptor.handed_over()
+        finally:
+            acceptor.close()
+
+    with caplog.at_level(logging.WARNING, logger="tokenwire.sidecar"):
+        _run(loop_factory, main)
+    told = [record.getMessage() for record in caplog.records if "plain HTTP" in record.getMessage()]
+    assert len(told) == 2, told
+    assert told[0].startswith("plain HTTP from 127.0.0.1 on the TLS port") and "https://" in told[0]
+    assert told[1].startswith("plain HTTP from 127.0.0.2 ")

@@ -7,6 +7,7 @@ in-band ``shutdown`` error, is in test_process.py.)
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import time
@@ -89,6 +90,17 @@ def test_shutdown_when_sigterm_with_mixed_connections_then_none_hang_and_exit_0(
     for i in range(8):
         assert upstream.connection_of(f"long-{i}").closed.wait(2)
     assert upstream.connection_of("stalled").closed.wait(2)
+    # What an operator reads of it: start, the drain beginning and ending, the exit.
+    assert process.process.stderr is not None
+    said = [json.loads(line)["msg"] for line in process.process.stderr.read().decode().splitlines()
+            if line.startswith("{")]
+    lifecycle = [message for message in said if message.startswith(("starting:", "drain", "exiting"))]
+    # (The short stream may end before the signal on a loaded machine: its count is not fixed.)
+    patterns = [re.escape(f"starting: config (no file), upstreams {upstream.url}, 1 worker"),
+                r"draining: (9|10) open streams on 1[12] connections, for up to 5 s",
+                r"drain time over: ended 9 open streams", "exiting"]
+    assert len(lifecycle) == len(patterns), said
+    assert all(re.fullmatch(pattern, line) for pattern, line in zip(patterns, lifecycle, strict=True)), said
     for sock in (short, stalled, idle, half_head, *(reader.sock for reader in long_streams)):
         sock.close()
 

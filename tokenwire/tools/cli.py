@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import logging
 import os
 import sys
 from collections.abc import Callable, Collection, Sequence
@@ -180,16 +181,18 @@ def sidecar_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_sidecar_config(argv: Sequence[str], environ: dict[str, str] | None = None) -> SidecarConfig:
-    """Parse flags, read the environment and the ``--config`` file; merge them."""
+def load_sidecar_config(argv: Sequence[str],
+                        environ: dict[str, str] | None = None) -> tuple[SidecarConfig, str | None]:
+    """Parse flags, read the environment and the ``--config`` file; merge them.
+    The config, and the path of the file it read (None: no file)."""
     flags, file_values, file_path = read_command_line(sidecar_parser(), argv, environ, "TOKENWIRE_CONFIG")
-    return build_config(flags=flags, environ=environ, file_values=file_values, file_path=file_path)
+    return build_config(flags=flags, environ=environ, file_values=file_values, file_path=file_path), file_path
 
 
 def sidecar_main(argv: Sequence[str]) -> int:
     """``tokenwire sidecar``: build the config, then serve until SIGTERM."""
     try:
-        config = load_sidecar_config(argv, dict(os.environ))
+        config, config_file = load_sidecar_config(argv, dict(os.environ))
     except ConfigError as error:
         print(f"tokenwire sidecar: configuration error: {error}", file=sys.stderr)
         return 2
@@ -201,6 +204,10 @@ def sidecar_main(argv: Sequence[str]) -> int:
     worker = WORKER_ENV in os.environ
     if worker:
         die_with_parent()
+    else:
+        logging.getLogger("tokenwire.sidecar").info(
+            "starting: config %s, upstreams %s, %d worker%s", config_file or "(no file)",
+            ", ".join(config.upstream), config.worker_count, "" if config.worker_count == 1 else "s")
     try:
         if config.worker_count > 1 and not worker:
             return supervise(config, argv)
