@@ -68,11 +68,11 @@ def build_asgi_app(config: EngineConfig, tracer_provider: TracerProvider | None 
     hf_logging.disable_default_handler()
     hf_logging.enable_propagation()
     if config.model == "tiny":
-        # Its build's progress bar is for a terminal: with JSON logs, one line instead.
+        # Its build's progress bar is for a terminal: with JSON logs, a log line
+        # per stage instead (``tokenwire up`` relays those).
         text_logs = LogFormat(config.log_format) is LogFormat.TEXT
-        if not text_logs:
-            logging.getLogger("tokenwire.engine").info("loading the tiny model (built on first run)")
-        path: Path = ensure_tiny_model(log=text_logs)
+        say = None if text_logs else logging.getLogger("tokenwire.engine").info
+        path: Path = ensure_tiny_model(log=text_logs, say=say)
         name = config.served_model_name or "tiny"
     else:
         path = Path(config.model).expanduser()

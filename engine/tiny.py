@@ -31,7 +31,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -109,17 +109,31 @@ def load_corpus_paragraphs() -> list[str]:
     return [paragraph for document in load_corpus_documents() for paragraph in document]
 
 
+def tiny_model_path(spec: TinySpec | None = None, cache_dir: Path | None = None) -> Path:
+    """Where the tiny model described by ``spec`` is (or will be) built; it is
+    there once the folder holds ``config.json``."""
+    spec = spec or TinySpec()
+    documents = load_corpus_documents()
+    corpus_digest = hashlib.sha256(
+        "\f".join("\n\n".join(document) for document in documents).encode()).hexdigest()
+    return (cache_dir or default_cache_dir()) / f"tiny-{spec.digest(corpus_digest)}"
+
+
 def ensure_tiny_model(
-    spec: TinySpec | None = None, cache_dir: Path | None = None, *, log: bool = True
+    spec: TinySpec | None = None, cache_dir: Path | None = None, *, log: bool = True,
+    say: Callable[[str], None] | None = None,
 ) -> Path:
-    """Return the folder of the tiny model described by ``spec``, building it if needed."""
+    """Return the folder of the tiny model described by ``spec``, building it if needed.
+
+    A build reports its progress: ``log`` draws a bar on stderr (for a
+    terminal); ``say``, when given instead, gets one line per stage and per
+    tenth of the training (for a log that is not a terminal's, as the engine's
+    JSON logs)."""
     spec = spec or TinySpec()
     cache_dir = cache_dir or default_cache_dir()
     cache_dir.mkdir(parents=True, exist_ok=True)
     documents = load_corpus_documents()
-    corpus_digest = hashlib.sha256(
-        "\f".join("\n\n".join(document) for document in documents).encode()).hexdigest()
-    target = cache_dir / f"tiny-{spec.digest(corpus_digest)}"
+    target = tiny_model_path(spec, cache_dir)
     if (target / "config.json").exists():
         return target
     with _exclusive_lock(cache_dir / f"{target.name}.lock"):
@@ -129,13 +143,18 @@ def ensure_tiny_model(
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=cache_dir))
         try:
             started_s = time.monotonic()
-            _build(spec, documents, staging, progress=log)
+            if say is not None:
+                say(f"building the tiny model (first run only, about a minute) at {target}")
+            bar = _ProgressBar(spec.train_steps, say) if log or say is not None else None
+            _build(spec, documents, staging, bar)
             os.rename(staging, target)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        if log:
-            elapsed_s = time.monotonic() - started_s
-            print(f"tokenwire: built tiny model in {elapsed_s:.1f}s at {target}", flush=True)
+        built = f"built the tiny model in {time.monotonic() - started_s:.1f}s at {target}"
+        if say is not None:
+            say(built)
+        elif log:
+            print(f"tokenwire: {built}", flush=True)
     return target
 
 
@@ -172,7 +191,7 @@ _OPEN_REQUESTS = (
 _CHAT_ANSWER_PARAGRAPHS = 3
 
 
-def _build(spec: TinySpec, documents: list[list[str]], folder: Path, *, progress: bool) -> None:
+def _build(spec: TinySpec, documents: list[list[str]], folder: Path, bar: _ProgressBar | None) -> None:
     # Imported here: building is rare, and these imports cost seconds.
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -228,7 +247,7 @@ def _build(spec: TinySpec, documents: list[list[str]], folder: Path, *, progress
         pad_token_id=end_of_text_id,
     )
     model = LlamaForCausalLM(config)
-    _train(model, stream, spec, _ProgressBar(spec.train_steps) if progress else None)
+    _train(model, stream, spec, bar)
     model.generation_config.eos_token_id = [end_of_text_id, end_of_turn_id]
     model.generation_config.pad_token_id = end_of_text_id
     model.generation_config.bos_token_id = None
@@ -247,14 +266,16 @@ def _build(spec: TinySpec, documents: list[list[str]], folder: Path, *, progress
 
 
 class _ProgressBar:
-    """``tokenwire: building the tiny model [#####.....] 50% ...`` on stderr, redrawn in place."""
+    """``tokenwire: building the tiny model [#####.....] 50% ...`` on stderr, redrawn
+    in place on a terminal; a line per tenth elsewhere, or to ``say`` when given."""
 
-    def __init__(self, total_steps: int, width: int = 30) -> None:
+    def __init__(self, total_steps: int, say: Callable[[str], None] | None = None, width: int = 30) -> None:
         self._total = max(1, total_steps)
         self._width = width
+        self._say = say
         self._started_s = time.monotonic()
         self._drawn_s = 0.0
-        self._interactive = sys.stderr.isatty()
+        self._interactive = say is None and sys.stderr.isatty()
         self._last_percent = -10
 
     def update(self, step: int, loss: float) -> None:
@@ -271,9 +292,13 @@ class _ProgressBar:
         filled = int(self._width * done)
         elapsed_s = now_s - self._started_s
         left_s = elapsed_s / done - elapsed_s if done > 0 else 0.0
-        line = (f"tokenwire: building the tiny model (first run only) "
+        line = (f"building the tiny model (first run only) "
                 f"[{'#' * filled}{'.' * (self._width - filled)}] {percent:3d}% "
                 f"loss {loss:.2f}, {elapsed_s:.0f}s, ~{left_s:.0f}s left")
+        if self._say is not None:
+            self._say(line)
+            return
+        line = "tokenwire: " + line
         end = "\n" if step >= self._total or not self._interactive else ""
         print(("\r" if self._interactive else "") + line, end=end, file=sys.stderr, flush=True)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from pathlib import Path
@@ -52,6 +53,25 @@ def test_a_first_build_shows_a_progress_bar_that_ends_at_100_percent(
     assert "100%" in err.splitlines()[-1]
     ensure_tiny_model(MINIMAL, tmp_path, log=True)
     assert "building" not in capsys.readouterr().err  # cached: no bar, no build
+
+
+def test_a_first_build_when_said_to_a_log_then_a_line_per_stage_and_none_when_cached(tmp_path: Path) -> None:
+    """The engine's JSON logs get the build as lines (``tokenwire up`` relays
+    them); the model already built says nothing, and is known to be built."""
+    from tokenwire.engine.tiny import tiny_model_path
+
+    spec = dataclasses.replace(MINIMAL, train_steps=20)
+    assert not (tiny_model_path(spec, tmp_path) / "config.json").exists()
+    said: list[str] = []
+    folder = ensure_tiny_model(spec, tmp_path, log=False, say=said.append)
+    assert folder == tiny_model_path(spec, tmp_path) and (folder / "config.json").exists()
+    assert said[0].startswith("building the tiny model (first run only") and str(folder) in said[0]
+    progress = [line for line in said[1:-1] if line.startswith("building the tiny model (first run only) [")]
+    assert len(progress) >= 5 and "100%" in progress[-1]
+    assert said[-1].startswith("built the tiny model in ")
+    said.clear()
+    assert ensure_tiny_model(spec, tmp_path, log=False, say=said.append) == folder
+    assert said == []
 
 
 def test_default_temperature_is_what_the_folder_says(tmp_path: Path, tiny_model_dir: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -44,12 +45,16 @@ class Child:
     # with another is neither one's).
     _echo_lock = threading.Lock()
 
-    def __init__(self, name: str, argv: list[str], *, echo: bool) -> None:
+    def __init__(self, name: str, argv: list[str], *, echo: bool, relay: tuple[str, ...] = ()) -> None:
+        """``echo``: every line of the child's output to our stderr; ``relay``:
+        only the log lines whose message starts with one of these (progress a
+        newcomer should see without ``--verbose``), as plain text."""
         self.name = name
         self.lines: deque[str] = deque(maxlen=40)
         self.ready = threading.Event()
         self.ready_line = ""
         self._echo = echo
+        self._relay = relay
         self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True, bufsize=1, start_new_session=True)
         assert self.process.stdout is not None
@@ -64,10 +69,21 @@ class Child:
             if line.startswith("ready"):
                 self.ready_line = line
                 self.ready.set()
-            if self._echo:
+            shown = line if self._echo else self._relayed(line)
+            if shown is not None:
                 with Child._echo_lock:
-                    sys.stderr.write(f"[{self.name}] {line}\n")
+                    sys.stderr.write(f"[{self.name}] {shown}\n")
                     sys.stderr.flush()
+
+    def _relayed(self, line: str) -> str | None:
+        """The message of a JSON log line to relay (see ``relay``), else None."""
+        if not self._relay or not line.startswith("{"):
+            return None
+        try:
+            message = json.loads(line).get("msg")
+        except (ValueError, AttributeError):
+            return None
+        return message if isinstance(message, str) and message.startswith(self._relay) else None
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -122,6 +138,13 @@ def check_port_free(address: str) -> tuple[str, int]:
     return host, port
 
 
+def _tiny_built() -> bool:
+    """Whether the engine will find the tiny model built (the cache it reads is ours too)."""
+    from tokenwire.engine.tiny import tiny_model_path
+
+    return (tiny_model_path() / "config.json").exists()
+
+
 def _engine_ready(socket_path: str) -> bool:
     """True once the engine answers ``GET /health`` on its Unix socket."""
     try:
@@ -157,10 +180,11 @@ def running(*, listen: str, admin_listen: str, model: str, sidecar_args: Sequenc
     children: list[Child] = []
     try:
         if announce:
-            building = "; the first run builds it, about a minute" if model == "tiny" else ""
+            building = "; it is built first, about a minute" if model == "tiny" and not _tiny_built() else ""
             print(f"starting the engine (model {model}{building})...", file=sys.stderr, flush=True)
         engine = Child("engine", [python, "-m", "tokenwire.engine.server", "--listen",
-                                  f"unix:{engine_socket}", "--model", model], echo=echo)
+                                  f"unix:{engine_socket}", "--model", model], echo=echo,
+                       relay=("building the tiny model", "built the tiny model") if announce else ())
         children.append(engine)
         _wait(engine, None, engine_socket, _ENGINE_START_TIMEOUT_S)
         sidecar = Child("sidecar", [python, "-m", "tokenwire.sidecar", "sidecar",
