@@ -2,7 +2,7 @@
 
 This module imports neither torch nor the web stack, so ``tokenwire engine
 --help`` and a bad flag or config file answer at once, and the ``tokenwire``
-command can describe the engine on an install without ``tokenwire[engine]``.
+command can describe the engine on an install without the engine extra.
 ``server.py`` loads the model once the flags have been read.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from tokenwire.engine.config import CONFIG_ENV, EngineConfig, build_engine_config, engine_keys
 from tokenwire.middleware.process.config_layers import add_key_flags, config_defaults, read_command_line
 
-SUMMARY = "the embedded torch + transformers engine (needs tokenwire[engine])"
+SUMMARY = "the embedded torch + transformers engine (needs the engine extra)"
 DESCRIPTION = (
     "Serve a causal LM over an OpenAI-compatible API with continuous batching. "
     "Every option is also a TOKENWIRE_ENGINE_* environment variable and a key of the "

@@ -49,6 +49,7 @@ The scheduler is single-threaded; ``engine/runner.py`` owns the thread.
 from __future__ import annotations
 
 import enum
+import logging
 import math
 import time
 from collections import deque
@@ -80,6 +81,8 @@ from tokenwire.engine.sampling import make_generator, mask_early_stops, sample_n
 _MAX_LANES = 4
 _LANE_WIDTH_RATIO = 2.0
 _LANE_SLACK_TOKENS = 64
+
+logger = logging.getLogger("tokenwire.engine")
 
 
 class SequenceState(enum.Enum):
@@ -377,8 +380,11 @@ class ContinuousBatchingScheduler:
             mask_early_stops(logits, params, [len(s.output_token_ids) for s in sampled],
                              self._eos_token_ids)
             next_tokens = sample_next_tokens(logits, params, [s.generator for s in sampled])
-        except Exception as error:
-            self._fail_step(lanes, decoding, chunks, f"{type(error).__name__}: {error}", outputs)
+        except Exception:
+            # The callers read which stage failed; the log keeps what failed.
+            logger.exception("a step of %d decoding and %d prefilling requests failed",
+                             len(decoding), len(chunks))
+            self._fail_step(lanes, decoding, chunks, outputs)
             return
         for lane in lanes:
             lane.advance()
@@ -415,8 +421,7 @@ class ContinuousBatchingScheduler:
         return logits if logits.dtype == torch.float64 else logits.float()
 
     def _fail_step(self, lanes: list[RunningBatch], decoding: list[_Sequence],
-                   chunks: list[tuple[_Sequence, int]], reason: str,
-                   outputs: list[RequestOutput]) -> None:
+                   chunks: list[tuple[_Sequence, int]], outputs: list[RequestOutput]) -> None:
         """A forward or sampling error cannot be pinned on one row: end every row in the step.
 
         Their caches may hold this step's keys for some layers and not others,
@@ -425,21 +430,21 @@ class ContinuousBatchingScheduler:
         admission instead (``_admit``).
         """
         for sequence in decoding:
-            outputs.append(self._finish(sequence, "error", error=f"decode step failed: {reason}"))
+            outputs.append(self._finish(sequence, "error", error="the engine failed during a decode step"))
         for lane in lanes:
             lane.rebuild(set(), [])
         for sequence, _tokens in chunks:
             self._prefilling.remove(sequence)
-            outputs.append(self._finish(sequence, "error", error=f"prefill failed: {reason}"))
+            outputs.append(self._finish(sequence, "error", error="the engine failed during the prefill"))
 
     # -- one token, one finish ----------------------------------------------------
 
     def _accept_token_safely(self, sequence: _Sequence, token_id: int) -> RequestOutput:
         try:
             return self._accept_token(sequence, token_id)
-        except Exception as error:
-            message = f"detokenisation failed: {type(error).__name__}: {error}"
-            return self._finish(sequence, "error", error=message)
+        except Exception:
+            logger.exception("detokenising token %d failed", token_id)
+            return self._finish(sequence, "error", error="the engine failed to detokenise a token")
 
     def _accept_token(self, sequence: _Sequence, token_id: int) -> RequestOutput:
         params = sequence.request.params

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Creates (or refreshes) the project's virtualenv in .venv from the project's own files.
 # Usage: scripts/setup-venv.sh EXTRAS   (e.g. "dev,engine")
-# torch is pinned to the CPU build that lies on this machine's disk before the
-# engine extra is resolved, so pip never reaches for a multi-GB CUDA build.
+# torch is pinned to its CPU build before the engine extra is resolved, so pip
+# never reaches for a multi-GB CUDA build: from what pip's configuration offers
+# without an index (a local wheel folder), else from PyTorch's CPU wheel index.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-dev,engine}"
@@ -12,7 +13,10 @@ fi
 stamp=".venv/.tokenwire-installed-$(echo "$extras" | tr ',' '-')"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     .venv/bin/python -m pip install -q --upgrade pip
-    case "$extras" in *engine*) .venv/bin/python -m pip install -q "torch==2.13.0" ;; esac
+    case "$extras" in *engine*)
+        .venv/bin/python -m pip install -q --no-index "torch==2.13.0" 2>/dev/null \
+            || .venv/bin/python -m pip install -q "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu ;;
+    esac
     .venv/bin/python -m pip install -q -e ".[${extras}]"
     touch "$stamp"
 fi

@@ -564,6 +564,17 @@ def run_tokenwire_quick(run: ShellRun, command: Command) -> None:
     assert done.returncode == 0, f"{command.text}: exit {done.returncode}\n{done.stdout}{done.stderr}"
 
 
+def check_install_line(run: ShellRun, command: Command) -> None:
+    """A virtualenv or ``pip install`` line (minutes, and a torch wheel): the block is
+    one of the README's Install section, which tests/test_install.py runs in a fresh
+    virtualenv, as written (tests/readme_install.py reads them for both files)."""
+    from readme_install import install_blocks
+
+    lines = {block.line for block in install_blocks()}
+    assert run.block.line in lines, (f"{run.block.where}: {command.text!r} is outside the "
+                                     "## Install section, the one tests/test_install.py runs")
+
+
 @dataclass(frozen=True)
 class ShellRule:
     pattern: str
@@ -584,6 +595,8 @@ SHELL_RULES = (
     ShellRule(r"docker build\b", "no daemon: target stage, ARGs, hadolint", check_docker_build),
     ShellRule(r"scripts/build-images\.sh\b", "static checks; the build runs in test_images.py",
               check_build_images),
+    ShellRule(r"(python3? -m (venv|build)|(\.|source) \S*bin/activate$|pip3? install)\b",
+              "in the Install section, which tests/test_install.py runs", check_install_line),
 )
 
 

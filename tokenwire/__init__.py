@@ -5,7 +5,7 @@ Three packages, mapped from the repository's top-level folders:
 - ``tokenwire.middleware``: the sans-IO wire core and the ASGI middleware;
 - ``tokenwire.sidecar``: the reverse proxy; ``tokenwire.tools``: the
   ``tokenwire`` command and its tools (``up``, ``demo``, ``probe``);
-- ``tokenwire.engine``: the torch + transformers engine (``tokenwire[engine]``).
+- ``tokenwire.engine``: the torch + transformers engine (the ``engine`` extra).
 
 This package only holds them together (and ``python -m tokenwire``); it
 imports none of them, so importing one never drags in another.

@@ -354,9 +354,10 @@ class Exchange(ResponseWriter):
         # stream already ended, e.g. because we cancelled the app).
         if task.cancelled():
             message = "the application was cancelled"
-        elif (error := task.exception()) is not None:
-            # The client sees the exception's type only; the server logs the rest.
-            message = f"the application raised {type(error).__name__}"
+        elif task.exception() is not None:
+            # The exception is the server's to log (raised on, see ``run``): the
+            # client reads no class name or message of the application's.
+            message = "the application failed before it ended the answer"
         else:
             message = "the application returned without ending the response"
         self.apply(stream.handle(UpstreamFailed(FailureKind.PROTOCOL, message), self.loop.time()))

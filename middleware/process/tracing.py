@@ -58,7 +58,8 @@ def tracer_provider_from_env(environ: Mapping[str, str], service_name: str) -> T
         from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
     except ImportError:
-        logger.warning("OTEL_* asks for traces, but the SDK is not installed: pip install 'tokenwire[otel]'")
+        logger.warning("OTEL_* asks for traces, but the SDK is not installed (the otel extra): "
+                       "pip install '.[otel]' in tokenwire's clone (README: Install)")
         return None
     name = environ.get("OTEL_SERVICE_NAME") or service_name
     provider = SdkTracerProvider(resource=Resource.create({"service.name": name}))

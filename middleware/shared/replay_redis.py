@@ -62,11 +62,12 @@ class RedisReplayStore:
         self.ttl_s = ttl_s
         self._ttl = max(1, round(ttl_s))
         try:
-            # Optional: the base install has no Redis client (pip install tokenwire[redis]).
+            # Optional: the base install has no Redis client (the redis extra).
             import redis.asyncio as redis_asyncio
         except ImportError:
-            raise ConfigError("resume_store", "a redis:// store needs the redis package: "
-                                              "pip install 'tokenwire[redis]'") from None
+            raise ConfigError("resume_store", "a redis:// store needs the redis package (the redis extra): "
+                                              "pip install '.[redis]' in tokenwire's clone, or the built "
+                                              "wheel with [redis] (README: Install)") from None
         self._redis: Any = redis_asyncio.Redis.from_url(url)
         # What a Redis outage looks like from here; turned into StoreUnavailable.
         self._outages: tuple[type[BaseException], ...] = (redis_asyncio.RedisError, OSError)

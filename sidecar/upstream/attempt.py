@@ -39,7 +39,7 @@ from tokenwire.middleware import Input, UpstreamData, UpstreamEnded, UpstreamFai
 from tokenwire.middleware.core.retry import may_repeat
 
 from .conn import UpstreamConnection
-from .errors import STALE_CONNECTION_ERRORS, RemoteProtocolFault, failure_kind
+from .errors import STALE_CONNECTION_ERRORS, CutShort, caller_message, failure_kind
 from .head import CHUNKED, ResponseHead
 from .pool import UpstreamPool
 from .transport import UpstreamStream
@@ -139,8 +139,10 @@ async def run_attempt(
     except asyncio.CancelledError:
         raise
     except Exception as error:
-        feed(UpstreamFailed(failure_kind(error), f"{type(error).__name__}: {error}" if str(error)
-                            else type(error).__name__))
+        # The caller reads what went wrong; the operator reads which pod, and how.
+        logger.warning("upstream %s: %s %s failed: %s: %s", upstream.name, method.decode("latin-1"),
+                       target.partition(b"?")[0].decode("latin-1"), type(error).__name__, error)
+        feed(UpstreamFailed(failure_kind(error), caller_message(error)))
         return
     finally:
         if connection is not None:  # _send releases a connection it could not use
@@ -187,8 +189,7 @@ async def _read_length(network: UpstreamStream, length: int, readable: asyncio.E
             await readable.wait()
         data = await network.read(min(remaining, _BODY_READ_BYTES))
         if not data:
-            raise RemoteProtocolFault(
-                f"the upstream closed {remaining} bytes before the end of its {length}-byte body")
+            raise CutShort(f"the upstream closed {remaining} bytes before the end of its {length}-byte body")
         remaining -= len(data)
         feed(UpstreamData(data))
 

@@ -4,7 +4,8 @@ The client (:mod:`~tokenwire.sidecar.upstream.conn` and the modules under it)
 left httpcore for its speed but kept its contract: every failure is an
 exception of :class:`UpstreamClientError`, named for what went wrong on the
 socket, never a bare ``OSError`` or ``asyncio`` error. :func:`failure_kind`
-maps that family onto the wire core's :class:`FailureKind`, once; the attempt
+maps that family onto the wire core's :class:`FailureKind`, once, and
+:func:`caller_message` onto the words its caller reads; the attempt
 (:func:`~tokenwire.sidecar.upstream.attempt.run_attempt`) reports it to the
 core as ``UpstreamFailed``. httpcore is still the client of the health checks,
 load scrapes and abort calls; its exceptions stay there.
@@ -43,6 +44,10 @@ class RemoteProtocolFault(UpstreamClientError):
     """What the pod sent is not HTTP/1.1 as h11 reads it (or it stopped mid-message)."""
 
 
+class CutShort(RemoteProtocolFault):
+    """The pod closed the connection before its body's framing said the body ended."""
+
+
 class LocalProtocolFault(UpstreamClientError):
     """The request would not be HTTP/1.1 as h11 writes it: refused before it is sent."""
 
@@ -57,3 +62,25 @@ def failure_kind(error: Exception) -> FailureKind:
     came is ``CONNECT`` (the core may try another pod at once); anything else,
     this family or not, is ``PROTOCOL``."""
     return FailureKind.CONNECT if isinstance(error, ConnectFailed) else FailureKind.PROTOCOL
+
+
+def caller_message(error: Exception) -> str:
+    """What went wrong, in the words of the caller's in-band error or 502/503:
+    no class names, addresses or library messages (those go to the log)."""
+    for family, message in _CALLER_MESSAGES:
+        if isinstance(error, family):
+            return message
+    return "the proxy could not read the answer"
+
+
+_CALLER_MESSAGES: tuple[tuple[type[Exception], str], ...] = (
+    # Subclasses before their family.
+    (ConnectTimedOut, "no connection in time"),
+    (PoolTimedOut, "no free connection in time"),
+    (ConnectFailed, "no connection"),
+    (ReadFailed, "the connection broke during the answer"),
+    (CutShort, "the upstream closed the connection before its answer ended"),
+    (WriteFailed, "the connection broke while the request was sent"),
+    (RemoteProtocolFault, "the answer was not valid HTTP/1.1"),
+    (LocalProtocolFault, "the request could not be sent as HTTP/1.1"),
+)

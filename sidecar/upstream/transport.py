@@ -42,7 +42,7 @@ import typing
 from collections.abc import Callable, Iterable
 
 from .body import ChunkDelivery, ChunkedBodyReader
-from .errors import ConnectFailed, ConnectTimedOut, ReadFailed, RemoteProtocolFault, WriteFailed
+from .errors import ConnectFailed, ConnectTimedOut, CutShort, ReadFailed, RemoteProtocolFault, WriteFailed
 
 # Bytes buffered from the upstream before its transport stops reading.
 _READ_HIGH_WATER_BYTES = 256 * 1024
@@ -166,8 +166,7 @@ class _BodySink:
             if error is not None:
                 self.done.set_exception(ReadFailed(str(error) or type(error).__name__))
             else:
-                self.done.set_exception(RemoteProtocolFault(
-                    "the upstream closed before the end of its chunked body"))
+                self.done.set_exception(CutShort("the upstream closed before the end of its chunked body"))
 
 
 class UpstreamStream:

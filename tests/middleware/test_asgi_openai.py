@@ -69,7 +69,8 @@ def test_openai_sdk_when_app_raises_after_10_events_then_raises_api_error(server
             for chunk in stream:
                 received.append(chunk.choices[0].delta.content or "")
     assert "".join(received) == "".join(f"w{i} " for i in range(10))
-    assert raised.value.body == {"message": "upstream failed: the application raised RuntimeError",
+    failed = "upstream failed: the application failed before it ended the answer"
+    assert raised.value.body == {"message": failed,
                                  "type": "upstream_error", "code": "upstream_failed",
                                  "tokenwire": {"code": "upstream_failed", "number": "E7307"}}
     record = hooks.wait_record()

@@ -10,6 +10,7 @@ first), and counts the connections it accepted.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import typing
 from collections.abc import Callable
@@ -198,13 +199,20 @@ def test_a_head_answer_has_no_body(loop_thread: LoopThread) -> None:
     (b"HTTP/1.1 101 Switching Protocols\r\n\r\n", "asked for no upgrade"),
 ])
 def test_a_broken_answer_is_a_failure_that_says_what(
-        loop_thread: LoopThread, answer: bytes, error: str) -> None:
+        loop_thread: LoopThread, answer: bytes, error: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The log says what the pod sent wrong; the caller's words (the core puts
+    them in the in-band error) name no class or library."""
     def configure(upstream: type[_Upstream]) -> None:
         upstream.answer = answer
         upstream.close_after = True
 
-    runs, _, pool = _attempts(loop_thread, 1, configure=configure)
+    with caplog.at_level(logging.WARNING, logger="tokenwire.sidecar"):
+        runs, _, pool = _attempts(loop_thread, 1, configure=configure)
     failed = runs[0][-1]
-    assert isinstance(failed, UpstreamFailed) and error in failed.message, runs[0]
-    assert failed.message.startswith(("RemoteProtocolFault", "ReadFailed"))
+    assert isinstance(failed, UpstreamFailed), runs[0]
+    logged = [record.getMessage() for record in caplog.records if " failed: " in record.getMessage()]
+    assert len(logged) == 1 and error in logged[0] and "POST /v1/chat/completions" in logged[0], logged
+    assert logged[0].split(" failed: ")[1].startswith(("RemoteProtocolFault", "ReadFailed", "CutShort"))
+    assert failed.message in {"the answer was not valid HTTP/1.1", "the connection broke during the answer",
+                              "the upstream closed the connection before its answer ended"}, failed.message
     assert pool.connections == []  # closed, not pooled

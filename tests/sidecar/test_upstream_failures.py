@@ -38,6 +38,8 @@ def test_upstream_dying_mid_stream_is_an_in_band_error_and_a_cut_body(
     assert not response.clean_end, "the chunked terminator must be missing"
     error = json.loads(response.datas()[-1])["error"]
     assert error["code"] == "upstream_failed"
+    # Written for the caller: no class name of the proxy's client, no library's words.
+    assert error["message"] == "upstream failed: the upstream closed the connection before its answer ended"
     assert len(upstream.requests_with("die-1")) == 1, "no retry after the first byte"
     record = sidecar.record("die-1")
     assert record.end_reason == "upstream_error" and record.retries == 0

@@ -49,7 +49,7 @@ class Command:
 COMMANDS = (
     Command("sidecar", "reverse proxy in front of an OpenAI-compatible engine",
             "tokenwire.tools.cli:add_arguments", "tokenwire.tools.cli:sidecar_main"),
-    Command("engine", "the embedded torch + transformers engine (needs tokenwire[engine])",
+    Command("engine", "the embedded torch + transformers engine (needs the engine extra)",
             "tokenwire.engine.cli:add_arguments", "tokenwire.tools.cli:engine_main"),
     Command("up", "engine (tiny) + sidecar together, for trying it out",
             "tokenwire.tools.up:add_arguments", "tokenwire.tools.up:main"),
@@ -154,7 +154,9 @@ def engine_main(argv: Sequence[str]) -> int:
     try:
         import torch  # noqa: F401
     except ImportError:
-        print("tokenwire engine needs torch: pip install tokenwire[engine]", file=sys.stderr)
+        print("tokenwire engine needs torch (the engine extra): "
+              "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu, "
+              "then pip install '.[engine]' in tokenwire's clone (README: Install)", file=sys.stderr)
         return 2
     # Imported late: the engine pulls in torch, which the sidecar never needs.
     from tokenwire.engine.server import main as serve  # type: ignore[import-not-found,unused-ignore]
@@ -181,10 +183,14 @@ def sidecar_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_sidecar_config(argv: Sequence[str],
-                        environ: dict[str, str] | None = None) -> tuple[SidecarConfig, str | None]:
-    """Parse flags, read the environment and the ``--config`` file; merge them.
-    The config, and the path of the file it read (None: no file)."""
+def load_sidecar_config(argv: Sequence[str], environ: dict[str, str] | None = None) -> SidecarConfig:
+    """Parse flags, read the environment and the ``--config`` file; merge them."""
+    return _sidecar_config_and_file(argv, environ)[0]
+
+
+def _sidecar_config_and_file(argv: Sequence[str],
+                             environ: dict[str, str] | None) -> tuple[SidecarConfig, str | None]:
+    """:func:`load_sidecar_config`, and the path of the file it read (None: no file)."""
     flags, file_values, file_path = read_command_line(sidecar_parser(), argv, environ, "TOKENWIRE_CONFIG")
     return build_config(flags=flags, environ=environ, file_values=file_values, file_path=file_path), file_path
 
@@ -192,7 +198,7 @@ def load_sidecar_config(argv: Sequence[str],
 def sidecar_main(argv: Sequence[str]) -> int:
     """``tokenwire sidecar``: build the config, then serve until SIGTERM."""
     try:
-        config, config_file = load_sidecar_config(argv, dict(os.environ))
+        config, config_file = _sidecar_config_and_file(argv, dict(os.environ))
     except ConfigError as error:
         print(f"tokenwire sidecar: configuration error: {error}", file=sys.stderr)
         return 2
