@@ -9,9 +9,10 @@ scripts/setup-venv.sh dev,engine
 # (clients of the compatibility suite, tests/compat/clients), h2load and
 # nghttp (nghttp2-client: HTTP/2 clients of tests/sidecar/test_http2_clients.py),
 # promtool (prometheus: /metrics checked by tests/sidecar/test_telemetry.py), and
-# podman, buildah and mmdebstrap (the sidecar image built and checked, tests/test_images.py).
+# podman, buildah and mmdebstrap (the sidecar image built and checked, tests/test_images.py),
+# zsh (the README's install lines read as zsh reads them, tests/test_install.py).
 scripts/system-deps.sh redis-server chromium nginx nodejs npm curl nghttp2-client prometheus \
-    podman buildah mmdebstrap
+    podman buildah mmdebstrap zsh
 # openai-node and eventsource for the compatibility suite, from its lock file.
 scripts/node-deps.sh
 py=.venv/bin/python
