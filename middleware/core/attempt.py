@@ -47,9 +47,21 @@ from .errors import (
     upstream_timeout,
 )
 from .events import EndReason, FailureKind, Headers, RetryUpstream, UpstreamFailed
+from .headers import header_value
 from .sse import SSEParser
 
 RETRYABLE_STATUSES = frozenset({502, 503, 504})
+
+
+def retry_after_s(headers: Headers) -> float | None:
+    """An answer's ``Retry-After`` in seconds, when it gives delta-seconds (RFC
+    9110 10.2.3). The HTTP-date form is not read: the core's clock is the
+    loop's, not the wall's; a retry then waits its usual backoff."""
+    value = header_value(headers, b"retry-after")
+    if value is None:
+        return None
+    text = value.strip()
+    return float(int(text)) if text.isdigit() else None
 LATE_ERROR_BODY_BYTES = 16 * 1024
 """How much of an error answer that arrives after the commit is read for its message."""
 
@@ -136,15 +148,17 @@ class UpstreamAttempt:
         message = f"upstream answered {self.late_error_status}" + (f": {text}" if text else "")
         return UpstreamError(message, ErrorCode.UPSTREAM_FAILED)
 
-    def backoff(self, now: float) -> bool:
-        """Into BACKOFF before the next attempt; True if this attempt's
-        connection was still open (the caller aborts it: it must never be read
-        again or reused)."""
+    def backoff(self, now: float, at_least_s: float = 0.0) -> bool:
+        """Into BACKOFF before the next attempt, for the doubling backoff or
+        ``at_least_s`` (the upstream's ``Retry-After``), whichever is longer;
+        True if this attempt's connection was still open (the caller aborts it:
+        it must never be read again or reused)."""
         was_open = self.open
         self.open = False
         self.number += 1
         config = self._config
-        delay_s = min(config.retry_backoff_s * 2 ** (self.number - 1), config.retry_backoff_max_s)
+        delay_s = max(min(config.retry_backoff_s * 2 ** (self.number - 1), config.retry_backoff_max_s),
+                      at_least_s)
         self.retry_at = now + delay_s
         self.parser = self.new_parser()
         self.status = None

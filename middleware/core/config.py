@@ -115,6 +115,11 @@ class WireConfig:
     """First retry delay; doubles each attempt."""
     retry_backoff_max_s: float = 2.0
     """Upper bound of the doubling retry delay."""
+    retry_after_max_s: float = 10.0
+    """A retried 502/503/504's ``Retry-After`` (seconds) is waited before the next
+    attempt, when longer than the backoff; one asking for more than this is not
+    retried: the answer goes to the client, ``Retry-After`` and all (0 = the header
+    is ignored)."""
     retry_budget_ratio: float = 0.2
     """Retries allowed as a fraction of recent requests (an Envoy-style budget)."""
     retry_budget_min_per_s: float = 3.0
@@ -165,7 +170,7 @@ class WireConfig:
 
     def __post_init__(self) -> None:
         _check_non_negative(self, "heartbeat_s", "commit_deadline_s", "coalesce_ms",
-                            "retry_backoff_s", "retry_backoff_max_s",
+                            "retry_backoff_s", "retry_backoff_max_s", "retry_after_max_s",
                             "retry_budget_ratio", "retry_budget_min_per_s", "resume_grace_s",
                             "upstream_idle_timeout_s", "max_stream_duration_s")
         _check_positive(self, "write_deadline_s", "upstream_headers_timeout_s", "upstream_tail_grace_s",

@@ -310,14 +310,16 @@ class StreamDecisions:
         # On the first numbered event, so an EventSource knows how soon to come back.
         self._resume.sse_committed()
 
-    def _schedule_retry(self, now: float, reason: EndReason, *, unprocessed: bool = False) -> bool:
+    def _schedule_retry(self, now: float, reason: EndReason, *, unprocessed: bool = False,
+                        at_least_s: float = 0.0) -> bool:
         """Arrange a retry of the upstream if allowed; True if one is coming.
 
         ``unprocessed``: the failure proves the upstream did not process the
         request (no connection was made; it answered 503). Otherwise the
         upstream may have read it, and a request that may not be repeated
         (a POST without ``Idempotency-Key``: one more generation) is not sent
-        again; nginx's rule for non-idempotent requests.
+        again; nginx's rule for non-idempotent requests. ``at_least_s``: the
+        upstream asked to be left alone that long (``Retry-After``).
 
         The failed attempt's connection is aborted here if it is still open (a
         502 body, an error event): it must never be read again or reused."""
@@ -328,7 +330,7 @@ class StreamDecisions:
         if self._budget is not None and not self._budget.try_acquire(now):
             self._acct.refused_retries += 1
             return False
-        if attempt.backoff(now):
+        if attempt.backoff(now, at_least_s):
             self._actions.append(AbortUpstream(reason, final=False))
         self._acct.retries += 1
         return True

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from .attempt import RETRYABLE_STATUSES, failure_error
+from .attempt import RETRYABLE_STATUSES, failure_error, retry_after_s
 from .chunks import plain_event_count
 from .config import NonStreamAnswer
 from .decisions import StreamDecisions
@@ -102,8 +102,7 @@ class UpstreamInputs(StreamDecisions):
                                             "event stream"), EndReason.UPSTREAM_ERROR, now)
             return
         # 503 is the upstream saying it did not take the request on (RFC 9110 15.6.4).
-        if event.status in RETRYABLE_STATUSES and self._schedule_retry(
-                now, EndReason.UPSTREAM_ERROR, unprocessed=event.status == 503):
+        if event.status in RETRYABLE_STATUSES and self._retry_answer(event, now):
             return
         if sse and 200 <= event.status < 300:
             if is_compressed(event.headers):
@@ -311,6 +310,16 @@ class UpstreamInputs(StreamDecisions):
                    else f"no {self._dialect.terminal_name}")
             self._fail(UpstreamError(f"upstream ended the stream early ({why})",
                                      ErrorCode.UPSTREAM_FAILED), EndReason.UPSTREAM_ERROR, now)
+
+    def _retry_answer(self, event: UpstreamHeaders, now: float) -> bool:
+        """Retry a 502/503/504 if allowed, not sooner than its ``Retry-After``;
+        one asking for longer than ``retry_after_max_s`` is the client's to wait."""
+        limit_s = self.config.retry_after_max_s
+        wait_s = retry_after_s(event.headers) if limit_s > 0 else None
+        if wait_s is not None and wait_s > limit_s:
+            return False
+        return self._schedule_retry(now, EndReason.UPSTREAM_ERROR, unprocessed=event.status == 503,
+                                    at_least_s=wait_s or 0.0)
 
     def _on_upstream_failed(self, event: UpstreamFailed, now: float) -> None:
         attempt = self._attempt

@@ -186,6 +186,46 @@ def test_retry_when_upstream_fails_before_first_byte_then_retried_with_backoff(n
     assert (record.retries, record.end_reason) == (3, EndReason.COMPLETE)
 
 
+@pytest.mark.parametrize(("retry_after", "delay_s"), [
+    (b"1", 1.0),        # longer than the backoff: waited
+    (b"0", 0.1),        # shorter: the backoff
+    (b" 3 ", 3.0),
+    (b"Wed, 21 Oct 2026 07:28:00 GMT", 0.1),  # an HTTP-date is not read: the backoff
+    (b"soon", 0.1),
+])
+def test_retry_when_503_says_retry_after_then_the_retry_waits_at_least_that(
+        retry_after: bytes, delay_s: float) -> None:
+    """The engine's own word on when to come back: an SDK reading it directly
+    waits it, so a proxy retrying sooner only adds load where it was refused."""
+    d = Driver(proxy_config(retry_attempts=2, retry_backoff_s=0.1, commit_deadline_s=100))
+    start = d.now
+    d.send(UpstreamHeaders(503, ((b"content-type", b"application/json"), (b"retry-after", retry_after))))
+    assert d.stream.next_deadline() == pytest.approx(start + delay_s)
+    d.send(Tick(), at=start + delay_s - 0.001)
+    assert d.of(RetryUpstream) == []
+    d.send(Tick(), at=start + delay_s)
+    assert d.of(RetryUpstream) == [RetryUpstream(attempt=1)]
+
+
+def test_retry_when_retry_after_exceeds_the_bound_then_the_client_gets_the_answer() -> None:
+    """Longer than ``retry_after_max_s``: no retry, the 503 and its Retry-After
+    go to the client, whose own retry then waits (a held request would not)."""
+    d = Driver(proxy_config(retry_attempts=2, retry_backoff_s=0.1, retry_after_max_s=5))
+    d.send(UpstreamHeaders(503, ((b"content-type", b"application/json"), (b"retry-after", b"30"))))
+    d.send(UpstreamData(b'{"detail":"busy"}'))
+    d.send(UpstreamEnded())
+    assert d.of(RetryUpstream) == []
+    assert d.commit.status == 503 and header_dict(d.commit)[b"retry-after"] == b"30"
+    assert d.written == b'{"detail":"busy"}'
+
+
+def test_retry_when_retry_after_ignored_by_config_then_the_backoff() -> None:
+    d = Driver(proxy_config(retry_attempts=2, retry_backoff_s=0.1, retry_after_max_s=0))
+    start = d.now
+    d.send(UpstreamHeaders(503, ((b"content-type", b"application/json"), (b"retry-after", b"30"))))
+    assert d.stream.next_deadline() == pytest.approx(start + 0.1)
+
+
 EXHAUSTED = {
     # name: (status, retry-after, error code or None for the upstream's own body)
     "connect": (502, b"1", "upstream_unavailable"),

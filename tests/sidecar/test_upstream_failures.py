@@ -77,6 +77,22 @@ def test_503_before_the_first_byte_is_retried(start_sidecar, upstream: FakeUpstr
     assert sidecar.record("s503-1").retries == 2
 
 
+def test_503_with_retry_after_when_retried_then_not_sooner_than_it_asks(
+        start_sidecar, upstream: FakeUpstream) -> None:
+    """``Retry-After: 1`` on a 503: the retry waits that second (the doubling
+    backoff alone would have retried after 0.1 s), as an SDK reading the
+    engine directly would. A lower bound: a loaded machine only makes it later."""
+    sidecar = start_sidecar(retry_backoff_s=0.1)
+    response = exchange(sidecar.port, "POST", "/status503/v1/chat/completions", body=chat_body(),
+                        headers={"X-Request-Id": "s503-ra", "x-fake-fail-first": "1",
+                                 "x-fake-retry-after": "1"})
+    assert response.status == 200 and response.clean_end
+    refused, retried = upstream.requests_with("s503-ra")
+    assert refused.finished_at is not None
+    assert retried.received_at - refused.finished_at >= 1.0
+    assert sidecar.record("s503-ra").retries == 1
+
+
 def test_every_upstream_down_is_a_real_status(start_sidecar) -> None:
     sidecar = start_sidecar([f"http://127.0.0.1:{_closed_port()}"], retry_backoff_s=0.01)
     response = exchange(sidecar.port, "POST", "/normal/v1/chat/completions", body=chat_body())

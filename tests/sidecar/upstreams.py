@@ -8,7 +8,8 @@ base URL per behaviour works with any client (``base_url=.../silent/v1``):
     /die/...        a few chunks, then the socket closes mid-body
     /noheaders/...  reads the request, never answers
     /malformed/...  an SSE line longer than any sane limit
-    /status503/...  503 for the first ``x-fake-fail-first`` requests with one id, then normal
+    /status503/...  503 for the first ``x-fake-fail-first`` requests with one id (with
+                    ``Retry-After: x-fake-retry-after`` when given), then normal
     /echo/...       JSON: the request line, headers and body it received
     /models/...     a plain JSON body (``/v1/models``), Content-Length framed
     /abort/{id}     the explicit abort call: 200, recorded like every request
@@ -97,6 +98,8 @@ class Request:
     connection: Connection
     finished_at: float | None = None
     """``time.monotonic()`` when the fake wrote the last byte of its answer."""
+    received_at: float = field(default_factory=time.monotonic)
+    """``time.monotonic()`` when the fake had read the request's head."""
 
 
 class _Listener:
@@ -210,7 +213,10 @@ class FakeUpstream(_Listener):
             failures = self._failures.get(request_id, 0)
             if failures < int(headers.get("x-fake-fail-first", "1")):
                 self._failures[request_id] = failures + 1
-                await self._plain(writer, 503, b'{"error":{"message":"overloaded"}}')
+                retry_after = headers.get("x-fake-retry-after")
+                await self._plain(writer, 503, b'{"error":{"message":"overloaded"}}',
+                                  extra=f"retry-after: {retry_after}\r\n" if retry_after else "")
+                request.finished_at = time.monotonic()
                 return True
             mode = "normal"
         if mode == "noheaders":
@@ -274,9 +280,9 @@ class FakeUpstream(_Listener):
         await writer.drain()
 
     @staticmethod
-    async def _plain(writer: asyncio.StreamWriter, status: int, body: bytes) -> None:
+    async def _plain(writer: asyncio.StreamWriter, status: int, body: bytes, extra: str = "") -> None:
         reason = {200: "OK", 503: "Service Unavailable"}[status]
-        writer.write(f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+        writer.write(f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n{extra}"
                      f"content-length: {len(body)}\r\n\r\n".encode() + body)
         with contextlib.suppress(ConnectionError):
             await writer.drain()
