@@ -7,7 +7,7 @@ sockets and it. See ``stream.py`` for the theory of operation.
 
 from typing import TYPE_CHECKING, Any
 
-from .asgi.middleware import TokenWireMiddleware
+from .asgi.middleware import TokenWireMiddleware, listening_socket
 from .core.config import ConfigError, SlowClientPolicy, WireConfig
 from .core.errors import (
     ClientError,
@@ -117,4 +117,5 @@ __all__ = [
     "WriteCompleted",
     "compiled_modules",
     "encode",
+    "listening_socket",
 ]

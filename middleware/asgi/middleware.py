@@ -45,6 +45,11 @@ the core's; this module only moves messages. The app can watch its stream
 through the ASGI extension ``scope["extensions"]["tokenwire"]``, a
 :class:`StreamControl`.
 
+Slow clients: the core sees a client that stops reading only once the
+server's ``send`` stops completing at once, when the kernel's send buffer is
+full; :class:`~tokenwire.middleware.asgi.send_buffer.SendBufferCap` caps that
+buffer on the server's own sockets (see its module).
+
 A client that leaves before the response has started has nobody to answer:
 the app is cancelled then too (a prefill is exactly that case), and the core
 still produces an accounting record with end reason ``client_gone``.
@@ -82,6 +87,7 @@ from ..process.logs import FieldsInMessage, LogFormat, install_default_handler
 from ..shared.replay_store import MemoryReplayStore, ReplayStore
 from .exchange import EXTENSION, Exchange, StreamControl
 from .inbox import REQUEST_READ_AHEAD_BYTES
+from .send_buffer import SendBufferCap
 from .types import ASGIApp, OnAbort, OnFinished, Receive, Scope, Send
 
 if TYPE_CHECKING:
@@ -132,6 +138,14 @@ class TokenWireMiddleware:
     on that one (``middleware/process/prometheus.py``). ``metrics_path`` (e.g.
     ``/metrics``) has the middleware answer that path with the registry's
     exposition, before the app.
+
+    ``cap_server_sockets``: at the first request on each server port, cap the
+    send buffer of that port's sockets at ``config.socket_send_buffer_bytes``
+    (:class:`SendBufferCap`), so a slow client is seen after kilobytes, not
+    megabytes. It applies to every connection of the port, the app's other
+    routes too (a large download then has at most twice that in flight per
+    round trip); ``False`` leaves the server's sockets as they are (serve from
+    a :func:`listening_socket` to cap them your way), and says nothing.
     """
 
     def __init__(
@@ -146,6 +160,7 @@ class TokenWireMiddleware:
         log_format: LogFormat | str = LogFormat.JSON,
         metrics: bool | CollectorRegistry = False,
         metrics_path: str | None = None,
+        cap_server_sockets: bool = True,
     ) -> None:
         if config.retry_attempts != 0:
             raise ConfigError("retry_attempts", "must be 0 for the ASGI middleware: it cannot "
@@ -168,6 +183,8 @@ class TokenWireMiddleware:
             raise ConfigError("log_format", f"must be one of {', '.join(LOG_FORMATS)}, not {log_format!r}")
         self.log_format = str(log_format)
         self._log_ready = False
+        self.send_buffers = SendBufferCap(config.socket_send_buffer_bytes) if cap_server_sockets else None
+        """Caps the send buffer of the connections on each server port at its first request."""
         if not any(isinstance(f, FieldsInMessage) for f in logger.filters):
             logger.addFilter(FieldsInMessage())
         if self.log_format == "off":
@@ -196,6 +213,9 @@ class TokenWireMiddleware:
             self._log_ready = True
             if self.log_format != "off":
                 install_default_handler(logger, self.log_format)
+        # After the handler: a port that cannot be capped is said on stderr.
+        if self.send_buffers is not None:
+            self.send_buffers.see(scope)
         metrics = self.metrics
         if metrics is None:
             await Exchange(self, scope, receive, send).run()
@@ -216,9 +236,11 @@ def listening_socket(host: str, port: int, config: WireConfig = DEFAULT_CONFIG,
     """A TCP listening socket whose accepted connections get a send buffer of
     ``config.socket_send_buffer_bytes`` (Linux copies it from the listener).
 
-    ASGI gives an app no access to its socket, so this is how a deployment caps
-    the kernel buffer that would otherwise hide a slow client from the core
-    (docs/architecture.md#slow-readers): pass it to ``uvicorn.Server.serve(sockets=[...])``.
+    ASGI gives an app no access to its socket. The middleware caps the sockets
+    of a port at its first request where it finds them in this process
+    (:class:`SendBufferCap`); a listener of this function's is capped from the
+    start, on any system: pass it to ``uvicorn.Server(config).run(sockets=[...])``
+    (docs/architecture.md#slow-readers).
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -232,4 +254,3 @@ def listening_socket(host: str, port: int, config: WireConfig = DEFAULT_CONFIG,
         sock.close()
         raise
     return sock
-

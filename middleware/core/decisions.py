@@ -312,14 +312,13 @@ class StreamDecisions:
 
     def _schedule_retry(self, now: float, reason: EndReason, *, unprocessed: bool = False,
                         at_least_s: float = 0.0) -> bool:
-        """Arrange a retry of the upstream if allowed; True if one is coming.
+        """Arrange a retry if allowed, not before ``at_least_s`` (``Retry-After``); True if one is coming.
 
         ``unprocessed``: the failure proves the upstream did not process the
         request (no connection was made; it answered 503). Otherwise the
         upstream may have read it, and a request that may not be repeated
         (a POST without ``Idempotency-Key``: one more generation) is not sent
-        again; nginx's rule for non-idempotent requests. ``at_least_s``: the
-        upstream asked to be left alone that long (``Retry-After``).
+        again; nginx's rule for non-idempotent requests.
 
         The failed attempt's connection is aborted here if it is still open (a
         502 body, an error event): it must never be read again or reused."""

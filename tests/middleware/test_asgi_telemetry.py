@@ -182,6 +182,15 @@ def record_lines(served: Served) -> list[str]:
     return [line for line in served.lines if "stream ended" in line]
 
 
+def json_line(line: str) -> dict[str, Any]:
+    """A JSON log line's object ({} for any other line)."""
+    try:
+        found = json.loads(line)
+    except ValueError:
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
 def json_record(line: str) -> dict[str, Any] | None:
     try:
         found = json.loads(line)
@@ -264,6 +273,11 @@ def test_readme_example_when_a_stream_runs_then_counted_live_then_one_record_lin
         promtool_check(text)
     # One line for the one stream: none for /metrics or /release, none twice.
     assert len(record_lines(served)) == 1, record_lines(served)
+    # The server bound its own socket: the middleware capped its send buffer at
+    # the first request, and said so once (tests/middleware/test_asgi_send_buffer.py).
+    capped = [found for found in map(json_line, served.lines) if found.get("msg") == "send buffer capped"]
+    assert len(capped) == 1 and capped[0]["listeners"] >= 1, served.lines
+    assert not [line for line in served.lines if "backpressure cannot be seen" in line]
 
 
 @pytest.mark.slow
