@@ -24,7 +24,7 @@ from typing import Any
 from opentelemetry.trace import TracerProvider
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 from tokenwire.engine.access_log import RECEIVED_KEY
@@ -52,6 +52,19 @@ from tokenwire.middleware.core.errors import ErrorCode, error_object
 from tokenwire.middleware.process.tracing import extract_text, get_tracer
 
 REQUEST_ID_HEADER = "x-request-id"
+# ``/`` is no API route, so it stays a 404; but it is the first thing a person
+# opens in a browser, and the sidecar (``tokenwire up``'s API port) forwards it
+# here, so its body says where the API and the playground page are.
+ROOT_NOT_FOUND_TEXT = """\
+404 Not Found: there is no page at /. This port is the API (the tokenwire engine
+answers it, directly or through the sidecar in front of it):
+
+  POST /v1/chat/completions   /v1/completions   /v1/responses   /v1/messages
+  GET  /v1/models   /health   /metrics
+
+To try it in a browser, open the playground on the sidecar's admin port: with
+`tokenwire up`, the "playground" line of its banner (http://127.0.0.1:8081/ by default).
+"""
 _MAX_REQUEST_ID_CHARS = 128
 Endpoint = Callable[[Request], Awaitable[Response | PushedEventStream[RequestOutput]]]
 
@@ -124,6 +137,9 @@ def build_app(
             Route("/v1/abort/{request_id}", handlers.abort, methods=["POST"]),
             Route("/health", handlers.health, methods=["GET"]),
             Route("/metrics", handlers.metrics, methods=["GET"]),
+            # A response is an ASGI app, and a route to one takes every method:
+            # ``POST /`` stays the 404 it was before ``/`` had a route, never a 405.
+            Route("/", PlainTextResponse(ROOT_NOT_FOUND_TEXT, status_code=404)),
         ],
         lifespan=lifespan,
     )

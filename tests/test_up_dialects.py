@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from testbed.targets import child_lines, tiny_model, tokenwire_up
@@ -181,6 +182,18 @@ def _headers(request_id: str) -> dict[str, str]:
 
 def test_up_serves_the_model_by_its_folder_name(up: Up) -> None:
     assert [model.id for model in up.openai().models.list()] == [MODEL]
+
+
+def test_up_api_root_is_a_404_that_points_at_the_api_and_the_playground(up: Up) -> None:
+    """The first thing a person opens: the API port's ``/``. The sidecar forwards it to
+    the engine like any path, and the engine's answer says where to go instead."""
+    root = httpx.get(f"{up.root}/", timeout=30)
+    assert root.status_code == 404
+    assert root.headers["content-type"] == "text/plain; charset=utf-8"
+    assert "POST /v1/chat/completions" in root.text and "playground" in root.text
+    # Only ``/``: another unknown path is the bare 404 it always was.
+    other = httpx.get(f"{up.root}/nothing-here", timeout=30)
+    assert other.status_code == 404 and "playground" not in other.text
 
 
 # -- openai-python: the Responses API ------------------------------------------------------

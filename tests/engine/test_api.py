@@ -186,6 +186,23 @@ def test_models_health_and_metrics(engine_server: RunningServer) -> None:
         assert name in metrics.text
 
 
+def test_root_is_still_a_404_but_its_body_points_at_the_api_and_the_playground(
+    engine_server: RunningServer,
+) -> None:
+    base = engine_server.base_url
+    for method in ("GET", "POST"):
+        root = httpx.request(method, f"{base}/")
+        assert root.status_code == 404, method  # no API route: never a 200, nor a 405 for POST
+        assert root.headers["content-type"] == "text/plain; charset=utf-8"
+        assert "/v1/chat/completions" in root.text and "/v1/models" in root.text
+        assert "playground" in root.text and "tokenwire up" in root.text
+    head = httpx.head(f"{base}/")
+    assert head.status_code == 404 and head.content == b""
+    # Every other unknown path is Starlette's bare 404, as before.
+    other = httpx.get(f"{base}/nothing-here")
+    assert other.status_code == 404 and other.text == "Not Found"
+
+
 def test_a_request_without_temperature_gets_the_model_default(engine_server: RunningServer) -> None:
     """The tiny model's generation_config.json says do_sample false: greedy unless asked."""
     client = _client(engine_server)

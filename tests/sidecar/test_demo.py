@@ -59,8 +59,38 @@ def test_demo_runs_the_whole_tour_and_writes_the_report(tiny_cache: tuple[Path, 
         assert row["text_chars"] > 0 and row["tokens_generated"] == report["settings"]["slow_max_tokens"]
         assert row["end_reason"] == "complete"
         assert row["pending_high_water_bytes"] is not None
+    # Whether block stopped reading the upstream is measured (the sidecar's ``paused``
+    # milestones), and it is the one figure that may tell block from coalesce: the
+    # table has its column, and the words under it say what this run's figures show.
+    slow_header = next(line for line in stdout.splitlines() if line.strip().startswith("reader "))
+    assert "upstream paused" in slow_header
+    for policy in ("coalesce", "block", "drop"):
+        assert isinstance(rows[policy]["upstream_pauses"], int), rows[policy]
+    assert rows["coalesce"]["upstream_pauses"] == 0  # coalesce never pauses a plain stream
+    block = rows["block"]
+    if block["upstream_pauses"]:
+        assert f"it paused the upstream {block['upstream_pauses']} time(s)" in stdout
+    else:
+        assert "so it never paused (upstream paused 0) and its row is coalesce's" in stdout
+    # drop is described by what it does: answer text is never dropped, and here it was not.
+    assert "keeps only the newest event" not in stdout
+    assert rows["drop"]["same_text_as_direct"] and rows["drop"]["dropped_events"] == 0
+    assert "answer text is never dropped, so it delivered the whole text (0 dropped)" in stdout
     drop = report["drop"]
     assert drop["dropped"], drop
+    # Counts are whole numbers everywhere: in report.json, on the terminal, in the HTML
+    # (the engine's Prometheus text writes every sample as a float, ``8.0``).
+    counts = [drop["running_before"], drop["running_during"], drop["running_after"],
+              drop["tokens_generated"], *(running for _, running in drop["timeline_ms"]),
+              report["resume"]["engine_tokens_for_interrupted_run"],
+              report["resume"]["idempotent_second_engine_tokens"]]
+    assert all(type(count) is int for count in counts), counts
+    assert (f"engine running sequences: before {drop['running_before']}, while streaming "
+            f"{drop['running_during']}, after reset {drop['running_after']}") in stdout
+    assert f"the engine generated {drop['tokens_generated']} of {drop['max_tokens']} tokens" in stdout
+    resume_tokens = report["resume"]["engine_tokens_for_interrupted_run"]
+    assert f"the engine generated {resume_tokens} tokens for the interrupted answer" in stdout
+    assert "engine tokens for the second: 0\n" in stdout
     assert drop["running_during"] >= 1 and drop["running_after"] < drop["running_during"]
     assert drop["tokens_generated"] < drop["max_tokens"]
     assert drop["sidecar_end_reason"] == "client_gone"
@@ -73,6 +103,10 @@ def test_demo_runs_the_whole_tour_and_writes_the_report(tiny_cache: tuple[Path, 
     assert resume["first_request_end_reason"] == "detached"
 
     html = (out_dir / "report.html").read_text()
+    assert (f"<tr><td>{drop['running_before']}</td><td>{drop['running_during']}</td>"
+            f"<td>{drop['running_after']}</td><td>{drop['reset_to_drop_ms']}</td>"
+            f"<td>{drop['tokens_generated']}</td></tr>") in html
+    assert "<th>upstream paused</th>" in html and "answer text is never dropped" in html
     for plot in ("gaps.png", "policies.png", "drop.png"):
         assert (out_dir / plot).stat().st_size > 1000
         assert plot in html

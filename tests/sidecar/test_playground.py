@@ -93,6 +93,13 @@ def _text(page: Any, selector: str) -> str:
     return str(page.text_content(selector))
 
 
+def _shown_ms(shown: str) -> float:
+    """A duration as the page shows it (``0.42 ms``, ``205.3 ms``, ``1.02 s``), in ms."""
+    match = re.fullmatch(r"([\d.]+) (m?s)", shown)
+    assert match is not None, shown
+    return float(match.group(1)) * (1 if match.group(2) == "ms" else 1000)
+
+
 @pytest.mark.slow
 def test_admin_root_serves_the_self_contained_page_pointed_at_the_bound_proxy_port(start_sidecar) -> None:
     sidecar = start_sidecar()  # listen port 0: only the bound port is right
@@ -141,6 +148,14 @@ def test_page_streams_the_answer_through_the_proxy_with_timings_and_screenshot(
     assert _text(page, "#output") == expected_text(40)
     assert re.fullmatch(r"[\d.]+ m?s", _text(page, "#ttft"))
     assert re.fullmatch(r"[\d.]+ m?s", _text(page, "#itl-p95"))
+    # The gaps are between reads (arrivals), and the labels say so.
+    labels = page.eval_on_selector_all("#timing-panel dt", "dts => dts.map(d => d.textContent.trim())")
+    assert labels == ["time to first token", "gap between arrivals p50", "gap between arrivals p95",
+                      "elapsed"]
+    toy = " ".join(_text(page, "#toy-model").split())
+    assert "built-in toy" in toy and "not meant to answer well" in toy
+    assert "tokenwire up --model FOLDER" in toy and "tokenwire sidecar --upstream URL" in toy
+    assert page.is_visible("#toy-model")
     assert _text(page, "#tokens") == "40"
     content_events = int(_text(page, "#content-events"))
     assert 1 <= content_events <= 40
@@ -188,7 +203,8 @@ def test_kill_button_mid_stream_stops_the_text_and_the_upstream_sees_the_disconn
 @pytest.mark.slow
 def test_throttled_reader_gets_several_events_per_read_and_still_the_whole_text(
         start_sidecar, page_upstream: PageUpstream, page: Any) -> None:
-    page_upstream.tokens, page_upstream.delay_s = 120, 0.002
+    # About a second of answer: a 200 ms reader takes it in several reads, not one or two.
+    page_upstream.tokens, page_upstream.delay_s = 120, 0.008
     sidecar = _playground(start_sidecar, page_upstream)
     _open(page, sidecar)
     page.eval_on_selector("#throttle", "e => { e.value = '200'; e.dispatchEvent(new Event('input')); }")
@@ -200,6 +216,11 @@ def test_throttled_reader_gets_several_events_per_read_and_still_the_whole_text(
     # A slow reader takes what piled up in one read: many events per read, none lost.
     assert reads * 3 < events
     assert _text(page, "#tokens") == "120"
+    # The gaps the page shows are between reads, each at least the reader's own 200 ms
+    # pause (it sleeps that long before every read), never the ~0 ms between the events
+    # of one read (a margin for the timer firing a hair early).
+    assert _shown_ms(_text(page, "#itl-p50")) >= 190
+    assert _shown_ms(_text(page, "#itl-p95")) >= 190
 
 
 @pytest.mark.slow
@@ -239,6 +260,7 @@ def test_resume_button_after_a_kill_appends_the_rest_from_the_replay_exactly_onc
 
 
 NARROW_PX = 400
+NARROW_HEIGHT_PX = 800
 NARROW_SCREENSHOT = SCREENSHOT.with_name("playground-400px.png")
 
 
@@ -247,7 +269,7 @@ def test_narrow_page_at_400px_fits_without_side_scrolling_and_still_streams(
         start_sidecar, page_upstream: PageUpstream, browser: Any, tmp_path: Path) -> None:
     page_upstream.tokens, page_upstream.delay_s = 30, 0.005
     sidecar = _playground(start_sidecar, page_upstream)
-    with new_page(browser, viewport={"width": NARROW_PX, "height": 900}) as page:
+    with new_page(browser, viewport={"width": NARROW_PX, "height": NARROW_HEIGHT_PX}) as page:
         _open(page, sidecar)
         _send(page, "Tell me about the sea.")
         page.wait_for_selector("#status[data-state=done]", timeout=15_000)
@@ -259,9 +281,18 @@ def test_narrow_page_at_400px_fits_without_side_scrolling_and_still_streams(
             box = page.locator(selector).bounding_box()
             assert box is not None and box["width"] > 0, selector
             assert box["x"] >= 0 and box["x"] + box["width"] <= NARROW_PX, (selector, box)
-        # One column: the timing panel sits below the answer, not beside it.
-        output, timing = page.locator("#output").bounding_box(), page.locator("#ttft").bounding_box()
-        assert output is not None and timing is not None and timing["y"] > output["y"]
+        # One column: the timing panel sits right below the answer, not beside it, and the
+        # whole of it is on the first screen (not after every other panel, at the bottom).
+        page.evaluate("window.scrollTo(0, 0)")
+        answer = page.locator("#answer-panel").bounding_box()
+        timing = page.locator("#timing-panel").bounding_box()
+        assert answer is not None and timing is not None
+        assert timing["y"] >= answer["y"] + answer["height"], (answer, timing)
+        assert timing["y"] + timing["height"] <= NARROW_HEIGHT_PX, timing
+        for selector in ("#ttft", "#itl-p50", "#itl-p95", "#elapsed"):
+            box = page.locator(selector).bounding_box()
+            assert box is not None and box["y"] + box["height"] <= NARROW_HEIGHT_PX, (selector, box)
+        assert page.is_visible("#toy-model")
         shot = tmp_path / "playground-400px.png"
         page.screenshot(path=str(shot), full_page=True)
         assert shot.read_bytes().startswith(PNG_SIGNATURE)

@@ -12,7 +12,9 @@ shows, section by section:
 3. a slow reader under each slow-client policy, side by side: one extra
    sidecar per policy in front of the same engine, each read by a raw socket
    with a small receive buffer that takes 512 bytes every 50 ms, plus the same
-   reader straight at the engine for reference;
+   reader straight at the engine for reference; each sidecar logs at debug, so
+   the times it stopped reading the upstream (what ``block`` does) are counted,
+   and the report says in words what each row's figures show;
 4. a dropped connection: a long answer reset mid-stream (RST), and the
    engine's running count before and after;
 5. resume: an answer cut mid-stream and resumed with ``Last-Event-ID`` on a

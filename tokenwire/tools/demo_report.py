@@ -35,7 +35,48 @@ SLOW_COLUMNS = [("reader", "reader"), ("complete", "complete"), ("text_chars", "
                 ("same_text_as_direct", "same text"), ("events_received", "events"),
                 ("tokens_generated", "tokens"), ("pending_high_water_bytes", "pending high-water B"),
                 ("coalesced_events", "coalesced"), ("dropped_events", "dropped"),
-                ("end_reason", "end reason"), ("wall_s", "wall s")]
+                ("upstream_pauses", "upstream paused"), ("end_reason", "end reason"),
+                ("wall_s", "wall s")]
+
+
+def policy_lines(slow: dict[str, Any]) -> list[str]:
+    """What each policy did to this answer, in words, from the rows' own figures:
+    the three rows are often alike, and these lines say which figure tells them
+    apart and why (middleware/core/pending.py and decisions.py say what each does)."""
+    rows = {row["policy"]: row for row in slow["rows"]}
+    lines: list[str] = []
+    coalesce = rows.get("coalesce")
+    if coalesce:
+        lines.append(f"coalesce: text that waits for the reader merges into fewer, larger events "
+                     f"({_fmt(coalesce['coalesced_events'])} merged away, the text exact); "
+                     f"the reader got {_fmt(coalesce['events_received'])} events for "
+                     f"{_fmt(coalesce['tokens_generated'])} tokens")
+    block = rows.get("block")
+    if block:
+        pause_at = slow["block_pause_at_bytes"]
+        line = (f"block: merges the same way, and stops reading the upstream once pending reaches "
+                f"{pause_at} B (half of max_pending_bytes)")
+        pauses = block["upstream_pauses"]
+        if pauses is None:
+            line += "; its log did not say whether it paused"
+        elif pauses:
+            line += (f"; it paused the upstream {pauses} time(s), pending at most "
+                     f"{_fmt(block['pending_high_water_bytes'])} B")
+        else:
+            line += (f"; merged text stays small (pending peaked at "
+                     f"{_fmt(block['pending_high_water_bytes'])} B), so it never paused "
+                     f"(upstream paused 0) and its row is coalesce's: block matters for streams "
+                     f"that cannot merge")
+        lines.append(line)
+    drop = rows.get("drop")
+    if drop:
+        line = ("drop: merges the same way, and also lets a newer event of a "
+                "--droppable-event-types type replace a queued one (an `event: tokenwire.dropped` "
+                "says how many); none is set here, and answer text is never dropped")
+        if drop["same_text_as_direct"]:
+            line += f", so it delivered the whole text ({_fmt(drop['dropped_events'])} dropped)"
+        lines.append(line)
+    return lines
 
 
 def render_text(report: dict[str, Any]) -> str:
@@ -86,8 +127,7 @@ def render_text(report: dict[str, Any]) -> str:
         if (slow["engine_bytes_per_s"] or 0) < slow["reader_bytes_per_s"]:
             out.append("  the engine was slower than the reader this time (a busy machine?), so "
                        "little backpressure built up")
-        out.append("  coalesce merges pending text into fewer events; block stops reading the "
-                   "upstream; drop keeps only the newest event (for refreshable state, not answers)")
+        out += [f"  {line}" for line in policy_lines(slow)]
     drop = report.get("drop")
     if drop:
         out += ["", f"4. A dropped connection: a {drop['max_tokens']}-token answer, "
@@ -97,7 +137,7 @@ def render_text(report: dict[str, Any]) -> str:
                    f"after reset {_fmt(drop['running_after'])}")
         if drop["dropped"]:
             out.append(f"  the count dropped {drop['reset_to_drop_ms']} ms after the reset; the engine "
-                       f"generated {drop['tokens_generated']:g} of {drop['max_tokens']} tokens")
+                       f"generated {_fmt(drop['tokens_generated'])} of {drop['max_tokens']} tokens")
         else:
             out.append("  the count did NOT drop")
         if drop["sidecar_end_reason"]:
@@ -113,12 +153,12 @@ def render_text(report: dict[str, Any]) -> str:
                 f"{_fmt(resume['ids_contiguous'])}, duplicates={resume['duplicate_ids']}",
                 f"  text identical to an uninterrupted run ({resume['text_chars']} chars): "
                 f"{_fmt(resume['text_identical'])}",
-                f"  the engine generated {resume['engine_tokens_for_interrupted_run']:g} tokens for "
+                f"  the engine generated {_fmt(resume['engine_tokens_for_interrupted_run'])} tokens for "
                 f"the interrupted answer ({_fmt(resume['completion_tokens'])} in it): one generation; "
                 f"first request's record: end_reason={resume['first_request_end_reason']}",
                 f"  Idempotency-Key sent twice: same text={_fmt(resume['idempotent_same_text'])}, "
                 f"same ids={_fmt(resume['idempotent_same_ids'])}, engine tokens for the second: "
-                f"{resume['idempotent_second_engine_tokens']:g}"]
+                f"{_fmt(resume['idempotent_second_engine_tokens'])}"]
     if report.get("failures"):
         out += ["", "checks failed:"] + [f"  - {failure}" for failure in report["failures"]]
     else:
@@ -172,9 +212,11 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[str]:
         plt.close(fig)
         names.append("policies.png")
     drop = report.get("drop")
-    if drop and drop["timeline_ms"]:
+    # A reading without the gauge (None) has no point to draw.
+    timeline = [(at, running) for at, running in (drop or {}).get("timeline_ms", []) if running is not None]
+    if timeline:
         fig, ax = plt.subplots(figsize=(7, 3))
-        xs, ys = zip(*drop["timeline_ms"], strict=True)
+        xs, ys = zip(*timeline, strict=True)
         ax.step(xs, ys, where="post", color="#3a6ea5")
         ax.set_xlabel("ms after the reset")
         ax.set_ylabel("engine running")
@@ -226,7 +268,9 @@ def render_html(report: dict[str, Any], text: str, plots: list[str]) -> str:
                   f"{slow['read_interval_ms']:g} ms; the engine generated the answer in "
                   f"{slow['engine_generation_s']} s.</p>",
                   _html_table([label for _, label in SLOW_COLUMNS],
-                              [[_fmt(row[key]) for key, _ in SLOW_COLUMNS] for row in slow["rows"]])]
+                              [[_fmt(row[key]) for key, _ in SLOW_COLUMNS] for row in slow["rows"]]),
+                  "<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in policy_lines(slow))
+                  + "</ul>"]
         if "policies.png" in plots:
             parts.append("<img src='policies.png' alt='per-policy bars'>")
     drop = report.get("drop")

@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from tokenwire.sidecar.settings import SIDECAR_WIRE_DEFAULTS
+
 from . import up
 from .demo_client import (
     PROMPT,
@@ -45,6 +47,16 @@ SLOW_READ_INTERVAL_S = 0.05
 # the kernel and transport buffers alone would hold most of it, so a slow
 # reader would show no difference between the policies.
 SLOW_SIDECAR_ARGS = ("--socket-send-buffer-bytes", "4096", "--write-high-water-bytes", "4096")
+# At debug, a sidecar logs a ``paused`` milestone each time its core stops
+# reading the upstream (``PauseUpstream``, sidecar/exchange/milestones.py):
+# the one place that says whether ``block`` engaged, which the stream record
+# does not carry. The per-policy sidecars serve one stream each, so the few
+# lines cost nothing.
+SLOW_SIDECAR_LOG_ARGS = ("--log-level", "debug")
+# ``block`` stops reading the upstream once a slow client's pending bytes reach
+# half of ``max_pending_bytes`` (middleware/core/decisions.py, ``_after_queue``);
+# the per-policy sidecars run with the sidecar's default.
+BLOCK_PAUSE_AT_BYTES = SIDECAR_WIRE_DEFAULTS.max_pending_bytes // 2
 
 _RUNNING_GAUGE = "tokenwire_engine_running"
 _GENERATED_COUNTER = "tokenwire_engine_generated_tokens_total"
@@ -128,6 +140,27 @@ def section_timing(api_url: str, model: str, settings: DemoSettings) -> dict[str
             "ttft_samples_ms": [round(t * 1000, 3) for t in ttfts]}
 
 
+class _Milestones:
+    """Counts a sidecar's ``paused`` milestones (debug log lines) and says when
+    its stream has ``ended``: lines a child's bounded ``lines`` may lose."""
+
+    def __init__(self) -> None:
+        self.upstream_pauses = 0
+        self.stream_ended = threading.Event()
+
+    def see(self, line: str) -> None:
+        """``up.Child``'s ``on_line``: each line of the sidecar's output."""
+        if '"tokenwire.lifecycle"' not in line:
+            return
+        with contextlib.suppress(ValueError):
+            fields = json.loads(line)
+            if fields.get("logger") == "tokenwire.lifecycle":
+                if fields.get("msg") == "paused":
+                    self.upstream_pauses += 1
+                elif fields.get("msg") == "ended":
+                    self.stream_ended.set()
+
+
 @dataclass
 class ExtraSidecar:
     """One extra sidecar in front of the same engine (a policy, resume), and its stream log."""
@@ -135,6 +168,7 @@ class ExtraSidecar:
     policy: str
     child: up.Child
     log_file: Path
+    milestones: _Milestones
     port: int = 0
 
     def record(self, timeout_s: float = 10.0) -> dict[str, Any] | None:
@@ -148,6 +182,14 @@ class ExtraSidecar:
             time.sleep(0.1)
         return None
 
+    def upstream_pauses(self, timeout_s: float = 10.0) -> int | None:
+        """How often the sidecar stopped reading the upstream for its stream: its
+        ``paused`` milestones, counted once its ``ended`` one came (None if that
+        never did, e.g. a sidecar not run at debug)."""
+        if not self.milestones.stream_ended.wait(timeout_s):
+            return None
+        return self.milestones.upstream_pauses
+
 
 @contextlib.contextmanager
 def extra_sidecars(engine_socket: str, workdir: Path, flavours: Mapping[str, Sequence[str]], *,
@@ -159,8 +201,9 @@ def extra_sidecars(engine_socket: str, workdir: Path, flavours: Mapping[str, Seq
             log_file = workdir / f"sidecar-{name}.jsonl"
             argv = [sys.executable, "-m", "tokenwire.sidecar", "sidecar", "--listen", "127.0.0.1:0",
                     "--upstream", f"unix:{engine_socket}", *args, "--log-file", str(log_file)]
-            sidecars.append(ExtraSidecar(name, up.Child(f"sidecar ({name})", argv, echo=echo),
-                                         log_file))
+            milestones = _Milestones()
+            child = up.Child(f"sidecar ({name})", argv, echo=echo, on_line=milestones.see)
+            sidecars.append(ExtraSidecar(name, child, log_file, milestones))
         deadline = time.monotonic() + _SIDECAR_START_TIMEOUT_S
         for sidecar in sidecars:
             child = sidecar.child
@@ -188,7 +231,8 @@ def section_slow_reader(engine_socket: str, model: str, settings: DemoSettings, 
                         *, echo: bool) -> dict[str, Any]:
     """3. The same slow reader under each policy, and straight at the engine, side by side."""
     body = chat_body(model, settings.slow_max_tokens)
-    flavours = {policy: ("--slow-client-policy", policy, *SLOW_SIDECAR_ARGS) for policy in POLICIES}
+    flavours = {policy: ("--slow-client-policy", policy, *SLOW_SIDECAR_ARGS, *SLOW_SIDECAR_LOG_ARGS)
+                for policy in POLICIES}
     with extra_sidecars(engine_socket, workdir, flavours, echo=echo) as sidecars:
         targets: dict[str, Connect] = {
             s.policy: tcp_connector("127.0.0.1", s.port,
@@ -220,6 +264,7 @@ def section_slow_reader(engine_socket: str, model: str, settings: DemoSettings, 
         for thread in threads:
             thread.join()
         records = {s.policy: s.record() for s in sidecars}
+        pauses = {s.policy: s.upstream_pauses() for s in sidecars}
     reference = answers["direct"].text
     engine_s = answers["engine pace"].wall_s
     rows = []
@@ -236,13 +281,27 @@ def section_slow_reader(engine_socket: str, model: str, settings: DemoSettings, 
             "pending_high_water_bytes": record.get("pending_high_water_bytes"),
             "coalesced_events": record.get("coalesced_events"),
             "dropped_events": record.get("dropped_events"),
+            "upstream_pauses": pauses.get(name),
             "end_reason": record.get("end_reason"),
             "wall_s": round(answer.wall_s, 2), "error": answer.error})
     return {"max_tokens": settings.slow_max_tokens, "receive_buffer_bytes": SLOW_RECEIVE_BUFFER_BYTES,
             "read_bytes": SLOW_READ_BYTES, "read_interval_ms": SLOW_READ_INTERVAL_S * 1000,
-            "rows": rows, "engine_generation_s": round(engine_s, 2),
+            "rows": rows, "block_pause_at_bytes": BLOCK_PAUSE_AT_BYTES,
+            "engine_generation_s": round(engine_s, 2),
             "engine_bytes_per_s": round(engine_bytes / engine_s) if engine_s else None,
             "reader_bytes_per_s": round(SLOW_READ_BYTES / SLOW_READ_INTERVAL_S)}
+
+
+def _count(samples: Mapping[str, float], name: str) -> int | None:
+    """A gauge or counter of whole things (sequences, tokens) as the integer it is:
+    Prometheus' text format writes every sample as a float (``1.0``)."""
+    value = samples.get(name)
+    return None if value is None or math.isnan(value) else round(value)
+
+
+def _counted_between(before: Mapping[str, float], after: Mapping[str, float], name: str) -> int:
+    """How much the counter ``name`` grew from ``before`` to ``after`` (0 if absent)."""
+    return (_count(after, name) or 0) - (_count(before, name) or 0)
 
 
 def section_drop(api: Connect, engine_socket: str, model: str, settings: DemoSettings,
@@ -255,7 +314,7 @@ def section_drop(api: Connect, engine_socket: str, model: str, settings: DemoSet
         reader.sock.close()
         raise DemoError(f"the long answer did not start: {answer.error or 'too few events'}")
     during = engine_metrics(engine_socket)
-    timeline: list[tuple[float, float]] = [(0.0, during.get(_RUNNING_GAUGE, math.nan))]
+    timeline: list[tuple[float, int | None]] = [(0.0, _count(during, _RUNNING_GAUGE))]
     reset_at = time.perf_counter()
     reset(reader.sock)
     dropped_after_s: float | None = None
@@ -263,13 +322,13 @@ def section_drop(api: Connect, engine_socket: str, model: str, settings: DemoSet
     while time.perf_counter() - reset_at < _DROP_WAIT_S:
         after = engine_metrics(engine_socket)
         elapsed = time.perf_counter() - reset_at
-        timeline.append((round(elapsed * 1000, 2), after.get(_RUNNING_GAUGE, math.nan)))
+        timeline.append((round(elapsed * 1000, 2), _count(after, _RUNNING_GAUGE)))
         if dropped_after_s is None and after.get(_RUNNING_GAUGE, 0) < during.get(_RUNNING_GAUGE, 0):
             dropped_after_s = elapsed
         if dropped_after_s is not None and elapsed > dropped_after_s + 0.2:
             break
         time.sleep(0.005)
-    generated = after.get(_GENERATED_COUNTER, 0) - before.get(_GENERATED_COUNTER, 0)
+    generated = _counted_between(before, after, _GENERATED_COUNTER)
     record = None
     if log_file is not None:
         deadline = time.monotonic() + 5
@@ -281,8 +340,9 @@ def section_drop(api: Connect, engine_socket: str, model: str, settings: DemoSet
                         record = candidate
             time.sleep(0.05)
     return {"max_tokens": settings.drop_max_tokens, "events_read": answer.events,
-            "running_before": before.get(_RUNNING_GAUGE), "running_during": during.get(_RUNNING_GAUGE),
-            "running_after": after.get(_RUNNING_GAUGE),
+            "running_before": _count(before, _RUNNING_GAUGE),
+            "running_during": _count(during, _RUNNING_GAUGE),
+            "running_after": _count(after, _RUNNING_GAUGE),
             "dropped": dropped_after_s is not None,
             "reset_to_drop_ms": None if dropped_after_s is None else round(dropped_after_s * 1000, 1),
             "tokens_generated": generated, "timeline_ms": timeline,
@@ -322,7 +382,7 @@ def section_resume(engine_socket: str, model: str, settings: DemoSettings, workd
                    if line.strip()] if sidecar.log_file.exists() else []
     ids = first.ids + rest.ids
     seqs = [int(i.rpartition(".")[2]) for i in ids]
-    generated = after.get(_GENERATED_COUNTER, 0) - before.get(_GENERATED_COUNTER, 0)
+    generated = _counted_between(before, after, _GENERATED_COUNTER)
     end_reasons = {r.get("request_id"): r.get("end_reason") for r in records}
     return {
         "max_tokens": settings.resume_max_tokens, "stream_id": first.stream_id,
@@ -337,8 +397,7 @@ def section_resume(engine_socket: str, model: str, settings: DemoSettings, workd
         "completion_tokens": rest.completion_tokens or reference.completion_tokens,
         "first_request_end_reason": end_reasons.get(first.request_id),
         "idempotent_same_text": one.text == two.text == reference.text,
-        "idempotent_second_engine_tokens": last.get(_GENERATED_COUNTER, 0)
-        - between.get(_GENERATED_COUNTER, 0),
+        "idempotent_second_engine_tokens": _counted_between(between, last, _GENERATED_COUNTER),
         "idempotent_same_ids": one.ids == two.ids,
     }
 

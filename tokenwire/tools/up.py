@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -45,16 +45,19 @@ class Child:
     # with another is neither one's).
     _echo_lock = threading.Lock()
 
-    def __init__(self, name: str, argv: list[str], *, echo: bool, relay: tuple[str, ...] = ()) -> None:
+    def __init__(self, name: str, argv: list[str], *, echo: bool, relay: tuple[str, ...] = (),
+                 on_line: Callable[[str], None] | None = None) -> None:
         """``echo``: every line of the child's output to our stderr; ``relay``:
         only the log lines whose message starts with one of these (progress a
-        newcomer should see without ``--verbose``), as plain text."""
+        newcomer should see without ``--verbose``), as plain text; ``on_line``:
+        called with every line, from the thread that reads them."""
         self.name = name
         self.lines: deque[str] = deque(maxlen=40)
         self.ready = threading.Event()
         self.ready_line = ""
         self._echo = echo
         self._relay = relay
+        self._on_line = on_line
         self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True, bufsize=1, start_new_session=True)
         assert self.process.stdout is not None
@@ -69,6 +72,8 @@ class Child:
             if line.startswith("ready"):
                 self.ready_line = line
                 self.ready.set()
+            if self._on_line is not None:
+                self._on_line(line)
             shown = line if self._echo else self._relayed(line)
             if shown is not None:
                 with Child._echo_lock:
