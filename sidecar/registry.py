@@ -45,6 +45,16 @@ class StreamRegistry:
             exchange.feed(StopRequested(reason))
         return len(matched)
 
+    def stop_writer(self, stream_id: str, reason: EndReason) -> bool:
+        """Feed ``StopRequested(reason)`` to the exchange that writes resume stream
+        ``stream_id`` (not its readers: they end with what it stores); whether
+        this process has one."""
+        writer = next((e for e in self if e.stream_id == stream_id and not e.replaying), None)
+        if writer is None:
+            return False
+        writer.feed(StopRequested(reason))
+        return True
+
     def stop_all(self, reason: EndReason) -> int:
         exchanges = list(self)
         for exchange in exchanges:

@@ -57,6 +57,7 @@ from ..core.stream import WireStream
 from ..process.logs import wall_clock
 from ..shared.driver import (
     DeadlineTimer,
+    answer_cancel,
     enter_resume,
     needs_body,
     replay,
@@ -165,6 +166,8 @@ class Exchange(ResponseWriter):
             if self.writer_task is not None:
                 await asyncio.wait((self.writer_task,))
         finally:
+            if self.stream_id is not None and self.middleware.writers.get(self.stream_id) is self:
+                del self.middleware.writers[self.stream_id]
             listener.cancel()
             self.timer.cancel()
             if not app_task.done():
@@ -186,8 +189,11 @@ class Exchange(ResponseWriter):
             raise error
 
     async def call_app(self) -> None:
-        if self.middleware.replay_store is not None and await self.served_from_store():
-            return
+        if self.middleware.replay_store is not None:
+            if await self.served_from_store():
+                return
+            assert self.stream_id is not None
+            self.middleware.writers[self.stream_id] = self  # a cancel by id finds it here
         await self.middleware.app(self.scope, self.inbox.app_receive, self.app_send)
 
     # ------------------------------------------------------------ resume
@@ -212,6 +218,15 @@ class Exchange(ResponseWriter):
             return True
         if entry.unresumable is not None:
             logger.warning("request %s: not resumable: %s", self.request_id, entry.unresumable)
+        if entry.cancel is not None:
+            stream = self.start_core()
+
+            def answer(event: Input) -> None:
+                self.apply(stream.handle(event, self.loop.time()))
+
+            await answer_cancel(store, entry.cancel, stop_writer=self.middleware.stop_writer, feed=answer)
+            self.app_ended = True
+            return True
         if entry.replay is not None:
             stream = self.start_core()
             readable = asyncio.Event()

@@ -78,7 +78,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..core.config import ConfigError, WireConfig
 from ..core.dialects import DialectTable
@@ -183,6 +183,8 @@ class TokenWireMiddleware:
             raise ConfigError("log_format", f"must be one of {', '.join(LOG_FORMATS)}, not {log_format!r}")
         self.log_format = str(log_format)
         self._log_ready = False
+        self.writers: dict[str, Any] = {}
+        """The exchanges writing a resumable stream, by stream id (a cancel finds them here)."""
         self.send_buffers = SendBufferCap(config.socket_send_buffer_bytes) if cap_server_sockets else None
         """Caps the send buffer of the connections on each server port at its first request."""
         if not any(isinstance(f, FieldsInMessage) for f in logger.filters):
@@ -202,6 +204,16 @@ class TokenWireMiddleware:
                 self._metrics_app = self.metrics.asgi_app()
         elif metrics_path is not None:
             raise ConfigError("metrics_path", "needs metrics (True or a prometheus_client registry)")
+
+    def stop_writer(self, stream_id: str) -> bool:
+        """A cancel by stream id: stop the app writing ``stream_id`` as ``abort()``
+        does (the app is cancelled, the stream ends with ``cancelled``); whether
+        one is running in this process."""
+        writer: Exchange | None = self.writers.get(stream_id)
+        if writer is None:
+            return False
+        writer.request_abort()
+        return True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

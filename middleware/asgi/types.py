@@ -38,3 +38,7 @@ class MiddlewareSettings(Protocol):
     replay_store: ReplayStore | None
     caller_key: CallerKey
     dialects: DialectTable
+    writers: dict[str, Any]
+    """The exchanges writing a resumable stream, by stream id."""
+
+    def stop_writer(self, stream_id: str) -> bool: ...

@@ -37,6 +37,7 @@ class ErrorCode(StrEnum):
     RESUME_UNAVAILABLE = "resume_unavailable"
     INTERNAL = "internal_error"
     UNAUTHORIZED = "unauthorized"
+    STREAM_ELSEWHERE = "stream_elsewhere"
 
     @property
     def number(self) -> str:
@@ -72,6 +73,8 @@ ERROR_TABLE: tuple[tuple[str, ErrorCode, str], ...] = (
     ("E7312", ErrorCode.RESUME_UNAVAILABLE, "the replay store is unreachable or lost the stream"),
     ("E7313", ErrorCode.INTERNAL, "a bug in tokenwire, or an engine's own failure to generate"),
     ("E7314", ErrorCode.UNAUTHORIZED, "the admin API's bearer token was missing or wrong"),
+    ("E7315", ErrorCode.STREAM_ELSEWHERE,
+     "a cancel of a stream another process is writing (a replica sharing the store)"),
 )
 """Every error code: its stable number, its name, and what it means. The one
 table: the README lists it, logs and records carry ``number`` and ``code``,
@@ -270,6 +273,7 @@ _GRPC_STATUS_OF_CODE = {
     ErrorCode.RESUME_UNAVAILABLE: GrpcStatus.UNAVAILABLE,
     ErrorCode.INTERNAL: GrpcStatus.INTERNAL,
     ErrorCode.UNAUTHORIZED: GrpcStatus.UNAUTHENTICATED,
+    ErrorCode.STREAM_ELSEWHERE: GrpcStatus.FAILED_PRECONDITION,
 }
 
 # Before the first message an error has its HTTP status, which says more than

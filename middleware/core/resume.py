@@ -13,6 +13,12 @@ this module tells a driver which one it is, before any upstream is called:
 * a ``POST`` carrying ``Idempotency-Key``: :class:`Idempotent` — the first such
   request generates, any later one with the same key and body replays.
 
+And one way to stop it: ``DELETE /v1/streams/{stream}``, or the Responses
+API's ``POST .../responses/{id}/cancel`` for a stream the engine named ``id``
+(:class:`CancelStream`); the drivers stop the stream's writer, so its upstream
+is aborted at once, even inside the resume grace, and its readers end with
+the in-band ``cancelled`` error.
+
 Streams belong to their caller. A stream is opened with its *owner*, a keyed
 hash (:class:`CallerKey`) of the request's ``Authorization`` header (or of
 ``resume_owner_header``); the store keeps only that hash. A reconnect is served
@@ -147,6 +153,25 @@ class ResumeAlias:
     after_seq: int
 
 
+@dataclass(frozen=True, slots=True)
+class CancelStream:
+    """Stop stream ``stream_id`` (``DELETE /v1/streams/{stream}``), or the stream
+    the engine named ``alias`` (``POST .../responses/{alias}/cancel``; the
+    stream id is then found in the store)."""
+
+    stream_id: str = ""
+    alias: str = ""
+
+
+def _responses_cancel(path: str) -> CancelStream | None:
+    """The Responses cancel form (OpenAI's and vLLM's), or None."""
+    _, sep, tail = path.rpartition("/responses/")
+    alias, slash, verb = tail.partition("/")
+    if not sep or not alias or not slash or verb != "cancel":
+        return None
+    return CancelStream(alias=alias)
+
+
 def _responses_resume(path: str, query: str) -> ResumeAlias | None:
     """The Responses resume form, or None for any other request (a plain
     retrieve without ``stream=true`` is the engine's)."""
@@ -163,8 +188,8 @@ def _responses_resume(path: str, query: str) -> ResumeAlias | None:
     return ResumeAlias(alias, int(after) + 1 if after else 0)
 
 
-def classify(method: str, path: str, headers: Iterable[Header],
-             body: bytes, query: str = "") -> ResumeFrom | ResumeAlias | Idempotent | None:
+def classify(method: str, path: str, headers: Iterable[Header], body: bytes,
+             query: str = "") -> ResumeFrom | ResumeAlias | Idempotent | CancelStream | None:
     """Which kind of resume request this is; None for an ordinary request.
 
     ``path`` is the request target without its query, ``query`` the query.
@@ -174,12 +199,14 @@ def classify(method: str, path: str, headers: Iterable[Header],
     headers = list(headers)
     last_event = header_value(headers, b"last-event-id")
     if path.startswith(STREAMS_PATH):
-        if method not in ("GET", "HEAD"):
-            raise ClientError(f"{STREAMS_PATH}{{stream}} takes GET", ErrorCode.BAD_REQUEST,
-                              http_status=405)
+        if method not in ("GET", "HEAD", "DELETE"):
+            raise ClientError(f"{STREAMS_PATH}{{stream}} takes GET (resume) or DELETE (cancel)",
+                              ErrorCode.BAD_REQUEST, http_status=405)
         stream_id = path[len(STREAMS_PATH):]
         if not _valid_stream_id(stream_id):
             raise stream_not_found(stream_id)
+        if method == "DELETE":
+            return CancelStream(stream_id)
         if last_event is None or not last_event.strip():
             return ResumeFrom(stream_id, 0)
         named, seq = parse_event_id(last_event.decode("latin-1"))
@@ -195,6 +222,9 @@ def classify(method: str, path: str, headers: Iterable[Header],
         return ResumeFrom(*parse_event_id(last_event.decode("latin-1")))
     if method == "GET":
         return _responses_resume(path, query)
+    cancel = _responses_cancel(path)
+    if cancel is not None:
+        return cancel
     key = header_value(headers, b"idempotency-key")
     if key is None:
         return None
@@ -203,6 +233,14 @@ def classify(method: str, path: str, headers: Iterable[Header],
         raise ClientError(f"Idempotency-Key must be 1..{_MAX_KEY_CHARS} printable characters",
                           ErrorCode.BAD_REQUEST)
     return Idempotent(text, body_digest(body))
+
+
+def stream_elsewhere(stream_id: str) -> ClientError:
+    """A cancel of a live stream this process is not writing: its writer, on
+    another replica sharing the store, is the only one that can stop it."""
+    return ClientError(f"stream {stream_id[:64]!r} is being written by another process sharing the "
+                       "replay store; it cannot be stopped from here", ErrorCode.STREAM_ELSEWHERE,
+                       http_status=409)
 
 
 def replay_unavailable(stream_id: str) -> LocalError:

@@ -281,7 +281,7 @@ class WireStream(UpstreamInputs):
             error = LocalError("the server is shutting down", ErrorCode.SHUTDOWN,
                                http_status=503, retry_after_s=1)
         else:
-            error = LocalError("the stream was cancelled by an operator", ErrorCode.CANCELLED,
+            error = LocalError("the stream was cancelled by its caller or an operator", ErrorCode.CANCELLED,
                                http_status=503)
         self._fail(error, event.reason, now)
 

@@ -21,6 +21,9 @@ the protocol, and lives here so that a rule is never written twice:
 * :func:`replay`: serve a stored stream through a fresh core: ``ReplaySource``
   first, then the store read as if it were an upstream.
 * :func:`wait_for_reader`: the ``AwaitReader`` action, as a wait on the store.
+* :func:`answer_cancel`: a cancel by stream id (``CancelStream``), answered
+  through a fresh core as if the store were an upstream, once the driver has
+  stopped the stream's writer.
 
 What the drivers must *not* decide is decided by the core: whether the
 engine is told of an abort is ``AbortUpstream.final`` (never for a replay,
@@ -33,13 +36,31 @@ body may take to flush are ``WireConfig`` keys (``upstream_tail_grace_s``,
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..core.errors import WireError
-from ..core.events import AwaitReader, Input, ReplaySource
+from ..core.events import (
+    AwaitReader,
+    EndReason,
+    Input,
+    Rejected,
+    ReplaySource,
+    UpstreamData,
+    UpstreamEnded,
+    UpstreamHeaders,
+)
 from ..core.headers import Header
-from ..core.resume import CallerKey, Idempotent, ResumeFrom, classify
+from ..core.resume import (
+    CallerKey,
+    CancelStream,
+    Idempotent,
+    ResumeFrom,
+    classify,
+    store_unavailable,
+    stream_elsewhere,
+)
 from .replay_store import ReplayStore, StoreUnavailable, admit, feed_replay
 
 
@@ -104,6 +125,8 @@ class ResumeEntry:
     """This request's stream is open in the store already."""
     unresumable: StoreUnavailable | None = None
     """The store is down: the request is generated, but cannot be resumed."""
+    cancel: CancelStream | None = None
+    """Stop this (caller's own) stream and answer so (:func:`answer_cancel`)."""
 
 
 def needs_body(method: str, headers: Sequence[Header]) -> bool:
@@ -131,6 +154,8 @@ async def enter_resume(store: ReplayStore, caller_key: CallerKey, *, method: str
     except StoreUnavailable as error:
         # An ordinary request still gets its answer; only its resume is lost.
         return ResumeEntry(owner, unresumable=error)
+    if isinstance(source, CancelStream):
+        return ResumeEntry(owner, cancel=source)
     if source is not None:
         return ResumeEntry(owner, replay=source, reconnect=isinstance(route, ResumeFrom))
     return ResumeEntry(owner, opened=open_now or isinstance(route, Idempotent))
@@ -143,6 +168,45 @@ async def replay(store: ReplayStore, source: ResumeFrom, *, readable: asyncio.Ev
     while ``readable`` is clear (the core's ``PauseUpstream``)."""
     feed(ReplaySource(source.stream_id, source.after_seq))
     await feed_replay(store, source.stream_id, source.after_seq, readable=readable, feed=feed)
+
+
+# A Responses cancel answers with the response's status (OpenAI's object shape).
+_RESPONSE_STATUS = {EndReason.COMPLETE: "completed", EndReason.CANCELLED: "cancelled"}
+
+
+async def answer_cancel(store: ReplayStore, cancel: CancelStream, *, stop_writer: Callable[[str], bool],
+                        feed: Callable[[Input], None]) -> None:
+    """Stop the caller's stream ``cancel.stream_id`` and feed a fresh core the answer.
+
+    ``stop_writer(stream_id)`` feeds ``StopRequested(CANCELLED)`` to this
+    process's writer of the stream and says whether there was one: its
+    upstream is aborted at once (in the resume grace too) and its core ends
+    the stored stream with the in-band ``cancelled`` error, which every reader
+    of it reads next; the stored part stays until ``resume_ttl_s``, so a
+    reconnect learns of the cancel. A stream that had already ended is
+    forgotten now (there is nothing to stop; the caller is done with it). A
+    live stream written by another process sharing the store is refused with
+    409 (``stream_elsewhere``): only its writer can stop its upstream."""
+    stream_id = cancel.stream_id
+    try:
+        if stop_writer(stream_id):
+            status = "cancelled"
+        elif (reason := await store.end_reason(stream_id)) is not None:
+            await store.discard(stream_id)
+            status = _RESPONSE_STATUS.get(reason, "failed") if cancel.alias else "ended"
+        else:
+            feed(Rejected(stream_elsewhere(stream_id)))
+            return
+    except StoreUnavailable:
+        feed(Rejected(store_unavailable()))
+        return
+    body = ({"id": cancel.alias, "object": "response", "status": status} if cancel.alias
+            else {"id": stream_id, "object": "stream", "status": status})
+    data = json.dumps(body).encode()
+    feed(UpstreamHeaders(200, ((b"content-type", b"application/json"),
+                               (b"content-length", str(len(data)).encode()))))
+    feed(UpstreamData(data))
+    feed(UpstreamEnded())
 
 
 async def wait_for_reader(store: ReplayStore, action: AwaitReader, now: float) -> bool:

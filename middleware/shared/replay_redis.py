@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ..core.config import ConfigError
-from ..core.events import ReplayAppend
+from ..core.events import EndReason, ReplayAppend
 from .replay_store import KeyReused, ReplayUnavailable, StoreUnavailable, StreamNotFound
 
 logger = logging.getLogger("tokenwire.resume")
@@ -98,6 +98,22 @@ class RedisReplayStore:
         except self._outages as error:
             raise StoreUnavailable(f"redis: {error}") from error
         return None if value is None else bytes(value).decode("ascii", "replace")
+
+    async def end_reason(self, stream_id: str) -> EndReason | None:
+        try:
+            value = await self._redis.hget(_keys(stream_id)[1], "end")
+        except self._outages as error:
+            raise StoreUnavailable(f"redis: {error}") from error
+        if value is None:
+            return None
+        try:
+            return EndReason(bytes(value).decode("ascii", "replace"))
+        except ValueError:  # written by a newer version: ended, somehow
+            return EndReason.UPSTREAM_ERROR
+
+    async def discard(self, stream_id: str) -> None:
+        # Queued behind the stream's own appends, so none of them lands after it.
+        self.append(ReplayAppend(stream_id, 0, (), discard=True))
 
     async def read(self, stream_id: str, after_seq: int) -> AsyncIterator[tuple[bytes, ...]]:
         try:

@@ -43,6 +43,7 @@ from ..core.events import (
 )
 from ..core.headers import SSE_HEADERS
 from ..core.resume import (
+    CancelStream,
     Idempotent,
     ResumeAlias,
     ResumeFrom,
@@ -97,6 +98,14 @@ class ReplayStore(Protocol):
 
     async def resolve(self, alias: str) -> str | None:
         """The stream an ``alias`` (``ReplayAppend.alias``) names; None if none does."""
+        ...
+
+    async def end_reason(self, stream_id: str) -> EndReason | None:
+        """How ``stream_id`` ended, once its end is stored (None: live or unknown)."""
+        ...
+
+    async def discard(self, stream_id: str) -> None:
+        """Forget ``stream_id`` now, its idempotency key and alias with it."""
         ...
 
     def append(self, action: ReplayAppend) -> None:
@@ -185,6 +194,15 @@ class MemoryReplayStore:
         self._sweep()
         stream_id = self._aliases.get(alias)
         return stream_id if stream_id is not None and stream_id in self._streams else None
+
+    async def end_reason(self, stream_id: str) -> EndReason | None:
+        stored = self._streams.get(stream_id)
+        return None if stored is None else stored.end
+
+    async def discard(self, stream_id: str) -> None:
+        stored = self._streams.get(stream_id)
+        if stored is not None:
+            self._drop(stream_id, stored)
 
     def append(self, action: ReplayAppend) -> None:
         stored = self._streams.get(action.stream_id)
@@ -278,11 +296,11 @@ class MemoryReplayStore:
                 self._drop(stream_id, stored)
 
 
-async def admit(store: ReplayStore, route: ResumeFrom | ResumeAlias | Idempotent | None, *,
-                stream_id: str, owner: str, open_now: bool) -> ResumeFrom | None:
-    """Where a request's answer comes from: the stream to replay, or None to
-    generate (as ``stream_id``, opened in the store for ``owner`` when the
-    request is idempotent or ``open_now``).
+async def admit(store: ReplayStore, route: ResumeFrom | ResumeAlias | Idempotent | CancelStream | None, *,
+                stream_id: str, owner: str, open_now: bool) -> ResumeFrom | CancelStream | None:
+    """Where a request's answer comes from: the stream to replay, the stream to
+    cancel (by its id), or None to generate (as ``stream_id``, opened in the
+    store for ``owner`` when the request is idempotent or ``open_now``).
 
     ``route`` is what :func:`~tokenwire.middleware.core.resume.classify` said.
     Raises the :class:`~tokenwire.middleware.core.errors.WireError` to answer with
@@ -292,6 +310,15 @@ async def admit(store: ReplayStore, route: ResumeFrom | ResumeAlias | Idempotent
     which may still be generated, just not resumed.
     """
     try:
+        if isinstance(route, CancelStream):
+            named = await store.resolve(route.alias) if route.alias else route.stream_id
+            if named is not None and same_caller(await store.owner(named), owner):
+                return CancelStream(named, route.alias)
+            if not route.alias:
+                raise stream_not_found(route.stream_id)
+            # As for a resume by alias: a name this store does not hold for
+            # this caller is the engine's to answer.
+            route = None
         if isinstance(route, ResumeAlias):
             # A name this store does not know, or another caller's, is the
             # engine's to answer (it may keep responses of its own): generated

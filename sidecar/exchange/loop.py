@@ -37,6 +37,7 @@ from tokenwire.middleware import (
     ClientGone,
     CloseClient,
     CommitHeaders,
+    EndReason,
     Finished,
     Input,
     PauseUpstream,
@@ -55,7 +56,13 @@ from tokenwire.middleware.core.dialects import Dialect
 from tokenwire.middleware.core.resume import new_stream_id
 from tokenwire.middleware.core.retry import may_repeat
 from tokenwire.middleware.process.logs import wall_clock
-from tokenwire.middleware.shared.driver import DeadlineTimer, enter_resume, replay, wait_for_reader
+from tokenwire.middleware.shared.driver import (
+    DeadlineTimer,
+    answer_cancel,
+    enter_resume,
+    replay,
+    wait_for_reader,
+)
 
 from ..context import SidecarContext
 from ..process.metrics import REPLAY_UPSTREAM
@@ -456,6 +463,9 @@ class Exchange:
             return
         if entry.unresumable is not None:
             logger.warning("stream %s: not resumable: %s", self.request_id, entry.unresumable)
+        if entry.cancel is not None:
+            await answer_cancel(store, entry.cancel, stop_writer=self._stop_writer, feed=self.feed)
+            return
         if entry.replay is not None:
             # A reconnect, or the same request again (the answer being made, from the start).
             self._context.metrics.replays.labels("reconnect" if entry.reconnect else "idempotent").inc()
@@ -472,6 +482,10 @@ class Exchange:
             return
         if self._slot.task is asyncio.current_task():
             self._slot.start()
+
+    def _stop_writer(self, stream_id: str) -> bool:
+        """A cancel by stream id: stop this process's writer of ``stream_id``."""
+        return self._context.registry.stop_writer(stream_id, EndReason.CANCELLED)
 
     async def _await_reader(self, action: AwaitReader) -> None:
         store = self._context.replay_store

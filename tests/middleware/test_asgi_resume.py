@@ -7,6 +7,7 @@ import asyncio
 import json
 import random
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -213,3 +214,33 @@ def test_random_disconnects_on_the_redis_store(served: Any, redis_url: str) -> N
         received = resume_through_drops(port, response, rng)
         assert [e.id for e in received] == [f"{response.stream_id}.{n}" for n in range(1, 27)]
         assert text_of(received) == expected(25)
+
+
+def test_cancel_by_id_when_the_owner_asks_then_the_app_is_cancelled_and_a_reconnect_reads_why(
+        served: Any) -> None:
+    """``DELETE /v1/streams/{id}`` through the middleware: the app generating
+    for the grace is cancelled at once; another caller gets 404; the stream's
+    reconnect learns of the cancel."""
+    import httpx
+
+    port, app, hooks = served(resume_grace_s=10.0)
+    owner = {"Authorization": "Bearer sk-alice"}
+    part = open_stream(port, "POST", "/v1/chat/completions", body=b"{}", stop_after=3, headers={
+        "x-tokens": "100000", "x-delay-s": "0.002", "x-request-id": "asgi-cancel", **owner})
+    assert app.cancelled == []
+    url = f"http://127.0.0.1:{port}/v1/streams/{part.stream_id}"
+    other = httpx.delete(url, headers={"Authorization": "Bearer sk-mallory"})
+    assert other.status_code == 404 and app.cancelled == []
+    answer = httpx.delete(url, headers=owner)
+    assert answer.status_code == 200
+    assert answer.json() == {"id": part.stream_id, "object": "stream", "status": "cancelled"}
+    deadline = time.monotonic() + 5
+    while not (ended := [r for r in hooks.records if r.request_id == "asgi-cancel"]):
+        assert time.monotonic() < deadline, hooks.records
+        time.sleep(0.01)
+    assert [r.end_reason for r in ended] == [EndReason.CANCELLED], hooks.records
+    assert app.cancelled == ["asgi-cancel"]
+    late = open_stream(port, "GET", f"/v1/streams/{part.stream_id}",
+                       headers={"Last-Event-ID": part.ids[-1], **owner})
+    told = json.loads(late.data_events[-1].data or "") if late.status == 200 else json.loads(late.body)
+    assert told["error"]["code"] == "cancelled" and not (late.status == 200 and late.clean_end)

@@ -33,7 +33,7 @@ from tokenwire.middleware import (
     UpstreamFailed,
     WireConfig,
 )
-from tokenwire.middleware.core.resume import Idempotent, ResumeFrom, classify, parse_event_id
+from tokenwire.middleware.core.resume import CancelStream, Idempotent, ResumeFrom, classify, parse_event_id
 from tokenwire.middleware.shared.replay_store import MemoryReplayStore, ReplayUnavailable, StreamNotFound
 
 from .wire_harness import PROXY_DEFAULTS, Driver, chunk, parse_all, proxy_config, texts
@@ -313,6 +313,12 @@ def test_record_then_replay_from_any_id_gives_the_rest_exactly(tokens: int, cut:
     ("POST", "/v1/chat/completions", [(b"idempotency-key", b"k1")], Idempotent("k1", "")),
     ("POST", "/v1/chat/completions", [], None),
     ("GET", "/v1/models", [(b"idempotency-key", b"k1")], None),
+    ("DELETE", "/v1/streams/abc", [], CancelStream("abc")),
+    ("POST", "/v1/responses/resp_1/cancel", [], CancelStream(alias="resp_1")),
+    ("POST", "/openai/v1/responses/r1/cancel", [(b"idempotency-key", b"k")], CancelStream(alias="r1")),
+    ("POST", "/v1/responses/resp_1/other", [], None),
+    ("POST", "/v1/responses//cancel", [], None),
+    ("DELETE", "/v1/chat/completions", [], None),
 ])
 def test_classify(method: str, path: str, headers: list[tuple[bytes, bytes]], expected: object) -> None:
     route = classify(method, path, headers, b"{}")
@@ -326,6 +332,7 @@ def test_classify(method: str, path: str, headers: list[tuple[bytes, bytes]], ex
     ("GET", "/v1/streams/a.b", [], 404, "stream_not_found"),
     ("GET", "/v1/streams/", [], 404, "stream_not_found"),
     ("POST", "/v1/streams/abc", [], 405, "bad_request"),
+    ("DELETE", "/v1/streams/a.b", [], 404, "stream_not_found"),
     ("GET", "/v1/streams/abc", [(b"last-event-id", b"other.1")], 400, "invalid_last_event_id"),
     ("POST", "/v1/x", [(b"last-event-id", b"abc.-1")], 400, "invalid_last_event_id"),
     ("POST", "/v1/x", [(b"idempotency-key", b"\x01")], 400, "bad_request"),
