@@ -430,7 +430,8 @@ def test_the_cores_own_in_band_error_maps_from_its_code_not_its_http_status() ->
     assert len(call.messages()) == 1
     trailers = _status(call.ending)
     assert trailers[b"grpc-status"] == b"%d" % GrpcStatus.CANCELLED
-    assert percent_decode(trailers[b"grpc-message"]) == "the stream was cancelled by its caller or an operator"
+    cancelled = "the stream was cancelled by its caller or an operator"
+    assert percent_decode(trailers[b"grpc-message"]) == cancelled
     assert trailers[b"tokenwire-error-number"] == b"E7301"
 
 
