@@ -26,6 +26,8 @@ from collections.abc import Awaitable
 from enum import Enum
 from typing import Any
 
+from ..core import client_settings
+from ..core.errors import ClientError
 from ..core.events import (
     AbortUpstream,
     Action,
@@ -133,6 +135,16 @@ class Exchange(ResponseWriter):
         self.request_id = _request_id(scope, middleware.request_id_header)
         self.scope = dict(scope)
         self.scope["extensions"] = {**(scope.get("extensions") or {}), EXTENSION: StreamControl(self)}
+        self.refusal: ClientError | None = None
+        """The request's own ``Tokenwire-…`` settings refused: answered 400, the app never runs."""
+        self.client_settings = ""
+        """What the request's settings changed (``heartbeat_s=5.0,...``), for its log line."""
+        headers = [(bytes(k).lower(), bytes(v)) for k, v in self.scope.get("headers", ())]
+        if client_settings.asks(headers):
+            try:
+                self.config, self.client_settings, _ = client_settings.apply(self.config, headers)
+            except ClientError as error:
+                self.refusal = error
         self.mode = _Mode.UNDECIDED
         self.stream: WireStream | None = None
         self.app_task: asyncio.Task[None] | None = None
@@ -189,6 +201,11 @@ class Exchange(ResponseWriter):
             raise error
 
     async def call_app(self) -> None:
+        if self.refusal is not None:
+            stream = self.start_core()
+            self.app_ended = True
+            self.apply(stream.handle(Rejected(self.refusal), self.loop.time()))
+            return
         if self.middleware.replay_store is not None:
             if await self.served_from_store():
                 return
@@ -472,6 +489,8 @@ class Exchange(ResponseWriter):
                       "client": str(client[0]) if client else "",
                       "http_version": str(scope.get("http_version", "")),
                       "started_at": wall_clock(record.started_at, self.loop.time())}
+            if self.client_settings:
+                fields["client_settings"] = self.client_settings
             logger.info("stream ended", extra={"fields": fields})
 
     # ------------------------------------------------------------ timer

@@ -21,6 +21,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from .client_settings import parse_bounds
 from .dialects.routes import AUTO_MARKER, DEFAULT_ROUTES, parse_route
 
 
@@ -167,6 +168,13 @@ class WireConfig:
     resume_owner_secret: str = dataclasses.field(default="", repr=False)
     """Key of that hash; empty = random per process. Replicas that share a Redis
     store must share it."""
+    client_settings: tuple[str, ...] = ("heartbeat_s=1..60", "write_deadline_s=5..120",
+                                        "keep_generating_s=0..600")
+    """What a request may choose by a ``Tokenwire-…`` header, and within what:
+    ``NAME=LOW..HIGH`` for ``heartbeat_s``, ``write_deadline_s`` and
+    ``keep_generating_s`` (the resume grace, ``Tokenwire-Keep-Generating``),
+    ``slow_client_policy=A|B`` for the policies; a name not listed may not be asked
+    for (empty = none). docs/architecture.md#client-settings."""
 
     def __post_init__(self) -> None:
         _check_non_negative(self, "heartbeat_s", "commit_deadline_s", "coalesce_ms",
@@ -219,6 +227,14 @@ class WireConfig:
             raise ConfigError("resume_owner_header", "must be a non-empty ASCII header name")
         if self.max_line_bytes > self.max_event_bytes:
             raise ConfigError("max_line_bytes", "must not exceed max_event_bytes")
+        settings = self.client_settings
+        if isinstance(settings, str) or not all(isinstance(s, str) for s in settings):
+            raise ConfigError("client_settings", f"must be a list of NAME=LOW..HIGH, got {settings!r}")
+        try:
+            parse_bounds(settings)
+        except ValueError as error:
+            raise ConfigError("client_settings", str(error)) from None
+        object.__setattr__(self, "client_settings", tuple(settings))
 
     def replace(self, **changes: object) -> WireConfig:
         """A copy with some fields changed (validated again)."""

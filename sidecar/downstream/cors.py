@@ -42,9 +42,12 @@ ANY_ORIGIN = "*"
 """The ``cors_allow_origins`` entry that allows every origin."""
 
 ALLOWED_METHODS = b"GET, POST, DELETE, OPTIONS"
-# What the OpenAI SDKs and EventSource-style resumes send beyond the safelisted headers.
+# What the OpenAI SDKs and EventSource-style resumes send beyond the safelisted
+# headers, and a request's own wire settings (middleware/core/client_settings.py).
 ALLOWED_HEADERS = (b"content-type", b"authorization", b"last-event-id", b"idempotency-key",
-                   b"x-request-id")
+                   b"x-request-id", b"tokenwire-summary", b"tokenwire-heartbeat-s",
+                   b"tokenwire-write-deadline-s", b"tokenwire-slow-client-policy",
+                   b"tokenwire-keep-generating")
 # Browsers cache a preflight this long (Chromium caps it at two hours).
 MAX_AGE_S = 600
 

@@ -52,7 +52,9 @@ from tokenwire.middleware import (
     WireStream,
     WriteCompleted,
 )
+from tokenwire.middleware.core import client_settings
 from tokenwire.middleware.core.dialects import Dialect
+from tokenwire.middleware.core.errors import ClientError
 from tokenwire.middleware.core.resume import new_stream_id
 from tokenwire.middleware.core.retry import may_repeat
 from tokenwire.middleware.process.logs import wall_clock
@@ -135,6 +137,20 @@ class Exchange:
         self.method = method
         self.target = target
         self._log_fields = request_fields(method, target, client_address, http_version)
+        dialect = dialect if dialect is not None else context.dialects.for_path(target.decode("latin-1"))
+        wire = context.config.wire
+        self._refusal: ClientError | None = None
+        """A request's own settings refused (400, fed as ``Rejected`` once started)."""
+        responses = dialect.name == "responses"
+        if client_settings.asks(upstream_headers) or (responses and b'"background"' in body):
+            try:
+                wire, applied, upstream_headers = client_settings.apply(
+                    wire, upstream_headers, background=responses and client_settings.background(body))
+            except ClientError as error:
+                self._refusal = error
+            else:
+                if applied:
+                    self._log_fields["client_settings"] = applied
         span, traced_headers = open_span(context.tracer, request_id, self._log_fields, upstream_headers)
         self.upstream_headers = traced_headers
         """The request's headers as they go upstream (with the trace context)."""
@@ -145,17 +161,16 @@ class Exchange:
         """True when this exchange serves a stream from the replay store."""
         self._reader_wait: asyncio.Task[None] | None = None
         self.stream = WireStream(
-            context.config.wire, now=self._loop.time(), request_id=request_id,
+            wire, now=self._loop.time(), request_id=request_id,
             # The pod of each attempt is the balancer's pick (the slot's address):
             # the record is given it at the end (Finished.record_as).
             retry_budget=context.retry_budget,
             expect_stream=expect_stream, stream_id=self.stream_id,
             may_repeat=may_repeat(method, self.upstream_headers),
-            dialect=dialect if dialect is not None else context.dialects.for_path(target.decode("latin-1")),
-            hide_usage_chunk=hide_usage_chunk, summary=summary)
+            dialect=dialect, hide_usage_chunk=hide_usage_chunk, summary=summary)
         self._milestones = (Milestones(self.stream, self._log_fields, span)
                            if span is not None or Milestones.wanted() else None)
-        self._write_high_water_bytes = context.config.wire.write_high_water_bytes
+        self._write_high_water_bytes = wire.write_high_water_bytes
         self._inbox: deque[tuple[Input, float | None]] = deque()
         self._busy = False
         self._done = False
@@ -180,6 +195,9 @@ class Exchange:
         self._context.metrics.active_streams.inc()
         if self._milestones is not None:
             self._milestones.accepted(self.stream_id)
+        if self._refusal is not None:
+            self.feed(Rejected(self._refusal))
+            return
         if self._context.replay_store is None:
             self._slot.start()
         else:

@@ -31,9 +31,10 @@ from tokenwire.sidecar.downstream.cors import admin_origins
 _ENGINE_START_TIMEOUT_S = 300.0  # the first run builds the tiny model (about a minute)
 _SIDECAR_START_TIMEOUT_S = 30.0
 # ``up`` is for trying things in a browser: the playground's resume button needs ids and a
-# replay, and a few seconds of grace let a killed tab come back before the engine is aborted.
-# Only ``up`` itself: the demo measures an abort reaching the engine at once.
-_UP_SIDECAR_ARGS = ("--resume", "--resume-grace-s", "5")
+# replay. A client that leaves stops its answer at once (no grace), unless the request
+# asked to keep it going (``Tokenwire-Keep-Generating: true``, the playground's checkbox;
+# a Responses ``"background": true``), for up to the default bound of client_settings.
+_UP_SIDECAR_ARGS = ("--resume",)
 
 
 class Child:
