@@ -112,8 +112,15 @@ class RedisReplayStore:
             return EndReason.UPSTREAM_ERROR
 
     async def discard(self, stream_id: str) -> None:
-        # Queued behind the stream's own appends, so none of them lands after it.
-        self.append(ReplayAppend(stream_id, 0, (), discard=True))
+        # Only an ended stream is discarded (a cancel of one): no append of it is
+        # still queued, so the keys go now, its idempotency claim with them.
+        events, meta, attach = _keys(stream_id)
+        try:
+            key = await self._redis.hget(meta, "key")
+            claim = ["tw:k:" + bytes(key).decode()] if key else []
+            await self._redis.delete(events, meta, attach, *claim)
+        except self._outages as error:
+            raise StoreUnavailable(f"redis: {error}") from error
 
     async def read(self, stream_id: str, after_seq: int) -> AsyncIterator[tuple[bytes, ...]]:
         try:

@@ -105,7 +105,8 @@ class ReplayStore(Protocol):
         ...
 
     async def discard(self, stream_id: str) -> None:
-        """Forget ``stream_id`` now, its idempotency key and alias with it."""
+        """Forget ``stream_id`` (an ended stream) now, its idempotency key with it
+        (an alias may outlive it until its TTL, naming no stream then)."""
         ...
 
     def append(self, action: ReplayAppend) -> None:
