@@ -23,7 +23,6 @@ from tokenwire.engine.config import (
     runs_scheduler_process,
     torch_threads,
 )
-from tokenwire.engine.runner import GIL_SWITCH_INTERVAL_S
 from tokenwire.middleware import WireConfig
 from tokenwire.middleware.asgi.middleware import listening_socket
 from tokenwire.middleware.process.logs import LogFormat, configure_logging
@@ -147,22 +146,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     # uvicorn's "trace" level is below debug; ours stops at debug.
     configure_logging("debug" if config.log_level.lower() == "trace" else config.log_level,
                       config.log_format)
-    # Without a scheduler process, the engine thread gives up the GIL inside
-    # every torch op and must take it back after; with the default 5 ms switch
-    # interval, an event loop busy encoding chunks could hold it that long each
-    # time. 1 ms bounds what the loop can cost a step.
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    import uvicorn
-
-    # Listen before anything loads: a busy port or a missing socket directory
-    # is one line and exit 2 at once, not a traceback after the model built
-    # with a scheduler child left running (a hung process under systemd).
+    # Listen before anything loads (torch too, a second and more to import): a
+    # busy port or a missing socket directory is one line and exit 2 at once,
+    # not a traceback after the model built with a scheduler child left running
+    # (a hung process under systemd).
     try:
         sock = _listen(listen, config.wire)
     except OSError as error:
         print(f"tokenwire engine: cannot listen on {config.listen}: {error.strerror or error}"
               + (f" ({error.filename})" if error.filename else ""), file=sys.stderr)
         return 2
+    import uvicorn
+    from tokenwire.engine.runner import GIL_SWITCH_INTERVAL_S
+
+    # Without a scheduler process, the engine thread gives up the GIL inside
+    # every torch op and must take it back after; with the default 5 ms switch
+    # interval, an event loop busy encoding chunks could hold it that long each
+    # time. 1 ms bounds what the loop can cost a step.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     provider = tracer_provider_from_env(os.environ, "tokenwire-engine")
     try:
         app = build_asgi_app(config, provider)

@@ -168,3 +168,18 @@ def test_open_file_limit_when_low_then_raised_to_need_or_hard_limit_with_advice(
     else:
         assert "hard limit 1024" in result.stderr and "ulimit -Hn 2256" in result.stderr
         assert "--max-connections 384" in result.stderr
+
+
+@pytest.mark.parametrize("entry", [["-m", "tokenwire", "engine"], ["-m", "tokenwire.engine.server"]])
+def test_engine_that_cannot_listen_says_so_before_importing_torch(busy_port: int, entry: list[str]) -> None:
+    """Importing torch alone takes a second and more: a start-up that is going
+    to fail says so first (issue 37: "exits non-zero within 2 s")."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("TOKENWIRE_")}
+    argv = [sys.executable, "-X", "importtime", *entry, "--listen", f"127.0.0.1:{busy_port}"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 2
+    imported = [line.rpartition("|")[2].strip() for line in result.stderr.splitlines()
+                if "import time:" in line]
+    assert "tokenwire.engine.cli" in imported or "tokenwire.engine.server" in imported
+    assert "torch" not in imported and "transformers" not in imported
+    assert f"cannot listen on 127.0.0.1:{busy_port}: Address already in use" in result.stderr

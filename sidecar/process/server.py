@@ -267,9 +267,11 @@ def raise_fd_limit(max_connections: int) -> int:
     return soft
 
 
-def run(config: SidecarConfig, *, out: TextIO = sys.stdout, reuse_port: bool = False) -> int:
+def run(config: SidecarConfig, *, out: TextIO = sys.stdout, reuse_port: bool = False,
+        config_file: str | None = None) -> int:
     """Run until SIGTERM/SIGINT (the ``tokenwire sidecar`` command); the exit status.
-    ``reuse_port``: this process is one of ``--workers`` (see ``workers.py``)."""
+    ``reuse_port``: this process is one of ``--workers`` (see ``workers.py``);
+    ``config_file``: the file the config came from, for the start-up log line."""
     raise_fd_limit(config.max_connections)
     factory: Callable[[], asyncio.AbstractEventLoop] | None = None
     with contextlib.suppress(ImportError):
@@ -277,10 +279,10 @@ def run(config: SidecarConfig, *, out: TextIO = sys.stdout, reuse_port: bool = F
 
         factory = uvloop.new_event_loop
     with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(_serve(config, out, reuse_port))
+        return runner.run(_serve(config, out, reuse_port, config_file))
 
 
-async def _serve(config: SidecarConfig, out: TextIO, reuse_port: bool) -> int:
+async def _serve(config: SidecarConfig, out: TextIO, reuse_port: bool, config_file: str | None) -> int:
     provider = tracer_provider_from_env(os.environ, "tokenwire-sidecar")
     sidecar = Sidecar(config, reuse_port=reuse_port, tracer_provider=provider)
     await sidecar.start()
@@ -294,6 +296,9 @@ async def _serve(config: SidecarConfig, out: TextIO, reuse_port: bool) -> int:
     admin = sidecar.admin_address
     if admin is not None:
         ready += f" admin={format_host_port(*admin)}"
+    # After the listeners are bound: a start that fails says only why.
+    logger.info("started: listening on %s, config %s, upstreams %s", format_host_port(host, port),
+                config_file or "(no file)", ", ".join(config.upstream))
     # Everything made so far (modules, config, metrics, pools) lives as long as
     # the process: out of the collector's sight, a full collection walks only
     # what streams made (a shorter stall of the loop: docs/perf/sidecar-http1.md).

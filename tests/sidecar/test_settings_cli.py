@@ -93,7 +93,7 @@ def test_cli_sidecar_config_error_exits_2(capsys: pytest.CaptureFixture[str]) ->
 
 def test_cli_engine_without_torch_says_how_to_install(monkeypatch: pytest.MonkeyPatch,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setitem(sys.modules, "torch", None)  # import torch now raises ImportError
+    monkeypatch.setitem(sys.modules, "torch", None)  # torch is now absent, to find_spec and import alike
     assert main(["engine"]) == 2
     said = capsys.readouterr().err
     assert "pip install '.[engine]'" in said and "download.pytorch.org/whl/cpu" in said

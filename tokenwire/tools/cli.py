@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
-import logging
+import importlib.util
 import os
 import sys
 from collections.abc import Callable, Collection, Sequence
@@ -151,9 +151,9 @@ def _status(stop: SystemExit) -> int:
 
 def engine_main(argv: Sequence[str]) -> int:
     """``tokenwire engine``: say how to install torch if it is missing, else serve."""
-    try:
-        import torch  # noqa: F401
-    except ImportError:
+    # Found, not imported: importing torch takes a second and more, and a
+    # start-up that fails (a busy port) must say so at once (the engine listens first).
+    if importlib.util.find_spec("torch") is None:
         print("tokenwire engine needs torch (the engine extra): "
               "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu, "
               "then pip install '.[engine]' in tokenwire's clone (README: Install)", file=sys.stderr)
@@ -210,14 +210,10 @@ def sidecar_main(argv: Sequence[str]) -> int:
     worker = WORKER_ENV in os.environ
     if worker:
         die_with_parent()
-    else:
-        logging.getLogger("tokenwire.sidecar").info(
-            "starting: config %s, upstreams %s, %d worker%s", config_file or "(no file)",
-            ", ".join(config.upstream), config.worker_count, "" if config.worker_count == 1 else "s")
     try:
         if config.worker_count > 1 and not worker:
             return supervise(config, argv)
-        return run(config, reuse_port=worker)
+        return run(config, reuse_port=worker, config_file=config_file)
     except ConfigError as error:
         print(f"tokenwire sidecar: configuration error: {error}", file=sys.stderr)
         return 2
