@@ -49,7 +49,7 @@ class StreamRegistry:
         """Feed ``StopRequested(reason)`` to the exchange that writes resume stream
         ``stream_id`` (not its readers: they end with what it stores); whether
         this process has one."""
-        writer = next((e for e in self if e.stream_id == stream_id and not e.replaying), None)
+        writer = next((e for e in self if e.stream_id == stream_id and not e.replaying and not e.over), None)
         if writer is None:
             return False
         writer.feed(StopRequested(reason))

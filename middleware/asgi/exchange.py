@@ -142,7 +142,8 @@ class Exchange(ResponseWriter):
         headers = [(bytes(k).lower(), bytes(v)) for k, v in self.scope.get("headers", ())]
         if client_settings.asks(headers):
             try:
-                self.config, self.client_settings, _ = client_settings.apply(self.config, headers)
+                self.config, self.client_settings, kept = client_settings.apply(self.config, headers)
+                self.scope["headers"] = kept  # the app is the upstream: the settings stay here
             except ClientError as error:
                 self.refusal = error
         self.mode = _Mode.UNDECIDED

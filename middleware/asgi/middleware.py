@@ -210,8 +210,9 @@ class TokenWireMiddleware:
         does (the app is cancelled, the stream ends with ``cancelled``); whether
         one is running in this process."""
         writer: Exchange | None = self.writers.get(stream_id)
-        if writer is None:
-            return False
+        if writer is None or writer.response_complete or (writer.stream is not None
+                                                          and writer.stream.finished):
+            return False  # ended, its record not yet written: the store's end answers
         writer.request_abort()
         return True
 

@@ -61,7 +61,9 @@ def retry_after_s(headers: Headers) -> float | None:
     if value is None:
         return None
     text = value.strip()
-    return float(int(text)) if text.isdigit() else None
+    # Ten digits are three centuries: anything longer is garbage, not a wait.
+    return float(int(text)) if text.isdigit() and len(text) <= 10 else None
+
 LATE_ERROR_BODY_BYTES = 16 * 1024
 """How much of an error answer that arrives after the commit is read for its message."""
 

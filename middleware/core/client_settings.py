@@ -141,13 +141,19 @@ def apply(config: WireConfig, headers: Sequence[Header], *,
             raise ClientError(f"unknown header {name.decode('latin-1')[:64]!r}: the Tokenwire- headers "
                               f"are {known}", ErrorCode.BAD_REQUEST)
         asked.append((name, value.decode("latin-1").strip()))
-    if background and config.resume and not any(name == b"tokenwire-keep-generating" for name, _ in asked):
+    keep_bound = bounds.get(KEEP_GENERATING)
+    if (background and config.resume and keep_bound is not None and keep_bound.high > 0
+            and not any(name == b"tokenwire-keep-generating" for name, _ in asked)):
+        # Implied, never refused: where the operator allows no keep-generating,
+        # the request is served as any other (the engine sees its field).
         asked.append((b"tokenwire-keep-generating", "true"))
     for header, text in asked:
         setting, key = _HEADERS[header]
         bound = bounds.get(setting)
         label = header.decode()
         if setting == KEEP_GENERATING and not config.resume:
+            if text.lower() == "false":
+                continue  # nothing is kept anyway: asking for that is no mistake
             raise ClientError(f"{label}: this server keeps no answers for a resume (resume is off)",
                               ErrorCode.BAD_REQUEST)
         chosen = _value(label, setting, text, bound)

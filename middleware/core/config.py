@@ -244,14 +244,14 @@ class WireConfig:
 def _check_non_negative(config: WireConfig, *keys: str) -> None:
     for key in keys:
         value = getattr(config, key)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-            raise ConfigError(key, f"must be a number >= 0, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+            raise ConfigError(key, f"must be a number >= 0, got {value!r}")  # NaN fails >= too
 
 
 def _check_positive(config: WireConfig, *keys: str) -> None:
     for key in keys:
         value = getattr(config, key)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
             raise ConfigError(key, f"must be a number > 0, got {value!r}")
 
 

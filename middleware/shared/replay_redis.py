@@ -15,8 +15,8 @@ one shard):
   replica holding a detached stream waits on with ``BLPOP``;
 * ``tw:k:<key>`` — ``<stream> <body digest>`` for an idempotency key,
   claimed with ``SET NX``.
-* ``tw:r:<alias>`` — the stream an alias names (a Responses ``response.id``),
-  expiring with it.
+* ``tw:r:<scoped alias>`` — the stream an alias names (a Responses
+  ``response.id``) within its owner's streams (``scoped_key``), expiring with it.
 
 Every key gets ``EXPIRE ttl`` on each append, so a stream lives ``resume_ttl_s``
 after its last event. :meth:`append` only queues: one writer task sends the
@@ -36,6 +36,7 @@ from typing import Any
 
 from ..core.config import ConfigError
 from ..core.events import EndReason, ReplayAppend
+from ..core.resume import scoped_key
 from .replay_store import KeyReused, ReplayUnavailable, StoreUnavailable, StreamNotFound
 
 logger = logging.getLogger("tokenwire.resume")
@@ -75,6 +76,7 @@ class RedisReplayStore:
         self._writer: asyncio.Task[None] | None = None
         self._claims: dict[str, str] = {}  # stream -> its idempotency key, while it is written here
         self._aliases: dict[str, str] = {}  # stream -> its alias's key, while it is written here
+        self._owners: dict[str, str] = {}  # stream -> its owner, while it is written here (its alias's scope)
         self.write_errors = 0
         self._error_logged_at = -_ERROR_LOG_EVERY_S
 
@@ -92,9 +94,9 @@ class RedisReplayStore:
             raise StoreUnavailable(f"redis: {error}") from error
         return None if value is None else bytes(value).decode("ascii", "replace")
 
-    async def resolve(self, alias: str) -> str | None:
+    async def resolve(self, alias: str, owner: str) -> str | None:
         try:
-            value = await self._redis.get(_ALIAS + alias)
+            value = await self._redis.get(_ALIAS + scoped_key(owner, alias))
         except self._outages as error:
             raise StoreUnavailable(f"redis: {error}") from error
         return None if value is None else bytes(value).decode("ascii", "replace")
@@ -154,6 +156,7 @@ class RedisReplayStore:
                 await self._redis.set(claim, f"{stream_id} {digest}", ex=self._ttl)
         if idempotency is not None:
             self._claims[stream_id] = "tw:k:" + idempotency[0]
+        self._owners[stream_id] = owner
         mapping = {"key": idempotency[0] if idempotency is not None else "", "owner": owner}
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.hset(meta, mapping=mapping)
@@ -189,6 +192,7 @@ class RedisReplayStore:
                 events, meta, attach = _keys(action.stream_id)
                 if action.discard:
                     self._claims.pop(action.stream_id, None)
+                    self._owners.pop(action.stream_id, None)
                     key_reads.append(len(pipe))
                     pipe.hget(meta, "key")
                     pipe.delete(events, meta, attach)
@@ -200,7 +204,8 @@ class RedisReplayStore:
                 if action.end is not None:
                     pipe.hset(meta, "end", action.end.value)
                 if action.alias is not None:
-                    self._aliases[action.stream_id] = _ALIAS + action.alias
+                    owner = self._owners.get(action.stream_id, "")
+                    self._aliases[action.stream_id] = _ALIAS + scoped_key(owner, action.alias)
                 pipe.expire(events, self._ttl)
                 pipe.expire(meta, self._ttl)
                 alias = self._aliases.get(action.stream_id)
@@ -215,6 +220,8 @@ class RedisReplayStore:
                     pipe.expire(claim, self._ttl)
                     if action.end is not None:
                         del self._claims[action.stream_id]
+                if action.end is not None:
+                    self._owners.pop(action.stream_id, None)
             results = await pipe.execute(raise_on_error=False)
         # Discarded streams (failed before their first event) free their key.
         keys = [results[i] for i in key_reads if isinstance(results[i], bytes) and results[i]]

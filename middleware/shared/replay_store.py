@@ -96,8 +96,11 @@ class ReplayStore(Protocol):
         """The owner hash ``stream_id`` was opened with; None for an unknown stream."""
         ...
 
-    async def resolve(self, alias: str) -> str | None:
-        """The stream an ``alias`` (``ReplayAppend.alias``) names; None if none does."""
+    async def resolve(self, alias: str, owner: str) -> str | None:
+        """The stream of ``owner``'s that an ``alias`` (``ReplayAppend.alias``)
+        names; None if none does. Aliases are the engine's names, chosen by no
+        one here, so they count within their owner's streams only (as
+        idempotency keys do): another caller's stream of that name is not found."""
         ...
 
     async def end_reason(self, stream_id: str) -> EndReason | None:
@@ -191,9 +194,9 @@ class MemoryReplayStore:
         stored = self._streams.get(stream_id)
         return None if stored is None else stored.owner
 
-    async def resolve(self, alias: str) -> str | None:
+    async def resolve(self, alias: str, owner: str) -> str | None:
         self._sweep()
-        stream_id = self._aliases.get(alias)
+        stream_id = self._aliases.get(scoped_key(owner, alias))
         return stream_id if stream_id is not None and stream_id in self._streams else None
 
     async def end_reason(self, stream_id: str) -> EndReason | None:
@@ -218,8 +221,8 @@ class MemoryReplayStore:
         self.stored_bytes += added
         stored.overflow = stored.overflow or action.overflow
         if action.alias is not None:
-            stored.alias = action.alias
-            self._aliases[action.alias] = action.stream_id
+            stored.alias = scoped_key(stored.owner, action.alias)
+            self._aliases[stored.alias] = action.stream_id
         if action.end is not None:
             stored.end = action.end
         stored.touched_at = self._clock()
@@ -312,7 +315,7 @@ async def admit(store: ReplayStore, route: ResumeFrom | ResumeAlias | Idempotent
     """
     try:
         if isinstance(route, CancelStream):
-            named = await store.resolve(route.alias) if route.alias else route.stream_id
+            named = await store.resolve(route.alias, owner) if route.alias else route.stream_id
             if named is not None and same_caller(await store.owner(named), owner):
                 return CancelStream(named, route.alias)
             if not route.alias:
@@ -324,7 +327,7 @@ async def admit(store: ReplayStore, route: ResumeFrom | ResumeAlias | Idempotent
             # A name this store does not know, or another caller's, is the
             # engine's to answer (it may keep responses of its own): generated
             # as an ordinary request, which reads nothing of the stored stream.
-            named = await store.resolve(route.alias)
+            named = await store.resolve(route.alias, owner)
             if named is not None and same_caller(await store.owner(named), owner):
                 return ResumeFrom(named, route.after_seq)
             route = None

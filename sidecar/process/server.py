@@ -19,6 +19,7 @@ import logging
 import os
 import resource
 import signal
+import socket
 import ssl
 import sys
 from collections.abc import Callable
@@ -82,16 +83,28 @@ class Sidecar:
     async def start(self) -> None:
         """Bind the listeners; after this the sidecar serves requests."""
         config = self.config
-        loop = asyncio.get_running_loop()
-        self._loop = loop
+        self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        wire = config.wire
         # What can refuse to start (the certificate, the address) comes first, so
         # a refusal is the only line a failed start prints.
         if config.tls:
             self._ssl = server_context(config)
         host, port = parse_host_port(config.listen, "listen")
         sockets = await bind_listeners(host, port, backlog=4096, reuse_port=self._reuse_port)
+        try:
+            await self._start_on(sockets)
+        except BaseException:
+            # Nothing serves them yet: clients must not queue in their backlog
+            # while the failure unwinds (nor a test's listeners leak).
+            for sock in sockets:
+                sock.close()
+            raise
+
+    async def _start_on(self, sockets: list[socket.socket]) -> None:
+        """The rest of :meth:`start`, once the proxy's listeners are bound."""
+        config = self.config
+        loop = asyncio.get_running_loop()
+        wire = config.wire
         access: AdminAccess | None = None
         own_origins: tuple[str, ...] = ()
         if config.admin_listen:

@@ -36,6 +36,13 @@ def test_a_responses_background_request_keeps_generating_where_resume_is_on() ->
     # Without resume, background is the engine's own business: nothing applied, nothing refused.
     config, applied, _ = client_settings.apply(WireConfig(), [], background=True)
     assert config == WireConfig() and applied == ""
+    # Where the operator allows no keep-generating, background is served as any request, never refused.
+    for bounds in ((), ("keep_generating_s=0..0",)):
+        strict = RESUMING.replace(client_settings=bounds)
+        config, applied, _ = client_settings.apply(strict, [], background=True)
+        assert config.resume_grace_s == strict.resume_grace_s and applied == ""
+    # Asking for nothing to be kept is no mistake where nothing is.
+    assert client_settings.apply(WireConfig(), [(b"tokenwire-keep-generating", b"false")])[1] == ""
     # The header says otherwise: the header wins.
     stop = [(b"tokenwire-keep-generating", b"false")]
     config, _, _ = client_settings.apply(RESUMING, stop, background=True)
@@ -92,10 +99,12 @@ def test_through_the_middleware_a_refused_setting_is_a_400_and_the_app_never_run
     from .test_asgi_openai import chat_app
 
     ran: list[str] = []
+    seen_headers: list[bytes] = []
     inner = chat_app(None)
 
     async def app(scope, receive, send):  # type: ignore[no-untyped-def]
         ran.append(scope.get("path", ""))
+        seen_headers.extend(name for name, _ in scope["headers"])
         await inner(scope, receive, send)
 
     caplog.set_level(logging.INFO, logger="tokenwire.middleware")
@@ -111,6 +120,7 @@ def test_through_the_middleware_a_refused_setting_is_a_400_and_the_app_never_run
                 sock.close()
             assert response.status == status, response.body
     assert ran == ["/v1/chat/completions"]  # the refused one never reached the app
+    assert b"content-type" in seen_headers and b"tokenwire-heartbeat-s" not in seen_headers
     assert joined_text(response.body)
     ended = [r for r in caplog.records if r.getMessage().startswith("stream ended")]
     assert [r.__dict__["fields"].get("client_settings") for r in ended][-1] == "heartbeat_s=2.0"

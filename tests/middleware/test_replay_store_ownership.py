@@ -66,3 +66,32 @@ def test_admit_serves_only_the_owner_and_scopes_keys() -> None:
         assert await store.owner("o1") == "bob"
 
     asyncio.run(scenario())
+
+
+def test_aliases_count_within_their_owners_streams_only() -> None:
+    """The engine names responses, and behind the middleware a client picks
+    the name (``resp_{x-request-id}``): two callers' streams of one name each
+    stay their own, for a resume and a cancel alike, whoever came last."""
+    from tokenwire.middleware.core.events import ReplayAppend
+    from tokenwire.middleware.core.resume import CancelStream, ResumeAlias
+
+    async def scenario() -> None:
+        store = MemoryReplayStore()
+        for stream_id, owner in (("sa", "alice"), ("sm", "mallory")):
+            await store.open(stream_id, owner=owner)
+            store.append(ReplayAppend(stream_id, 1, (b"data: x\n\n",), alias="resp_same"))
+        assert await store.resolve("resp_same", "alice") == "sa"
+        assert await store.resolve("resp_same", "mallory") == "sm"
+        assert await store.resolve("resp_same", "eve") is None
+        assert await admit(store, ResumeAlias("resp_same", 0), stream_id="n1", owner="alice",
+                           open_now=False) == ResumeFrom("sa", 0)
+        assert await admit(store, CancelStream(alias="resp_same"), stream_id="n2", owner="alice",
+                           open_now=False) == CancelStream("sa", "resp_same")
+        # Not this caller's name: the engine's to answer (generated as an ordinary request).
+        assert await admit(store, CancelStream(alias="resp_same"), stream_id="n3", owner="eve",
+                           open_now=False) is None
+        await store.discard("sa")
+        assert await store.resolve("resp_same", "alice") is None
+        assert await store.resolve("resp_same", "mallory") == "sm"
+
+    asyncio.run(scenario())

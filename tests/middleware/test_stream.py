@@ -192,6 +192,7 @@ def test_retry_when_upstream_fails_before_first_byte_then_retried_with_backoff(n
     (b" 3 ", 3.0),
     (b"Wed, 21 Oct 2026 07:28:00 GMT", 0.1),  # an HTTP-date is not read: the backoff
     (b"soon", 0.1),
+    (b"9" * 400, 0.1),  # no float that large: garbage, not a wait (and no crash of the core)
 ])
 def test_retry_when_503_says_retry_after_then_the_retry_waits_at_least_that(
         retry_after: bytes, delay_s: float) -> None:

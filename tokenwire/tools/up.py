@@ -74,7 +74,13 @@ class Child:
                 self.ready_line = line
                 self.ready.set()
             if self._on_line is not None:
-                self._on_line(line)
+                # The pump must go on reading, or the child blocks on a full
+                # pipe: a watcher that fails is said once and dropped.
+                try:
+                    self._on_line(line)
+                except Exception as error:
+                    self._on_line = None
+                    sys.stderr.write(f"[{self.name}] its line watcher failed and was dropped: {error!r}\n")
             shown = line if self._echo else self._relayed(line)
             if shown is not None:
                 with Child._echo_lock:
