@@ -27,7 +27,6 @@ from enum import Enum
 from typing import Any
 
 from ..core import client_settings
-from ..core.errors import ClientError
 from ..core.events import (
     AbortUpstream,
     Action,
@@ -57,14 +56,7 @@ from ..core.headers import is_event_stream, wants_summary
 from ..core.resume import new_stream_id
 from ..core.stream import WireStream
 from ..process.logs import wall_clock
-from ..shared.driver import (
-    DeadlineTimer,
-    answer_cancel,
-    enter_resume,
-    needs_body,
-    replay,
-    wait_for_reader,
-)
+from ..shared.driver import DeadlineTimer, answer_cancel, enter_resume, needs_body, replay, wait_for_reader
 from ..shared.replay_store import StoreUnavailable
 from .inbox import RequestInbox
 from .types import Message, MiddlewareSettings, Receive, Scope, Send
@@ -135,17 +127,13 @@ class Exchange(ResponseWriter):
         self.request_id = _request_id(scope, middleware.request_id_header)
         self.scope = dict(scope)
         self.scope["extensions"] = {**(scope.get("extensions") or {}), EXTENSION: StreamControl(self)}
-        self.refusal: ClientError | None = None
-        """The request's own ``Tokenwire-…`` settings refused: answered 400, the app never runs."""
-        self.client_settings = ""
-        """What the request's settings changed (``heartbeat_s=5.0,...``), for its log line."""
-        headers = [(bytes(k).lower(), bytes(v)) for k, v in self.scope.get("headers", ())]
-        if client_settings.asks(headers):
-            try:
-                self.config, self.client_settings, kept = client_settings.apply(self.config, headers)
-                self.scope["headers"] = kept  # the app is the upstream: the settings stay here
-            except ClientError as error:
-                self.refusal = error
+        # The request's own ``Tokenwire-…`` settings: a refusal is answered (400)
+        # and the app never runs; the app is the upstream, so it gets the headers
+        # without them; what they changed goes in the stream's log line.
+        headers = [(bytes(k).lower(), bytes(v)) for k, v in scope.get("headers", ())]
+        self.config, self.client_settings, kept, self.refusal = client_settings.for_request(
+            self.config, headers, None, "")
+        self.scope["headers"] = list(kept)
         self.mode = _Mode.UNDECIDED
         self.stream: WireStream | None = None
         self.app_task: asyncio.Task[None] | None = None

@@ -104,13 +104,31 @@ def parse_bounds(specs: Sequence[str]) -> dict[str, Bound]:
     return bounds
 
 
-def background(body: bytes) -> bool:
+def _background(body: bytes) -> bool:
     """Whether a Responses request body says ``"background": true``."""
     try:
         request = json.loads(body)
     except ValueError:
         return False  # the engine's to refuse
     return isinstance(request, dict) and request.get("background") is True
+
+
+def for_request(config: WireConfig, headers: Sequence[Header], body: bytes | None,
+                dialect: str) -> tuple[WireConfig, str, Sequence[Header], ClientError | None]:
+    """What a driver asks of every request: its config, what its settings changed
+    (empty: none), its headers for the upstream, and the refusal to answer with
+    (None: none). ``body``: the request body where the driver has it (a
+    Responses ``"background": true`` is read from it); None where it does not
+    (the middleware: the app reads its body). Costs a scan of the header names
+    for a request that asks nothing."""
+    background = dialect == "responses" and body is not None and b'"background"' in body
+    if not background and not asks(headers):
+        return config, "", headers, None
+    try:
+        chosen, applied, kept = apply(config, headers, background=background and _background(body or b""))
+    except ClientError as error:
+        return config, "", headers, error
+    return chosen, applied, kept, None
 
 
 def asks(headers: Sequence[Header]) -> bool:

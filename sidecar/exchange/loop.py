@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -54,7 +55,6 @@ from tokenwire.middleware import (
 )
 from tokenwire.middleware.core import client_settings
 from tokenwire.middleware.core.dialects import Dialect
-from tokenwire.middleware.core.errors import ClientError
 from tokenwire.middleware.core.resume import new_stream_id
 from tokenwire.middleware.core.retry import may_repeat
 from tokenwire.middleware.process.logs import wall_clock
@@ -138,19 +138,10 @@ class Exchange:
         self.target = target
         self._log_fields = request_fields(method, target, client_address, http_version)
         dialect = dialect if dialect is not None else context.dialects.for_path(target.decode("latin-1"))
-        wire = context.config.wire
-        self._refusal: ClientError | None = None
-        """A request's own settings refused (400, fed as ``Rejected`` once started)."""
-        responses = dialect.name == "responses"
-        if client_settings.asks(upstream_headers) or (responses and b'"background"' in body):
-            try:
-                wire, applied, upstream_headers = client_settings.apply(
-                    wire, upstream_headers, background=responses and client_settings.background(body))
-            except ClientError as error:
-                self._refusal = error
-            else:
-                if applied:
-                    self._log_fields["client_settings"] = applied
+        wire, applied, upstream_headers, self._refusal = client_settings.for_request(
+            context.config.wire, upstream_headers, body, dialect.name)
+        if applied:  # the request's own settings (a refusal is fed as Rejected once started)
+            self._log_fields["client_settings"] = applied
         span, traced_headers = open_span(context.tracer, request_id, self._log_fields, upstream_headers)
         self.upstream_headers = traced_headers
         """The request's headers as they go upstream (with the trace context)."""
@@ -181,11 +172,10 @@ class Exchange:
         # The client left and the upstream was cut; the rest is pending (client_departed).
         self._departed = False
         self.send_framed: Callable[[bytes, bytes], None] | None = None
-        """The client connection's write of a chunk the upstream framed as the
-        client's chunks are framed (``send_framed(data, framed)`` writes
-        ``framed`` where ``send_body(data)`` would write those very bytes),
-        set by a connection that frames its chunks so (HTTP/1.1); None: every
-        read goes through ``send_body``."""
+        """The client connection's write of a chunk the upstream framed as the client's
+        are (``send_framed(data, framed)`` writes ``framed`` where ``send_body(data)``
+        would write those very bytes), set by a connection that frames its chunks so
+        (HTTP/1.1); None: every read goes through ``send_body``."""
 
     # ------------------------------------------------------------ public
 
@@ -482,7 +472,8 @@ class Exchange:
         if entry.unresumable is not None:
             logger.warning("stream %s: not resumable: %s", self.request_id, entry.unresumable)
         if entry.cancel is not None:
-            await answer_cancel(store, entry.cancel, stop_writer=self._stop_writer, feed=self.feed)
+            stop = functools.partial(self._context.registry.stop_writer, reason=EndReason.CANCELLED)
+            await answer_cancel(store, entry.cancel, stop_writer=stop, feed=self.feed)
             return
         if entry.replay is not None:
             # A reconnect, or the same request again (the answer being made, from the start).
@@ -500,10 +491,6 @@ class Exchange:
             return
         if self._slot.task is asyncio.current_task():
             self._slot.start()
-
-    def _stop_writer(self, stream_id: str) -> bool:
-        """A cancel by stream id: stop this process's writer of ``stream_id``."""
-        return self._context.registry.stop_writer(stream_id, EndReason.CANCELLED)
 
     async def _await_reader(self, action: AwaitReader) -> None:
         store = self._context.replay_store

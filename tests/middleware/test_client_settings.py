@@ -29,8 +29,13 @@ def test_keep_generating_sets_the_grace_within_its_bound(value: bytes, grace_s: 
 
 
 def test_a_responses_background_request_keeps_generating_where_resume_is_on() -> None:
-    assert client_settings.background(b'{"model": "m", "background": true, "stream": true}')
-    assert not client_settings.background(b'{"background": "yes"}') and not client_settings.background(b"{")
+    def grace_s(body: bytes | None, dialect: str = "responses") -> float:
+        return client_settings.for_request(RESUMING, [], body, dialect)[0].resume_grace_s
+
+    assert grace_s(b'{"model": "m", "background": true, "stream": true}') == 600.0
+    for body in (b'{"background": "yes"}', b"{", b'{"background": false}', None):
+        assert grace_s(body) == RESUMING.resume_grace_s
+    assert grace_s(b'{"background": true}', "chat.completions") == RESUMING.resume_grace_s
     config, applied, _ = client_settings.apply(RESUMING, [], background=True)
     assert config.resume_grace_s == 600.0 and applied == "keep_generating_s=600.0"
     # Without resume, background is the engine's own business: nothing applied, nothing refused.
