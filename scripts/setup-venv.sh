@@ -14,8 +14,12 @@ stamp=".venv/.tokenwire-installed-$(echo "$extras" | tr ',' '-')"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     .venv/bin/python -m pip install -q --upgrade pip
     case "$extras" in *engine*)
-        .venv/bin/python -m pip install -q --no-index "torch==2.13.0" 2>/dev/null \
-            || .venv/bin/python -m pip install -q "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu ;;
+        # torch itself without an index (its dependencies come from the usual one, next).
+        if .venv/bin/python -m pip install -q --no-index --no-deps "torch==2.13.0" 2>/dev/null; then
+            .venv/bin/python -m pip install -q "torch==2.13.0"
+        else
+            .venv/bin/python -m pip install -q "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
+        fi ;;
     esac
     .venv/bin/python -m pip install -q -e ".[${extras}]"
     touch "$stamp"

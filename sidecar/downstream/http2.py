@@ -227,9 +227,13 @@ class Http2Connection(asyncio.Protocol):
         if self._goaway_last_id is not None and stream_id > self._goaway_last_id:
             self._refuse_stream(stream_id)
             return
-        if len(self.streams) >= self._config.http2_max_concurrent_streams:
-            # Reset streams still count until their exchange ends: a client
-            # that cancels what it opens cannot have more upstream work going.
+        # Reset streams still count until their exchange ends (a client that
+        # cancels what it opens cannot have more upstream work going), and
+        # answered ones until their last frame has left: a client that never
+        # opens its window would otherwise have an answer made upstream for
+        # every stream it opens, all held here.
+        lingering = sum(1 for waiting in self.blocked.values() if waiting.finished)
+        if len(self.streams) + lingering >= self._config.http2_max_concurrent_streams:
             self._refuse_stream(stream_id)
             return
         head = request_head(stream_id, event.headers or [])
