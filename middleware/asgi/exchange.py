@@ -22,11 +22,12 @@ import asyncio
 import inspect
 import logging
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from enum import Enum
 from typing import Any
 
 from ..core import client_settings
+from ..core.errors import WireError
 from ..core.events import (
     AbortUpstream,
     Action,
@@ -127,9 +128,8 @@ class Exchange(ResponseWriter):
         self.request_id = _request_id(scope, middleware.request_id_header)
         self.scope = dict(scope)
         self.scope["extensions"] = {**(scope.get("extensions") or {}), EXTENSION: StreamControl(self)}
-        # The request's own ``Tokenwire-…`` settings: a refusal is answered (400)
-        # and the app never runs; the app is the upstream, so it gets the headers
-        # without them; what they changed goes in the stream's log line.
+        # The request's own ``Tokenwire-…`` settings: a refusal is answered (400) with no app run; the
+        # app is the upstream, so it gets the headers without them; the log line says what changed.
         headers = [(bytes(k).lower(), bytes(v)) for k, v in scope.get("headers", ())]
         self.config, self.client_settings, kept, self.refusal = client_settings.for_request(
             self.config, headers, None, "")
@@ -191,9 +191,7 @@ class Exchange(ResponseWriter):
 
     async def call_app(self) -> None:
         if self.refusal is not None:
-            stream = self.start_core()
-            self.app_ended = True
-            self.apply(stream.handle(Rejected(self.refusal), self.loop.time()))
+            self.refuse(self.refusal)
             return
         if self.middleware.replay_store is not None:
             if await self.served_from_store():
@@ -210,7 +208,7 @@ class Exchange(ResponseWriter):
         store = self.middleware.replay_store
         assert store is not None and self.stream_id is not None
         method = str(self.scope.get("method", "GET"))
-        headers = [(bytes(k).lower(), bytes(v)) for k, v in self.scope.get("headers", ())]
+        headers = self.scope["headers"]  # lower-cased, without the settings (__init__)
         body = await self.inbox.read_body() if needs_body(method, headers) else b""
         query = bytes(self.scope.get("query_string", b"")).decode("latin-1")
         entry = await enter_resume(store, self.middleware.caller_key, method=method,
@@ -218,35 +216,40 @@ class Exchange(ResponseWriter):
                                    body=body, stream_id=self.stream_id, open_now=False)
         self.owner = entry.owner
         if entry.refusal is not None:
-            stream = self.start_core()
-            self.app_ended = True
-            self.apply(stream.handle(Rejected(entry.refusal), self.loop.time()))
+            self.refuse(entry.refusal)
             return True
         if entry.unresumable is not None:
             logger.warning("request %s: not resumable: %s", self.request_id, entry.unresumable)
         if entry.cancel is not None:
-            stream = self.start_core()
-
-            def answer(event: Input) -> None:
-                self.apply(stream.handle(event, self.loop.time()))
-
-            await answer_cancel(store, entry.cancel, stop_writer=self.middleware.stop_writer, feed=answer)
+            await answer_cancel(store, entry.cancel, stop_writer=self.middleware.stop_writer,
+                                feed=self.answer_here())
             self.app_ended = True
             return True
         if entry.replay is not None:
-            stream = self.start_core()
+            feed = self.answer_here()
             readable = asyncio.Event()
             readable.set()
             self.upstream_resumed = readable
-
-            def feed(event: Input) -> None:
-                self.apply(stream.handle(event, self.loop.time()))
-
             await replay(store, entry.replay, readable=readable, feed=feed)
             self.app_ended = True
             return True
         self.resume_opened = entry.opened  # an idempotent request's stream is open
         return False
+
+    def answer_here(self) -> Callable[[Input], None]:
+        """Start the core with no app behind it; the call that feeds it the answer's inputs."""
+        stream = self.start_core()
+
+        def feed(event: Input) -> None:
+            self.apply(stream.handle(event, self.loop.time()))
+
+        return feed
+
+    def refuse(self, error: WireError) -> None:
+        """Answer with ``error`` (its status and body); the app never runs."""
+        feed = self.answer_here()
+        self.app_ended = True
+        feed(Rejected(error))
 
     async def await_reader(self, action: AwaitReader) -> None:
         store = self.middleware.replay_store

@@ -34,6 +34,7 @@ line (``client_settings``).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Sequence
@@ -52,17 +53,20 @@ PREFIX = b"tokenwire-"
 KEEP_GENERATING = "keep_generating_s"
 """The bound's name for ``Tokenwire-Keep-Generating`` (it sets ``resume_grace_s``)."""
 
+_KEEP_HEADER = b"tokenwire-keep-generating"
 # header -> the setting's name in client_settings; the WireConfig key it sets.
 _HEADERS: dict[bytes, tuple[str, str]] = {
     b"tokenwire-heartbeat-s": ("heartbeat_s", "heartbeat_s"),
     b"tokenwire-write-deadline-s": ("write_deadline_s", "write_deadline_s"),
     b"tokenwire-slow-client-policy": ("slow_client_policy", "slow_client_policy"),
-    b"tokenwire-keep-generating": (KEEP_GENERATING, "resume_grace_s"),
+    _KEEP_HEADER: (KEEP_GENERATING, "resume_grace_s"),
 }
 _NUMERIC = frozenset({"heartbeat_s", "write_deadline_s", KEEP_GENERATING})
 _POLICIES = ("coalesce", "drop", "block")
 _OTHER_HEADERS = frozenset({SUMMARY_HEADER})
 """Headers of the family that are not settings (the summary event's): passed on."""
+HEADERS: tuple[bytes, ...] = tuple(_HEADERS)
+"""The settings' header names (what a CORS preflight must allow)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,8 +82,11 @@ class Bound:
         return "|".join(self.choices) if self.choices else f"{self.low:g}..{self.high:g}"
 
 
-def parse_bounds(specs: Sequence[str]) -> dict[str, Bound]:
-    """``client_settings`` as bounds by name; a ValueError saying which entry is wrong."""
+@functools.lru_cache(maxsize=16)
+def parse_bounds(specs: tuple[str, ...]) -> dict[str, Bound]:
+    """``client_settings`` as bounds by name; a ValueError saying which entry is wrong.
+    Cached: a process has a config or two, and each request that asks reads them
+    (and ``WireConfig.replace`` validates them again). The dict is not to be changed."""
     bounds: dict[str, Bound] = {}
     for spec in specs:
         name, sep, allowed = spec.partition("=")
@@ -134,7 +141,11 @@ def for_request(config: WireConfig, headers: Sequence[Header], body: bytes | Non
 def asks(headers: Sequence[Header]) -> bool:
     """Whether a request carries any setting of the family (the cheap test the
     drivers make on every request before :func:`apply`)."""
-    return any(name.startswith(PREFIX) and name not in _OTHER_HEADERS for name, _ in headers)
+    return any(_is_setting(name) for name, _ in headers)
+
+
+def _is_setting(name: bytes) -> bool:
+    return name.startswith(PREFIX) and name not in _OTHER_HEADERS
 
 
 def apply(config: WireConfig, headers: Sequence[Header], *,
@@ -151,7 +162,7 @@ def apply(config: WireConfig, headers: Sequence[Header], *,
     kept: list[Header] = []
     asked: list[tuple[bytes, str]] = []
     for name, value in headers:
-        if not name.startswith(PREFIX) or name in _OTHER_HEADERS:
+        if not _is_setting(name):
             kept.append((name, value))
             continue
         if name not in _HEADERS:
@@ -161,10 +172,10 @@ def apply(config: WireConfig, headers: Sequence[Header], *,
         asked.append((name, value.decode("latin-1").strip()))
     keep_bound = bounds.get(KEEP_GENERATING)
     if (background and config.resume and keep_bound is not None and keep_bound.high > 0
-            and not any(name == b"tokenwire-keep-generating" for name, _ in asked)):
+            and not any(name == _KEEP_HEADER for name, _ in asked)):
         # Implied, never refused: where the operator allows no keep-generating,
         # the request is served as any other (the engine sees its field).
-        asked.append((b"tokenwire-keep-generating", "true"))
+        asked.append((_KEEP_HEADER, "true"))
     for header, text in asked:
         setting, key = _HEADERS[header]
         bound = bounds.get(setting)

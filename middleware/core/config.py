@@ -231,7 +231,7 @@ class WireConfig:
         if isinstance(settings, str) or not all(isinstance(s, str) for s in settings):
             raise ConfigError("client_settings", f"must be a list of NAME=LOW..HIGH, got {settings!r}")
         try:
-            parse_bounds(settings)
+            parse_bounds(tuple(settings))
         except ValueError as error:
             raise ConfigError("client_settings", str(error)) from None
         object.__setattr__(self, "client_settings", tuple(settings))

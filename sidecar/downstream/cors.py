@@ -34,7 +34,8 @@ import socket
 from collections.abc import Iterable, Sequence
 
 from tokenwire.middleware import ClientError, ErrorCode
-from tokenwire.middleware.core.headers import STREAM_ID_HEADER, header_value
+from tokenwire.middleware.core import client_settings
+from tokenwire.middleware.core.headers import STREAM_ID_HEADER, SUMMARY_HEADER, header_value
 
 Header = tuple[bytes, bytes]
 
@@ -45,9 +46,7 @@ ALLOWED_METHODS = b"GET, POST, DELETE, OPTIONS"
 # What the OpenAI SDKs and EventSource-style resumes send beyond the safelisted
 # headers, and a request's own wire settings (middleware/core/client_settings.py).
 ALLOWED_HEADERS = (b"content-type", b"authorization", b"last-event-id", b"idempotency-key",
-                   b"x-request-id", b"tokenwire-summary", b"tokenwire-heartbeat-s",
-                   b"tokenwire-write-deadline-s", b"tokenwire-slow-client-policy",
-                   b"tokenwire-keep-generating")
+                   b"x-request-id", SUMMARY_HEADER, *client_settings.HEADERS)
 # Browsers cache a preflight this long (Chromium caps it at two hours).
 MAX_AGE_S = 600
 
