@@ -38,7 +38,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from tokenwire.middleware.core.errors import ErrorCode, GrpcStatus, WireError, grpc_status_of
+from tokenwire.middleware.core.errors import (
+    ErrorCode,
+    GrpcStatus,
+    UpstreamErrorEvent,
+    WireError,
+    grpc_status_of,
+)
 from tokenwire.middleware.core.events import EndReason
 from tokenwire.middleware.core.headers import STREAM_ID_HEADER
 from tokenwire.middleware.core.sse import SSEParser
@@ -125,15 +131,33 @@ def _code_of(name: str | None) -> ErrorCode | None:
         return None
 
 
+def _forwarded_code(error: WireError) -> ErrorCode:
+    """The code an error ends a call with. An error event the core forwarded
+    (``upstream_failed`` to the core) that carries a tokenwire code of its own
+    keeps that code: it is another tokenwire's, behind us, or this one's,
+    replayed from the store (a resumed stream that was cancelled by id ends
+    ``CANCELLED``, as its first reader did), as an error answer's is kept
+    (:func:`passthrough_status`)."""
+    if isinstance(error, UpstreamErrorEvent):
+        body = error.payload.get("error")
+        ours = body.get("tokenwire") if isinstance(body, dict) else None
+        name = ours.get("code") if isinstance(ours, dict) else None
+        code = _code_of(name if isinstance(name, str) else None)
+        if code is not None:
+            return code
+    return error.code
+
+
 def _typed_status(error: WireError, http_status: int | None) -> CallStatus:
     """The call status for the error the core ended with; ``http_status``: the
     status it went out with before the first message (None after: in-band, only
     the code counts)."""
+    code = _forwarded_code(error)
     # valid_text: an engine's message may hold a lone ``\udXXX`` escape.
-    return CallStatus(grpc_status_of(error.code, http_status), valid_text(error.message), error.code)
+    return CallStatus(grpc_status_of(code, http_status), valid_text(error.message), code)
 
 
-def _passthrough_status(text: str, http_status: int) -> CallStatus:
+def passthrough_status(text: str, http_status: int) -> CallStatus:
     """The call status for an engine's error answer that the core passed through
     unchanged (a non-event-stream 4xx/5xx body).
 
@@ -305,7 +329,7 @@ class ResponseTranscoder:
                 # the answer had decides.
                 status = _typed_status(error, self._error_status)
             else:
-                status = _passthrough_status(self._error_body.decode("utf-8", "replace"),
+                status = passthrough_status(self._error_body.decode("utf-8", "replace"),
                                              self._error_status)
         elif error is not None:
             # In-band (or never written: a slow client cut after it): its HTTP

@@ -17,6 +17,10 @@ that stops the stream through the core. A client that stopped reading is cut
 with trailers at once (``RESOURCE_EXHAUSTED``, ``backpressure_exceeded`` or
 ``send_timeout``), what its window held back dropped.
 
+``Streams.CancelStream`` (:class:`CancelCall`) is the HTTP cancel by id made
+over gRPC: the call's metadata and ``DELETE /v1/streams/{id}`` go to an
+exchange like any request's (``cancel.py`` says what it answers).
+
 Health (``Check``, ``Watch``) and reflection are answered here; watches hear
 of a drain (SIGTERM) through ``SidecarContext.on_drain``.
 """
@@ -28,7 +32,6 @@ import json
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import h2.errors
 from tokenwire.middleware import EndReason, StopRequested
 from tokenwire.middleware.core.errors import GrpcStatus
 
@@ -37,37 +40,24 @@ from ..downstream.connection import Peer, new_exchange
 from ..exchange.loop import Exchange
 from . import health, reflection
 from .call import CoreEnding, Deadline, ResponseTranscoder
-from .framing import GrpcCallError, MessageReader, encode_message, is_grpc_content_type
-from .metadata import GRPC_CONTENT_TYPE, OK, CallStatus
-from .routing import HEALTH_CHECK, HEALTH_WATCH, REFLECTION_PATHS, STREAM_METHODS, StreamMethod, is_grpc_path
+from .cancel import CancelAnswer, cancel_target
+from .framing import GrpcCallError, encode_message, is_grpc_content_type
+from .metadata import GRPC_CONTENT_TYPE, OK, CallStatus, Header
+from .replies import Messages, end_call, request_headers
+from .routing import (
+    CANCEL_STREAM,
+    HEALTH_CHECK,
+    HEALTH_WATCH,
+    REFLECTION_PATHS,
+    STREAM_METHODS,
+    StreamMethod,
+    is_grpc_path,
+)
 from .transcode import decode_request
 
 if TYPE_CHECKING:
     from ..downstream.http2_request import RequestHead
     from ..downstream.http2_stream import Http2Stream, StreamHandler
-
-Header = tuple[bytes, bytes]
-
-# Request metadata that is gRPC's own, not the engine's: never forwarded.
-_GRPC_ONLY = frozenset({b"content-type", b"content-length", b"te", b"grpc-timeout", b"grpc-encoding",
-                        b"grpc-accept-encoding", b"grpc-message-type", b"accept", b"accept-encoding"})
-
-
-def _end(stream: Http2Stream, status: CallStatus, *, started: bool, drop_waiting: bool = False,
-         extra: Sequence[Header] = ()) -> None:
-    """End a call: trailers after the initial metadata, else a trailers-only
-    response; ``extra``: trailers after the status's (a summary the call asked for)."""
-    if started:
-        stream.send_trailers([*status.trailers(), *extra], drop_waiting=drop_waiting)
-    else:
-        stream.send_trailers([(b":status", b"200"), *status.trailers_only(), *extra],
-                             drop_waiting=drop_waiting)
-    # A client that stopped reading would hold the trailers back forever.
-    stream.set_timer(_flush_timeout_s(stream), lambda: stream.reset(h2.errors.ErrorCodes.CANCEL))
-
-
-def _flush_timeout_s(stream: Http2Stream) -> float:
-    return stream.connection.context.config.wire.close_flush_timeout_s
 
 
 class GrpcRouter:
@@ -89,6 +79,8 @@ class GrpcRouter:
             method = STREAM_METHODS.get(path)
             if method is not None:
                 return StreamCall(self, head, stream, method)
+            if path == CANCEL_STREAM:
+                return CancelCall(self, head, stream)
             if path == HEALTH_CHECK:
                 return UnaryCall(self, stream, lambda request: health.check(
                     request, draining=self.context.draining))
@@ -121,7 +113,7 @@ class Refusal:
             stream.send_body(b"gRPC methods need content-type application/grpc\n")
             stream.end_response(abrupt=False, reset=False)
         else:
-            _end(stream, status, started=False)
+            end_call(stream, status, started=False)
         stream.exchange_finished(None)
 
     def data_received(self, data: bytes) -> None:
@@ -134,54 +126,13 @@ class Refusal:
         pass
 
 
-class _Messages:
-    """The request messages of a call, bounded; refuses the call on a bad one."""
-
-    def __init__(self, router: GrpcRouter, stream: Http2Stream) -> None:
-        self._router = router
-        self._stream = stream
-        self._reader = MessageReader(router.max_message_bytes)
-        self.done = False
-        """The call is over (refused or answered): ignore the rest of the request."""
-
-    def read(self, data: bytes) -> list[bytes]:
-        if self.done:
-            return []
-        try:
-            return self._reader.feed(data)
-        except GrpcCallError as error:
-            self.refuse(error, started=False)
-            return []
-
-    def close(self) -> bool:
-        """The request ended; False if it ended inside a message (refused)."""
-        if self.done:
-            return False
-        try:
-            self._reader.close()
-        except GrpcCallError as error:
-            self.refuse(error, started=False)
-            return False
-        return True
-
-    def refuse(self, error: GrpcCallError, *, started: bool) -> None:
-        self.finish(CallStatus(error.status, error.message), started=started)
-
-    def finish(self, status: CallStatus, *, started: bool) -> None:
-        if self.done:
-            return
-        self.done = True
-        _end(self._stream, status, started=started)
-        self._stream.exchange_finished(None)
-
-
 class UnaryCall:
     """One request message, one response message (health ``Check``)."""
 
     def __init__(self, router: GrpcRouter, stream: Http2Stream, answer: Callable[[bytes], bytes]) -> None:
         """``answer``: the serialized response for the serialized request, or ``GrpcCallError``."""
         self._stream = stream
-        self._messages = _Messages(router, stream)
+        self._messages = Messages(router.max_message_bytes, stream)
         self._answer = answer
         self._requests: list[bytes] = []
 
@@ -215,7 +166,7 @@ class ReflectionCall:
 
     def __init__(self, router: GrpcRouter, stream: Http2Stream) -> None:
         self._stream = stream
-        self._messages = _Messages(router, stream)
+        self._messages = Messages(router.max_message_bytes, stream)
         self._started = False
 
     def data_received(self, data: bytes) -> None:
@@ -245,7 +196,7 @@ class HealthWatch:
     def __init__(self, router: GrpcRouter, stream: Http2Stream) -> None:
         self._router = router
         self._stream = stream
-        self._messages = _Messages(router, stream)
+        self._messages = Messages(router.max_message_bytes, stream)
         self._watcher: health.Watcher | None = None
 
     def data_received(self, data: bytes) -> None:
@@ -300,7 +251,7 @@ class StreamCall:
         self._head = head
         self._stream = stream
         self._method = method
-        self._messages = _Messages(router, stream)
+        self._messages = Messages(router.max_message_bytes, stream)
         self._requests: list[bytes] = []
         self._loop = asyncio.get_running_loop()
         self._exchange: Exchange | None = None
@@ -366,7 +317,7 @@ class StreamCall:
             stream.send_body(ending.data)
         # A reset (the client stopped reading): what waits is dropped, the
         # trailers (not flow-controlled) say why.
-        _end(stream, ending.status, started=not ending.trailers_only, drop_waiting=reset,
+        end_call(stream, ending.status, started=not ending.trailers_only, drop_waiting=reset,
              extra=ending.extra)
 
     def closing_probe(self) -> Callable[[], bool] | None:
@@ -379,13 +330,8 @@ class StreamCall:
     # ------------------------------------------------------------ helpers
 
     def _start(self, body: bytes) -> None:
-        head = self._head
-        headers: list[Header] = []
-        if head.authority is not None and head.header(b"host") is None:
-            headers.append((b"host", head.authority))
-        headers += [(name, value) for name, value in head.headers
-                    if name not in _GRPC_ONLY and not name.endswith(b"-bin")]
-        headers += [(b"content-type", b"application/json"), (b"accept", b"text/event-stream")]
+        headers = [*request_headers(self._head), (b"content-type", b"application/json"),
+                   (b"accept", b"text/event-stream")]
         exchange = new_exchange(self._context, self, method=b"POST", target=self._method.upstream_target,
                                 headers=headers, body=body, peer=self._peer(), http_version="2")
         self._exchange = exchange
@@ -420,6 +366,79 @@ class StreamCall:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+
+class CancelCall:
+    """``Streams.CancelStream``: its one request message becomes ``DELETE
+    /v1/streams/{id}``, proxied through an exchange as the HTTP port's is, so
+    the owner check, ``answer_cancel`` and ``registry.stop_writer`` are the
+    very ones the HTTP cancel runs; :class:`~.cancel.CancelAnswer` turns the
+    answer into the reply or a status."""
+
+    def __init__(self, router: GrpcRouter, head: RequestHead, stream: Http2Stream) -> None:
+        self._router = router
+        self._head = head
+        self._stream = stream
+        self._messages = Messages(router.max_message_bytes, stream)
+        self._requests: list[bytes] = []
+        self._exchange: Exchange | None = None
+        self._answer = CancelAnswer()
+
+    def data_received(self, data: bytes) -> None:
+        self._requests += self._messages.read(data)
+
+    def request_ended(self) -> None:
+        if not self._messages.close():
+            return
+        try:
+            if len(self._requests) != 1:
+                raise GrpcCallError(GrpcStatus.UNIMPLEMENTED if self._requests else GrpcStatus.INTERNAL,
+                                    f"expected one request message, got {len(self._requests)}")
+            target = cancel_target(self._requests[0])
+        except GrpcCallError as error:
+            self._messages.refuse(error, started=False)
+            return
+        # The metadata as the HTTP request's headers: ``authorization`` (or the
+        # operator's resume_owner_header) is the caller, checked as over HTTP.
+        exchange = new_exchange(self._router.context, self, method=b"DELETE", target=target,
+                                headers=request_headers(self._head), body=b"",
+                                peer=self._stream.connection.peer, http_version="2")
+        self._exchange = exchange
+        self._stream.exchange = exchange
+        exchange.start()
+        self._stream.update_paused()
+
+    def stream_reset(self) -> None:
+        # Only before the exchange started (after, the stream tells the exchange itself).
+        self._messages.done = True
+        self._stream.exchange_finished(None)
+
+    # ------------------------------------------------------------ Downstream (for the exchange)
+
+    def send_headers(self, status: int, headers: Sequence[Header]) -> None:
+        self._answer.on_headers(status, headers)
+
+    def send_body(self, data: bytes) -> None:
+        self._answer.on_body(data)
+
+    def end_response(self, *, abrupt: bool, reset: bool) -> None:
+        if self._exchange is None:
+            raise RuntimeError("a Downstream call before the call's exchange was made")
+        ending = self._answer.on_end(self._exchange.stream, abrupt=abrupt)
+        if ending.reply is None:
+            end_call(self._stream, ending.status, started=False, drop_waiting=reset)
+            return
+        request_id = self._router.context.config.request_id_header.encode()
+        self._stream.respond_head(200, [(b"content-type", GRPC_CONTENT_TYPE),
+                                        (request_id, self._exchange.request_id.encode("latin-1"))])
+        self._stream.send_body(encode_message(ending.reply))
+        end_call(self._stream, ending.status, started=True, drop_waiting=reset)
+
+    def closing_probe(self) -> Callable[[], bool] | None:
+        return self._stream.closing_probe()
+
+    def exchange_finished(self, exchange: Exchange | None) -> None:
+        self._stream.exchange_finished(exchange)
 
 
 def _json_bytes(body: dict[str, Any]) -> bytes:

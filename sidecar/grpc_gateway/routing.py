@@ -19,6 +19,8 @@ from .transcode import (
     completion_request_body,
 )
 
+CANCEL_STREAM = b"/tokenwire.v1.Streams/CancelStream"
+"""The unary cancel by id: ``DELETE /v1/streams/{id}`` made over gRPC (``cancel.py``)."""
 HEALTH_CHECK = b"/grpc.health.v1.Health/Check"
 HEALTH_WATCH = b"/grpc.health.v1.Health/Watch"
 REFLECTION_PATHS = frozenset({
@@ -51,7 +53,7 @@ STREAM_METHODS: dict[bytes, StreamMethod] = {
     )
 }
 
-SERVICE_NAMES = ("tokenwire.v1.ChatCompletions", "tokenwire.v1.Completions")
+SERVICE_NAMES = ("tokenwire.v1.ChatCompletions", "tokenwire.v1.Completions", "tokenwire.v1.Streams")
 
 
 def is_grpc_path(path: bytes) -> bool:

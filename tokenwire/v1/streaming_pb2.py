@@ -24,35 +24,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctokenwire/v1/streaming.proto\x12\x0ctokenwire.v1\"&\n\rStreamOptions\x12\x15\n\rinclude_usage\x18\x01 \x01(\x08\"\\\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x12\n\nextra_json\x18\x0f \x01(\tB\x07\n\x05_name\"\xb6\x02\n\x15\x43hatCompletionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.tokenwire.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x03\x88\x01\x01\x12\x33\n\x0estream_options\x18\x08 \x01(\x0b\x32\x1b.tokenwire.v1.StreamOptions\x12\x12\n\nextra_json\x18\x0f \x01(\tB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\x95\x02\n\x11\x43ompletionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x03\x88\x01\x01\x12\x33\n\x0estream_options\x18\x08 \x01(\x0b\x32\x1b.tokenwire.v1.StreamOptions\x12\x12\n\nextra_json\x18\x0f \x01(\tB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x03\"k\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04type\x18\x03 \x01(\t\x12\x15\n\rfunction_name\x18\x04 \x01(\t\x12\x1a\n\x12\x66unction_arguments\x18\x05 \x01(\t\"\x87\x01\n\x0f\x43hatChoiceDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x03 \x01(\t\x12/\n\ntool_calls\x18\x04 \x03(\x0b\x32\x1b.tokenwire.v1.ToolCallDelta\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\"\xbb\x01\n\x13\x43hatCompletionChunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\x12.\n\x07\x63hoices\x18\x04 \x03(\x0b\x32\x1d.tokenwire.v1.ChatChoiceDelta\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.tokenwire.v1.Usage\x12\x10\n\x08\x65vent_id\x18\x06 \x01(\t\x12\x12\n\nchunk_json\x18\x0f \x01(\t\"K\n\x15\x43ompletionChoiceDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\"\xbd\x01\n\x0f\x43ompletionChunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\x12\x34\n\x07\x63hoices\x18\x04 \x03(\x0b\x32#.tokenwire.v1.CompletionChoiceDelta\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.tokenwire.v1.Usage\x12\x10\n\x08\x65vent_id\x18\x06 \x01(\t\x12\x12\n\nchunk_json\x18\x0f \x01(\t2e\n\x0f\x43hatCompletions\x12R\n\x06\x43reate\x12#.tokenwire.v1.ChatCompletionRequest\x1a!.tokenwire.v1.ChatCompletionChunk0\x01\x32Y\n\x0b\x43ompletions\x12J\n\x06\x43reate\x12\x1f.tokenwire.v1.CompletionRequest\x1a\x1d.tokenwire.v1.CompletionChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctokenwire/v1/streaming.proto\x12\x0ctokenwire.v1\"(\n\x13\x43\x61ncelStreamRequest\x12\x11\n\tstream_id\x18\x01 \x01(\t\"6\n\x11\x43\x61ncelStreamReply\x12\x11\n\tstream_id\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\"&\n\rStreamOptions\x12\x15\n\rinclude_usage\x18\x01 \x01(\x08\"\\\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x12\n\nextra_json\x18\x0f \x01(\tB\x07\n\x05_name\"\xb6\x02\n\x15\x43hatCompletionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.tokenwire.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x03\x88\x01\x01\x12\x33\n\x0estream_options\x18\x08 \x01(\x0b\x32\x1b.tokenwire.v1.StreamOptions\x12\x12\n\nextra_json\x18\x0f \x01(\tB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\x95\x02\n\x11\x43ompletionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x03\x88\x01\x01\x12\x33\n\x0estream_options\x18\x08 \x01(\x0b\x32\x1b.tokenwire.v1.StreamOptions\x12\x12\n\nextra_json\x18\x0f \x01(\tB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x03\"k\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04type\x18\x03 \x01(\t\x12\x15\n\rfunction_name\x18\x04 \x01(\t\x12\x1a\n\x12\x66unction_arguments\x18\x05 \x01(\t\"\x87\x01\n\x0f\x43hatChoiceDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x03 \x01(\t\x12/\n\ntool_calls\x18\x04 \x03(\x0b\x32\x1b.tokenwire.v1.ToolCallDelta\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\"\xbb\x01\n\x13\x43hatCompletionChunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\x12.\n\x07\x63hoices\x18\x04 \x03(\x0b\x32\x1d.tokenwire.v1.ChatChoiceDelta\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.tokenwire.v1.Usage\x12\x10\n\x08\x65vent_id\x18\x06 \x01(\t\x12\x12\n\nchunk_json\x18\x0f \x01(\t\"K\n\x15\x43ompletionChoiceDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\"\xbd\x01\n\x0f\x43ompletionChunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\x12\x34\n\x07\x63hoices\x18\x04 \x03(\x0b\x32#.tokenwire.v1.CompletionChoiceDelta\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.tokenwire.v1.Usage\x12\x10\n\x08\x65vent_id\x18\x06 \x01(\t\x12\x12\n\nchunk_json\x18\x0f \x01(\t2e\n\x0f\x43hatCompletions\x12R\n\x06\x43reate\x12#.tokenwire.v1.ChatCompletionRequest\x1a!.tokenwire.v1.ChatCompletionChunk0\x01\x32Y\n\x0b\x43ompletions\x12J\n\x06\x43reate\x12\x1f.tokenwire.v1.CompletionRequest\x1a\x1d.tokenwire.v1.CompletionChunk0\x01\x32]\n\x07Streams\x12R\n\x0c\x43\x61ncelStream\x12!.tokenwire.v1.CancelStreamRequest\x1a\x1f.tokenwire.v1.CancelStreamReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tokenwire.v1.streaming_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STREAMOPTIONS']._serialized_start=46
-  _globals['_STREAMOPTIONS']._serialized_end=84
-  _globals['_CHATMESSAGE']._serialized_start=86
-  _globals['_CHATMESSAGE']._serialized_end=178
-  _globals['_CHATCOMPLETIONREQUEST']._serialized_start=181
-  _globals['_CHATCOMPLETIONREQUEST']._serialized_end=491
-  _globals['_COMPLETIONREQUEST']._serialized_start=494
-  _globals['_COMPLETIONREQUEST']._serialized_end=771
-  _globals['_USAGE']._serialized_start=773
-  _globals['_USAGE']._serialized_end=852
-  _globals['_TOOLCALLDELTA']._serialized_start=854
-  _globals['_TOOLCALLDELTA']._serialized_end=961
-  _globals['_CHATCHOICEDELTA']._serialized_start=964
-  _globals['_CHATCHOICEDELTA']._serialized_end=1099
-  _globals['_CHATCOMPLETIONCHUNK']._serialized_start=1102
-  _globals['_CHATCOMPLETIONCHUNK']._serialized_end=1289
-  _globals['_COMPLETIONCHOICEDELTA']._serialized_start=1291
-  _globals['_COMPLETIONCHOICEDELTA']._serialized_end=1366
-  _globals['_COMPLETIONCHUNK']._serialized_start=1369
-  _globals['_COMPLETIONCHUNK']._serialized_end=1558
-  _globals['_CHATCOMPLETIONS']._serialized_start=1560
-  _globals['_CHATCOMPLETIONS']._serialized_end=1661
-  _globals['_COMPLETIONS']._serialized_start=1663
-  _globals['_COMPLETIONS']._serialized_end=1752
+  _globals['_CANCELSTREAMREQUEST']._serialized_start=46
+  _globals['_CANCELSTREAMREQUEST']._serialized_end=86
+  _globals['_CANCELSTREAMREPLY']._serialized_start=88
+  _globals['_CANCELSTREAMREPLY']._serialized_end=142
+  _globals['_STREAMOPTIONS']._serialized_start=144
+  _globals['_STREAMOPTIONS']._serialized_end=182
+  _globals['_CHATMESSAGE']._serialized_start=184
+  _globals['_CHATMESSAGE']._serialized_end=276
+  _globals['_CHATCOMPLETIONREQUEST']._serialized_start=279
+  _globals['_CHATCOMPLETIONREQUEST']._serialized_end=589
+  _globals['_COMPLETIONREQUEST']._serialized_start=592
+  _globals['_COMPLETIONREQUEST']._serialized_end=869
+  _globals['_USAGE']._serialized_start=871
+  _globals['_USAGE']._serialized_end=950
+  _globals['_TOOLCALLDELTA']._serialized_start=952
+  _globals['_TOOLCALLDELTA']._serialized_end=1059
+  _globals['_CHATCHOICEDELTA']._serialized_start=1062
+  _globals['_CHATCHOICEDELTA']._serialized_end=1197
+  _globals['_CHATCOMPLETIONCHUNK']._serialized_start=1200
+  _globals['_CHATCOMPLETIONCHUNK']._serialized_end=1387
+  _globals['_COMPLETIONCHOICEDELTA']._serialized_start=1389
+  _globals['_COMPLETIONCHOICEDELTA']._serialized_end=1464
+  _globals['_COMPLETIONCHUNK']._serialized_start=1467
+  _globals['_COMPLETIONCHUNK']._serialized_end=1656
+  _globals['_CHATCOMPLETIONS']._serialized_start=1658
+  _globals['_CHATCOMPLETIONS']._serialized_end=1759
+  _globals['_COMPLETIONS']._serialized_start=1761
+  _globals['_COMPLETIONS']._serialized_end=1850
+  _globals['_STREAMS']._serialized_start=1852
+  _globals['_STREAMS']._serialized_end=1945
 # @@protoc_insertion_point(module_scope)

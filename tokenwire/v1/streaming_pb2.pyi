@@ -6,6 +6,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class CancelStreamRequest(_message.Message):
+    __slots__ = ("stream_id",)
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    stream_id: str
+    def __init__(self, stream_id: _Optional[str] = ...) -> None: ...
+
+class CancelStreamReply(_message.Message):
+    __slots__ = ("stream_id", "status")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    stream_id: str
+    status: str
+    def __init__(self, stream_id: _Optional[str] = ..., status: _Optional[str] = ...) -> None: ...
+
 class StreamOptions(_message.Message):
     __slots__ = ("include_usage",)
     INCLUDE_USAGE_FIELD_NUMBER: _ClassVar[int]

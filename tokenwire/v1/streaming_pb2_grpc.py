@@ -173,3 +173,87 @@ class Completions:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class StreamsStub:
+    """Streams by id (resume on: the id is a call's `x-tokenwire-stream-id`).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.CancelStream = channel.unary_unary(
+                '/tokenwire.v1.Streams/CancelStream',
+                request_serializer=tokenwire_dot_v1_dot_streaming__pb2.CancelStreamRequest.SerializeToString,
+                response_deserializer=tokenwire_dot_v1_dot_streaming__pb2.CancelStreamReply.FromString,
+                _registered_method=True)
+
+
+class StreamsServicer:
+    """Streams by id (resume on: the id is a call's `x-tokenwire-stream-id`).
+    """
+
+    def CancelStream(self, request, context):
+        """Stops a stream by its id, as `DELETE /v1/streams/{id}` does on the HTTP
+        port (the same code path): its upstream is aborted at once, even inside
+        the resume grace, any call reading it ends CANCELLED with
+        `tokenwire-error-code: cancelled`, and a stream that had already ended is
+        forgotten. A stream belongs to its caller (the `authorization` metadata,
+        or the operator's `resume_owner_header`): another caller's id is
+        NOT_FOUND, exactly as an unknown one. A live stream another process
+        sharing the replay store writes is FAILED_PRECONDITION
+        (`stream_elsewhere`); the store unreachable is UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_StreamsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'CancelStream': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelStream,
+                    request_deserializer=tokenwire_dot_v1_dot_streaming__pb2.CancelStreamRequest.FromString,
+                    response_serializer=tokenwire_dot_v1_dot_streaming__pb2.CancelStreamReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'tokenwire.v1.Streams', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('tokenwire.v1.Streams', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Streams:
+    """Streams by id (resume on: the id is a call's `x-tokenwire-stream-id`).
+    """
+
+    @staticmethod
+    def CancelStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokenwire.v1.Streams/CancelStream',
+            tokenwire_dot_v1_dot_streaming__pb2.CancelStreamRequest.SerializeToString,
+            tokenwire_dot_v1_dot_streaming__pb2.CancelStreamReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
