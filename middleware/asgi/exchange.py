@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from enum import Enum
 from typing import Any
 
-from ..core import client_settings
+from ..core import client_settings, frames
 from ..core.errors import WireError
 from ..core.events import (
     AbortUpstream,
@@ -53,7 +53,7 @@ from ..core.events import (
     UpstreamFailed,
     UpstreamHeaders,
 )
-from ..core.headers import is_event_stream, wants_summary
+from ..core.headers import is_event_stream
 from ..core.resume import new_stream_id
 from ..core.stream import WireStream
 from ..process.logs import wall_clock
@@ -393,7 +393,7 @@ class Exchange(ResponseWriter):
         stream = WireStream(self.config, now=self.loop.time(), request_id=self.request_id,
                             upstream="app", expect_stream=True, stream_id=self.stream_id,
                             dialect=self.middleware.dialects.for_path(str(self.scope.get("path", ""))),
-                            summary=wants_summary(self.scope.get("headers", ())))
+                            frames=frames.asked(self.scope.get("headers", ())))
         self.stream = stream
         self.writer_task = self.loop.create_task(self.write_loop(stream))
         return stream

@@ -25,8 +25,8 @@ class Accounting:
     """Counters of one response. See the module docstring."""
 
     __slots__ = ("bytes_out", "events_in", "events_out", "heartbeats", "idle_keepalives", "meter",
-                 "pending_high_water_bytes", "refused_retries", "retries", "started_at", "tokens_in",
-                 "ttfb_s", "upstream_comments", "upstream_keepalives", "usage")
+                 "paused_at", "pending_high_water_bytes", "producer_wait_s", "refused_retries", "retries",
+                 "started_at", "tokens_in", "ttfb_s", "upstream_comments", "upstream_keepalives", "usage")
 
     def __init__(self, now: float, dialect: Dialect) -> None:
         """``dialect``: what carries a token in this stream (for the time to first token)."""
@@ -45,9 +45,20 @@ class Accounting:
         self.idle_keepalives = 0
         """Of those, the ones since the last event of content."""
         self.pending_high_water_bytes = 0
+        self.producer_wait_s = 0.0
+        """Time the upstream was not read for a slow reader (``PauseUpstream``), ended pauses."""
+        self.paused_at: float | None = None
         self.ttfb_s: float | None = None
         self.meter = TokenMeter(now, dialect.carries_token)
         self.usage: dict[str, Any] | None = None
+
+    def upstream_paused(self, now: float) -> None:
+        self.paused_at = now
+
+    def upstream_resumed(self, now: float) -> None:
+        if self.paused_at is not None:
+            self.producer_wait_s += now - self.paused_at
+            self.paused_at = None
 
     def content_written(self, events: int, now: float) -> None:
         """``events`` events were handed to the socket at ``now``."""
@@ -88,4 +99,5 @@ class Accounting:
             dialect=dialect,
             upstream_keepalives=self.upstream_keepalives,
             tokens_counted=self.tokens_in,
+            producer_wait_s=self.producer_wait_s + (0.0 if self.paused_at is None else now - self.paused_at),
         )

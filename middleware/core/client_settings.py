@@ -18,6 +18,9 @@ header                         value                            sets
 ``Tokenwire-Keep-Generating``  ``true``, ``false`` or seconds   ``resume_grace_s``
 =============================  ===============================  ========================
 
+(``Tokenwire-Frames`` and ``Tokenwire-Summary`` ask for tokenwire's own events,
+``frames.py``; their values are checked here too.)
+
 ``Tokenwire-Keep-Generating: true`` keeps the answer generating after its
 client leaves, for the longest the operator allows, so that a later resume
 (``GET /v1/streams/{id}``) reads it whole; ``false`` stops it when the client
@@ -42,6 +45,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .errors import ClientError, ErrorCode
+from .frames import FRAMES_HEADER, check_frames
 from .headers import SUMMARY_HEADER, Header
 
 if TYPE_CHECKING:
@@ -162,11 +166,15 @@ def apply(config: WireConfig, headers: Sequence[Header], *,
     kept: list[Header] = []
     asked: list[tuple[bytes, str]] = []
     for name, value in headers:
-        if not _is_setting(name):
-            kept.append((name, value))
+        if not _is_setting(name) or name == FRAMES_HEADER:
+            refusal = check_frames(value) if name == FRAMES_HEADER else None
+            if refusal is not None:
+                raise refusal
+            kept.append((name, value))  # passed on, like the summary's header
             continue
         if name not in _HEADERS:
-            known = ", ".join(sorted(header.decode() for header in (*_HEADERS, *_OTHER_HEADERS)))
+            known = ", ".join(sorted(header.decode() for header in (*_HEADERS, *_OTHER_HEADERS,
+                                                                    FRAMES_HEADER)))
             raise ClientError(f"unknown header {name.decode('latin-1')[:64]!r}: the Tokenwire- headers "
                               f"are {known}", ErrorCode.BAD_REQUEST)
         asked.append((name, value.decode("latin-1").strip()))

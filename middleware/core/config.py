@@ -96,7 +96,14 @@ class WireConfig:
     slow_client_policy: SlowClientPolicy = SlowClientPolicy.COALESCE
     """What waits for a slow reader: ``coalesce`` merges text and tool-call deltas,
     ``drop`` also replaces queued events of the ``droppable_event_types``,
-    ``block`` stops reading the upstream."""
+    ``block`` merges nothing and stops reading the upstream once
+    ``block_window_bytes`` wait, so the engine itself is made to wait."""
+    block_window_bytes: int = 32 * 1024
+    """Under ``block``: the bytes a slow reader may have waiting before the upstream
+    is no longer read (TCP then holds the engine's send, the ASGI app's ``send``
+    waits; half of ``max_pending_bytes`` where that is smaller: what one read adds
+    must fit under the cap); the time it was held is the
+    record's ``producer_wait_s``."""
     droppable_event_types: tuple[str, ...] = ()
     """SSE ``event:`` types whose queued event a newer one of the same type may
     replace under ``drop`` (refreshable state such as progress; never answer text)."""
@@ -183,7 +190,7 @@ class WireConfig:
                             "upstream_idle_timeout_s", "max_stream_duration_s")
         _check_positive(self, "write_deadline_s", "upstream_headers_timeout_s", "upstream_tail_grace_s",
                         "close_flush_timeout_s",
-                        "max_pending_bytes", "socket_send_buffer_bytes",
+                        "max_pending_bytes", "block_window_bytes", "socket_send_buffer_bytes",
                         "write_high_water_bytes", "max_line_bytes", "max_event_bytes",
                         "resume_ttl_s", "resume_max_bytes", "resume_total_bytes", "resume_retry_ms")
         if not isinstance(self.resume, bool):

@@ -26,9 +26,9 @@ owns the parts the stream composes (``attempt.py``, ``client_socket.py``,
 
 from __future__ import annotations
 
+from . import frames
 from .accounting import Accounting
 from .attempt import UpstreamAttempt
-from .chunks import dumps
 from .client_socket import ClientSocket
 from .config import SlowClientPolicy, WireConfig
 from .dialects.base import Dialect
@@ -76,7 +76,7 @@ class StreamDecisions:
         may_repeat: bool = True,
         dialect: Dialect | None = None,
         hide_usage_chunk: bool = False,
-        summary: bool = False,
+        frames: frozenset[str] = frozenset(),
     ) -> None:
         """``upstream``: what the record names as the stream's source (the ASGI
         driver's ``app``; the sidecar names each attempt's pod itself, through
@@ -93,9 +93,8 @@ class StreamDecisions:
         asked the engine for usage the client did not ask for
         (:meth:`~tokenwire.middleware.core.dialects.Dialect.ask_usage`): the usage-only
         chunk is read into the record and not forwarded, so the client sees what it
-        would have seen directly. ``summary``: the client asked for the stream's
-        figures (``Tokenwire-Summary: true``): a complete stream gets one
-        ``event: tokenwire.summary`` just before its terminal event."""
+        would have seen directly. ``frames``: tokenwire's own events the client
+        asked for (``frames.py``: ``open``, ``done``, ``summary``)."""
         if config.resume and not stream_id:
             raise ValueError("config.resume needs a stream_id")
         self.config = config
@@ -119,17 +118,21 @@ class StreamDecisions:
         self._dialect_confirmed = False
         self._acct = Accounting(now, dialect)
         policy = config.slow_client_policy
-        # Answer text merges under every policy: ``drop`` only ever replaces
-        # events of the listed (state) types, never answer content.
-        self._pending = PendingBuffer(merge=dialect.merges, drop=policy is SlowClientPolicy.DROP,
+        # Answer text merges under coalesce and drop (``drop`` only ever replaces
+        # events of the listed state types, never answer content); ``block``
+        # keeps every event as it came and makes the producer wait instead.
+        self._block_policy = block = policy is SlowClientPolicy.BLOCK
+        drop = policy is SlowClientPolicy.DROP
+        self._pending = PendingBuffer(merge=dialect.merges and not block, drop=drop,
                                       droppable_types=frozenset(config.droppable_event_types),
                                       volatile=frozenset(config.volatile_chunk_fields), dialect=dialect)
         # Config read on every input, looked up once.
         self._plain_limit_bytes = min(config.max_line_bytes, config.max_event_bytes)
         self._marker = dialect.marker
         self._fast_path = dialect.fast_path
-        self._block_policy = policy is SlowClientPolicy.BLOCK
         self._max_pending_bytes = config.max_pending_bytes
+        # Pending bytes at which the upstream stops being read (block; a replay, a passthrough).
+        self._pause_at_bytes = min(config.block_window_bytes if block else 1 << 62, config.max_pending_bytes // 2)
         self._one_call_path = not config.resume and not config.coalesce_ms and self._fast_path
         # next_deadline() as of the last input (inf: none), None once an input
         # may have changed it: the one-call path's timer check (forward_read).
@@ -138,7 +141,7 @@ class StreamDecisions:
         self._commit_at: float | None = now + config.commit_deadline_s if expect_stream else None
         self._expect_stream = expect_stream
         self._hide_usage_chunk = hide_usage_chunk
-        self._summary = summary
+        self._frames = frames
         self._passthrough_reason = EndReason.COMPLETE  # a passed-through answer's, at its end
         self._finished = False
         self._close_abrupt = False
@@ -196,7 +199,6 @@ class StreamDecisions:
     @property
     def pending_high_water_bytes(self) -> int:
         return self._acct.pending_high_water_bytes
-
 
     def _transition(self, trigger: Trigger) -> None:
         self._state = next_state(self._state, trigger)
@@ -309,6 +311,17 @@ class StreamDecisions:
         self._commit(200, headers, streaming=True, now=now)
         # On the first numbered event, so an EventSource knows how soon to come back.
         self._resume.sse_committed()
+        if frames.OPEN in self._frames:
+            resume = self._resume
+            self._queue_event(frames.open_event(resume.resume_id or None, resume.reader, resume.start_seq,
+                                                self.config), droppable=False, numbered=False)
+
+    def _queue_done(self, reason: EndReason, now: float) -> None:
+        """``event: tokenwire.done`` before the last event, for a client that asked."""
+        if frames.DONE in self._frames:
+            self._acct.meter.terminal_queued()  # no token: off the count its write adds
+            self._queue_event(frames.done_event(self.record(now), delivered_from=self._resume.start_seq,
+                                                reason=reason), droppable=False, numbered=False)
 
     def _schedule_retry(self, now: float, reason: EndReason, *, unprocessed: bool = False,
                         at_least_s: float = 0.0) -> bool:
@@ -361,6 +374,7 @@ class StreamDecisions:
             # A reader's own ending (shutdown, cancel, the store lost the rest)
             # is not an event of the stream: numbering it would shadow the
             # stored event of that number on the next reconnect.
+            self._queue_done(reason, now)
             self._acct.meter.terminal_queued()
             self._queue_event(self._dialect.own_error_event(error, self._pending.coalesced_events),
                               droppable=False, numbered=not self._resume.reader)
@@ -420,9 +434,10 @@ class StreamDecisions:
             return
         attempt = self._attempt
         if ((client.paused or client.write_in_flight) and not attempt.paused
-                and pending >= self._max_pending_bytes // 2
+                and pending >= self._pause_at_bytes
                 and (attempt.passthrough or self._resume.reader or self._block_policy)):
             attempt.paused = True
+            self._acct.upstream_paused(now)
             self._actions.append(PauseUpstream())
 
     def _enforce_cap(self, now: float) -> bool:
@@ -451,22 +466,6 @@ class StreamDecisions:
         # Built when the driver reads it: after it acted on what precedes it
         # (a departed client's upstream is closed first).
         self._actions.append(Finished(build=self.record, at=now))
-
-    def _summary_event(self, now: float) -> SSEEvent:
-        """The stream's figures as of its terminal event, for a client that asked
-        (in the spirit of vLLM's per-request metrics): time to first token, tokens
-        and their source, tokens per second from the first token on, the duration.
-        Unnumbered: it is tokenwire's, not the stream's."""
-        acct = self._acct
-        record = self.record(now)
-        tokens, source = record.tokens_out
-        first = acct.meter.first_token_at
-        rate = tokens / (now - first) if first is not None and now > first else None
-        body = {"ttft_s": None if record.ttft_s is None else round(record.ttft_s, 6), "tokens": tokens,
-                "tokens_source": source, "tokens_per_s": None if rate is None else round(rate, 3),
-                "duration_s": round(now - acct.started_at, 6), "events_out": record.events_out,
-                "coalesced_events": record.coalesced_events, "retries": record.retries}
-        return SSEEvent(data=dumps(body), event="tokenwire.summary")
 
     def _queue_event(self, event: SSEEvent, *, droppable: bool = True, numbered: bool = True,
                      upstream: bool = False) -> None:

@@ -322,6 +322,10 @@ class StreamRecord:
     and tool-call fragments (never a role chunk, a finish reason, usage or another
     named event), and one for each plain chunk that took the keeps-up path unparsed
     (so a finish chunk that came that way counts one)."""
+    producer_wait_s: float = 0.0
+    """Time the upstream was not read because a slow reader had enough waiting
+    (``PauseUpstream``: under ``block``, past ``block_window_bytes``): how long the
+    engine was made to wait."""
 
     @property
     def tokens_out(self) -> tuple[int, str]:
@@ -366,6 +370,7 @@ class StreamRecord:
             "retries": self.retries,
             "refused_retries": self.refused_retries,
             "pending_high_water_bytes": self.pending_high_water_bytes,
+            "producer_wait_s": round(self.producer_wait_s, 6),
             "usage": self.usage,
         }
 

@@ -32,13 +32,8 @@ _DROPPED_ON_SSE = frozenset({
 
 
 SUMMARY_HEADER = b"tokenwire-summary"
-"""A request header: ``true`` asks for the stream's figures as a last named event."""
-
-
-def wants_summary(headers: Iterable[Header]) -> bool:
-    """Whether the client asked for ``event: tokenwire.summary`` (:data:`SUMMARY_HEADER`)."""
-    value = header_value(headers, SUMMARY_HEADER)
-    return value is not None and value.strip().lower() in (b"true", b"1", b"yes")
+"""A request header: ``true`` asks for the stream's figures as a last named event
+(``frames.py``)."""
 
 
 def header_value(headers: Iterable[Header], name: bytes) -> bytes | None:

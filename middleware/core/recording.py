@@ -59,7 +59,7 @@ class ResumeRecorder:
 
     __slots__ = ("_emit", "_max_bytes", "_retry_ms", "alias", "committed", "end", "first_seq", "frames",
                  "overflow", "reader", "recorded_bytes", "recording", "resume_id", "retry_due",
-                 "seq")
+                 "seq", "start_seq")
 
     def __init__(self, config: WireConfig, resume_id: str,
                  emit: Callable[[ReplayAppend], None]) -> None:
@@ -69,6 +69,8 @@ class ResumeRecorder:
         self._retry_ms = config.resume_retry_ms
         self.resume_id = resume_id
         self.seq = 0  # the last numbered event
+        # The number of the first event this response carries (None: not numbered).
+        self.start_seq: int | None = 1 if config.resume else None
         self.retry_due = False  # the next numbered event carries ``retry:``
         self.recording = config.resume
         self.reader = False
@@ -94,6 +96,7 @@ class ResumeRecorder:
         """OFF/RECORDING → READER: this response replays ``resume_id`` after ``after_seq``."""
         self.resume_id = resume_id
         self.seq = after_seq
+        self.start_seq = after_seq + 1
         self.reader = True
         self.recording = False
 

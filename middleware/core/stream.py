@@ -253,6 +253,7 @@ class WireStream(UpstreamInputs):
         if attempt.paused and not self._pending and self._state not in _ENDED:
             attempt.paused = False
             attempt.seen_at = now  # its silence while paused was ours
+            self._acct.upstream_resumed(now)
             self._actions.append(ResumeUpstream())
 
     def _on_client_gone(self, event: ClientGone, now: float) -> None:

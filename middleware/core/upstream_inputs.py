@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Final
 
+from . import frames
 from .attempt import RETRYABLE_STATUSES, failure_error, retry_after_s
 from .chunks import plain_event_count
 from .config import NonStreamAnswer
@@ -228,6 +229,7 @@ class UpstreamInputs(StreamDecisions):
                 self._commit_sse(now)
             if self._end_reason is None:
                 self._error = UpstreamErrorEvent(payload if "error" in payload else {"error": payload})
+            self._queue_done(EndReason.UPSTREAM_ERROR, now)
             acct.meter.terminal_queued()
             self._queue_event(dialect.forwarded_error(event, payload), droppable=False, upstream=True)
             ends = dialect.error_is_terminal
@@ -239,9 +241,11 @@ class UpstreamInputs(StreamDecisions):
             self._commit_sse(now)
         acct.usage = dialect.usage(event, acct.usage)
         if kind in (TERMINAL, FAILED):
-            if kind == TERMINAL and self._summary:
+            if kind == TERMINAL and frames.SUMMARY in self._frames:
                 acct.meter.terminal_queued()  # no token: off the count its write adds
-                self._queue_event(self._summary_event(now), droppable=False, numbered=False)
+                summary = frames.summary_event(self.record(now), acct.meter.first_token_at, now)
+                self._queue_event(summary, droppable=False, numbered=False)
+            self._queue_done(EndReason.COMPLETE if kind == TERMINAL else EndReason.UPSTREAM_ERROR, now)
             acct.meter.terminal_queued()
             self._queue_event(event, droppable=False, upstream=True)
             if kind == TERMINAL:

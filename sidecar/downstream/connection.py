@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tokenwire.middleware import ClientError, ErrorCode
-from tokenwire.middleware.core.headers import header_value, wants_summary
+from tokenwire.middleware.core import frames
+from tokenwire.middleware.core.headers import header_value
 
 from ..context import SidecarContext
 from ..exchange.forwarding import (
@@ -180,4 +181,4 @@ def new_exchange(context: SidecarContext, downstream: Downstream, *, method: byt
         target=target, upstream_headers=upstream_headers, body=body,
         expect_stream=wants_stream(headers, body), http_version=http_version,
         client_address=peer.host or "", dialect=dialect, hide_usage_chunk=asked is not None,
-        summary=wants_summary(headers))
+        frames=frames.asked(headers))

@@ -35,6 +35,7 @@ from collections.abc import Iterable, Sequence
 
 from tokenwire.middleware import ClientError, ErrorCode
 from tokenwire.middleware.core import client_settings
+from tokenwire.middleware.core.frames import FRAMES_HEADER
 from tokenwire.middleware.core.headers import STREAM_ID_HEADER, SUMMARY_HEADER, header_value
 
 Header = tuple[bytes, bytes]
@@ -46,7 +47,7 @@ ALLOWED_METHODS = b"GET, POST, DELETE, OPTIONS"
 # What the OpenAI SDKs and EventSource-style resumes send beyond the safelisted
 # headers, and a request's own wire settings (middleware/core/client_settings.py).
 ALLOWED_HEADERS = (b"content-type", b"authorization", b"last-event-id", b"idempotency-key",
-                   b"x-request-id", SUMMARY_HEADER, *client_settings.HEADERS)
+                   b"x-request-id", SUMMARY_HEADER, FRAMES_HEADER, *client_settings.HEADERS)
 # Browsers cache a preflight this long (Chromium caps it at two hours).
 MAX_AGE_S = 600
 

@@ -118,7 +118,7 @@ class Exchange:
         client_address: str = "",
         dialect: Dialect | None = None,
         hide_usage_chunk: bool = False,
-        summary: bool = False,
+        frames: frozenset[str] = frozenset(),
     ) -> None:
         self._context = context
         self._downstream = downstream
@@ -158,7 +158,7 @@ class Exchange:
             retry_budget=context.retry_budget,
             expect_stream=expect_stream, stream_id=self.stream_id,
             may_repeat=may_repeat(method, self.upstream_headers),
-            dialect=dialect, hide_usage_chunk=hide_usage_chunk, summary=summary)
+            dialect=dialect, hide_usage_chunk=hide_usage_chunk, frames=frames)
         self._milestones = (Milestones(self.stream, self._log_fields, span)
                            if span is not None or Milestones.wanted() else None)
         self._write_high_water_bytes = wire.write_high_water_bytes

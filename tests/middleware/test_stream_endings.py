@@ -112,7 +112,7 @@ def test_without_usage_the_count_is_the_engines_pieces_before_merging_not_the_ev
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
 def test_a_client_that_asked_gets_the_figures_just_before_the_terminal_event(path: str) -> None:
-    d = driver(path, summary=True)
+    d = driver(path, frames=frozenset({"summary"}))
     d.sse_headers(at=0.0)
     if path == "/v1/messages":
         frames = [b'event: message_start\ndata: {"type":"message_start","message":{"usage":'

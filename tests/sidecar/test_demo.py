@@ -68,10 +68,13 @@ def test_demo_runs_the_whole_tour_and_writes_the_report(tiny_cache: tuple[Path, 
         assert isinstance(rows[policy]["upstream_pauses"], int), rows[policy]
     assert rows["coalesce"]["upstream_pauses"] == 0  # coalesce never pauses a plain stream
     block = rows["block"]
+    assert block["coalesced_events"] == 0, block  # block merges nothing: the engine waits instead
+    assert isinstance(block["producer_wait_s"], float) and rows["coalesce"]["producer_wait_s"] == 0.0
     if block["upstream_pauses"]:
         assert f"it paused the upstream {block['upstream_pauses']} time(s)" in stdout
+        assert block["producer_wait_s"] > 0 and "the engine waited" in stdout
     else:
-        assert "so it never paused (upstream paused 0) and its row is coalesce's" in stdout
+        assert "so it never paused (upstream paused 0): the reader kept up" in stdout
     # drop is described by what it does: answer text is never dropped, and here it was not.
     assert "keeps only the newest event" not in stdout
     assert rows["drop"]["same_text_as_direct"] and rows["drop"]["dropped_events"] == 0

@@ -47,7 +47,8 @@ class SummaryCall:
     def __init__(self, *, summary: bool) -> None:
         self.now = 0.0
         wire = replace(SIDECAR_WIRE_DEFAULTS, heartbeat_s=0.0)
-        self.core = WireStream(wire, now=0.0, request_id="r1", expect_stream=True, summary=summary)
+        self.core = WireStream(wire, now=0.0, request_id="r1", expect_stream=True,
+                               frames=frozenset({"summary"} if summary else ()))
         self.transcoder = ResponseTranscoder(CHAT)
         self.wire = bytearray()
         self.ending: Ending | None = None

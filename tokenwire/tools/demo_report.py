@@ -35,7 +35,8 @@ SLOW_COLUMNS = [("reader", "reader"), ("complete", "complete"), ("text_chars", "
                 ("same_text_as_direct", "same text"), ("events_received", "events"),
                 ("tokens_generated", "tokens"), ("pending_high_water_bytes", "pending high-water B"),
                 ("coalesced_events", "coalesced"), ("dropped_events", "dropped"),
-                ("upstream_pauses", "upstream paused"), ("end_reason", "end reason"),
+                ("upstream_pauses", "upstream paused"), ("producer_wait_s", "engine waited s"),
+                ("end_reason", "end reason"),
                 ("wall_s", "wall s")]
 
 
@@ -54,19 +55,18 @@ def policy_lines(slow: dict[str, Any]) -> list[str]:
     block = rows.get("block")
     if block:
         pause_at = slow["block_pause_at_bytes"]
-        line = (f"block: merges the same way, and stops reading the upstream once pending reaches "
-                f"{pause_at} B (half of max_pending_bytes)")
+        line = (f"block: merges nothing (every event as the engine sent it) and stops reading the "
+                f"upstream once {pause_at} B wait (block_window_bytes), so the engine waits for the reader")
         pauses = block["upstream_pauses"]
         if pauses is None:
             line += "; its log did not say whether it paused"
         elif pauses:
             line += (f"; it paused the upstream {pauses} time(s), pending at most "
-                     f"{_fmt(block['pending_high_water_bytes'])} B")
+                     f"{_fmt(block['pending_high_water_bytes'])} B, and the engine waited "
+                     f"{_fmt(block['producer_wait_s'])} s")
         else:
-            line += (f"; merged text stays small (pending peaked at "
-                     f"{_fmt(block['pending_high_water_bytes'])} B), so it never paused "
-                     f"(upstream paused 0) and its row is coalesce's: block matters for streams "
-                     f"that cannot merge")
+            line += (f"; pending peaked at {_fmt(block['pending_high_water_bytes'])} B, so it never "
+                     f"paused (upstream paused 0): the reader kept up with this answer")
         lines.append(line)
     drop = rows.get("drop")
     if drop:

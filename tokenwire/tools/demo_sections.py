@@ -53,10 +53,10 @@ SLOW_SIDECAR_ARGS = ("--socket-send-buffer-bytes", "4096", "--write-high-water-b
 # does not carry. The per-policy sidecars serve one stream each, so the few
 # lines cost nothing.
 SLOW_SIDECAR_LOG_ARGS = ("--log-level", "debug")
-# ``block`` stops reading the upstream once a slow client's pending bytes reach
-# half of ``max_pending_bytes`` (middleware/core/decisions.py, ``_after_queue``);
-# the per-policy sidecars run with the sidecar's default.
-BLOCK_PAUSE_AT_BYTES = SIDECAR_WIRE_DEFAULTS.max_pending_bytes // 2
+# ``block`` stops reading the upstream once a slow client has ``block_window_bytes``
+# waiting (middleware/core/decisions.py, ``_after_queue``); the per-policy
+# sidecars run with the sidecar's default.
+BLOCK_PAUSE_AT_BYTES = min(SIDECAR_WIRE_DEFAULTS.block_window_bytes, SIDECAR_WIRE_DEFAULTS.max_pending_bytes)
 
 _RUNNING_GAUGE = "tokenwire_engine_running"
 _GENERATED_COUNTER = "tokenwire_engine_generated_tokens_total"
@@ -282,6 +282,7 @@ def section_slow_reader(engine_socket: str, model: str, settings: DemoSettings, 
             "coalesced_events": record.get("coalesced_events"),
             "dropped_events": record.get("dropped_events"),
             "upstream_pauses": pauses.get(name),
+            "producer_wait_s": record.get("producer_wait_s"),
             "end_reason": record.get("end_reason"),
             "wall_s": round(answer.wall_s, 2), "error": answer.error})
     return {"max_tokens": settings.slow_max_tokens, "receive_buffer_bytes": SLOW_RECEIVE_BUFFER_BYTES,

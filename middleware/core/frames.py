@@ -1,0 +1,101 @@
+"""tokenwire's own frames: named events a client asks for, never sent unasked.
+
+Theory of operation
+-------------------
+An SDK reads the events of its API and nothing else; an event it does not
+know may break it (a decoder that fails on an unknown ``event:`` name, a
+JSON parser on data it has no type for). So tokenwire adds events of its own
+to a stream only for a client that asked, by a request header:
+
+* ``Tokenwire-Frames: open, done`` (any of ``open``, ``done``, ``summary``);
+* ``Tokenwire-Summary: true``, the older spelling of ``summary``.
+
+``event: tokenwire.open`` is the first event of the response: the stream id
+(None without resume), whether it is a resume, the sequence number of the
+first event it carries, the slow-client policy and the bytes that may wait for
+the reader. ``event: tokenwire.done`` comes just before the stream's last
+event (the dialect's terminal event, or tokenwire's in-band error): the
+tokens, where the delivery started, the events merged and dropped for a slow
+reader, the time the producer was made to wait (``block``) and the end
+reason. ``event: tokenwire.summary`` (the figures of vLLM's per-request
+metrics) comes before a complete stream's terminal event. None of them is
+numbered: they are the response's, not the stream's, and a resume never
+replays them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from .chunks import dumps
+from .errors import ClientError, ErrorCode
+from .events import EndReason, StreamRecord
+from .headers import SUMMARY_HEADER, Header, header_value
+from .sse import SSEEvent
+
+if TYPE_CHECKING:
+    from .config import WireConfig
+
+FRAMES_HEADER = b"tokenwire-frames"
+"""A request header: the comma-separated frames the client asks for."""
+
+OPEN = "open"
+DONE = "done"
+SUMMARY = "summary"
+NAMES = (OPEN, DONE, SUMMARY)
+"""The frames a client may ask for."""
+
+
+def check_frames(value: bytes) -> ClientError | None:
+    """The refusal of a ``Tokenwire-Frames`` value naming an unknown frame, or None."""
+    for name in value.decode("latin-1").split(","):
+        name = name.strip().lower()
+        if name and name not in NAMES:
+            return ClientError(f"tokenwire-frames: {name[:40]!r} is not a frame (one of {', '.join(NAMES)})",
+                               ErrorCode.BAD_REQUEST)
+    return None
+
+
+def asked(headers: Iterable[Header]) -> frozenset[str]:
+    """The frames a request asked for (an unknown name is refused by :func:`check_frames`
+    before the stream starts; here it is only left out)."""
+    frames: set[str] = set()
+    headers = tuple(headers)
+    value = header_value(headers, FRAMES_HEADER)
+    if value is not None:
+        frames.update(name.strip().lower() for name in value.decode("latin-1").split(","))
+    summary = header_value(headers, SUMMARY_HEADER)
+    if summary is not None and summary.strip().lower() in (b"true", b"1", b"yes"):
+        frames.add(SUMMARY)
+    return frozenset(frames.intersection(NAMES))
+
+
+def open_event(stream_id: str | None, resumed: bool, start_index: int | None,
+               config: WireConfig) -> SSEEvent:
+    """``event: tokenwire.open``: how this response will carry its stream."""
+    body = {"stream_id": stream_id, "resumed": resumed, "start_index": start_index,
+            "policy": config.slow_client_policy.value, "buffer_bytes": config.max_pending_bytes}
+    return SSEEvent(data=dumps(body), event="tokenwire.open")
+
+
+def done_event(record: StreamRecord, *, delivered_from: int | None, reason: EndReason) -> SSEEvent:
+    """``event: tokenwire.done``: what this response delivered, as of its last event."""
+    tokens, source = record.tokens_out
+    body = {"end_reason": reason.value, "tokens": tokens, "tokens_source": source,
+            "delivered_from": delivered_from, "coalesced": record.coalesced_events,
+            "dropped": record.dropped_events, "producer_wait_s": round(record.producer_wait_s, 6)}
+    return SSEEvent(data=dumps(body), event="tokenwire.done")
+
+
+def summary_event(record: StreamRecord, first_token_at: float | None, now: float) -> SSEEvent:
+    """``event: tokenwire.summary``: time to first token, tokens and their source,
+    tokens per second from the first token on, the duration (in the spirit of
+    vLLM's per-request metrics)."""
+    tokens, source = record.tokens_out
+    rate = tokens / (now - first_token_at) if first_token_at is not None and now > first_token_at else None
+    body = {"ttft_s": None if record.ttft_s is None else round(record.ttft_s, 6), "tokens": tokens,
+            "tokens_source": source, "tokens_per_s": None if rate is None else round(rate, 3),
+            "duration_s": round(record.duration_s, 6), "events_out": record.events_out,
+            "coalesced_events": record.coalesced_events, "retries": record.retries}
+    return SSEEvent(data=dumps(body), event="tokenwire.summary")
