@@ -35,6 +35,7 @@ from tokenwire.middleware import (
     ErrorCode,
     Input,
     Rejected,
+    SlowClientPolicy,
     UpstreamError,
     UpstreamFailed,
     UpstreamHeaders,
@@ -178,6 +179,11 @@ class AttemptSlot:
     def attempt_connected(self, attempt: asyncio.Task[None], stream: object) -> None:
         if attempt is self.task:
             self._connection = stream
+            exchange = self.exchange
+            if isinstance(stream, UpstreamStream) and exchange is not None:
+                config = exchange.stream.config  # the request's own (Tokenwire-Slow-Client-Policy)
+                if config.slow_client_policy is SlowClientPolicy.BLOCK:
+                    stream.cap_receive_buffer(config.block_window_bytes)
 
     def pause(self) -> None:
         self.readable.clear()

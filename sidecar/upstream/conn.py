@@ -148,7 +148,7 @@ class UpstreamConnection:
         where its framing ended (and the head allowed keep-alive); else the
         connection is closed."""
         stream = self.stream
-        if reusable and stream is not None and not stream.buffered:
+        if reusable and stream is not None and not stream.buffered and not stream.receive_capped:
             self._reusable = True
             expiry = self.keepalive_expiry_s
             self._expires_at = None if expiry is None else self._loop.time() + expiry

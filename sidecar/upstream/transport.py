@@ -184,6 +184,9 @@ class UpstreamStream:
         self._loop = asyncio.get_running_loop()
         self._aborted = False
         self._cut = False
+        self.receive_capped = False
+        """The socket's receive buffer was capped (:meth:`cap_receive_buffer`): Linux
+        keeps such a cap for good, so the connection is never pooled again."""
 
     @property
     def buffered(self) -> bool:
@@ -244,13 +247,34 @@ class UpstreamStream:
         if sink.reader.leftover:
             self.unread(sink.reader.leftover)
 
+    def cap_receive_buffer(self, receive_buffer_bytes: int) -> None:
+        """Cap what the kernel may hold of this response (a ``block`` stream, as its
+        head arrives, while little of its body is queued: a cap below what is
+        queued closes the window and stalls the sender for seconds). Linux
+        autotunes a receive buffer to megabytes, which an engine would fill
+        without ever being made to wait for a paused reader."""
+        if not self.receive_capped:
+            self.receive_capped = True
+            sock = self._transport.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer_bytes)
+
     def pause_delivery(self) -> None:
-        """Stop handing body reads over (the wire core paused the upstream):
-        they buffer, and past the high-water mark TCP pushes back."""
-        self._protocol.sink_paused = True
+        """Stop handing body reads over and stop reading the socket (the wire core
+        paused the upstream): what the upstream sends next waits in the kernel,
+        and TCP pushes back on it."""
+        protocol = self._protocol
+        protocol.sink_paused = True
+        if not protocol.reading_paused:
+            protocol.reading_paused = True
+            self._transport.pause_reading()
 
     def resume_delivery(self) -> None:
         protocol = self._protocol
+        if protocol.reading_paused and protocol.buffered_bytes <= _READ_HIGH_WATER_BYTES // 2:
+            protocol.reading_paused = False
+            self._transport.resume_reading()
         if protocol.sink_paused:
             protocol.sink_paused = False
             if protocol.chunks:
