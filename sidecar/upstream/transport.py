@@ -10,8 +10,11 @@ streams, httpcore's default, resumed and paused the transport's reading and
 ran a cancellation checkpoint and a timeout scope on every read, and asked
 the kernel with ``poll()`` whether an idle pooled connection was still open).
 Flow control stays TCP's: past ``_READ_HIGH_WATER_BYTES`` buffered the
-transport stops reading until ``read()`` drains it, so an upstream the wire
-core paused (``block`` policy) is pushed back on exactly as before. Whether
+transport stops reading until ``read()`` drains it, and an upstream the wire
+core paused (:meth:`UpstreamStream.pause_delivery`) is not read at all until it
+resumes; a ``block`` stream's socket also gets a small receive buffer
+(:meth:`UpstreamStream.cap_receive_buffer`), so the engine's sends are held
+after tens of KiB rather than after an autotuned buffer of megabytes. Whether
 an idle pooled connection is still good (:meth:`UpstreamStream.idle_and_silent`)
 is answered from the protocol's own state, without a system call.
 
