@@ -359,3 +359,37 @@ def test_an_error_status_is_shown_with_the_sidecars_message(start_sidecar, page:
     prefix = "the sidecar answered HTTP 502: "
     note = _text(page, "#note")
     assert note.startswith(prefix) and len(note) > len(prefix)
+
+
+@pytest.mark.slow
+def test_the_policy_menu_asks_for_block_and_the_page_shows_how_the_stream_was_carried(
+        start_sidecar, page_upstream: PageUpstream, page: Any) -> None:
+    page_upstream.tokens, page_upstream.delay_s = 400, 0.0
+    sidecar = _playground(start_sidecar, page_upstream,
+                          client_settings=("slow_client_policy=coalesce|block|drop",))
+    _open(page, sidecar)
+    page.eval_on_selector("#throttle", "e => { e.value = '100'; e.dispatchEvent(new Event('input')); }")
+    page.select_option("#policy", "block")
+    _send(page, "slowly")
+    page.wait_for_selector("#status[data-state=done]", timeout=30_000)
+    assert _text(page, "#output") == expected_text(400)
+    # From event: tokenwire.open and event: tokenwire.done, which the page asks for;
+    # neither is counted among the stream's events.
+    assert _text(page, "#policy-used") == "block"
+    assert _text(page, "#coalesced") == "0"  # block merges nothing
+    record = sidecar.record(_text(page, "#request-id"))
+    assert record.coalesced_events == 0 and record.producer_wait_s >= 0.0
+    assert _shown_ms(_text(page, "#producer-wait")) == pytest.approx(record.producer_wait_s * 1000, abs=0.01)
+    assert int(_text(page, "#events")) == record.events_out - 2
+
+
+@pytest.mark.slow
+def test_a_policy_the_sidecar_does_not_allow_is_refused_in_words(
+        start_sidecar, page_upstream: PageUpstream, page: Any) -> None:
+    sidecar = _playground(start_sidecar, page_upstream)  # client_settings allow no policy
+    _open(page, sidecar)
+    page.select_option("#policy", "drop")
+    _send(page, "hello")
+    page.wait_for_selector("#status[data-state=error]")
+    note = _text(page, "#note")
+    assert note.startswith("the sidecar answered HTTP 400: ") and "tokenwire-slow-client-policy" in note, note

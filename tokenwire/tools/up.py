@@ -34,7 +34,10 @@ _SIDECAR_START_TIMEOUT_S = 30.0
 # replay. A client that leaves stops its answer at once (no grace), unless the request
 # asked to keep it going (``Tokenwire-Keep-Generating: true``, the playground's checkbox;
 # a Responses ``"background": true``), for up to the default bound of client_settings.
-_UP_SIDECAR_ARGS = ("--resume",)
+# The playground's policy menu asks for coalesce, block or drop per request.
+_UP_SIDECAR_ARGS = ("--resume", *(arg for setting in (
+    "heartbeat_s=1..60", "write_deadline_s=5..120", "keep_generating_s=0..600",
+    "slow_client_policy=coalesce|block|drop") for arg in ("--client-settings", setting)))
 
 
 class Child:
