@@ -14,5 +14,7 @@ Modules, one idea each:
 - ``dialect`` (+ ``request_fields``): what an API dialect is; ``openai_dialect`` (+
   ``openai_requests``), ``responses_api``, ``messages_api``: OpenAI Chat Completions and
   Completions, the OpenAI Responses API, the Anthropic Messages API;
-- ``server``: ``tokenwire engine`` / ``python -m tokenwire.engine.server``.
+- ``server``: ``tokenwire engine`` / ``python -m tokenwire.engine.server``; ``loading``: its
+  answers while the model loads (``/healthz`` 200, ``/readyz`` 503); ``probe``: an exec
+  probe of an engine on a Unix socket.
 """

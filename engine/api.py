@@ -60,7 +60,7 @@ ROOT_NOT_FOUND_TEXT = """\
 answers it, directly or through the sidecar in front of it):
 
   POST /v1/chat/completions   /v1/completions   /v1/responses   /v1/messages
-  GET  /v1/models   /health   /metrics
+  GET  /v1/models   /health   /healthz   /readyz   /metrics
 
 To try it in a browser, open the playground on the sidecar's admin port: with
 `tokenwire up`, the "playground" line of its banner (http://127.0.0.1:8081/ by default).
@@ -136,6 +136,10 @@ def build_app(
             Route("/v1/models", handlers.models, methods=["GET"]),
             Route("/v1/abort/{request_id}", handlers.abort, methods=["POST"]),
             Route("/health", handlers.health, methods=["GET"]),
+            # The probes: 503 from these (and /health) while the scheduler is down;
+            # while the model loads, loading.py answers them (/healthz 200, /readyz 503).
+            Route("/healthz", handlers.health, methods=["GET"]),
+            Route("/readyz", handlers.ready, methods=["GET"]),
             Route("/metrics", handlers.metrics, methods=["GET"]),
             # A response is an ASGI app, and a route to one takes every method:
             # ``POST /`` stays the 404 it was before ``/`` had a route, never a 405.
@@ -231,6 +235,11 @@ class _Handlers:
             return JSONResponse({"status": "scheduler_down", "in_flight": in_flight},
                                 status_code=503)
         return JSONResponse({"status": "ok", "in_flight": in_flight})
+
+    async def ready(self, request: Request) -> Response:
+        if not self._engine.runner.alive:
+            return JSONResponse({"status": "scheduler_down"}, status_code=503)
+        return JSONResponse({"status": "ready"})
 
     async def metrics(self, request: Request) -> Response:
         return Response(self._engine.metrics.render(), media_type=CONTENT_TYPE)

@@ -23,12 +23,17 @@ from tokenwire.engine.config import (
     runs_scheduler_process,
     torch_threads,
 )
+from tokenwire.engine.loading import LoadingServer, bind_unix
 from tokenwire.middleware import WireConfig
 from tokenwire.middleware.asgi.middleware import listening_socket
 from tokenwire.middleware.process.logs import LogFormat, configure_logging
 from tokenwire.middleware.process.tracing import tracer_provider_from_env
 
-__all__ = ["ListenAddress", "build_asgi_app", "build_parser", "load_engine_config", "main"]
+__all__ = ["GRACEFUL_SHUTDOWN_S", "ListenAddress", "build_asgi_app", "build_parser", "load_engine_config",
+           "main"]
+
+GRACEFUL_SHUTDOWN_S = 5
+"""After SIGTERM, how long uvicorn lets open requests finish (a pod's grace period counts it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,12 +123,12 @@ def _wrap_in_middleware(app: ASGIApp, wire: WireConfig | None = None) -> ASGIApp
     return TokenWireMiddleware(app, config=wire or engine_wire_defaults())
 
 
-def _listen(listen: ListenAddress, wire: WireConfig) -> socket.socket | None:
-    """The TCP listening socket, bound now (our own: it caps the send buffer of
+def _listen(listen: ListenAddress, wire: WireConfig) -> socket.socket:
+    """The listening socket, bound now: the loading answers use it while the model
+    loads (``loading.py``), then uvicorn. TCP: our own (it caps the send buffer of
     accepted connections, so the middleware sees a slow client,
-    docs/architecture.md#slow-readers); for a Unix socket, None once its
-    directory is there to bind in (uvicorn binds it, replacing a stale one).
-    Raises ``OSError`` naming what is wrong."""
+    docs/architecture.md#slow-readers); a Unix socket replaces a stale one, as
+    uvicorn would. Raises ``OSError`` naming what is wrong."""
     if listen.unix_path is None:
         assert listen.host is not None and listen.port is not None
         return listening_socket(listen.host, listen.port, wire)
@@ -132,7 +137,7 @@ def _listen(listen: ListenAddress, wire: WireConfig) -> socket.socket | None:
         raise FileNotFoundError(errno.ENOENT, "no such directory", str(folder))
     if not os.access(folder, os.W_OK | os.X_OK):
         raise PermissionError(errno.EACCES, "the directory is not writable", str(folder))
-    return None
+    return bind_unix(listen.unix_path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -165,18 +170,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     # time. 1 ms bounds what the loop can cost a step.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     provider = tracer_provider_from_env(os.environ, "tokenwire-engine")
+    # /healthz 200, /readyz 503 on the socket while the model loads (minutes, for
+    # a large one): a probe sees an engine that lives and is not ready yet.
+    loading = LoadingServer(sock).start()
     try:
         app = build_asgi_app(config, provider)
     except (OSError, ValueError, RuntimeError) as error:  # SchedulerProcessError included
-        if sock is not None:
-            sock.close()
+        loading.stop()
+        sock.close()
         print(f"tokenwire engine: {error}", file=sys.stderr)
         return 2
+    loading.stop()  # connections from now on wait in the backlog for uvicorn
     # log_config=None: uvicorn's loggers go through our handler (configure_logging);
-    # its access line lacks the request id, so AccessLog writes that one.
+    # its access line lacks the request id, so AccessLog writes that one. A Unix
+    # socket goes as its descriptor (uvicorn then names it in its "running on" line).
+    unix = listen.unix_path is not None
     uvicorn_config = uvicorn.Config(
-        app, uds=listen.unix_path, log_level=config.log_level.lower(), timeout_graceful_shutdown=5,
-        log_config=None, access_log=False, loop=event_loop(config),
+        app, fd=sock.fileno() if unix else None, log_level=config.log_level.lower(),
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, log_config=None, access_log=False,
+        loop=event_loop(config),
     )
     server = uvicorn.Server(uvicorn_config)
     # torch, transformers (and in thread mode the model): ~200,000 objects that
@@ -184,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # over them held the GIL ~60 ms: the loop and the scheduler thread stalled).
     gc.collect()
     gc.freeze()
-    if sock is None:
+    if unix:
         server.run()
     else:
         server.run(sockets=[sock])

@@ -46,6 +46,8 @@ class SidecarContext:
     """Request body bytes held by all connections now (``max_buffered_body_bytes``)."""
     draining: bool = False
     """Set on shutdown: no new requests; connections close after their current response."""
+    store_reachable: bool = True
+    """The replay store answered its last PING (``process/readiness.py``'s ``StoreWatch``)."""
     on_drain: list[Callable[[], None]] = field(default_factory=list)
     """Called once when shutdown begins (``draining`` is set): gRPC health watches."""
     departures: Departures = field(default_factory=Departures)

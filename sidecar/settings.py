@@ -74,6 +74,12 @@ class SidecarConfig:
     """CA bundle for client certificates; set = mTLS required."""
     drain_s: float = 10.0
     """On SIGTERM, open streams may finish for this long before they are ended."""
+    ready_requires_upstream: bool = True
+    """/readyz answers 503 while no upstream can take a stream: with health_path, none is in
+    by its checks (in from its first passed check); without, the last connect to each failed."""
+    ready_requires_store: bool = True
+    """/readyz answers 503 while the resume store (resume on, a redis:// store) does not
+    answer its PING, sent every health_interval_s."""
     max_connections: int = 10_000
     """Client connections beyond this get 503 with Retry-After."""
     max_head_bytes: int = 64 * 1024
@@ -253,8 +259,9 @@ class SidecarConfig:
             raise ConfigError("http2_header_table_bytes", "must be a whole number >= 0")
         if self.http2_stream_window_bytes > 2**31 - 1 or self.http2_connection_window_bytes > 2**31 - 1:
             raise ConfigError("http2_stream_window_bytes", "HTTP/2 windows are at most 2**31 - 1 bytes")
-        if not isinstance(self.drop_underscore_headers, bool):
-            raise ConfigError("drop_underscore_headers", "must be true or false")
+        for key in ("drop_underscore_headers", "ready_requires_upstream", "ready_requires_store"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(key, "must be true or false")
         if not isinstance(self.grpc_keepalive_permit_without_calls, bool):
             raise ConfigError("grpc_keepalive_permit_without_calls", "must be true or false")
         strikes = self.grpc_keepalive_max_ping_strikes

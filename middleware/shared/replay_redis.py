@@ -131,6 +131,14 @@ class RedisReplayStore:
         except self._outages as error:
             raise StoreUnavailable(f"redis: {error}") from error
 
+    async def ping(self) -> bool:
+        """Whether Redis answers a PING now: the sidecar's ``/readyz`` asks every
+        ``health_interval_s`` (no request pays for it); the caller bounds the wait."""
+        try:
+            return bool(await self._redis.ping())
+        except self._outages:
+            return False
+
     async def wait_reader(self, stream_id: str, timeout_s: float) -> bool:
         try:
             return await self._wait_reader(stream_id, timeout_s)

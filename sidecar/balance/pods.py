@@ -11,7 +11,10 @@ holds, each its own small machine:
 * **active health**: with ``health_path`` set, a check every
   ``health_interval_s``. ``health_unhealthy_threshold`` failures in a row
   take the pod out, ``health_healthy_threshold`` successes in a row put it
-  back. A pod starts healthy (no check has said otherwise yet).
+  back. A pod starts healthy (no check has said otherwise yet); one that has
+  never passed a check goes in on its first pass (an engine still loading its
+  model at start-up has no flapping to damp), so readiness follows within one
+  interval of its coming up.
 * **passive outlier ejection**: ``outlier_consecutive_failures`` failures in
   a row *before the first byte* (a refused connection, a 5xx status, no
   answer in time) eject it for ``outlier_base_ejection_s`` x 2^(k-1), the k-th
@@ -63,6 +66,8 @@ class PodState:
     draining: bool = False
     removed: bool = False
     healthy: bool = True
+    health_passed: bool = False
+    """A check has passed since the pod joined the set (``/readyz`` asks for one)."""
     health_checks_failed: int = 0
     _health_streak: int = 0
     """Consecutive check results against the current state (successes while out, failures while in)."""
@@ -92,6 +97,12 @@ class PodState:
         """One active check's result; True if it changed ``healthy``."""
         if not ok:
             self.health_checks_failed += 1
+        elif not self.health_passed:
+            self.health_passed = True
+            if not self.healthy:
+                self.healthy = True
+                self._health_streak = 0
+                return True
         if ok == self.healthy:
             self._health_streak = 0
             return False

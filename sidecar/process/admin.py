@@ -9,7 +9,8 @@ Routes::
     GET    /upstreams              the upstream set: state, open streams, load, picks, queue
     POST   /upstreams/{addr}/drain    no new streams to it, its open ones finish (``/undrain``: back)
     GET    /healthz                200 while the process runs
-    GET    /readyz                 200 while taking requests, 503 once draining
+    GET    /readyz                 200 while it can take a stream; 503 naming why not
+                                   (draining, no healthy upstream, the store: ``readiness.py``)
 
 Access: with an admin token (``admin_token``/``admin_token_file``, required
 when the admin listens beyond loopback) every route asks for
@@ -40,6 +41,7 @@ from tokenwire.middleware.core.headers import header_value
 
 from ..context import SidecarContext
 from .playground import Playground
+from .readiness import readiness
 
 _MAX_ADMIN_HEAD_BYTES = 16 * 1024
 _ADMIN_READ_TIMEOUT_S = 10.0
@@ -98,9 +100,8 @@ def route(context: SidecarContext, method: bytes, target: bytes, *,
         if path == "/healthz":
             return _json(200, {"status": "ok"})
         if path == "/readyz":
-            if context.draining:
-                return _json(503, {"status": "draining"})
-            return _json(200, {"status": "ready"})
+            verdict = readiness(context, asyncio.get_running_loop().time())
+            return _json(verdict.status, verdict.body())
     elif method == b"DELETE" and path.startswith("/streams/"):
         request_id = path[len("/streams/"):]
         if context.registry.stop(request_id, EndReason.CANCELLED):

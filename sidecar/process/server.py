@@ -44,6 +44,7 @@ from .admin import AdminAccess, AdminHandler
 from .admin import handler as admin_handler
 from .listener import ProtocolSelector
 from .metrics import SidecarMetrics
+from .readiness import Pingable, StoreWatch
 from .tls import alerting_protocol_factory, load_certificates, server_context
 
 # Net allocations between young-generation collections (see serve()).
@@ -79,6 +80,7 @@ class Sidecar:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.context: SidecarContext | None = None
         self._admin_handler: AdminHandler | None = None
+        self._store_watch: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Bind the listeners; after this the sidecar serves requests."""
@@ -135,6 +137,13 @@ class Sidecar:
         self.context = context
         context.metrics.registry.register(UpstreamCollector(context.pools))
         await context.pools.start()
+        store = context.replay_store
+        if isinstance(store, Pingable) and config.ready_requires_store:
+            # The first PING before the ready line, so /readyz is true from it.
+            watch = StoreWatch(context, store, interval_s=config.health_interval_s,
+                               timeout_s=config.health_timeout_s)
+            await watch.check()
+            self._store_watch = loop.create_task(watch.run())
         # A TLS client that never finishes its handshake (or never sends a byte)
         # gets no more time than a plain one that never finishes its head; the
         # loop's default would hold the socket for 60 s, before the connection
@@ -241,6 +250,10 @@ class Sidecar:
         if self._admin is not None:
             self._admin.close()
         await context.pools.aclose()
+        if self._store_watch is not None:
+            self._store_watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._store_watch
         if context.replay_store is not None:
             await context.replay_store.aclose()
         context.log.close()

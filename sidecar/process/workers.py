@@ -388,8 +388,10 @@ class Supervisor:
             found = [reply for reply in replies if reply[0] == 200]
             if found or replies:
                 return (found or replies)[0]
-        if method in (b"GET", b"HEAD") and path == "/readyz" and self._stopping:
-            return 503, json_type, b'{"status":"draining"}'
+        if method in (b"GET", b"HEAD") and path == "/readyz":
+            if self._stopping:
+                return 503, json_type, b'{"status":"draining"}'
+            return await self._readyz()
         if method == b"DELETE" and path.startswith("/streams/"):
             last: tuple[int, bytes, bytes] | None = None
             for _, answer in await self._gather("DELETE", quoted):
@@ -406,6 +408,26 @@ class Supervisor:
                                 target.decode("ascii", "replace"), self._access.token)
         except (OSError, TimeoutError, ValueError, IndexError):
             return 502, json_type, b'{"status":"worker did not answer"}'
+
+    async def _readyz(self) -> tuple[int, bytes, bytes]:
+        """Ready when every live worker is: the kernel hands a new connection to any
+        of them. Otherwise the first unready worker's answer, naming it."""
+        answers = await self._gather("GET", "/readyz")
+        if not answers:
+            return 503, b"application/json", b'{"status":"no worker running"}'
+        for worker, answer in answers:
+            if answer is None:
+                return 503, b"application/json", json.dumps(
+                    {"status": "not_ready", "worker": worker.index,
+                     "reasons": [{"code": "worker_silent", "message": "a worker did not answer"}]},
+                    separators=(",", ":")).encode()
+            if answer[0] != 200:
+                try:
+                    body = {**json.loads(answer[2]), "worker": worker.index}
+                except (ValueError, TypeError):
+                    body = {"status": "not_ready", "worker": worker.index}
+                return answer[0], b"application/json", json.dumps(body, separators=(",", ":")).encode()
+        return answers[0][1] or (200, b"application/json", b'{"status":"ready"}')
 
     async def _serve_admin(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await serve_one(reader, writer, self._answer)

@@ -39,7 +39,14 @@ from tokenwire.middleware import Input, UpstreamData, UpstreamEnded, UpstreamFai
 from tokenwire.middleware.core.retry import may_repeat
 
 from .conn import UpstreamConnection
-from .errors import STALE_CONNECTION_ERRORS, CutShort, caller_message, failure_kind
+from .errors import (
+    STALE_CONNECTION_ERRORS,
+    ConnectFailed,
+    CutShort,
+    PoolTimedOut,
+    caller_message,
+    failure_kind,
+)
 from .head import CHUNKED, ResponseHead
 from .pool import UpstreamPool
 from .transport import UpstreamStream
@@ -55,11 +62,15 @@ _BODY_READ_BYTES = 256 * 1024
 class UpstreamCounters:
     """What the attempts on one upstream count, for the metrics."""
 
-    __slots__ = ("resent",)
+    __slots__ = ("connected", "resent")
 
     def __init__(self) -> None:
         self.resent = 0
         """Requests re-sent after a reused connection failed before any answer (see :func:`_send`)."""
+        self.connected: bool | None = None
+        """How the last connect to the pod went (an attempt's, or a connect probe's:
+        :meth:`~tokenwire.sidecar.upstream.probes.Probes.check_connects`); None = none tried
+        yet. ``/readyz`` reads it when health checks are off."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +122,7 @@ async def run_attempt(
     try:
         connection, head = await _send(upstream, method=method, target=target, headers=headers, body=body,
                                        timeouts=timeouts)
+        upstream.counters.connected = True
         network = connection.stream
         assert network is not None  # connected: it sent a head
         if on_connection is not None:
@@ -139,6 +151,10 @@ async def run_attempt(
     except asyncio.CancelledError:
         raise
     except Exception as error:
+        if isinstance(error, ConnectFailed) and not isinstance(error, PoolTimedOut):
+            # A pool whose connections are all busy reached the pod; a refused or
+            # timed-out connect did not (readiness with health checks off).
+            upstream.counters.connected = False
         # The caller reads what went wrong; the operator reads which pod, and how.
         logger.warning("upstream %s: %s %s failed: %s: %s", upstream.name, method.decode("latin-1"),
                        target.partition(b"?")[0].decode("latin-1"), type(error).__name__, error)

@@ -186,13 +186,19 @@ class UpstreamPools:
     # ------------------------------------------------------------ background
 
     async def start(self) -> None:
-        """Resolve the names once, then keep the set, health and load up to date."""
+        """Resolve the names once (and check the pods' health once), then keep the
+        set, health and load up to date."""
         await self.refresh()
         config = self._config
         if self._membership.dynamic:
             self._spawn(self._every(config.upstream_refresh_s, self.refresh))
         if config.health_path:
+            # The first check now, not one interval on: ``/readyz`` is true from the
+            # ready line (a check is bounded by health_timeout_s).
+            await self._check_health()
             self._spawn(self._every(config.health_interval_s, self._check_health))
+        elif config.ready_requires_upstream:
+            self._spawn(self._every(config.health_interval_s, self._probes.check_connects))
         if config.balance == "queue-aware":
             self._spawn(self._every(config.load_poll_s, self._probes.poll_load))
 
@@ -313,6 +319,11 @@ class UpstreamPools:
     def upstreams(self) -> list[Upstream]:
         """The pools made so far, one per pod that had traffic."""
         return list(self._upstreams.values())
+
+    def connected(self, address: str) -> bool | None:
+        """How the last connect to ``address`` went; None = none tried yet (see :mod:`.probes`)."""
+        upstream = self._upstreams.get(address)
+        return None if upstream is None else upstream.counters.connected
 
     def resent(self, address: str) -> int:
         """Requests to ``address`` re-sent after a reused connection failed (see :mod:`.attempt`)."""

@@ -1,4 +1,4 @@
-"""The active probes of the pods: health checks (``health_path``) and load scrapes.
+"""The active probes of the pods: health checks (``health_path``), load scrapes, connects.
 
 Each pod gets a small httpcore pool of its own for its probes (a few requests a
 second at most, apart from the streams' connections). A probe is one ``GET``
@@ -6,6 +6,14 @@ bounded by ``health_timeout_s``; what it found goes to the balancer
 (:meth:`~tokenwire.sidecar.balance.Balancer.health_result`,
 :meth:`~tokenwire.sidecar.balance.Balancer.load_result`), which decides what
 it means: when a pod is out, how stale a load reading may be.
+
+With health checks off, ``/readyz`` knows a pod only by how its last connect
+went (:attr:`~tokenwire.sidecar.upstream.attempt.UpstreamCounters.connected`).
+A sidecar that is not ready gets no traffic to learn from, so
+:meth:`Probes.check_connects` connects (and closes at once) to each pod whose
+last connect failed: nothing while none did, so a ready sidecar pays nothing
+for it (and a pod no attempt has reached yet is not probed: without health
+checks, nothing is known of a pod before its first connect).
 """
 
 from __future__ import annotations
@@ -49,6 +57,27 @@ class Probes:
                 logger.warning("upstream %s is %s", address, "healthy again" if ok else "unhealthy")
 
         await asyncio.gather(*(check(address) for address in pods))
+
+    async def check_connects(self) -> None:
+        """One bare connect to every pod whose last connect failed, all at once."""
+        upstreams = [self._upstream(pod.address) for pod in self._balancer.pods if not pod.removed]
+
+        async def connect(upstream: Upstream) -> None:
+            origin = upstream.pool.origin
+            try:
+                async with asyncio.timeout(self._config.health_timeout_s):
+                    if origin.uds is not None:
+                        _, writer = await asyncio.open_unix_connection(origin.uds)
+                    else:
+                        _, writer = await asyncio.open_connection(origin.host.decode("ascii"), origin.port)
+            except (TimeoutError, OSError):
+                upstream.counters.connected = False
+                return
+            writer.close()
+            upstream.counters.connected = True
+
+        await asyncio.gather(*(connect(upstream) for upstream in upstreams
+                               if upstream.counters.connected is False))
 
     async def poll_load(self) -> None:
         """One load scrape of every pod in the set, all at once."""
