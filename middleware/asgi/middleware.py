@@ -226,6 +226,9 @@ class TokenWireMiddleware:
             self._log_ready = True
             if self.log_format != "off":
                 install_default_handler(logger, self.log_format)
+            if self.replay_store is not None:
+                # In the server's loop: a shared store passes other processes' cancels on.
+                self.replay_store.serve_cancels(self.stop_writer)
         # After the handler: a port that cannot be capped is said on stderr.
         if self.send_buffers is not None:
             self.send_buffers.see(scope)

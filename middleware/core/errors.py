@@ -74,7 +74,7 @@ ERROR_TABLE: tuple[tuple[str, ErrorCode, str], ...] = (
     ("E7313", ErrorCode.INTERNAL, "a bug in tokenwire, or an engine's own failure to generate"),
     ("E7314", ErrorCode.UNAUTHORIZED, "the admin API's bearer token was missing or wrong"),
     ("E7315", ErrorCode.STREAM_ELSEWHERE,
-     "a cancel of a stream another process is writing (a replica sharing the store)"),
+     "a cancel of a live stream no process sharing the store stopped (its writer is gone)"),
 )
 """Every error code: its stable number, its name, and what it means. The one
 table: the README lists it, logs and records carry ``number`` and ``code``,

@@ -185,11 +185,12 @@ async def answer_cancel(store: ReplayStore, cancel: CancelStream, *, stop_writer
     of it reads next; the stored part stays until ``resume_ttl_s``, so a
     reconnect learns of the cancel. A stream that had already ended is
     forgotten now (there is nothing to stop; the caller is done with it). A
-    live stream written by another process sharing the store is refused with
-    409 (``stream_elsewhere``): only its writer can stop its upstream."""
+    live stream written by another process sharing the store is stopped there
+    (``store.relay_cancel``); one that no process stopped is refused with 409
+    (``stream_elsewhere``): only its writer can stop its upstream."""
     stream_id = cancel.stream_id
     try:
-        if stop_writer(stream_id):
+        if stop_writer(stream_id) or await _stopped_elsewhere(store, stream_id):
             status = "cancelled"
         elif (reason := await store.end_reason(stream_id)) is not None:
             await store.discard(stream_id)
@@ -207,6 +208,11 @@ async def answer_cancel(store: ReplayStore, cancel: CancelStream, *, stop_writer
                                (b"content-length", str(len(data)).encode()))))
     feed(UpstreamData(data))
     feed(UpstreamEnded())
+
+
+async def _stopped_elsewhere(store: ReplayStore, stream_id: str) -> bool:
+    """A live stream of another process sharing the store: passed on, and stopped there?"""
+    return await store.end_reason(stream_id) is None and await store.relay_cancel(stream_id)
 
 
 async def wait_for_reader(store: ReplayStore, action: AwaitReader, now: float) -> bool:

@@ -31,12 +31,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ..core.config import ConfigError
 from ..core.events import EndReason, ReplayAppend
 from ..core.resume import scoped_key
+from .redis_cancel import RedisCancelRelay
 from .replay_store import KeyReused, ReplayUnavailable, StoreUnavailable, StreamNotFound
 
 logger = logging.getLogger("tokenwire.resume")
@@ -79,6 +80,7 @@ class RedisReplayStore:
         self._owners: dict[str, str] = {}  # stream -> its owner, while it is written here (its alias's scope)
         self.write_errors = 0
         self._error_logged_at = -_ERROR_LOG_EVERY_S
+        self._cancels = RedisCancelRelay(self._redis, self._outages, self.end_reason)
 
     async def open(self, stream_id: str, idempotency: tuple[str, str] | None = None, *,
                    owner: str = "") -> str | None:
@@ -138,6 +140,15 @@ class RedisReplayStore:
             return bool(await self._redis.ping())
         except self._outages:
             return False
+
+    def serve_cancels(self, stop_writer: Callable[[str], bool]) -> None:
+        self._cancels.serve(stop_writer)
+
+    async def relay_cancel(self, stream_id: str) -> bool:
+        try:
+            return await self._cancels.relay(stream_id)
+        except self._outages as error:
+            raise StoreUnavailable(f"redis: {error}") from error
 
     async def wait_reader(self, stream_id: str, timeout_s: float) -> bool:
         try:
@@ -286,4 +297,5 @@ class RedisReplayStore:
             self._writer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._writer
+        await self._cancels.aclose()
         await self._redis.aclose()

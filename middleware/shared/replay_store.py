@@ -128,6 +128,17 @@ class ReplayStore(Protocol):
         """True as soon as a reader attaches to ``stream_id``; False after ``timeout_s``."""
         ...
 
+    def serve_cancels(self, stop_writer: Callable[[str], bool]) -> None:
+        """Let other processes sharing the store stop this one's writers:
+        ``stop_writer(stream_id)`` is called for each cancel they pass on
+        (``redis_cancel.py``; a store of one process has none). Idempotent."""
+        ...
+
+    async def relay_cancel(self, stream_id: str) -> bool:
+        """Pass a cancel of ``stream_id`` on to the process writing it; True once it
+        stopped (its end is stored), False if none did (or none can be asked)."""
+        ...
+
     async def aclose(self) -> None:
         ...
 
@@ -262,6 +273,12 @@ class MemoryReplayStore:
         except TimeoutError:
             return False
         return True
+
+    def serve_cancels(self, stop_writer: Callable[[str], bool]) -> None:
+        pass  # one process: its writers are all stopped here
+
+    async def relay_cancel(self, stream_id: str) -> bool:
+        return False
 
     async def aclose(self) -> None:
         for stream_id, stored in list(self._streams.items()):

@@ -463,6 +463,8 @@ class Exchange:
         # Opened whatever the request looks like: an answer that turns out not
         # to be an event stream is discarded by the core at its end.
         path, _, query = self.target.decode("latin-1").partition("?")
+        stop = functools.partial(self._context.registry.stop_writer, reason=EndReason.CANCELLED)
+        store.serve_cancels(stop)  # once per process in effect: what other processes pass on
         entry = await enter_resume(
             store, caller_key, method=self.method.decode("latin-1"), path=path, query=query,
             headers=self.upstream_headers, body=self.body, stream_id=self.stream_id, open_now=True)
@@ -472,7 +474,6 @@ class Exchange:
         if entry.unresumable is not None:
             logger.warning("stream %s: not resumable: %s", self.request_id, entry.unresumable)
         if entry.cancel is not None:
-            stop = functools.partial(self._context.registry.stop_writer, reason=EndReason.CANCELLED)
             await answer_cancel(store, entry.cancel, stop_writer=stop, feed=self.feed)
             return
         if entry.replay is not None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from tokenwire.middleware import (
     ClientError,
     PauseUpstream,
