@@ -22,8 +22,10 @@ Method (figures in docs/perf/http2-grpc.md, "HTTP/2"):
   upstream.
 
 Usage: ``python bench/h2_bench.py [--quick]``; writes ``bench/results/h2.json``.
-``--stuck ROUNDS`` / ``--resets ROUNDS`` run one scenario alone, tokenwire and
-nginx alternating (``--base DIR``: an older checkout beside them); they print.
+``--stuck ROUNDS`` / ``--resets ROUNDS`` / ``--cpu ROUNDS`` run one scenario alone
+(``--cpu``: ``throughput`` over HTTP/2 only, the proxy's CPU per event),
+tokenwire and nginx alternating (``--base DIR``: an older checkout beside
+them); they print. The floods are ``h2_flood.py``'s.
 """
 
 from __future__ import annotations
@@ -168,21 +170,61 @@ def run(quick: bool) -> dict[str, Any]:
     return results
 
 
-def _rotation(stack: contextlib.ExitStack, code: str | None) -> tuple[int, dict[str, int]]:
-    """The fake upstream and the targets a ``--stuck``/``--resets`` run takes
-    turns on (tokenwire, nginx, and ``code`` as ``base``), entered on ``stack``;
-    returns the upstream's port and each target's."""
+def rotation(stack: contextlib.ExitStack, code: str | None) -> tuple[int, dict[str, int], dict[str, int]]:
+    """The fake upstream and the targets a ``--stuck``/``--resets``/``--cpu`` run
+    (and ``h2_flood.py``) takes turns on (tokenwire, nginx, and ``code`` as
+    ``base``), entered on ``stack``; returns the upstream's port, each target's
+    port and the pid that serves it."""
     tmp = Path(tempfile.mkdtemp(prefix="tokenwire-h2-rounds-"))
     stack.callback(shutil.rmtree, tmp, ignore_errors=True)
     cert, key = certificate(tmp)
     upstream_port = free_port()
     ports = {"tokenwire": free_port(), "nginx": free_port(), **({"base": free_port()} if code else {})}
     stack.enter_context(process([PY, LOAD, "upstream", "--port", str(upstream_port)], "upstream"))
-    stack.enter_context(sidecar_tls(ports["tokenwire"], upstream_port, cert, key))
-    stack.enter_context(nginx_h2(ports["nginx"], upstream_port, cert, key))
+    ours = stack.enter_context(sidecar_tls(ports["tokenwire"], upstream_port, cert, key))
+    theirs = stack.enter_context(nginx_h2(ports["nginx"], upstream_port, cert, key))
+    pids = {"tokenwire": ours.pid, "nginx": nginx_worker_pid(theirs)}
     if code is not None:
-        stack.enter_context(sidecar_tls(ports["base"], upstream_port, cert, key, code=code))
-    return upstream_port, ports
+        base = stack.enter_context(sidecar_tls(ports["base"], upstream_port, cert, key, code=code))
+        pids["base"] = base.pid
+    return upstream_port, ports, pids
+
+
+def cpu_rounds(rounds: int, streams: int, code: str | None = None) -> dict[str, Any]:
+    """Only ``throughput`` over HTTP/2 (``streams`` streams on 10 connections,
+    500 events every 10 ms), tokenwire and nginx alternating (and ``code`` as
+    ``base``), ``rounds`` rounds after a warm-up: the proxy's CPU per event
+    (user + system over the run / events delivered), the median over rounds,
+    and the median of the per-round ratios to ``base`` (or nginx)."""
+    rows: dict[str, list[float]] = {}
+    with contextlib.ExitStack() as stack:
+        _, ports, pids = rotation(stack, code)
+        names = list(ports)
+        for round_index in range(rounds + 1):  # round 0 warms up
+            order = names if round_index % 2 else names[::-1]
+            for name in order:
+                cpu_before = cpu_seconds(pids[name])
+                result = load("throughput", ports[name], "--streams", str(streams), "--connections", "10",
+                              "--events", "500", "--interval-ms", "10")
+                if "error" in result:
+                    print(f"[round {round_index}] {name}: {result['error']}", flush=True)
+                    continue
+                us = (cpu_seconds(pids[name]) - cpu_before) / max(result["delivered_events"], 1) * 1e6
+                print(f"[round {round_index}] {name}: {us:.1f} us/event, complete {result['complete']}, "
+                      f"p50/p99 {result['latency']['p50_ms']}/{result['latency']['p99_ms']} ms", flush=True)
+                if round_index:
+                    rows.setdefault(name, []).append(us)
+
+    def median(values: list[float]) -> float:
+        ordered = sorted(values)
+        return ordered[len(ordered) // 2]
+
+    against = "base" if code else "nginx"
+    ratios = [a / b for a, b in zip(rows.get("tokenwire", []), rows.get(against, []), strict=False)]
+    return {"rounds": rounds, "streams": streams, "load_average_after": list(os.getloadavg()),
+            "cpu_us_per_event": {name: round(median(values), 1) for name, values in rows.items()},
+            "runs": {name: [round(v, 1) for v in values] for name, values in rows.items()},
+            f"tokenwire_over_{against}_median": round(median(ratios), 3) if ratios else None}
 
 
 def stuck_rounds(rounds: int, streams: int, code: str | None = None) -> dict[str, Any]:
@@ -192,7 +234,7 @@ def stuck_rounds(rounds: int, streams: int, code: str | None = None) -> dict[str
     streams' longest gap and gap p99, as multiples of the upstream's gap."""
     rows: dict[str, dict[str, list[dict[str, Any]]]] = {}
     with contextlib.ExitStack() as stack:
-        _, ports = _rotation(stack, code)
+        _, ports, _ = rotation(stack, code)
         for round_index in range(rounds + 1):  # round 0 warms up
             for interval_ms in (50, 10):
                 for name, port in ports.items():
@@ -225,7 +267,7 @@ def reset_rounds(rounds: int, streams: int, code: str | None = None) -> dict[str
     warm-up; per cell the median over rounds of p50 and of p99."""
     rows: dict[str, dict[str, list[dict[str, float]]]] = {}
     with contextlib.ExitStack() as stack:
-        upstream_port, ports = _rotation(stack, code)
+        upstream_port, ports, _ = rotation(stack, code)
         for round_index in range(rounds + 1):  # round 0 warms up
             for proto in ("h2", "h1"):
                 for name, port in ports.items():
@@ -256,9 +298,16 @@ def main() -> int:
     parser.add_argument("--resets", type=int, metavar="ROUNDS", default=0,
                         help="only the reset scenario (100 streams one at a time, HTTP/2 and "
                              "HTTP/1.1), tokenwire and nginx alternating, ROUNDS rounds; prints")
+    parser.add_argument("--cpu", type=int, metavar="ROUNDS", default=0,
+                        help="only HTTP/2 throughput (200 streams on 10 connections), the proxy's CPU "
+                             "per event, tokenwire and nginx alternating, ROUNDS rounds; prints")
     parser.add_argument("--base", metavar="DIR", default=None,
-                        help="--stuck/--resets: also run the tokenwire package in DIR/tokenwire as base")
+                        help="--stuck/--resets/--cpu: also run the tokenwire package in DIR/tokenwire "
+                             "as base")
     args = parser.parse_args()
+    if args.cpu:
+        print(json.dumps(cpu_rounds(args.cpu, 200, args.base), indent=2))
+        return 0
     if args.resets:
         print(json.dumps(reset_rounds(args.resets, 100, args.base), indent=2))
         return 0

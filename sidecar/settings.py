@@ -222,6 +222,10 @@ class SidecarConfig:
     http2_max_empty_frames_per_s: int = 100
     """DATA frames without payload or end an HTTP/2 client may send per second; beyond
     it GOAWAY ENHANCE_YOUR_CALM (CVE-2019-9518)."""
+    http2_max_window_updates_per_s: int = 2000
+    """WINDOW_UPDATE frames an HTTP/2 client may send per second, its connection's and
+    its streams' together; beyond it GOAWAY ENHANCE_YOUR_CALM. A client crediting half a
+    64 KiB window at a time reads 32 MB/s of answers per connection under it."""
 
     def __post_init__(self) -> None:
         for key in ("drain_s", "header_read_timeout_s", "body_read_timeout_s", "keepalive_timeout_s",
@@ -235,7 +239,8 @@ class SidecarConfig:
                     "http2_max_concurrent_streams", "http2_max_header_list_bytes",
                     "http2_stream_window_bytes", "http2_connection_window_bytes",
                     "http2_max_streams_per_connection", "http2_max_resets_per_s",
-                    "http2_max_control_frames_per_s", "http2_max_empty_frames_per_s"):
+                    "http2_max_control_frames_per_s", "http2_max_empty_frames_per_s",
+                    "http2_max_window_updates_per_s"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(key, f"must be a whole number > 0, got {value!r}")

@@ -19,11 +19,14 @@ leave in one write.
   once (its upstream is aborted); GOAWAY from the client ends all of them so.
 * ``WindowUpdated`` and new SETTINGS let held-back bytes go (see http2_stream.py:
   the send windows are the wire core's ``SocketPaused``/``SocketResumed``).
-* Floods (resets, SETTINGS/PING/PRIORITY, empty DATA) are counted by a
-  :class:`~tokenwire.sidecar.downstream.http2_guard.FloodGuard`; past a limit the
-  connection ends with GOAWAY(ENHANCE_YOUR_CALM). h2 itself ends it with a
-  GOAWAY for protocol errors, a CONTINUATION run over 64 frames and a header
-  block that inflates past twice ``http2_max_header_list_bytes`` (HPACK bomb).
+* Floods (resets, SETTINGS/PING/PRIORITY, WINDOW_UPDATE, empty DATA) are
+  counted by a :class:`~tokenwire.sidecar.downstream.http2_guard.FloodGuard`,
+  frame by frame as a :class:`~tokenwire.sidecar.downstream.http2_frames.FrameGate`
+  cuts each read into pieces of a few frames for h2; past a limit nothing more
+  of the read is parsed and the connection ends with GOAWAY(ENHANCE_YOUR_CALM).
+  h2 itself ends it with a GOAWAY for protocol errors, a CONTINUATION run over
+  64 frames and a header block that inflates past twice
+  ``http2_max_header_list_bytes`` (HPACK bomb).
 * Shutdown sends GOAWAY with the last stream id (written beside h2, whose state
   machine allows nothing after its own GOAWAY); open streams drain, new ones
   are refused, and the connection closes when the last one ends.
@@ -47,6 +50,7 @@ from hyperframe.frame import GoAwayFrame
 
 from ..context import SidecarContext
 from .connection import BUSY_BODIES, LINGER_S, Peer, new_exchange, preflight, refusal, set_up_transport
+from .http2_frames import FrameGate
 from .http2_guard import Flood, FloodGuard
 from .http2_request import RequestHead, request_head, request_problem
 from .http2_stream import Http2Stream, StreamHandler
@@ -105,7 +109,9 @@ class Http2Connection(asyncio.Protocol):
             Flood.RESET: config.http2_max_resets_per_s,
             Flood.CONTROL: config.http2_max_control_frames_per_s,
             Flood.EMPTY: config.http2_max_empty_frames_per_s,
+            Flood.WINDOW: config.http2_max_window_updates_per_s,
         }, now=self.loop.time())
+        self._gate = FrameGate(self._guard)
         self._pings = PingPolicy(config.ping_limits)  # gRPC keepalive enforcement
         self._streams_opened = 0
         self._goaway_last_id: int | None = None  # set once we sent GOAWAY
@@ -133,19 +139,28 @@ class Http2Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closing:
             return
-        try:
-            events = self.h2.receive_data(data)
-        except h2.exceptions.ProtocolError as error:
-            # h2 has queued GOAWAY with the error's code; send it and go.
-            logger.info("HTTP/2 connection error from %s: %s", self._peer.host, error)
-            self._flush()
-            self._end_all_streams()
-            self._close()
-            return
-        for event in events:
-            if self.closing:
-                break
-            self._handle(event)
+        # A few frames at a time, each counted before h2 sees it (http2_frames.py):
+        # a flood is cut at the frame past its limit, not after the whole read.
+        view, start, now = memoryview(data), 0, self.loop.time()
+        while start < len(view) and not self.closing:
+            end = self._gate.cut(view, start, now)
+            if self._guard.tripped is not None:
+                self._calm_down()
+                return
+            try:
+                events = self.h2.receive_data(view[start:end])
+            except h2.exceptions.ProtocolError as error:
+                # h2 has queued GOAWAY with the error's code; send it and go.
+                logger.info("HTTP/2 connection error from %s: %s", self._peer.host, error)
+                self._flush()
+                self._end_all_streams()
+                self._close()
+                return
+            for event in events:
+                if self.closing:
+                    break
+                self._handle(event)
+            start = end
         self._flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -180,23 +195,16 @@ class Http2Connection(asyncio.Protocol):
         elif isinstance(event, h2.events.StreamEnded):
             self._on_stream_ended(event.stream_id)
         elif isinstance(event, h2.events.StreamReset):
-            if event.remote_reset and self._guard.count(Flood.RESET, now):
-                self._calm_down()
             stream = self.streams.get(event.stream_id)
             if stream is not None:
                 stream.client_gone()
         elif isinstance(event, h2.events.WindowUpdated):
             self._on_window_update(event.stream_id)
         elif isinstance(event, h2.events.RemoteSettingsChanged):
-            if not self._guard.count(Flood.CONTROL, now):
-                self._on_window_update(0)  # a larger INITIAL_WINDOW_SIZE opens every stream
-            else:
-                self._calm_down()
-        elif isinstance(event, h2.events.PingReceived | h2.events.PriorityUpdated):
-            if self._guard.count(Flood.CONTROL, now):
-                self._calm_down()
-            elif isinstance(event, h2.events.PingReceived) and self._pings.on_ping(
-                    now, open_calls=len(self.streams)):
+            self._on_window_update(0)  # a larger INITIAL_WINDOW_SIZE opens every stream
+        elif isinstance(event, h2.events.PingReceived):
+            # Counted as CONTROL by the gate already; this is gRPC's keepalive policy.
+            if self._pings.on_ping(now, open_calls=len(self.streams)):
                 self._too_many_pings()
         elif isinstance(event, h2.events.SettingsAcknowledged):
             self._relax_hard_limits()
@@ -268,7 +276,9 @@ class Http2Connection(asyncio.Protocol):
             # max_body_bytes and max_buffered_body_bytes, and a window held shut
             # would let one stream's upload starve the connection's others.
             self.h2.acknowledge_received_data(event.flow_controlled_length, stream_id)
-        if not data and event.stream_ended is None and self._guard.count(Flood.EMPTY, now):
+        # An empty DATA frame the gate could not count: padding was all it held.
+        if (not data and event.stream_ended is None and event.flow_controlled_length
+                and self._guard.count(Flood.EMPTY, now)):
             self._calm_down()
             return
         stream = self.streams.get(stream_id)

@@ -3,12 +3,14 @@
 HTTP/2 lets a client make the server work without asking for anything: cancel
 streams as fast as it opens them (rapid reset, CVE-2023-44487), make it answer
 SETTINGS and PING frames (CVE-2019-9512, -9515), reorder the priority tree
-(CVE-2019-9513, -9516), or send DATA frames with nothing in them (CVE-2019-9518).
-Each costs the client a few bytes and the server a parse, an event and maybe a
-reply. :class:`FloodGuard` counts each kind in fixed one-second windows; past a
-kind's limit the connection is over (the driver sends GOAWAY
-ENHANCE_YOUR_CALM and closes). The clock is passed in, so it is tested without
-sleeping.
+(CVE-2019-9513, -9516), send DATA frames with nothing in them (CVE-2019-9518),
+or WINDOW_UPDATE frames, each of which has the server look at every stream its
+window holds back. Each costs the client a few bytes and the server a parse, an
+event and maybe a reply. :class:`FloodGuard` counts each kind in fixed
+one-second windows; past a kind's limit the connection is over (the driver
+sends GOAWAY ENHANCE_YOUR_CALM and closes). The frames are counted one by one
+as their headers arrive, before h2 parses them (http2_frames.py). The clock is
+passed in, so it is tested without sleeping.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ class Flood(enum.Enum):
     """SETTINGS, PING and PRIORITY frames."""
     EMPTY = "empty"
     """DATA frames that carry no payload and do not end the stream."""
+    WINDOW = "window_update"
+    """WINDOW_UPDATE frames, the connection's and the streams'."""
 
 
 class FloodGuard:
@@ -52,3 +56,7 @@ class FloodGuard:
             self.tripped = self.tripped or kind
             return True
         return False
+
+    def counted(self, kind: Flood) -> int:
+        """Frames of ``kind`` counted in the current window."""
+        return self._counts[kind]
