@@ -38,6 +38,7 @@ class ErrorCode(StrEnum):
     INTERNAL = "internal_error"
     UNAUTHORIZED = "unauthorized"
     STREAM_ELSEWHERE = "stream_elsewhere"
+    REPLAY_GAP = "replay_gap"
 
     @property
     def number(self) -> str:
@@ -75,6 +76,8 @@ ERROR_TABLE: tuple[tuple[str, ErrorCode, str], ...] = (
     ("E7314", ErrorCode.UNAUTHORIZED, "the admin API's bearer token was missing or wrong"),
     ("E7315", ErrorCode.STREAM_ELSEWHERE,
      "a cancel of a live stream no process sharing the store stopped (its writer is gone)"),
+    ("E7316", ErrorCode.REPLAY_GAP,
+     "the replay store lost events of the stream (an outage): a resume stops where they are missing"),
 )
 """Every error code: its stable number, its name, and what it means. The one
 table: the README lists it, logs and records carry ``number`` and ``code``,
@@ -271,6 +274,7 @@ _GRPC_STATUS_OF_CODE = {
     ErrorCode.INVALID_LAST_EVENT_ID: GrpcStatus.INVALID_ARGUMENT,
     ErrorCode.IDEMPOTENCY_KEY_REUSED: GrpcStatus.FAILED_PRECONDITION,
     ErrorCode.RESUME_UNAVAILABLE: GrpcStatus.UNAVAILABLE,
+    ErrorCode.REPLAY_GAP: GrpcStatus.DATA_LOSS,
     ErrorCode.INTERNAL: GrpcStatus.INTERNAL,
     ErrorCode.UNAUTHORIZED: GrpcStatus.UNAUTHENTICATED,
     ErrorCode.STREAM_ELSEWHERE: GrpcStatus.FAILED_PRECONDITION,

@@ -250,6 +250,15 @@ def replay_unavailable(stream_id: str) -> LocalError:
                       http_status=410)
 
 
+def replay_gap(stream_id: str, seq: int) -> LocalError:
+    """The store has events of the stream after ``seq - 1`` but not event ``seq``:
+    a resume that went on would skip what was lost (a Redis outage, a restart
+    that lost its last writes), so it stops there, saying so."""
+    return LocalError(f"event {seq} of stream {stream_id[:64]!r} and maybe more were lost by the replay "
+                      "store (an outage); the stream cannot be replayed past them", ErrorCode.REPLAY_GAP,
+                      http_status=410)
+
+
 def store_unavailable() -> LocalError:
     """The replay store is down: a reconnect or an idempotent repeat cannot be
     served (and must not be generated again), so the client retries later."""

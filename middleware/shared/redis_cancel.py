@@ -78,16 +78,20 @@ class RedisCancelRelay:
             await asyncio.sleep(self._poll_s)
 
     async def _listen(self) -> None:
+        heard = True  # since the last failure: an outage is said once, not every retry
         while True:
             pubsub = self._redis.pubsub()
             try:
                 await pubsub.subscribe(CHANNEL)
+                heard = True
                 async for message in pubsub.listen():
                     if message.get("type") == "message" and self._stop is not None:
                         data = message.get("data")
                         self._stop(bytes(data).decode("ascii", "replace") if data is not None else "")
             except self._outages as error:
-                logger.warning("resume store: cannot hear cancels from other processes: %s", error)
+                if heard:
+                    logger.warning("resume store: cannot hear cancels from other processes: %s", error)
+                heard = False
             finally:
                 with contextlib.suppress(*self._outages):
                     await pubsub.aclose()

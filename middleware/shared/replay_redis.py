@@ -8,9 +8,10 @@ one shard):
 * ``tw:{S}:e`` — a Redis Stream whose entry ids are ``0-<seq>``, so the event
   id a client sends back maps straight onto ``XREAD ... 0-<seq>``; field ``f``
   holds the frame;
-* ``tw:{S}:m`` — a hash: ``end`` (the end reason), ``overflow``, ``key``,
-  ``owner`` (the caller's hash, see ``resume.py``); its existence is what
-  makes the stream known;
+* ``tw:{S}:m`` — a hash: ``end`` (the end reason) and ``last`` (the number of
+  the last event), ``overflow``, ``key``, ``owner`` (the caller's hash, see
+  ``resume.py``), ``gap`` (the first event an append failed to store); its
+  existence is what makes the stream known;
 * ``tw:{S}:a`` — a list a reader pushes to when it attaches, which the
   replica holding a detached stream waits on with ``BLPOP``;
 * ``tw:k:<key>`` — ``<stream> <body digest>`` for an idempotency key,
@@ -23,6 +24,17 @@ after its last event. :meth:`append` only queues: one writer task sends the
 queue as one pipeline per round, in order, so frames and the end marker reach
 Redis in the order the core produced them (a reader that sees ``end`` has every
 frame before it).
+
+A resume never serves a gap. Each event is stored under its own number and a
+reader checks the numbers it gets run on from where it asked; a batch that
+fails (Redis down, failing over) marks each of its streams with ``gap`` (the
+first number lost), and with the end if the end was lost too, at the next
+round that reaches Redis (tried every ``_GAP_RETRY_S`` until one does), since
+the frames after it may well be stored. A reader that meets a missing number,
+has read all there is of a stream so marked short of that number, or reaches
+the end short of ``last``, stops with :class:`ReplayGap` (the in-band
+``replay_gap`` error): a restart that kept its data, or one that lost its last
+writes, is told, never renumbered into a clean answer.
 """
 
 from __future__ import annotations
@@ -32,19 +44,21 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ..core.config import ConfigError
 from ..core.events import EndReason, ReplayAppend
 from ..core.resume import scoped_key
 from .redis_cancel import RedisCancelRelay
-from .replay_store import KeyReused, ReplayUnavailable, StoreUnavailable, StreamNotFound
+from .replay_store import KeyReused, ReplayGap, ReplayUnavailable, StoreUnavailable, StreamNotFound
 
 logger = logging.getLogger("tokenwire.resume")
 
 _BLOCK_MS = 1000
 _ALIAS = "tw:r:"
 _ERROR_LOG_EVERY_S = 10.0
+_GAP_RETRY_S = 0.5
 _READ_COUNT = 1024
 # The first read is small: its events go out while the rest of a long backlog
 # is still being fetched and decoded (the reader's time to first byte).
@@ -54,6 +68,34 @@ _FIRST_READ_COUNT = 64
 def _keys(stream_id: str) -> tuple[str, str, str]:
     tag = "tw:{" + stream_id + "}"
     return tag + ":e", tag + ":m", tag + ":a"
+
+
+@dataclass(slots=True)
+class _Lost:
+    """What failed appends of one stream lost: from ``first_seq`` to ``last_seq``,
+    and its end, if that was among them."""
+
+    first_seq: int
+    last_seq: int = 0
+    end: EndReason | None = None
+
+    def add(self, action: ReplayAppend) -> None:
+        self.last_seq = max(self.last_seq, action.first_seq + len(action.frames) - 1)
+        if action.end is not None:
+            self.end = action.end
+
+
+def _run_on(stream_id: str, entries: list[tuple[bytes, dict[bytes, bytes]]],
+            seq: int) -> tuple[tuple[bytes, ...], int]:
+    """The frames of ``entries`` that run on from event ``seq`` without a missing
+    number, and the last number among them (the caller stops where they end)."""
+    frames: list[bytes] = []
+    for entry_id, fields in entries:
+        if int(entry_id.rpartition(b"-")[2]) != seq + 1:
+            break
+        seq += 1
+        frames.append(fields[b"f"])
+    return tuple(frames), seq
 
 
 class RedisReplayStore:
@@ -78,6 +120,7 @@ class RedisReplayStore:
         self._claims: dict[str, str] = {}  # stream -> its idempotency key, while it is written here
         self._aliases: dict[str, str] = {}  # stream -> its alias's key, while it is written here
         self._owners: dict[str, str] = {}  # stream -> its owner, while it is written here (its alias's scope)
+        self._gaps: dict[str, _Lost] = {}  # stream -> what failed batches lost, until marked
         self.write_errors = 0
         self._error_logged_at = -_ERROR_LOG_EVERY_S
         self._cancels = RedisCancelRelay(self._redis, self._outages, self.end_reason)
@@ -191,12 +234,23 @@ class RedisReplayStore:
 
     async def _write_loop(self, queue: asyncio.Queue[ReplayAppend]) -> None:
         while True:
-            batch = [await queue.get()]
+            if self._gaps:
+                # Marks owed from a failed round: tried again even if no append
+                # comes (a stream that ended in the outage has none to come).
+                try:
+                    batch = [await asyncio.wait_for(queue.get(), _GAP_RETRY_S)]
+                except TimeoutError:
+                    batch = []
+            else:
+                batch = [await queue.get()]
             while not queue.empty():
                 batch.append(queue.get_nowait())
             try:
                 await self._write(batch)
             except Exception as error:  # a store outage must not take the streams down
+                for action in batch:
+                    if not action.discard:
+                        self._gaps.setdefault(action.stream_id, _Lost(action.first_seq)).add(action)
                 self.write_errors += len(batch)
                 now = time.monotonic()
                 if now - self._error_logged_at >= _ERROR_LOG_EVERY_S:  # once a while, not per batch
@@ -206,7 +260,14 @@ class RedisReplayStore:
 
     async def _write(self, batch: list[ReplayAppend]) -> None:
         key_reads: list[int] = []  # positions of the HGETs of discarded streams' keys
+        gaps, self._gaps = self._gaps, {}
         async with self._redis.pipeline(transaction=False) as pipe:
+            for stream_id, lost in gaps.items():
+                meta = _keys(stream_id)[1]
+                pipe.hsetnx(meta, "gap", lost.first_seq)  # the earliest loss stands
+                if lost.end is not None:  # lost with the rest: readers must learn it ended
+                    pipe.hset(meta, mapping={"end": lost.end.value, "last": lost.last_seq})
+                pipe.expire(meta, self._ttl)
             for action in batch:
                 events, meta, attach = _keys(action.stream_id)
                 if action.discard:
@@ -221,7 +282,8 @@ class RedisReplayStore:
                 if action.overflow:
                     pipe.hset(meta, "overflow", "1")
                 if action.end is not None:
-                    pipe.hset(meta, "end", action.end.value)
+                    last = action.first_seq + len(action.frames) - 1
+                    pipe.hset(meta, mapping={"end": action.end.value, "last": last})
                 if action.alias is not None:
                     owner = self._owners.get(action.stream_id, "")
                     self._aliases[action.stream_id] = _ALIAS + scoped_key(owner, action.alias)
@@ -241,7 +303,12 @@ class RedisReplayStore:
                         del self._claims[action.stream_id]
                 if action.end is not None:
                     self._owners.pop(action.stream_id, None)
-            results = await pipe.execute(raise_on_error=False)
+            try:
+                results = await pipe.execute(raise_on_error=False)
+            except Exception:
+                for stream_id, lost in gaps.items():  # not marked yet: the next round tries again
+                    self._gaps.setdefault(stream_id, lost)
+                raise
         # Discarded streams (failed before their first event) free their key.
         keys = [results[i] for i in key_reads if isinstance(results[i], bytes) and results[i]]
         if keys:
@@ -255,16 +322,19 @@ class RedisReplayStore:
             pipe.rpush(attach, 1)
             pipe.expire(attach, self._ttl)
             await pipe.execute()
-        last = f"0-{max(after_seq, 0)}"
+        seq = max(after_seq, 0)  # the last event read: the next must be seq + 1
         block: int | None = None
         count = _FIRST_READ_COUNT
         while True:
-            reply = await self._redis.xread({events: last}, count=count, block=block)
+            reply = await self._redis.xread({events: f"0-{seq}"}, count=count, block=block)
             count = _READ_COUNT
             entries = reply[0][1] if reply else []
             if entries:
-                last = entries[-1][0].decode()
-                yield tuple(fields[b"f"] for _, fields in entries)
+                frames, seq = _run_on(stream_id, entries, seq)
+                if frames:
+                    yield frames
+                if len(frames) < len(entries):
+                    raise ReplayGap(stream_id, seq + 1)
                 block = None
                 continue
             # Nothing new (at once, or within the block): has it ended, is it still there?
@@ -273,12 +343,22 @@ class RedisReplayStore:
                 raise ReplayUnavailable(stream_id)  # expired while we read
             if state.get(b"overflow"):
                 raise ReplayUnavailable(stream_id)
+            lost = state.get(b"gap")
+            if lost and int(lost) > seq:
+                # All there is was read, short of the first number an append lost.
+                raise ReplayGap(stream_id, seq + 1)
             if state.get(b"end"):
                 # The end marker is written after the last frame, in one pipeline:
                 # one more read picks up any frame that raced the check above.
-                reply = await self._redis.xread({events: last}, count=_READ_COUNT)
+                reply = await self._redis.xread({events: f"0-{seq}"}, count=_READ_COUNT)
                 if reply and reply[0][1]:
-                    yield tuple(fields[b"f"] for _, fields in reply[0][1])
+                    frames, seq = _run_on(stream_id, reply[0][1], seq)
+                    if frames:
+                        yield frames
+                    if len(frames) < len(reply[0][1]):
+                        raise ReplayGap(stream_id, seq + 1)
+                if seq < int(state.get(b"last") or 0):
+                    raise ReplayGap(stream_id, seq + 1)  # ended, but its last events were lost
                 return
             block = _BLOCK_MS
 

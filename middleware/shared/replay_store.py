@@ -48,6 +48,7 @@ from ..core.resume import (
     ResumeAlias,
     ResumeFrom,
     key_reused,
+    replay_gap,
     replay_unavailable,
     same_caller,
     scoped_key,
@@ -71,6 +72,15 @@ class StreamNotFound(LookupError):
 class ReplayUnavailable(LookupError):
     """The reader has everything the store kept, but the stream went on past
     ``resume_max_bytes`` or was evicted: the rest cannot be replayed."""
+
+
+class ReplayGap(ReplayUnavailable):
+    """The store lost event ``seq`` of the stream (and maybe more) while keeping
+    some after it: a replay stops there instead of skipping them."""
+
+    def __init__(self, stream_id: str, seq: int) -> None:
+        super().__init__(stream_id)
+        self.seq = seq
 
 
 class StoreUnavailable(ConnectionError):
@@ -385,6 +395,9 @@ async def feed_replay(store: ReplayStore, stream_id: str, after_seq: int, *,
                 feed(UpstreamData(b"".join(frames[start:start + _FRAMES_PER_FEED])))
     except StreamNotFound:
         feed(Rejected(stream_not_found(stream_id)))
+        return
+    except ReplayGap as gap:
+        feed(Rejected(replay_gap(stream_id, gap.seq)))
         return
     except ReplayUnavailable:
         feed(Rejected(replay_unavailable(stream_id)))
