@@ -306,6 +306,11 @@ class SidecarConfig:
                                          "the memory store lives in one worker, and a reconnect may "
                                          "land on another; set --resume-store redis://HOST:PORT/DB "
                                          "or run one worker")
+        for key in SHARED_LIMITS:
+            limit = getattr(self, key)
+            if count > 1 and 0 < limit < count:
+                raise ConfigError(key, f"{limit} is fewer than the {count} workers, which share it "
+                                       "(each takes a part, at least 1): raise it or run fewer workers")
 
     def _check_balance(self) -> None:
         if self.balance not in POLICIES:
@@ -355,6 +360,17 @@ class SidecarConfig:
         if not text.isdigit() or int(text) < 1:
             raise ConfigError("workers", f"must be a whole number >= 1 or auto, got {self.workers!r}")
         return int(text)
+
+
+SHARED_LIMITS = ("max_streams_per_upstream", "queue_max")
+"""Limits that hold for the whole process group under ``--workers N``: each worker
+gets its :func:`worker_share`, so N workers never go past them together."""
+
+
+def worker_share(total: int, workers: int, index: int) -> int:
+    """Worker ``index``'s part of a limit of ``total`` (0: none) shared by ``workers``:
+    the parts differ by at most one and add up to ``total``."""
+    return total // workers + (1 if index < total % workers else 0)
 
 
 def is_loopback(host: str) -> bool:

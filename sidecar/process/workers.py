@@ -55,7 +55,14 @@ from tokenwire.middleware import EndReason, StreamRecord
 from tokenwire.middleware.core.headers import header_value
 
 from ..logs import StreamLog
-from ..settings import SidecarConfig, format_host_port, parse_host_port, read_admin_token
+from ..settings import (
+    SHARED_LIMITS,
+    SidecarConfig,
+    format_host_port,
+    parse_host_port,
+    read_admin_token,
+    worker_share,
+)
 from ..tasks import spawn
 from . import metrics as sidecar_metrics
 from .admin import AdminAccess, serve_one
@@ -227,7 +234,12 @@ class Supervisor:
     async def _start_worker(self, index: int, restarts: int = 0) -> Worker:
         host, port = self._listen
         listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        command = [sys.executable, "-m", "tokenwire.sidecar", "sidecar", *self._argv,
+        # The group's limits, split: the kernel spreads connections over the
+        # workers, and each holds its part, so together they never pass them.
+        shares = [arg for key in SHARED_LIMITS if (limit := getattr(self.config, key))
+                  for arg in ("--" + key.replace("_", "-"),
+                              str(worker_share(limit, self.config.worker_count, index)))]
+        command = [sys.executable, "-m", "tokenwire.sidecar", "sidecar", *self._argv, *shares,
                    "--workers", "1", "--listen", listen, "--admin-listen", "127.0.0.1:0"]
         env = {**os.environ, WORKER_ENV: str(index)}
         process = await asyncio.create_subprocess_exec(*command, env=env, stdout=asyncio.subprocess.PIPE)

@@ -388,3 +388,29 @@ def test_a_resume_on_another_replica_comes_from_the_store_not_from_another_pod(
     assert "".join(texts) == "".join(f"t{i} " for i in range(40))
     # One generation, on one pod, whichever replica the reader came back through.
     assert sum(pod.stats()["received"] for pod in four) == 1
+
+
+def test_with_workers_the_per_upstream_limit_holds_for_the_whole_group(pods, sidecars) -> None:
+    """``--workers 2 --max-streams-per-upstream 2``: each worker holds its share (1),
+    so the pod never sees more than 2 at once over 100 requests (it saw 4 when
+    each worker held the whole limit), and every request is answered in full."""
+    (a,) = pods(1, "--token-s", "0.01", "--tokens", "5")
+    sidecar = sidecars([a.url], "--workers", "2", "--max-streams-per-upstream", "2",
+                       "--queue-timeout-s", "60")
+    views = admin(sidecar, "GET", "/upstreams")["workers"]
+    assert sorted(view["worker"] for view in views) == [0, 1]
+    results = parallel(100, lambda i: exchange(sidecar.port, "POST", PATH, body=body(), timeout_s=90))
+    assert all(r.status == 200 and r.clean_end for r in results)
+    assert a.stats()["max_running"] == 2 and a.stats()["completed"] == 100
+
+
+def test_a_limit_smaller_than_the_workers_is_refused_at_start_up() -> None:
+    from tokenwire.middleware import ConfigError
+
+    from tokenwire.tools.cli import load_sidecar_config
+
+    with pytest.raises(ConfigError) as refused:
+        load_sidecar_config(["--upstream", "http://127.0.0.1:1", "--workers", "4",
+                             "--max-streams-per-upstream", "2"], {})
+    assert refused.value.key == "max_streams_per_upstream"
+    assert "fewer than the 4 workers" in str(refused.value)
