@@ -38,6 +38,7 @@ from tokenwire.middleware.core.errors import GrpcStatus
 from ..context import SidecarContext
 from ..downstream.connection import Peer, new_exchange
 from ..exchange.loop import Exchange
+from ..process.readiness import readiness
 from . import health, reflection
 from .call import CoreEnding, Deadline, ResponseTranscoder
 from .cancel import CancelAnswer, cancel_target
@@ -82,8 +83,7 @@ class GrpcRouter:
             if path == CANCEL_STREAM:
                 return CancelCall(self, head, stream)
             if path == HEALTH_CHECK:
-                return UnaryCall(self, stream, lambda request: health.check(
-                    request, draining=self.context.draining))
+                return UnaryCall(self, stream, lambda request: health.check(request, serving=self.serving()))
             if path == HEALTH_WATCH:
                 return HealthWatch(self, stream)
             if path in REFLECTION_PATHS:
@@ -91,6 +91,10 @@ class GrpcRouter:
             raise GrpcCallError(GrpcStatus.UNIMPLEMENTED, f"unknown method {path[:200].decode('latin-1')}")
         except GrpcCallError as error:
             return Refusal(stream, status=CallStatus(error.status, error.message))
+
+    def serving(self) -> bool:
+        """gRPC health's answer: what ``/readyz`` says now."""
+        return readiness(self.context, asyncio.get_running_loop().time()).ready
 
     def drain_started(self) -> None:
         """SIGTERM: every watch hears NOT_SERVING, then its call ends."""
@@ -236,7 +240,7 @@ class HealthWatch:
     def _send_update(self) -> None:
         if self._watcher is None or self._messages.done:
             return
-        update = self._watcher.update(draining=self._router.context.draining)
+        update = self._watcher.update(serving=self._router.serving())
         if update is not None:
             self._stream.send_body(encode_message(update))
 

@@ -1,9 +1,11 @@
 """``grpc.health.v1.Health``: the sidecar's readiness as gRPC health.
 
 The server (service ``""``) and each ``tokenwire.v1`` service are ``SERVING``
-while the sidecar takes requests and ``NOT_SERVING`` once it drains (SIGTERM),
-as ``/readyz`` answers 503; Kubernetes' gRPC probes and ``grpc_health_probe``
-read it. ``Check`` of an unknown service is ``NOT_FOUND``; ``Watch`` of one
+while ``/readyz`` answers 200 and ``NOT_SERVING`` while it answers 503 (no
+upstream can take a stream, the resume store is unreachable, the sidecar
+drains: ``sidecar/process/readiness.py``); Kubernetes' gRPC probes and
+``grpc_health_probe`` read it. A ``Watch`` is sent the status at its start and
+when the sidecar drains. ``Check`` of an unknown service is ``NOT_FOUND``; ``Watch`` of one
 answers ``SERVICE_UNKNOWN`` and stays open, as the protocol says.
 """
 
@@ -23,17 +25,17 @@ SERVICE_UNKNOWN: int = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
 _KNOWN = frozenset({"", *SERVICE_NAMES})
 
 
-def serving_status(service: str, *, draining: bool) -> int:
+def serving_status(service: str, *, serving: bool) -> int:
     """The status ``Watch`` reports for ``service`` (a ``ServingStatus`` value)."""
     if service not in _KNOWN:
         return SERVICE_UNKNOWN
-    return NOT_SERVING if draining else SERVING
+    return SERVING if serving else NOT_SERVING
 
 
-def check(request: bytes, *, draining: bool) -> bytes:
+def check(request: bytes, *, serving: bool) -> bytes:
     """``Check``: the serialized response, or ``GrpcCallError`` (NOT_FOUND) for an unknown service."""
     service = parse_request(request)
-    status = serving_status(service, draining=draining)
+    status = serving_status(service, serving=serving)
     if status == SERVICE_UNKNOWN:
         raise GrpcCallError(GrpcStatus.NOT_FOUND, f"unknown service {service[:100]!r}")
     return response(status)
@@ -60,9 +62,9 @@ class Watcher:
         self.service = service
         self._sent: int | None = None
 
-    def update(self, *, draining: bool) -> bytes | None:
+    def update(self, *, serving: bool) -> bytes | None:
         """The response to send now, or None when the status is unchanged."""
-        status = serving_status(self.service, draining=draining)
+        status = serving_status(self.service, serving=serving)
         if status == self._sent:
             return None
         self._sent = status

@@ -531,26 +531,26 @@ def test_resume_event_ids_ride_on_messages_and_the_stream_id_in_initial_metadata
 def test_health_check_follows_draining() -> None:
     response = health_pb2.HealthCheckResponse()
     request = health_pb2.HealthCheckRequest(service="tokenwire.v1.ChatCompletions").SerializeToString()
-    response.ParseFromString(health.check(request, draining=False))
+    response.ParseFromString(health.check(request, serving=True))
     assert response.status == health_pb2.HealthCheckResponse.SERVING
-    response.ParseFromString(health.check(b"", draining=True))
+    response.ParseFromString(health.check(b"", serving=False))
     assert response.status == health_pb2.HealthCheckResponse.NOT_SERVING
     with pytest.raises(GrpcCallError) as error:
-        health.check(health_pb2.HealthCheckRequest(service="nope").SerializeToString(), draining=False)
+        health.check(health_pb2.HealthCheckRequest(service="nope").SerializeToString(), serving=True)
     assert error.value.status is GrpcStatus.NOT_FOUND
 
 
 def test_health_watch_sends_only_changes() -> None:
     watcher = health.Watcher("")
-    first = watcher.update(draining=False)
+    first = watcher.update(serving=True)
     assert first is not None
-    assert watcher.update(draining=False) is None
-    changed = watcher.update(draining=True)
+    assert watcher.update(serving=True) is None
+    changed = watcher.update(serving=False)
     response = health_pb2.HealthCheckResponse()
     assert changed is not None
     response.ParseFromString(changed)
     assert response.status == health_pb2.HealthCheckResponse.NOT_SERVING
-    unknown = health.Watcher("nope").update(draining=False)
+    unknown = health.Watcher("nope").update(serving=True)
     assert unknown is not None
     response.ParseFromString(unknown)
     assert response.status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN

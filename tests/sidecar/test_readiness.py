@@ -171,3 +171,24 @@ def test_a_memory_store_is_always_reachable(start_sidecar: Callable[..., Running
 def test_make_config_keeps_both_readiness_keys_on_by_default() -> None:
     config = make_config("http://a:1")
     assert config.ready_requires_upstream and config.ready_requires_store
+
+
+def test_grpc_health_says_what_readyz_says(start_sidecar: Callable[..., RunningSidecar],
+                                           upstream: FakeUpstream) -> None:
+    """Kubernetes' gRPC probes read ``grpc.health.v1``: NOT_SERVING while the only
+    engine is unreachable (as ``/readyz``'s 503), SERVING with one that passed."""
+    grpc = pytest.importorskip("grpc")
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    down = start_sidecar(_closed_port(), health_path="/health", health_interval_s=60.0)
+    up = start_sidecar(upstream.url, health_path="/health", health_interval_s=60.0)
+    for sidecar, status in ((down, health_pb2.HealthCheckResponse.NOT_SERVING),
+                            (up, health_pb2.HealthCheckResponse.SERVING)):
+        with grpc.insecure_channel(f"{sidecar.host}:{sidecar.port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            assert stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status == status
+            watch = stub.Watch(health_pb2.HealthCheckRequest(service="tokenwire.v1.ChatCompletions"),
+                               timeout=5)
+            assert next(watch).status == status
+            watch.cancel()
+        assert _readyz(sidecar)[0] == (200 if status == health_pb2.HealthCheckResponse.SERVING else 503)
