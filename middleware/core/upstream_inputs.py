@@ -222,7 +222,9 @@ class UpstreamInputs(StreamDecisions):
                 # An error as the first event is the engine refusing this request
                 # (a bad prompt, too many tokens): the response is that error, with
                 # the status it carries, and another attempt would only be refused
-                # again, so it is never retried.
+                # again, so it is never retried. Not for a resume reader: its first
+                # event is the stream's end (a cancel, a failure) after events the
+                # client already has, which an EventSource can read only in-band.
                 self._fail(UpstreamErrorEvent(payload), EndReason.UPSTREAM_ERROR, now)
                 return
             if self._state is W:

@@ -115,6 +115,21 @@ def test_cancel_while_a_reader_is_attached_ends_that_reader_with_the_cancel_erro
     assert read and read[0].status == 200 and _told_cancelled(read[0]), read
 
 
+def test_a_reconnect_whose_next_event_is_the_cancel_reads_it_in_band(
+        start_sidecar: Callable[..., RunningSidecar]) -> None:
+    """The stored cancel as the first thing left to read: a 200 event stream carrying
+    it (an EventSource reads only that), not a status of an engine's refusal."""
+    sidecar = start_sidecar(resume=True, resume_grace_s=10.0)
+    part = _start(sidecar, "cancel-first")
+    assert _cancel(sidecar, part.stream_id)[0] == 200
+    rest = _reconnect(sidecar, part)
+    assert _told_cancelled(rest) and rest.status == 200
+    before_cancel = rest.data_events[-2].id if len(rest.data_events) > 1 else part.ids[-1]
+    last = open_stream(sidecar.port, "GET", f"/v1/streams/{part.stream_id}", headers={
+        "Accept": "text/event-stream", "Last-Event-ID": before_cancel, **ALICE})
+    assert last.status == 200 and len(last.data_events) == 1 and _told_cancelled(last), last
+
+
 def test_cancel_of_an_ended_stream_forgets_it(start_sidecar: Callable[..., RunningSidecar]) -> None:
     sidecar = start_sidecar(resume=True)
     done = open_stream(sidecar.port, "POST", PATH, body=chat_body(), headers={"x-fake-tokens": "5", **ALICE})
