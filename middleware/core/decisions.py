@@ -17,11 +17,13 @@ owns the parts the stream composes (``attempt.py``, ``client_socket.py``,
 * how a response ends (``_end``: the end reason, the abort of the upstream,
   and whether the engine is told — never for a replay, which generates
   nothing, nor for a retry's dropped attempt);
-* when a reader is too slow (``_enforce_cap``, ``_slow_client``) and when the
-  upstream is paused for it (``_after_queue``, the ``block`` policy);
-* whether a departed client's stream is held for a reconnect (``_hold_for_resume``);
+* when a reader is too slow (``_enforce_cap``, ``_slow_client``; when the
+  upstream is paused for one is ``upstream_inputs.py``'s ``_after_queue``);
+* whether a departed client's stream is held for a reconnect (``_hold_for_resume``;
+  a drain's hand-off holds one the same way: ``stream.py``, ``HandOff``);
 * which timers are due (``_fire_timers``: duration, upstream idle, retry
-  backoff, upstream headers, commit, write deadline, heartbeat, resume hold).
+  backoff, upstream headers, commit, write deadline, heartbeat, resume hold,
+  whose end for a hand-off is the drain's in-band ``shutdown``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from .config import SlowClientPolicy, WireConfig
 from .dialects.base import Dialect
 from .dialects.chat import DONE, ChatDialect
 from .dialects.routes import AUTO_MARKER
-from .errors import NO_CLIENT_RETRY, ErrorCode, WireError, upstream_timeout
+from .errors import NO_CLIENT_RETRY, ErrorCode, WireError, shutting_down, upstream_timeout
 from .events import (
     AbortUpstream,
     Action,
@@ -42,7 +44,6 @@ from .events import (
     CommitHeaders,
     EndReason,
     Finished,
-    PauseUpstream,
     ReplayAppend,
     StreamRecord,
 )
@@ -132,7 +133,8 @@ class StreamDecisions:
         self._fast_path = dialect.fast_path
         self._max_pending_bytes = config.max_pending_bytes
         # Pending bytes at which the upstream stops being read (block; a replay, a passthrough).
-        self._pause_at_bytes = min(config.block_window_bytes if block else 1 << 62, config.max_pending_bytes // 2)
+        self._pause_at_bytes = min(config.block_window_bytes if block else 1 << 62,
+                                   config.max_pending_bytes // 2)
         self._one_call_path = not config.resume and not config.coalesce_ms and self._fast_path
         # next_deadline() as of the last input (inf: none), None once an input
         # may have changed it: the one-call path's timer check (forward_read).
@@ -291,8 +293,12 @@ class StreamDecisions:
             self._acct.heartbeats += 1
         hold = self._hold
         if hold.until is not None and now >= hold.until:
-            # Nobody came back for it: what the grace delayed happens now.
-            self._end(hold.reason, hold.code, abrupt=True, trigger=Trigger.ABORT)
+            # Nobody came back for it: what the grace delayed happens now. A
+            # hand-off's end is the drain's: readers elsewhere get it in-band.
+            if hold.reason is EndReason.SHUTDOWN:
+                self._fail(shutting_down(), EndReason.SHUTDOWN, now)
+            else:
+                self._end(hold.reason, hold.code, abrupt=True, trigger=Trigger.ABORT)
 
     # ------------------------------------------------------------ decisions
 
@@ -423,22 +429,6 @@ class StreamDecisions:
             self._end(EndReason.SLOW_CLIENT, code, abrupt=True, trigger=Trigger.ABORT, delivery_cut=True)
         self._actions.append(CloseClient(abrupt=True, reset=True))
         self._client.gone = True
-
-    def _after_queue(self, now: float) -> None:
-        """Bookkeeping after content was queued: window, cap, block policy."""
-        pending = self._pending.pending_bytes
-        client = self._client
-        if client.pending_since is None and pending:
-            client.pending_since = now
-        if self._enforce_cap(now):
-            return
-        attempt = self._attempt
-        if ((client.paused or client.write_in_flight) and not attempt.paused
-                and pending >= self._pause_at_bytes
-                and (attempt.passthrough or self._resume.reader or self._block_policy)):
-            attempt.paused = True
-            self._acct.upstream_paused(now)
-            self._actions.append(PauseUpstream())
 
     def _enforce_cap(self, now: float) -> bool:
         """Track the high-water mark and hold the cap, for terminal events too

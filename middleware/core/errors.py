@@ -179,6 +179,11 @@ def upstream_timeout(message: str) -> UpstreamError:
     return UpstreamError(message, ErrorCode.UPSTREAM_TIMEOUT, http_status=504)
 
 
+def shutting_down() -> LocalError:
+    """The process is going away (a drain that ran out, a handed-off stream's end): 503."""
+    return LocalError("the server is shutting down", ErrorCode.SHUTDOWN, http_status=503, retry_after_s=1)
+
+
 class SSEProtocolError(UpstreamError):
     """The upstream's event stream is malformed or exceeds the size limits."""
 

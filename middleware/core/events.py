@@ -165,6 +165,23 @@ class ReaderAttached:
 
 
 @dataclass(frozen=True, slots=True)
+class HandOff:
+    """Resume with a store other processes share: this one is going away (its
+    drain began), so the stream moves to another replica. Once the client holds
+    an event id to resume from (its first numbered event written), the client is
+    closed without the terminal event, which makes it reconnect (an EventSource
+    by itself, an SDK by its retry, with ``Last-Event-ID``), and the upstream
+    keeps running into the store for whoever reads it there, until ``until``
+    (loop time: the drain's end), when the stream ends as ``shutdown``. A reader
+    (a replay) is closed the same way and ends: the store stays readable
+    elsewhere. A stream that cannot be resumed (resume off, past
+    ``resume_max_bytes``, not an event stream) ignores it: the drain ends it as
+    before, with ``StopRequested(shutdown)``."""
+
+    until: float
+
+
+@dataclass(frozen=True, slots=True)
 class Tick:
     """Time has passed; timers that are due fire. The time is ``handle``'s ``now``."""
 
@@ -172,7 +189,7 @@ class Tick:
 Input = (
     UpstreamHeaders | UpstreamData | UpstreamEvent | UpstreamEnded | UpstreamFailed | SocketPaused
     | SocketResumed | WriteCompleted | ClientGone | StopRequested | Rejected | ReplaySource
-    | ReaderAttached
+    | ReaderAttached | HandOff
     | Tick
 )
 

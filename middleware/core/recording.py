@@ -22,11 +22,17 @@ decoders of openai-python and httpx-sse dispatch every blank line after an
 :class:`ResumeHold` is the grace a departed client gets (``resume_grace_s``)::
 
     FREE ──the client left mid-stream──▶ HELD(until) ──ReaderAttached──▶ ATTACHED
-                                            └──until passes, or the response ends──▶ FREE
+      │                                     └──until passes, or the response ends──▶ FREE
+      └──HandOff(until)──▶ HANDING OFF ──the client holds an id──▶ HELD(until), the client closed
 
 While HELD the upstream keeps running into the store; a reader that attaches
 gets the answer completed into the store (end reason ``detached``); if the
-grace ends first the stream ends as it would have when the client left.
+grace ends first the stream ends as it would have when the client left. A
+hand-off (a drain with a store other replicas share: ``HandOff``) is a hold
+the driver asks for: its ``until`` is the drain's end, not the grace's, and
+the stream ends then as the drain would have ended it (``shutdown``, in-band,
+stored for the readers). It waits (HANDING OFF) until the client has been
+written a numbered event, so that it has an id to come back with.
 """
 
 from __future__ import annotations
@@ -180,10 +186,12 @@ class ResumeRecorder:
 class ResumeHold:
     """The grace a departed client's stream gets. See the module docstring."""
 
-    __slots__ = ("code", "reader_attached", "reason", "until")
+    __slots__ = ("code", "hand_off", "reader_attached", "reason", "until")
 
     def __init__(self) -> None:
         self.until: float | None = None
+        # HANDING OFF: the drain's end, until the client holds an id (None: no hand-off asked).
+        self.hand_off: float | None = None
         self.reason = EndReason.CLIENT_GONE  # what the stream ends with if nobody comes back
         self.code = ErrorCode.CANCELLED
         self.reader_attached = False

@@ -29,7 +29,9 @@ steps: commit, fail, end, retry, the slow-reader cut, the hold for a
 reconnect), ``upstream_inputs.py`` (what the upstream side's inputs do) and
 this module (the public API, the client side's inputs, the input table):
 what each input does in each lifecycle state, when to commit, retry, fail, end, cut off a slow
-reader, or hold for a reconnect. Once DONE or ABORTED has nothing left to
+reader, or hold for a reconnect (a client that left within the grace, or a
+drain's ``HandOff``: the client closed so that it reconnects to another
+replica, the upstream read into the shared store meanwhile). Once DONE or ABORTED has nothing left to
 write, the core emits ``CloseClient`` and ``Finished`` with the accounting
 record, exactly once per response.
 
@@ -52,11 +54,14 @@ from .errors import (
     LocalError,
     LocalProtocolError,
     WireError,
+    shutting_down,
 )
 from .events import (
     Action,
     ClientGone,
+    CloseClient,
     EndReason,
+    HandOff,
     Input,
     ReaderAttached,
     Rejected,
@@ -161,6 +166,8 @@ class WireStream(UpstreamInputs):
         self._deadline_bound = None
         handler(self, event, now)
         self._fire_timers(now)
+        if self._hold.hand_off is not None:
+            self._try_hand_off(now)
         resume = self._resume
         if resume.recording:
             resume.flush()
@@ -279,8 +286,7 @@ class WireStream(UpstreamInputs):
         if self._state in _ENDED:
             return
         if event.reason is EndReason.SHUTDOWN:
-            error = LocalError("the server is shutting down", ErrorCode.SHUTDOWN,
-                               http_status=503, retry_after_s=1)
+            error: LocalError = shutting_down()
         else:
             error = LocalError("the stream was cancelled by its caller or an operator", ErrorCode.CANCELLED,
                                http_status=503)
@@ -303,6 +309,48 @@ class WireStream(UpstreamInputs):
         # can simply be read more slowly instead (block policy).
         self._pending.merge = False
         self._pending.drop = False
+
+    def _on_hand_off(self, event: HandOff, now: float) -> None:
+        hold = self._hold
+        if self._state in _ENDED or hold.until is not None or hold.hand_off is not None:
+            return  # over, held for a reconnect already (its client left), or asked already
+        if self._resumable_here():
+            hold.hand_off = event.until
+            # Done at once where the client holds an id (handle() calls _try_hand_off).
+
+    def _resumable_here(self) -> bool:
+        """The client could come back for the rest of this stream from the store:
+        the stream records every event (not past its cap), or replays one."""
+        resume = self._resume
+        return (resume.recording or resume.reader) and not self._attempt.passthrough
+
+    def _try_hand_off(self, now: float) -> None:
+        """HANDING OFF → HELD, once the client was written a numbered event
+        (nothing waits for its socket: what was numbered went out) and so can
+        come back with ``Last-Event-ID``; before that (headers not out, the
+        first token not come, a socket that is behind) it waits, and the drain's
+        end applies if that comes first. ``CloseClient(abrupt)``: the bytes
+        written reach the client, then the body ends without its terminator or
+        terminal event, which is what makes a client reconnect."""
+        hold = self._hold
+        until = hold.hand_off
+        assert until is not None
+        if self._state in _ENDED or hold.until is not None or not self._resumable_here():
+            hold.hand_off = None  # the stream ended, its client left, or it passed its cap
+            return
+        client = self._client
+        resume = self._resume
+        if self._state is W or resume.seq < 1 or self._pending or client.write_in_flight:
+            return
+        hold.hand_off = None
+        if resume.reader:
+            # A replay generates nothing: its client reads the store elsewhere.
+            self._end(EndReason.SHUTDOWN, ErrorCode.SHUTDOWN, abrupt=True, trigger=Trigger.ABORT)
+            return
+        client.left()
+        self._actions.append(hold.hold(resume.resume_id, now, max(until - now, 0.0),
+                                       EndReason.SHUTDOWN, ErrorCode.SHUTDOWN))
+        self._actions.append(CloseClient(abrupt=True))
 
     def _on_reader_attached(self, event: ReaderAttached, now: float) -> None:
         self._hold.attach()
@@ -329,5 +377,6 @@ _HANDLERS: Final[dict[type, Callable[[WireStream, Any, float], None]]] = {
     Rejected: WireStream._on_rejected,
     ReplaySource: WireStream._on_replay_source,
     ReaderAttached: WireStream._on_reader_attached,
+    HandOff: WireStream._on_hand_off,
     Tick: WireStream._on_tick,
 }

@@ -11,7 +11,9 @@ non-stream answer on a stream route); a read goes either the keeps-up way
 (plain ``data:`` events that go out as they came: :meth:`UpstreamInputs._plain_count`,
 the one test both ways in of a read share, the driver's one-call
 ``forward_read`` included) or through the parser, event by event, to the
-dialect's rules (content, terminal, error, keep-alive); an end without the
+dialect's rules (content, terminal, error, keep-alive); what was queued may
+pause the upstream for a reader that is behind (``_after_queue``: the
+``block`` policy, a replay, a passthrough); an end without the
 dialect's terminal event is a truncation, and a failure is retried while
 nothing went to the client.
 """
@@ -37,6 +39,7 @@ from .errors import (
 )
 from .events import (
     EndReason,
+    PauseUpstream,
     UpstreamData,
     UpstreamEnded,
     UpstreamEvent,
@@ -84,6 +87,22 @@ class UpstreamInputs(StreamDecisions):
 
 
     # ------------------------------------------------------------ upstream inputs
+
+    def _after_queue(self, now: float) -> None:
+        """Bookkeeping after content was queued: window, cap, block policy."""
+        pending = self._pending.pending_bytes
+        client = self._client
+        if client.pending_since is None and pending:
+            client.pending_since = now
+        if self._enforce_cap(now):
+            return
+        attempt = self._attempt
+        if ((client.paused or client.write_in_flight) and not attempt.paused
+                and pending >= self._pause_at_bytes
+                and (attempt.passthrough or self._resume.reader or self._block_policy)):
+            attempt.paused = True
+            self._acct.upstream_paused(now)
+            self._actions.append(PauseUpstream())
 
     def _on_upstream_headers(self, event: UpstreamHeaders, now: float) -> None:
         if self._state in _ENDED:
@@ -218,7 +237,7 @@ class UpstreamInputs(StreamDecisions):
             acct.idle_keepalives = 0
         if kind == ERROR:
             payload = dialect.error_payload(event)
-            if self._state is W and dialect.first_error_is_status:
+            if self._state is W and dialect.first_error_is_status and not self._resume.reader:
                 # An error as the first event is the engine refusing this request
                 # (a bad prompt, too many tokens): the response is that error, with
                 # the status it carries, and another attempt would only be refused
