@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the system packages the tests and benchmarks use, only when missing.
-# Usage: scripts/system-deps.sh PACKAGE...   (Debian names: redis-server nginx chromium nodejs npm curl nghttp2-client prometheus podman buildah mmdebstrap zsh)
+# Usage: scripts/system-deps.sh PACKAGE...   (Debian names: redis-server nginx chromium nodejs npm curl nghttp2-client prometheus podman buildah mmdebstrap zsh haproxy)
 set -euo pipefail
 missing=()
 for pkg in "$@"; do

@@ -10,9 +10,10 @@ scripts/setup-venv.sh dev,engine
 # nghttp (nghttp2-client: HTTP/2 clients of tests/sidecar/test_http2_clients.py),
 # promtool (prometheus: /metrics checked by tests/sidecar/test_telemetry.py), and
 # podman, buildah and mmdebstrap (the sidecar image built and checked, tests/test_images.py),
-# zsh (the README's install lines read as zsh reads them, tests/test_install.py).
+# zsh (the README's install lines read as zsh reads them, tests/test_install.py),
+# haproxy (the load balancer of the rolling restart, tests/sidecar/test_rolling_restart.py).
 scripts/system-deps.sh redis-server chromium nginx nodejs npm curl nghttp2-client prometheus \
-    podman buildah mmdebstrap zsh
+    podman buildah mmdebstrap zsh haproxy
 # openai-node and eventsource for the compatibility suite, from its lock file.
 scripts/node-deps.sh
 py=.venv/bin/python

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from tokenwire.middleware import EndReason, StopRequested, StreamRecord
+from tokenwire.middleware import EndReason, HandOff, StopRequested, StreamRecord
 
 if TYPE_CHECKING:
     from .exchange.loop import Exchange
@@ -54,6 +54,16 @@ class StreamRegistry:
             return False
         writer.feed(StopRequested(reason))
         return True
+
+    def hand_off(self, until: float) -> int:
+        """Feed ``HandOff(until)`` to every open stream whose client reconnects by
+        itself (a drain, with a store other replicas share); how many. The core
+        decides which it can hand off (resumable, its client holding an id) and
+        when; the rest are ended by the drain's ``stop_all`` as before."""
+        exchanges = [e for e in self if e.hands_off and not e.over]
+        for exchange in exchanges:
+            exchange.feed(HandOff(until))
+        return len(exchanges)
 
     def stop_all(self, reason: EndReason) -> int:
         exchanges = list(self)

@@ -76,8 +76,7 @@ logger = logging.getLogger("tokenwire.sidecar")
 
 Header = tuple[bytes, bytes]
 
-# An input carries no state of its own: one instance serves every departure
-# (building a frozen dataclass is a constructor call, on the path to each cut).
+# One instance serves every departure: no constructor call on the path to each cut.
 _CLIENT_GONE: Final = ClientGone()
 
 class Downstream(Protocol):
@@ -150,11 +149,12 @@ class Exchange:
         self.stream_id = new_stream_id() if resume else None
         self.replaying = False
         """True when this exchange serves a stream from the replay store."""
+        self.hands_off = True
+        """A drain hands it off (``HandOff``): its client comes back by itself (gRPC's does not)."""
         self._reader_wait: asyncio.Task[None] | None = None
         self.stream = WireStream(
             wire, now=self._loop.time(), request_id=request_id,
-            # The pod of each attempt is the balancer's pick (the slot's address):
-            # the record is given it at the end (Finished.record_as).
+            # Each attempt's pod is the balancer's pick: the record gets it at the end (record_as).
             retry_budget=context.retry_budget,
             expect_stream=expect_stream, stream_id=self.stream_id,
             may_repeat=may_repeat(method, self.upstream_headers),

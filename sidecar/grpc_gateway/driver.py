@@ -338,6 +338,8 @@ class StreamCall:
                    (b"accept", b"text/event-stream")]
         exchange = new_exchange(self._context, self, method=b"POST", target=self._method.upstream_target,
                                 headers=headers, body=body, peer=self._peer(), http_version="2")
+        # A gRPC client does not reconnect with Last-Event-ID: a drain ends its call as before.
+        exchange.hands_off = False
         self._exchange = exchange
         self._stream.exchange = exchange  # the stream tells it of resets and send windows
         exchange.start()

@@ -8,6 +8,17 @@ Shutdown (SIGTERM or :meth:`Sidecar.request_stop`): stop accepting, close idle
 keep-alive connections, let open streams finish for ``drain_s``, then feed
 ``StopRequested(shutdown)`` to the rest (they end with an in-band ``shutdown``
 error), wait briefly for those last bytes to go out, and exit 0.
+
+With resume on and a store other replicas share (Redis: not the memory
+store), the drain hands the open streams off instead of letting their clients
+wait: every exchange is fed ``HandOff(drain end)``, so the core closes each
+client once it holds an event id (the body cut without its terminal event, so
+it reconnects, through the load balancer, to a replica that is not draining,
+which serves it from the store), while this process keeps reading each
+stream's upstream into the store until it ends or the drain runs out. The
+clients are gone in a moment; the process exits once those streams have ended
+(or at ``drain_s``): until then it is what generates them. Without a shared
+store (or resume off) the drain is the plain one above.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ from tokenwire.middleware import ConfigError, EndReason, RetryBudget
 from tokenwire.middleware.core.resume import CallerKey
 from tokenwire.middleware.process.tracing import get_tracer, tracer_provider_from_env
 from tokenwire.middleware.shared.open_store import open_replay_store
+from tokenwire.middleware.shared.replay_store import MemoryReplayStore
 
 from ..context import SidecarContext
 from ..downstream.cors import admin_origins
@@ -232,6 +244,12 @@ class Sidecar:
         for connection in list(context.connections):
             connection.close_if_idle()
         drain_until = began + self.config.drain_s
+        store = context.replay_store
+        if store is not None and not isinstance(store, MemoryReplayStore):
+            # Shared: another replica can serve what this one stores (module docstring).
+            handed = context.registry.hand_off(drain_until)
+            logger.info("draining: %d open streams offered a hand-off to the replicas sharing the "
+                        "resume store", handed)
         while len(context.registry) and loop.time() < drain_until:
             await asyncio.sleep(_POLL_S)
         stopped = context.registry.stop_all(EndReason.SHUTDOWN)
