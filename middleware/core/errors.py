@@ -39,6 +39,7 @@ class ErrorCode(StrEnum):
     UNAUTHORIZED = "unauthorized"
     STREAM_ELSEWHERE = "stream_elsewhere"
     REPLAY_GAP = "replay_gap"
+    WRITER_GONE = "writer_gone"
 
     @property
     def number(self) -> str:
@@ -78,6 +79,8 @@ ERROR_TABLE: tuple[tuple[str, ErrorCode, str], ...] = (
      "a cancel of a live stream no process sharing the store stopped (its writer is gone)"),
     ("E7316", ErrorCode.REPLAY_GAP,
      "the replay store lost events of the stream (an outage): a resume stops where they are missing"),
+    ("E7317", ErrorCode.WRITER_GONE,
+     "the process writing the stream is gone (its lease lapsed): a resume gets what it stored, then this"),
 )
 """Every error code: its stable number, its name, and what it means. The one
 table: the README lists it, logs and records carry ``number`` and ``code``,
@@ -280,6 +283,7 @@ _GRPC_STATUS_OF_CODE = {
     ErrorCode.IDEMPOTENCY_KEY_REUSED: GrpcStatus.FAILED_PRECONDITION,
     ErrorCode.RESUME_UNAVAILABLE: GrpcStatus.UNAVAILABLE,
     ErrorCode.REPLAY_GAP: GrpcStatus.DATA_LOSS,
+    ErrorCode.WRITER_GONE: GrpcStatus.UNAVAILABLE,
     ErrorCode.INTERNAL: GrpcStatus.INTERNAL,
     ErrorCode.UNAUTHORIZED: GrpcStatus.UNAUTHENTICATED,
     ErrorCode.STREAM_ELSEWHERE: GrpcStatus.FAILED_PRECONDITION,

@@ -259,6 +259,15 @@ def replay_gap(stream_id: str, seq: int) -> LocalError:
                       http_status=410)
 
 
+def writer_gone(stream_id: str) -> LocalError:
+    """The process writing the stream died before its end was stored (its lease
+    in the store lapsed): what it stored was served, the rest will never come.
+    410 before any event, as the other replay errors: resuming again cannot help,
+    the request sent again can (an idempotent repeat then generates afresh)."""
+    return LocalError(f"the process writing stream {stream_id[:64]!r} is gone; what it stored was sent, "
+                      "the rest was never made", ErrorCode.WRITER_GONE, http_status=410)
+
+
 def store_unavailable() -> LocalError:
     """The replay store is down: a reconnect or an idempotent repeat cannot be
     served (and must not be generated again), so the client retries later."""

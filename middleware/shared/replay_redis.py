@@ -10,8 +10,11 @@ one shard):
   holds the frame;
 * ``tw:{S}:m`` — a hash: ``end`` (the end reason) and ``last`` (the number of
   the last event), ``overflow``, ``key``, ``owner`` (the caller's hash, see
-  ``resume.py``), ``gap`` (the first event an append failed to store); its
-  existence is what makes the stream known;
+  ``resume.py``), ``gap`` (the first event an append failed to store),
+  ``lease`` (its writer keeps ``tw:{S}:w``); its existence is what makes the
+  stream known;
+* ``tw:{S}:w`` — the writer's lease while the stream is live, a few seconds
+  long and renewed by the process writing it (``redis_lease.py``);
 * ``tw:{S}:a`` — a list a reader pushes to when it attaches, which the
   replica holding a detached stream waits on with ``BLPOP``;
 * ``tw:k:<key>`` — ``<stream> <body digest>`` for an idempotency key,
@@ -35,6 +38,16 @@ has read all there is of a stream so marked short of that number, or reaches
 the end short of ``last``, stops with :class:`ReplayGap` (the in-band
 ``replay_gap`` error): a restart that kept its data, or one that lost its last
 writes, is told, never renumbered into a clean answer.
+
+A writer that is gone is known at once. The process writing a live stream
+renews its lease every 0.4 s (``redis_lease.py``: one task and one pipeline for
+all its streams) and deletes it with the stored end. A reader that has read
+all there is, finds no end and no lease, and none half a second later
+(``LeaseWatch``, at the end of a block round: no cost per event), stops with
+:class:`WriterGone` (the in-band ``writer_gone`` error) at most 1.7 s after
+the writer died, instead of heartbeats until the TTL. An idempotency key
+held by such a stream is taken over by the next repeat (``_claim``, a
+compare-and-set on the key), which generates afresh.
 """
 
 from __future__ import annotations
@@ -51,7 +64,15 @@ from ..core.config import ConfigError
 from ..core.events import EndReason, ReplayAppend
 from ..core.resume import scoped_key
 from .redis_cancel import RedisCancelRelay
-from .replay_store import KeyReused, ReplayGap, ReplayUnavailable, StoreUnavailable, StreamNotFound
+from .redis_lease import LeaseWatch, RedisLeases, lease_key
+from .replay_store import (
+    KeyReused,
+    ReplayGap,
+    ReplayUnavailable,
+    StoreUnavailable,
+    StreamNotFound,
+    WriterGone,
+)
 
 logger = logging.getLogger("tokenwire.resume")
 
@@ -63,6 +84,17 @@ _READ_COUNT = 1024
 # The first read is small: its events go out while the rest of a long backlog
 # is still being fetched and decoded (the reader's time to first byte).
 _FIRST_READ_COUNT = 64
+_CLAIM_TRIES = 5
+# Compare-and-set of one idempotency key (one key: any cluster slot): the key
+# goes to the new stream only if it still names the stream found gone, so two
+# repeats racing for it generate once.
+_TAKE_OVER = ("if redis.call('GET', KEYS[1]) == ARGV[1] then "
+              "redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3]) return 1 end return 0")
+# Delete an idempotency key only while it names the stream (ARGV[1] .. ' '): a
+# key taken over by a repeat is not the old stream's to free.
+_RELEASE = ("local held = redis.call('GET', KEYS[1]) "
+            "if held and string.sub(held, 1, #ARGV[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end "
+            "return 0")
 
 
 def _keys(stream_id: str) -> tuple[str, str, str]:
@@ -124,6 +156,7 @@ class RedisReplayStore:
         self.write_errors = 0
         self._error_logged_at = -_ERROR_LOG_EVERY_S
         self._cancels = RedisCancelRelay(self._redis, self._outages, self.end_reason)
+        self._leases = RedisLeases(self._redis, self._outages, ttl_s=ttl_s)
 
     async def open(self, stream_id: str, idempotency: tuple[str, str] | None = None, *,
                    owner: str = "") -> str | None:
@@ -164,8 +197,9 @@ class RedisReplayStore:
         events, meta, attach = _keys(stream_id)
         try:
             key = await self._redis.hget(meta, "key")
-            claim = ["tw:k:" + bytes(key).decode()] if key else []
-            await self._redis.delete(events, meta, attach, *claim)
+            await self._redis.delete(events, meta, attach, lease_key(stream_id))
+            if key:
+                await self._release_claim("tw:k:" + bytes(key).decode(), stream_id)
         except self._outages as error:
             raise StoreUnavailable(f"redis: {error}") from error
 
@@ -203,28 +237,44 @@ class RedisReplayStore:
                     owner: str) -> str | None:
         meta = _keys(stream_id)[1]
         if idempotency is not None:
-            key, digest = idempotency
-            claim = "tw:k:" + key
-            claimed = await self._redis.set(claim, f"{stream_id} {digest}", nx=True, ex=self._ttl)
-            if not claimed:
-                held = await self._redis.get(claim)
-                if held is not None:
-                    held_stream, _, held_digest = held.decode().partition(" ")
-                    if held_digest != digest:
-                        raise KeyReused(key)
-                    if await self._redis.exists(_keys(held_stream)[1]):
-                        return str(held_stream)
-                # Held by a stream that is gone: take the key over.
-                await self._redis.set(claim, f"{stream_id} {digest}", ex=self._ttl)
-        if idempotency is not None:
+            held = await self._claim(stream_id, *idempotency)
+            if held is not None:
+                return held
             self._claims[stream_id] = "tw:k:" + idempotency[0]
         self._owners[stream_id] = owner
-        mapping = {"key": idempotency[0] if idempotency is not None else "", "owner": owner}
+        mapping = {"key": idempotency[0] if idempotency is not None else "", "owner": owner, "lease": "1"}
         async with self._redis.pipeline(transaction=False) as pipe:
+            self._leases.take(pipe, stream_id)  # before the hash that says it has one
             pipe.hset(meta, mapping=mapping)
             pipe.expire(meta, self._ttl)
             await pipe.execute()
+        self._leases.hold(stream_id)
         return None
+
+    async def _claim(self, stream_id: str, key: str, digest: str) -> str | None:
+        """Claim idempotency ``key`` for ``stream_id``: None once it is ours, or the
+        live or ended stream holding it. A holder that expired, or whose writer
+        is gone before its end was stored, gives the key up."""
+        claim, mine = "tw:k:" + key, f"{stream_id} {digest}"
+        for _ in range(_CLAIM_TRIES):
+            if await self._redis.set(claim, mine, nx=True, ex=self._ttl):
+                return None
+            held = await self._redis.get(claim)
+            if held is None:
+                continue  # expired since: claim it again
+            held_stream, _, held_digest = bytes(held).decode().partition(" ")
+            if held_digest != digest:
+                raise KeyReused(key)
+            held_meta = _keys(held_stream)[1]
+            if await self._redis.exists(held_meta) and not await self._leases.lapsed(held_stream, held_meta):
+                return held_stream
+            # Gone, or its writer is: take the key over, unless another repeat just did.
+            if await self._redis.eval(_TAKE_OVER, 1, claim, held, mine, self._ttl):
+                return None
+        raise StoreUnavailable(f"idempotency key {key[:64]!r} changed hands {_CLAIM_TRIES} times")
+
+    async def _release_claim(self, claim: str, stream_id: str) -> None:
+        await self._redis.eval(_RELEASE, 1, claim, stream_id + " ")
 
     def append(self, action: ReplayAppend) -> None:
         if self._queue is None:
@@ -259,7 +309,8 @@ class RedisReplayStore:
                                  self.write_errors, error)
 
     async def _write(self, batch: list[ReplayAppend]) -> None:
-        key_reads: list[int] = []  # positions of the HGETs of discarded streams' keys
+        key_reads: list[tuple[int, str]] = []  # the HGETs of discarded streams' keys: position, stream
+        ended: list[str] = []  # streams whose end (and lease's release) this round stores
         gaps, self._gaps = self._gaps, {}
         async with self._redis.pipeline(transaction=False) as pipe:
             for stream_id, lost in gaps.items():
@@ -267,16 +318,21 @@ class RedisReplayStore:
                 pipe.hsetnx(meta, "gap", lost.first_seq)  # the earliest loss stands
                 if lost.end is not None:  # lost with the rest: readers must learn it ended
                     pipe.hset(meta, mapping={"end": lost.end.value, "last": lost.last_seq})
+                    # Its writer was alive until now (its lease renewed): only now is it done.
+                    self._leases.release(pipe, stream_id)
+                    ended.append(stream_id)
                 pipe.expire(meta, self._ttl)
             for action in batch:
                 events, meta, attach = _keys(action.stream_id)
                 if action.discard:
                     self._claims.pop(action.stream_id, None)
                     self._owners.pop(action.stream_id, None)
-                    key_reads.append(len(pipe))
+                    key_reads.append((len(pipe), action.stream_id))
                     pipe.hget(meta, "key")
-                    pipe.delete(events, meta, attach)
+                    pipe.delete(events, meta, attach, lease_key(action.stream_id))
+                    ended.append(action.stream_id)
                     continue
+                self._leases.wrote(action.stream_id)
                 for offset, frame in enumerate(action.frames):
                     pipe.xadd(events, {"f": frame}, id=f"0-{action.first_seq + offset}")
                 if action.overflow:
@@ -284,6 +340,8 @@ class RedisReplayStore:
                 if action.end is not None:
                     last = action.first_seq + len(action.frames) - 1
                     pipe.hset(meta, mapping={"end": action.end.value, "last": last})
+                    self._leases.release(pipe, action.stream_id)  # after the end: see redis_lease.py
+                    ended.append(action.stream_id)
                 if action.alias is not None:
                     owner = self._owners.get(action.stream_id, "")
                     self._aliases[action.stream_id] = _ALIAS + scoped_key(owner, action.alias)
@@ -308,11 +366,13 @@ class RedisReplayStore:
             except Exception:
                 for stream_id, lost in gaps.items():  # not marked yet: the next round tries again
                     self._gaps.setdefault(stream_id, lost)
-                raise
+                raise  # the ended streams keep their leases: their ends are marked later
+        self._leases.released(ended)
         # Discarded streams (failed before their first event) free their key.
-        keys = [results[i] for i in key_reads if isinstance(results[i], bytes) and results[i]]
-        if keys:
-            await self._redis.delete(*("tw:k:" + key.decode() for key in keys))
+        for position, stream_id in key_reads:
+            key = results[position]
+            if isinstance(key, bytes) and key:
+                await self._release_claim("tw:k:" + key.decode(), stream_id)
 
     async def _read(self, stream_id: str, after_seq: int) -> AsyncIterator[tuple[bytes, ...]]:
         events, meta, attach = _keys(stream_id)
@@ -325,6 +385,8 @@ class RedisReplayStore:
         seq = max(after_seq, 0)  # the last event read: the next must be seq + 1
         block: int | None = None
         count = _FIRST_READ_COUNT
+        watch = LeaseWatch()
+        lease = lease_key(stream_id)
         while True:
             reply = await self._redis.xread({events: f"0-{seq}"}, count=count, block=block)
             count = _READ_COUNT
@@ -335,10 +397,16 @@ class RedisReplayStore:
                     yield frames
                 if len(frames) < len(entries):
                     raise ReplayGap(stream_id, seq + 1)
+                watch.wrote()
                 block = None
                 continue
             # Nothing new (at once, or within the block): has it ended, is it still there?
-            state = await self._redis.hgetall(meta)
+            async with self._redis.pipeline(transaction=False) as pipe:
+                # The lease first: a writer stores its end, then deletes its lease, so
+                # a lease found gone here means any end it stored shows in the HGETALL.
+                pipe.pttl(lease)
+                pipe.hgetall(meta)
+                pttl, state = await pipe.execute()
             if not state:
                 raise ReplayUnavailable(stream_id)  # expired while we read
             if state.get(b"overflow"):
@@ -360,7 +428,18 @@ class RedisReplayStore:
                 if seq < int(state.get(b"last") or 0):
                     raise ReplayGap(stream_id, seq + 1)  # ended, but its last events were lost
                 return
-            block = _BLOCK_MS
+            if not state.get(b"lease"):
+                block = _BLOCK_MS  # written by a version without leases: live until its TTL
+                continue
+            next_block = watch.next_block_ms(int(pttl), time.monotonic(), _BLOCK_MS)
+            if next_block is None:
+                # No end, nothing new, no lease for CONFIRM_S: its writer died. One
+                # more read for what it stored just before: all of it is sent first.
+                reply = await self._redis.xread({events: f"0-{seq}"}, count=1)
+                if not reply or not reply[0][1]:
+                    raise WriterGone(stream_id)
+                next_block = None  # read on (a writer that stalls, then writes, lives)
+            block = next_block
 
     async def _wait_reader(self, stream_id: str, timeout_s: float) -> bool:
         _, _, attach = _keys(stream_id)
@@ -377,5 +456,6 @@ class RedisReplayStore:
             self._writer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._writer
+        await self._leases.aclose()
         await self._cancels.aclose()
         await self._redis.aclose()

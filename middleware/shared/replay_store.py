@@ -21,6 +21,13 @@ owner's hash (see ``resume.py``); :func:`admit` is where every driver decides
 (through ``driver.py``'s ``enter_resume``), before any upstream is called,
 whether a request replays, generates, or is refused, so the ownership rule is
 applied in one place.
+
+A live stream has one writer, the process generating it. A
+:class:`MemoryReplayStore` lives in that process, so its readers go with their
+writer; a store that processes share (Redis) keeps a lease for each writer
+(``redis_lease.py``), ends a reader of a stream whose writer died with
+:class:`WriterGone` (the in-band ``writer_gone`` error) and gives that
+stream's idempotency key to the next repeat, which generates afresh.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ from ..core.resume import (
     scoped_key,
     store_unavailable,
     stream_not_found,
+    writer_gone,
 )
 
 # Per-frame bookkeeping counted against resume_total_bytes besides the frame
@@ -83,6 +91,12 @@ class ReplayGap(ReplayUnavailable):
         self.seq = seq
 
 
+class WriterGone(ReplayUnavailable):
+    """The process writing the live stream is gone (a store shared by processes
+    keeps a lease for each writer, and this one lapsed) and its end was never
+    stored: the reader has all it stored, and nothing more will come."""
+
+
 class StoreUnavailable(ConnectionError):
     """The store cannot be reached (a Redis outage): nothing can be resumed now."""
 
@@ -99,7 +113,9 @@ class ReplayStore(Protocol):
         """Create ``stream_id`` for ``owner`` (a caller hash). With ``(key, body
         digest)``, claim the key first: if it is already held, return the stream
         that holds it (nothing is created) or raise :class:`KeyReused` if that
-        stream's body differed."""
+        stream's body differed. A holder that expired, or whose writer died
+        before its end was stored (:class:`WriterGone`), gives the key up to
+        the new stream, which then generates afresh."""
         ...
 
     async def owner(self, stream_id: str) -> str | None:
@@ -130,8 +146,10 @@ class ReplayStore(Protocol):
         """Frames after ``after_seq``, then the live tail; ends with the stream.
 
         Raises :class:`StreamNotFound` before the first batch for an unknown
-        stream and :class:`ReplayUnavailable` where the stored part ends early.
-        Starting a read counts as a reader attaching (see :meth:`wait_reader`)."""
+        stream and :class:`ReplayUnavailable` where the stored part ends early
+        (:class:`WriterGone` where its writer died; a store of one process
+        never raises it, its writers die with it). Starting a read counts as a
+        reader attaching (see :meth:`wait_reader`)."""
         ...
 
     async def wait_reader(self, stream_id: str, timeout_s: float) -> bool:
@@ -398,6 +416,9 @@ async def feed_replay(store: ReplayStore, stream_id: str, after_seq: int, *,
         return
     except ReplayGap as gap:
         feed(Rejected(replay_gap(stream_id, gap.seq)))
+        return
+    except WriterGone:
+        feed(Rejected(writer_gone(stream_id)))
         return
     except ReplayUnavailable:
         feed(Rejected(replay_unavailable(stream_id)))
