@@ -12,8 +12,9 @@
 #
 # The checks (exit 1 and the failing step on the last line otherwise):
 #   sidecar: runs as uid 10001; `tokenwire --version`; compiled_modules() non-empty;
-#            the Redis client imports; the image's ENTRYPOINT + CMD (its config)
-#            proxies a stream from a fake upstream on this machine and answers /readyz;
+#            the Redis client opens each resume store form (one server, Sentinel,
+#            Cluster); the image's ENTRYPOINT + CMD (its config) proxies a stream from
+#            a fake upstream on this machine and answers /readyz;
 #   engine:  the tiny model is in the image; its ENTRYPOINT + CMD serves a
 #            streamed completion.
 # Prints each image's size at the end.
@@ -143,11 +144,20 @@ check_sidecar() {
     containers+=("$ctr")
     [ "$(inside "$ctr" id -u)" = 10001 ] || fail "sidecar: not running as uid 10001"
     inside "$ctr" tokenwire --version || fail "sidecar: tokenwire --version"
+    # The Redis client of every resume store form (--resume-store redis://,
+    # redis+sentinel://, redis+cluster://): opened, not connected.
     inside "$ctr" python -c '
-import redis, hiredis, tokenwire.middleware as m
+import asyncio, redis, hiredis, tokenwire.middleware as m
+from tokenwire.middleware.shared.redis_client import open_client
 compiled = m.compiled_modules()
 assert compiled, "no compiled modules: the image runs the pure-Python core"
-print(f"{len(compiled)} compiled modules; redis {redis.__version__}")' || fail "sidecar: compiled modules or the Redis client"
+forms = ("redis://127.0.0.1:1/0", "redis+sentinel://127.0.0.1:1/m", "redis+cluster://127.0.0.1:1")
+async def close_all():
+    for url in forms:
+        await open_client(url)[0].aclose()
+asyncio.run(close_all())
+print(f"{len(compiled)} compiled modules; redis {redis.__version__}; resume stores: "
+      + ", ".join(url.partition(":")[0] for url in forms))' || fail "sidecar: compiled modules or the Redis client"
     log="$(mktemp)"
     background "$py" "$root/testbed/fake_engine.py" --tokens 5 >"$log" 2>&1
     for _ in $(seq 100); do grep -q '^ready port=' "$log" && break; sleep 0.1; done

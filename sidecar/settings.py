@@ -23,6 +23,7 @@ from typing import Any
 from tokenwire.middleware import ConfigError, WireConfig
 from tokenwire.middleware.process.config_layers import ConfigKey, build_layered, config_keys
 from tokenwire.middleware.process.logs import LOG_LEVELS, LogFormat
+from tokenwire.middleware.shared.redis_client import parse_store_url
 
 from .balance.load import PRESETS
 from .balance.members import parse_spec
@@ -117,7 +118,9 @@ class SidecarConfig:
     engine's own idle timeout (uvicorn's, so vLLM's and SGLang's, is 5 s), or
     a request can go out on a connection the engine is closing."""
     resume_store: str = "memory"
-    """Replay store of resumable streams (``resume = true``): ``memory`` or ``redis://HOST:PORT/DB``."""
+    """Replay store of resumable streams (``resume = true``): ``memory``, ``redis://HOST:PORT/DB``,
+    ``redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER_NAME[/DB]`` or
+    ``redis+cluster://HOST:PORT[,HOST:PORT...]`` (README: Resume)."""
     log_file: str = "-"
     """Where the stream records go (one line per stream): ``-`` = with the other logs on
     stderr, empty = nowhere, else appended to this file."""
@@ -273,10 +276,8 @@ class SidecarConfig:
         if isinstance(strikes, bool) or not isinstance(strikes, int) or strikes < 0:
             raise ConfigError("grpc_keepalive_max_ping_strikes",
                               f"must be a whole number >= 0, got {strikes!r}")
-        if self.resume_store not in ("", "memory") and not self.resume_store.startswith(
-                ("redis://", "rediss://", "unix://")):
-            raise ConfigError("resume_store", f"expected memory or redis://HOST:PORT/DB, "
-                                              f"got {self.resume_store!r}")
+        if self.resume_store not in ("", "memory"):
+            parse_store_url(self.resume_store)  # one server, Sentinel or Cluster, well-formed
         if self.wire.resume and self.resume_store not in ("", "memory") and not self.wire.resume_owner_secret:
             # A random per-process key would make every replica's owner hashes differ:
             # a reconnect landing on another replica would find no stream of its caller.

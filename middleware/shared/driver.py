@@ -62,6 +62,7 @@ from ..core.resume import (
     stream_elsewhere,
 )
 from .replay_store import ReplayStore, StoreUnavailable, admit, feed_replay
+from .store_outages import STORE_OUTAGES
 
 
 def _no_tick(now: float) -> None:
@@ -198,7 +199,8 @@ async def answer_cancel(store: ReplayStore, cancel: CancelStream, *, stop_writer
         else:
             feed(Rejected(stream_elsewhere(stream_id)))
             return
-    except StoreUnavailable:
+    except StoreUnavailable as error:
+        STORE_OUTAGES.note(error)
         feed(Rejected(store_unavailable()))
         return
     body = ({"id": cancel.alias, "object": "response", "status": status} if cancel.alias

@@ -17,6 +17,13 @@ died is issue-35 work: its lease, not this channel, says so).
 The message carries only the stream id. The cancelling process checked the
 caller's ownership against the store before publishing (``admit``); the
 channel is as trusted as the store itself.
+
+On a Redis Cluster, PUBLISH's reply counts only the subscribers of the node it
+reached, so every process publishes and subscribes on one node, the primary of
+the channel's slot (``redis_client.channel_node``), through a client of its own
+to that node, asked again after a failure (a failover moves the slot). While a
+cluster's processes disagree on that node (a failover, seconds), a cancel may be
+told ``stream_elsewhere`` and the client asks again.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..core.events import EndReason
+from .redis_client import channel_node, node_client
 
 logger = logging.getLogger("tokenwire.resume")
 
@@ -53,6 +61,8 @@ class RedisCancelRelay:
         self._poll_s = poll_s
         self._stop: Callable[[str], bool] | None = None
         self._listener: asyncio.Task[None] | None = None
+        self._node: tuple[tuple[str, int], Any] | None = None  # a cluster's: (its address, a client to it)
+        self._refresh = False  # a cluster's slots to be read again (the channel's node failed)
 
     def serve(self, stop: Callable[[str], bool]) -> None:
         """Listen for cancels of this process's streams: ``stop(stream_id)`` stops
@@ -66,7 +76,13 @@ class RedisCancelRelay:
         """Pass a cancel of ``stream_id`` on; True once its end is stored (it was
         stopped), False if no process stopped it in ``wait_s``. Raises the
         store's outages."""
-        if not await self._redis.publish(CHANNEL, stream_id):
+        channel = await self._channel()
+        try:
+            heard = await channel.publish(CHANNEL, stream_id)
+        except self._outages:
+            self._refresh = True
+            raise
+        if not heard:
             return False  # nobody listens: no process writes streams right now
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._wait_s
@@ -80,8 +96,9 @@ class RedisCancelRelay:
     async def _listen(self) -> None:
         heard = True  # since the last failure: an outage is said once, not every retry
         while True:
-            pubsub = self._redis.pubsub()
+            pubsub: Any = None
             try:
+                pubsub = (await self._channel()).pubsub()
                 await pubsub.subscribe(CHANNEL)
                 heard = True
                 async for message in pubsub.listen():
@@ -92,10 +109,33 @@ class RedisCancelRelay:
                 if heard:
                     logger.warning("resume store: cannot hear cancels from other processes: %s", error)
                 heard = False
+                self._refresh = True
             finally:
-                with contextlib.suppress(*self._outages):
-                    await pubsub.aclose()
+                if pubsub is not None:
+                    with contextlib.suppress(*self._outages):
+                        await pubsub.aclose()
             await asyncio.sleep(_RETRY_S)
+
+    async def _channel(self) -> Any:
+        """The client to publish and subscribe with: the store's own, or on a
+        cluster a client to the channel's node (see the module docstring)."""
+        refresh, self._refresh = self._refresh, False
+        try:
+            address = await channel_node(self._redis, CHANNEL, refresh=refresh)
+        except self._outages:
+            self._refresh = True
+            raise
+        if address is None:
+            return self._redis
+        held = self._node
+        if held is not None and held[0] == address:
+            return held[1]
+        client = node_client(self._redis, *address)
+        self._node = (address, client)
+        if held is not None:  # the slot moved: the old node's client goes
+            with contextlib.suppress(*self._outages):
+                await held[1].aclose()
+        return client
 
     async def aclose(self) -> None:
         listener, self._listener = self._listener, None
@@ -103,3 +143,7 @@ class RedisCancelRelay:
             listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await listener
+        held, self._node = self._node, None
+        if held is not None:
+            with contextlib.suppress(*self._outages):
+                await held[1].aclose()

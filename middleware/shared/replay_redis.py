@@ -60,10 +60,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.config import ConfigError
 from ..core.events import EndReason, ReplayAppend
 from ..core.resume import scoped_key
 from .redis_cancel import RedisCancelRelay
+from .redis_client import open_client
 from .redis_lease import LeaseWatch, RedisLeases, lease_key
 from .replay_store import (
     KeyReused,
@@ -137,16 +137,11 @@ class RedisReplayStore:
         self.url = url
         self.ttl_s = ttl_s
         self._ttl = max(1, round(ttl_s))
-        try:
-            # Optional: the base install has no Redis client (the redis extra).
-            import redis.asyncio as redis_asyncio
-        except ImportError:
-            raise ConfigError("resume_store", "a redis:// store needs the redis package (the redis extra): "
-                                              "pip install '.[redis]' in tokenwire's clone, or the built "
-                                              "wheel with [redis] (README: Install)") from None
-        self._redis: Any = redis_asyncio.Redis.from_url(url)
-        # What a Redis outage looks like from here; turned into StoreUnavailable.
-        self._outages: tuple[type[BaseException], ...] = (redis_asyncio.RedisError, OSError)
+        # The client the address names (one server, Sentinel or Cluster: redis_client.py),
+        # and what a Redis outage looks like from here; turned into StoreUnavailable.
+        self._redis: Any
+        self._outages: tuple[type[BaseException], ...]
+        self._redis, self._outages = open_client(url)
         self._queue: asyncio.Queue[ReplayAppend] | None = None
         self._writer: asyncio.Task[None] | None = None
         self._claims: dict[str, str] = {}  # stream -> its idempotency key, while it is written here

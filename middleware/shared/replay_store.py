@@ -63,6 +63,7 @@ from ..core.resume import (
     stream_not_found,
     writer_gone,
 )
+from .store_outages import STORE_OUTAGES
 
 # Per-frame bookkeeping counted against resume_total_bytes besides the frame
 # itself (a bytes object's header and its list slot, measured in bench/).
@@ -390,7 +391,8 @@ async def admit(store: ReplayStore, route: ResumeFrom | ResumeAlias | Idempotent
         return None
     except KeyReused:
         raise key_reused() from None
-    except StoreUnavailable:
+    except StoreUnavailable as error:
+        STORE_OUTAGES.note(error)
         if route is None:
             raise
         # A reconnect cannot be served, and generating an idempotent request
@@ -423,7 +425,8 @@ async def feed_replay(store: ReplayStore, stream_id: str, after_seq: int, *,
     except ReplayUnavailable:
         feed(Rejected(replay_unavailable(stream_id)))
         return
-    except StoreUnavailable:
+    except StoreUnavailable as error:
+        STORE_OUTAGES.note(error)
         feed(Rejected(store_unavailable()))
         return
     feed(UpstreamEnded())
