@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from .chunks import dumps
 from .errors import ClientError, ErrorCode
 from .events import EndReason, StreamRecord
-from .headers import SUMMARY_HEADER, Header, header_value
+from .headers import SUMMARY_HEADER, Header
 from .sse import SSEEvent
 
 if TYPE_CHECKING:
@@ -45,6 +45,7 @@ DONE = "done"
 SUMMARY = "summary"
 NAMES = (OPEN, DONE, SUMMARY)
 """The frames a client may ask for."""
+_NONE: frozenset[str] = frozenset()
 
 
 def check_frames(value: bytes) -> ClientError | None:
@@ -60,12 +61,19 @@ def check_frames(value: bytes) -> ClientError | None:
 def asked(headers: Iterable[Header]) -> frozenset[str]:
     """The frames a request asked for (an unknown name is refused by :func:`check_frames`
     before the stream starts; here it is only left out)."""
+    # Asked of every request: one pass over the headers, nothing built when none asks.
+    listed: bytes | None = None
+    summary: bytes | None = None
+    for name, value in headers:
+        if name == FRAMES_HEADER and listed is None:
+            listed = value
+        elif name == SUMMARY_HEADER and summary is None:
+            summary = value
+    if listed is None and summary is None:
+        return _NONE
     frames: set[str] = set()
-    headers = tuple(headers)
-    value = header_value(headers, FRAMES_HEADER)
-    if value is not None:
-        frames.update(name.strip().lower() for name in value.decode("latin-1").split(","))
-    summary = header_value(headers, SUMMARY_HEADER)
+    if listed is not None:
+        frames.update(name.strip().lower() for name in listed.decode("latin-1").split(","))
     if summary is not None and summary.strip().lower() in (b"true", b"1", b"yes"):
         frames.add(SUMMARY)
     return frozenset(frames.intersection(NAMES))

@@ -191,9 +191,10 @@ async def answer_cancel(store: ReplayStore, cancel: CancelStream, *, stop_writer
     (``stream_elsewhere``): only its writer can stop its upstream."""
     stream_id = cancel.stream_id
     try:
-        if stop_writer(stream_id) or await _stopped_elsewhere(store, stream_id):
+        stopped, reason = (True, None) if stop_writer(stream_id) else await _stop_elsewhere(store, stream_id)
+        if stopped:
             status = "cancelled"
-        elif (reason := await store.end_reason(stream_id)) is not None:
+        elif reason is not None:
             await store.discard(stream_id)
             status = _RESPONSE_STATUS.get(reason, "failed") if cancel.alias else "ended"
         else:
@@ -212,9 +213,16 @@ async def answer_cancel(store: ReplayStore, cancel: CancelStream, *, stop_writer
     feed(UpstreamEnded())
 
 
-async def _stopped_elsewhere(store: ReplayStore, stream_id: str) -> bool:
-    """A live stream of another process sharing the store: passed on, and stopped there?"""
-    return await store.end_reason(stream_id) is None and await store.relay_cancel(stream_id)
+async def _stop_elsewhere(store: ReplayStore, stream_id: str) -> tuple[bool, EndReason | None]:
+    """A stream this process does not write: (stopped by the process that does,
+    how it ended if it had ended). Its end is read once, and again only after a
+    relay no process answered (it may have ended meanwhile)."""
+    reason = await store.end_reason(stream_id)
+    if reason is not None:
+        return False, reason
+    if await store.relay_cancel(stream_id):
+        return True, None
+    return False, await store.end_reason(stream_id)
 
 
 async def wait_for_reader(store: ReplayStore, action: AwaitReader, now: float) -> bool:
