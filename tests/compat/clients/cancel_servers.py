@@ -43,6 +43,8 @@ from tokenwire.sidecar import Sidecar, StreamLog
 
 from tokenwire.tools.cli import load_sidecar_config
 
+from .servers import loop_in_thread
+
 T = TypeVar("T")
 Scope = MutableMapping[str, Any]
 DRIVERS = ("sidecar", "middleware")
@@ -274,20 +276,11 @@ async def _start(servers: CancelServers, stack: contextlib.AsyncExitStack) -> No
 @contextlib.contextmanager
 def running_cancel_servers(page_origin: str) -> Iterator[CancelServers]:
     """The engine and tokenwire in front of it, until the block ends."""
-    try:
-        import uvloop
-
-        loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-    except ImportError:
-        loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    servers = CancelServers(loop, CancelEngine(), page_origin)
-    stack = contextlib.AsyncExitStack()
-    try:
-        servers.run(_start(servers, stack))
-        yield servers
-    finally:
-        servers.run(stack.aclose())
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
+    with loop_in_thread() as loop:
+        servers = CancelServers(loop, CancelEngine(), page_origin)
+        stack = contextlib.AsyncExitStack()
+        try:
+            servers.run(_start(servers, stack))
+            yield servers
+        finally:
+            servers.run(stack.aclose())

@@ -17,10 +17,8 @@ defaults (retries included) but for the base URL, a timeout and the API key.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -36,7 +34,7 @@ from tokenwire.tools.cli import load_sidecar_config
 from .dialect_scripts import SLOW_TOOL, DialectUpstream
 from .outcome import jsonable
 from .py_clients import TIMEOUT_S, _http2_client, speaks_h2
-from .servers import MIDDLEWARE_CONFIG, SIDECAR_FLAGS, Servers, _Records, stall_max_s
+from .servers import MIDDLEWARE_CONFIG, SIDECAR_FLAGS, Servers, _Records, loop_in_thread, stall_max_s
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm: no fetch at import
 
@@ -171,24 +169,15 @@ async def _start(servers: Servers, stack: contextlib.AsyncExitStack) -> None:
 
 @contextlib.contextmanager
 def running_dialect_servers() -> Iterator[Servers]:
-    try:
-        import uvloop
-
-        loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-    except ImportError:
-        loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    upstream = DialectUpstream()
-    servers = Servers(loop, upstream, records=_Noting(upstream))  # type: ignore[arg-type]
-    stack = contextlib.AsyncExitStack()
-    try:
-        servers.run(_start(servers, stack))
-        yield servers
-    finally:
-        servers.run(stack.aclose())
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
+    with loop_in_thread() as loop:
+        upstream = DialectUpstream()
+        servers = Servers(loop, upstream, records=_Noting(upstream))  # type: ignore[arg-type]
+        stack = contextlib.AsyncExitStack()
+        try:
+            servers.run(_start(servers, stack))
+            yield servers
+        finally:
+            servers.run(stack.aclose())
 
 
 # Anthropic ------------------------------------------------------------------

@@ -231,7 +231,8 @@ async def _start(servers: Servers, stack: contextlib.AsyncExitStack) -> None:
 
 
 @contextlib.contextmanager
-def running_servers() -> Iterator[Servers]:
+def loop_in_thread() -> Iterator[asyncio.AbstractEventLoop]:
+    """An event loop (uvloop where installed) running in a thread of its own, until the block ends."""
     try:
         import uvloop
 
@@ -240,12 +241,20 @@ def running_servers() -> Iterator[Servers]:
         loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    servers = Servers(loop, ScriptedUpstream())
-    stack = contextlib.AsyncExitStack()
     try:
-        servers.run(_start(servers, stack))
-        yield servers
+        yield loop
     finally:
-        servers.run(stack.aclose())
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
+
+
+@contextlib.contextmanager
+def running_servers() -> Iterator[Servers]:
+    with loop_in_thread() as loop:
+        servers = Servers(loop, ScriptedUpstream())
+        stack = contextlib.AsyncExitStack()
+        try:
+            servers.run(_start(servers, stack))
+            yield servers
+        finally:
+            servers.run(stack.aclose())
