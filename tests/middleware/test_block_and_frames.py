@@ -14,11 +14,13 @@ from tokenwire.middleware import (
     SlowClientPolicy,
     SocketPaused,
     SocketResumed,
+    UpstreamData,
     UpstreamEnded,
     WireConfig,
 )
 from tokenwire.middleware.core import client_settings, frames
 
+from .test_stream_endings import driver
 from .wire_harness import Driver, chunk, event, parse_all, proxy_config, texts
 
 TEXT = [f"t{i} " for i in range(400)]
@@ -161,3 +163,42 @@ def test_frames_header_parsed_and_an_unknown_frame_refused() -> None:
                                                    "chat.completions")
     assert isinstance(refusal, ClientError) and refusal.http_status == 400
     assert "'bogus' is not a frame" in str(refusal)
+
+
+_DIALECT_ANSWERS = {
+    "/v1/responses": [
+        b'event: response.created\ndata: {"type":"response.created","sequence_number":0,'
+        b'"response":{"id":"resp_1","status":"in_progress"}}\n\n',
+        *(b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
+          b'"sequence_number":%d,"item_id":"m1","output_index":0,"content_index":0,"delta":"t%d "}\n\n'
+          % (n, n) for n in range(1, 4)),
+        b'event: response.completed\ndata: {"type":"response.completed","sequence_number":4,'
+        b'"response":{"id":"resp_1","status":"completed"}}\n\n'],
+    "/v1/messages": [
+        b'event: message_start\ndata: {"type":"message_start","message":{"usage":{"output_tokens":1}}}\n\n',
+        *(b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+          b'"delta":{"type":"text_delta","text":"t%d "}}\n\n' % n for n in range(1, 4)),
+        b'event: message_stop\ndata: {"type":"message_stop"}\n\n'],
+}
+
+
+@pytest.mark.parametrize("path", sorted(_DIALECT_ANSWERS))
+def test_the_frames_and_block_in_the_named_event_dialects(path: str) -> None:
+    """Responses and Anthropic Messages: open first, done just before the dialect's
+    own terminal event, and under block a slow reader's deltas are not merged."""
+    answer = _DIALECT_ANSWERS[path]
+    for policy, merged in ((SlowClientPolicy.BLOCK, False), (SlowClientPolicy.COALESCE, True)):
+        d = driver(path, proxy_config(slow_client_policy=policy), frames=frozenset({"open", "done"}),
+                   auto_complete=False)
+        d.sse_headers(at=0.0)
+        d.send(SocketPaused(), at=0.0)
+        for frame in answer:
+            d.send(UpstreamData(frame), at=0.1)
+        d.send(UpstreamEnded(), at=0.2)
+        d.send(SocketResumed(), at=0.3)
+        while d.in_flight:
+            d.complete()
+        names = [event.event for event in parse_all(d.written) if event.data]
+        assert names[0] == "tokenwire.open" and names[-2] == "tokenwire.done", names
+        assert names[-1] == ("response.completed" if path == "/v1/responses" else "message_stop")
+        assert (d.finished.record.coalesced_events > 0) is merged, (policy, names)
