@@ -117,3 +117,18 @@ def test_the_bench_index_fits_a_screen_and_names_every_script() -> None:
     scripts = sorted(p.name for p in (ROOT / "bench").iterdir() if p.suffix in (".py", ".sh"))
     assert len(scripts) > 10
     assert [name for name in scripts if name not in index] == []
+
+
+def test_no_two_test_files_outside_a_package_share_a_name() -> None:
+    """pytest imports a test file of a folder without ``__init__.py`` by its
+    bare name, so two such files of one name stop the whole run at collection
+    ("import file mismatch"), and only when both folders are collected."""
+    seen: dict[str, Path] = {}
+    clashes = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        if (path.parent / "__init__.py").exists():
+            continue
+        if path.name in seen:
+            clashes.append(f"{seen[path.name].relative_to(ROOT)} and {path.relative_to(ROOT)}")
+        seen.setdefault(path.name, path)
+    assert not clashes, "rename one of each: " + "; ".join(clashes)
