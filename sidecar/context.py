@@ -50,6 +50,8 @@ class SidecarContext:
     """The replay store answered its last PING (``process/readiness.py``'s ``StoreWatch``)."""
     on_drain: list[Callable[[], None]] = field(default_factory=list)
     """Called once when shutdown begins (``draining`` is set): gRPC health watches."""
+    begin_drain: Callable[[], None] | None = None
+    """Begins the drain without exiting (the admin port's ``POST /drain``); set by the Sidecar."""
     departures: Departures = field(default_factory=Departures)
     """The bookkeeping of departed clients, run after their upstreams are closed."""
     dialects: DialectTable = field(init=False)

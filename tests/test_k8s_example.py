@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "conf" / "examples" / "k8s.yaml"
 INGRESS = ROOT / "conf" / "examples" / "ingress.yaml"
 # How long the endpoint removal takes to reach kube-proxy and the ingress (the engine's
-# preStop waits that long before the sidecar's drain_s begins to count).
+# preStop waits that long before it asks the sidecar to drain).
 ENDPOINT_PROPAGATION_S = 5
 # Pod Security "restricted": the only capability a container may add back.
 ALLOWED_CAPABILITIES = {"NET_BIND_SERVICE"}
@@ -233,22 +233,49 @@ def rule_probes(docs: Docs) -> list[str]:
     return broken
 
 
-def rule_shutdown(docs: Docs, drain_s: float) -> list[str]:
-    """The engine outlives the endpoint removal and the sidecar's drain; the grace period
-    covers the engine's preStop and its own graceful shutdown, with room left."""
+def _drain_flags(container: dict[str, Any]) -> dict[str, str] | None:
+    """The flags of a ``tokenwire drain`` preStop; None if the preStop is something else."""
+    command = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+    if command[:2] != ["tokenwire", "drain"]:
+        return None
+    return dict(zip(command[2::2], command[3::2], strict=True))
+
+
+def rule_shutdown(docs: Docs, config: Any) -> list[str]:
+    """The engine's preStop drains the sidecar (a native sidecar is stopped only after
+    the engine has exited, too late to finish or hand off a stream) after the endpoint
+    removal, on the sidecar's admin port with its token, for the whole drain_s; the
+    grace period covers that and the engine's own graceful shutdown, with room left."""
     from tokenwire.engine.server import GRACEFUL_SHUTDOWN_S
 
     every = containers(docs)
-    engine_sleep = _sleep_s(every["engine"])
-    grace = pod_spec(docs)["terminationGracePeriodSeconds"]
+    engine = every["engine"]
+    flags = _drain_flags(engine)
+    if flags is None:
+        return ["the engine's preStop is not `tokenwire drain`: the sidecar would drain only once "
+                "the engine has gone"]
     broken = []
-    if engine_sleep < ENDPOINT_PROPAGATION_S + drain_s:
-        broken.append(f"engine preStop {engine_sleep} s < {ENDPOINT_PROPAGATION_S} s + drain_s {drain_s} s")
-    if grace <= engine_sleep + GRACEFUL_SHUTDOWN_S + _sleep_s(every["sidecar"]):
-        broken.append(f"grace {grace} s <= engine preStop {engine_sleep} s + its {GRACEFUL_SHUTDOWN_S} s "
-                      "shutdown (+ the sidecar's preStop)")
-    if grace <= drain_s + ENDPOINT_PROPAGATION_S:
-        broken.append(f"grace {grace} s <= drain_s + {ENDPOINT_PROPAGATION_S} s")
+    after_s, wait_s = float(flags.get("--after-s", 0)), float(flags.get("--wait-s", 0))
+    admin_port = config.admin_listen.rpartition(":")[2]
+    if flags.get("--admin") != f"127.0.0.1:{admin_port}":
+        broken.append(f"tokenwire drain --admin {flags.get('--admin')} is not the sidecar's admin port "
+                      f"{admin_port} on loopback")
+    token_file = flags.get("--token-file", "")
+    if config.admin_token_file and token_file != config.admin_token_file:
+        broken.append(f"tokenwire drain --token-file {token_file!r} is not the sidecar's "
+                      f"admin_token_file {config.admin_token_file!r}")
+    mounts = [m["mountPath"] for m in engine.get("volumeMounts", [])]
+    if token_file and not any(token_file.startswith(f"{path.rstrip('/')}/") for path in mounts):
+        broken.append(f"the engine container does not mount {token_file}")
+    if after_s < ENDPOINT_PROPAGATION_S:
+        broken.append(f"tokenwire drain --after-s {after_s:g} < the endpoint removal's "
+                      f"{ENDPOINT_PROPAGATION_S} s")
+    if wait_s < config.drain_s:
+        broken.append(f"tokenwire drain --wait-s {wait_s:g} < drain_s {config.drain_s:g}")
+    grace = pod_spec(docs)["terminationGracePeriodSeconds"]
+    if grace <= after_s + wait_s + GRACEFUL_SHUTDOWN_S + _sleep_s(every["sidecar"]):
+        broken.append(f"grace {grace} s <= the engine's preStop {after_s + wait_s:g} s + its "
+                      f"{GRACEFUL_SHUTDOWN_S} s shutdown (+ the sidecar's preStop)")
     return broken
 
 
@@ -266,10 +293,11 @@ def _set(path: str, value: Any) -> Callable[[Docs], None]:
                 node = next(item for item in node if item["name"] == key[5:])
             else:
                 node = node[int(key)] if key.isdigit() else node[key]
+        last: Any = int(keys[-1]) if keys[-1].isdigit() else keys[-1]
         if value is ...:
-            del node[keys[-1]]
+            del node[last]
         else:
-            node[keys[-1]] = value
+            node[last] = value
     return mutate
 
 
@@ -299,33 +327,37 @@ BREAKS: dict[str, tuple[Callable[..., list[str]], Callable[[Docs], None]]] = {
                                                "limits": {"cpu": "500m", "memory": "512Mi"}})),
     "engine readiness": (rule_probes, _set(f"{ENGINE}.readinessProbe", ...)),
     "sidecar liveness": (rule_probes, _set(f"{SIDECAR}.livenessProbe.httpGet.path", "/readyz")),
-    "short preStop": (rule_shutdown, _set(f"{ENGINE}.lifecycle.preStop.exec.command", ["sleep", "30"])),
+    "preStop sleeps": (rule_shutdown, _set(f"{ENGINE}.lifecycle.preStop.exec.command", ["sleep", "125"])),
+    "short drain wait": (rule_shutdown, _set(f"{ENGINE}.lifecycle.preStop.exec.command.9", "30")),
+    "no endpoint wait": (rule_shutdown, _set(f"{ENGINE}.lifecycle.preStop.exec.command.7", "0")),
+    "drain elsewhere": (rule_shutdown, _set(f"{ENGINE}.lifecycle.preStop.exec.command.3", "127.0.0.1:8443")),
+    "token not mounted": (rule_shutdown, _set(f"{ENGINE}.volumeMounts.name=admin-token.mountPath",
+                                              "/etc/other")),
     "short grace": (rule_shutdown, _set(f"{TEMPLATE}.terminationGracePeriodSeconds", 125)),
 }
 
 
 @pytest.fixture(scope="module")
-def drain_s(tmp_path_factory: pytest.TempPathFactory) -> float:
-    config = sidecar_config(load(), tmp_path_factory.mktemp("k8s"))
-    return float(config.drain_s)
+def config(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return sidecar_config(load(), tmp_path_factory.mktemp("k8s"))
 
 
-def _run(rule: Callable[..., list[str]], docs: Docs, drain_s: float) -> list[str]:
-    return rule(docs, drain_s) if rule is rule_shutdown else rule(docs)
+def _run(rule: Callable[..., list[str]], docs: Docs, config: Any) -> list[str]:
+    return rule(docs, config) if rule is rule_shutdown else rule(docs)
 
 
 @pytest.mark.parametrize("name", sorted({rule.__name__: rule for rule, _ in BREAKS.values()}))
-def test_the_example_keeps_every_rule(name: str, drain_s: float) -> None:
+def test_the_example_keeps_every_rule(name: str, config: Any) -> None:
     rule = next(rule for rule, _ in BREAKS.values() if rule.__name__ == name)
-    assert _run(rule, load(), drain_s) == []
+    assert _run(rule, load(), config) == []
 
 
 @pytest.mark.parametrize("case", sorted(BREAKS))
-def test_each_rule_names_a_copy_broken_on_purpose(case: str, drain_s: float) -> None:
+def test_each_rule_names_a_copy_broken_on_purpose(case: str, config: Any) -> None:
     rule, mutate = BREAKS[case]
     docs = copy.deepcopy(load())
     mutate(docs)
-    assert _run(rule, docs, drain_s), f"{rule.__name__} did not see the broken {case}"
+    assert _run(rule, docs, config), f"{rule.__name__} did not see the broken {case}"
 
 
 def test_every_object_the_ingress_and_the_readme_name_is_there() -> None:

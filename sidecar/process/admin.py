@@ -8,6 +8,9 @@ Routes::
     DELETE /streams/{request_id}   cancel: upstream aborted, client gets an in-band ``cancelled``
     GET    /upstreams              the upstream set: state, open streams, load, picks, queue
     POST   /upstreams/{addr}/drain    no new streams to it, its open ones finish (``/undrain``: back)
+    POST   /drain                  the whole sidecar drains as on SIGTERM but stays up (202);
+                                   a Kubernetes preStop hook's ``tokenwire drain``
+    GET    /drain                  ``{"draining": bool, "open_streams": N}``
     GET    /healthz                200 while the process runs
     GET    /readyz                 200 while it can take a stream; 503 naming why not
                                    (draining, no healthy upstream, the store: ``readiness.py``)
@@ -99,6 +102,8 @@ def route(context: SidecarContext, method: bytes, target: bytes, *,
             return _json(200, context.pools.describe())
         if path == "/healthz":
             return _json(200, {"status": "ok"})
+        if path == "/drain":
+            return _json(200, _drain_state(context))
         if path == "/readyz":
             verdict = readiness(context, asyncio.get_running_loop().time())
             return _json(verdict.status, verdict.body())
@@ -108,6 +113,10 @@ def route(context: SidecarContext, method: bytes, target: bytes, *,
             return _json(200, {"cancelled": request_id})
         return _json(404, error_object(f"no open stream {request_id!r}", "invalid_request_error",
                                        ErrorCode.STREAM_NOT_FOUND))
+    elif method == b"POST" and path == "/drain":
+        assert context.begin_drain is not None, "set by the Sidecar"
+        context.begin_drain()
+        return _json(202, _drain_state(context))
     elif method == b"POST" and path.startswith("/upstreams/") and path.endswith(("/drain", "/undrain")):
         given, _, verb = path[len("/upstreams/"):].rpartition("/")
         address = context.pools.find(given)
@@ -119,6 +128,10 @@ def route(context: SidecarContext, method: bytes, target: bytes, *,
     else:
         return _json(405, error_object("method not allowed", "invalid_request_error", ErrorCode.BAD_REQUEST))
     return _json(404, error_object(f"no route {path}", "invalid_request_error", ErrorCode.BAD_REQUEST))
+
+
+def _drain_state(context: SidecarContext) -> dict[str, object]:
+    return {"draining": context.draining, "open_streams": len(context.registry)}
 
 
 async def _read_request(reader: asyncio.StreamReader, conn: h11.Connection) -> h11.Request | None:

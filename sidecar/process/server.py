@@ -93,6 +93,7 @@ class Sidecar:
         self.context: SidecarContext | None = None
         self._admin_handler: AdminHandler | None = None
         self._store_watch: asyncio.Task[None] | None = None
+        self._drain: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Bind the listeners; after this the sidecar serves requests."""
@@ -145,6 +146,7 @@ class Sidecar:
             replay_store=open_replay_store(config.resume_store, wire) if wire.resume else None,
             caller_key=CallerKey.from_config(wire) if wire.resume else None,
             admin_origins=own_origins,
+            begin_drain=self.request_drain,
         )
         self.context = context
         context.metrics.registry.register(UpstreamCollector(context.pools))
@@ -223,11 +225,40 @@ class Sidecar:
         assert self._stop is not None, "not started"
         await self._stop.wait()
 
+    def request_drain(self) -> None:
+        """Begin the drain of :meth:`shutdown` without exiting (the admin port's
+        ``POST /drain``, from a Kubernetes preStop hook): the listener closes,
+        ``/readyz`` says ``draining``, open streams finish or are handed off, and
+        the process stays up, its admin port answering, until SIGTERM, whose
+        shutdown then finds nothing left to drain. Idempotent."""
+        if self._drain is None and self.context is not None:
+            self.context.draining = True  # /readyz and GET /drain say so at once
+            self._drain = asyncio.get_running_loop().create_task(self._drain_streams(self.context))
+
     async def shutdown(self) -> None:
         """Graceful shutdown; returns when everything is closed."""
         context = self.context
         if context is None:
             return
+        self.request_drain()
+        assert self._drain is not None
+        await self._drain
+        for connection in list(context.connections):
+            connection.abort()
+        context.departures.run_all()  # the records of clients that just left, before the log closes
+        if self._admin is not None:
+            self._admin.close()
+        await context.pools.aclose()
+        if self._store_watch is not None:
+            self._store_watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._store_watch
+        if context.replay_store is not None:
+            await context.replay_store.aclose()
+        context.log.close()
+
+    async def _drain_streams(self, context: SidecarContext) -> None:
+        """Stop taking streams and let the open ones end (the module docstring)."""
         context.draining = True
         loop = asyncio.get_running_loop()
         began = loop.time()
@@ -262,19 +293,6 @@ class Sidecar:
             for connection in list(context.connections):
                 connection.close_if_idle()
             await asyncio.sleep(_POLL_S)
-        for connection in list(context.connections):
-            connection.abort()
-        context.departures.run_all()  # the records of clients that just left, before the log closes
-        if self._admin is not None:
-            self._admin.close()
-        await context.pools.aclose()
-        if self._store_watch is not None:
-            self._store_watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._store_watch
-        if context.replay_store is not None:
-            await context.replay_store.aclose()
-        context.log.close()
 
 
 def _grpc_route(context: SidecarContext) -> StreamRoute | None:

@@ -400,6 +400,16 @@ class Supervisor:
             found = [reply for reply in replies if reply[0] == 200]
             if found or replies:
                 return (found or replies)[0]
+        if path == "/drain" and method in (b"GET", b"HEAD", b"POST"):
+            # Every worker's: draining once all are, the open streams of them all.
+            answers = [answer for _, answer in await self._gather(method.decode(), "/drain")]
+            states = [json.loads(answer[2]) for answer in answers if answer is not None and answer[0] < 300]
+            if not states or len(states) < len(answers):
+                return 503, json_type, b'{"status":"a worker did not answer"}'
+            state = {"draining": all(s["draining"] for s in states),
+                     "open_streams": sum(s["open_streams"] for s in states)}
+            return (202 if method == b"POST" else 200), json_type, json.dumps(
+                state, separators=(",", ":")).encode()
         if method in (b"GET", b"HEAD") and path == "/readyz":
             if self._stopping:
                 return 503, json_type, b'{"status":"draining"}'

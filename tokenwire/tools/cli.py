@@ -1,4 +1,5 @@
-"""The ``tokenwire`` command: ``sidecar``, ``engine``, ``up``, ``demo``, ``probe``, ``help``.
+"""The ``tokenwire`` command: ``sidecar``, ``engine``, ``up``, ``demo``, ``probe``, ``drain``,
+``help``.
 
 One argparse parser with a subcommand each. A subcommand's flags come from the
 module that runs it (``add_arguments``), and the configuration keys of the
@@ -57,6 +58,8 @@ COMMANDS = (
             "tokenwire.tools.demo:add_arguments", "tokenwire.tools.demo:main"),
     Command("probe", "what a client sees on a stream: time to first token, gaps, truncation",
             "tokenwire.tools.probe:add_arguments", "tokenwire.tools.probe:main"),
+    Command("drain", "drain a running sidecar and wait for its streams (a Kubernetes preStop)",
+            "tokenwire.tools.drain:add_arguments", "tokenwire.tools.drain:main"),
 )
 _BY_NAME = {command.name: command for command in COMMANDS}
 
