@@ -61,6 +61,17 @@ MODULES = (
     # both HTTP versions share.
     "sidecar/downstream/http1_faults",
     "sidecar/downstream/request_rules",
+    # Once a stream, the rest of its set-up: the connection's transport and
+    # peer, the request's framing checks, the upstream attempt and the pod's
+    # pool, the protocol choice and the per-request settings. Interpreted, they
+    # were 4 % of a short stream's instructions (bench/stream_cost.py,
+    # docs/perf/stream-cost.md).
+    "sidecar/downstream/connection",
+    "sidecar/downstream/framing",
+    "sidecar/upstream/attempt",
+    "sidecar/upstream/pool",
+    "sidecar/process/listener",
+    "middleware/core/client_settings",
 )
 GROUP = "tokenwire.middleware._core"
 """The library the compiled modules share (``middleware/_core__mypyc*.so``)."""

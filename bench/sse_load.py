@@ -505,8 +505,10 @@ async def fetch_json(host: str, port: int, path: str) -> Any:
 
 
 async def scenario_throughput(host: str, port: int, streams: int, events: int,
-                              interval_ms: float) -> dict[str, Any]:
-    """``streams`` concurrent answers of ``events`` chunks every ``interval_ms``.
+                              interval_ms: float, at_most: int = 0) -> dict[str, Any]:
+    """``streams`` concurrent answers of ``events`` chunks every ``interval_ms``
+    (``at_most`` > 0: no more than that many open at once, the next one
+    started as one ends; its first event counted from its own start).
 
     Every stream's text is checked to be exact. ``delivered_events`` counts the
     chunks the client read, ``delivered_tokens`` the tokens in them (a proxy
@@ -517,18 +519,21 @@ async def scenario_throughput(host: str, port: int, streams: int, events: int,
     results = [StreamResult() for _ in range(streams)]
     interval_s = interval_ms / 1000.0
 
+    gate = asyncio.Semaphore(at_most or streams)
+
     async def one(i: int) -> None:
         # Spread the starts over one interval, as real traffic is not in lockstep.
         await asyncio.sleep(interval_s * i / streams)
-        results[i].started_at = time.monotonic_ns()
-        done: asyncio.Future[None] = loop.create_future()
-        request = request_bytes({"id": f"t{i}", "events": events, "interval_ms": interval_ms})
-        transport, _ = await loop.create_connection(
-            lambda: StreamClient(request, EventReader(results[i]), done), host, port)
-        try:
-            await done
-        finally:
-            transport.close()
+        async with gate:
+            results[i].started_at = time.monotonic_ns()
+            done: asyncio.Future[None] = loop.create_future()
+            request = request_bytes({"id": f"t{i}", "events": events, "interval_ms": interval_ms})
+            transport, _ = await loop.create_connection(
+                lambda: StreamClient(request, EventReader(results[i]), done), host, port)
+            try:
+                await done
+            finally:
+                transport.close()
 
     started = time.monotonic_ns()
     outcomes = await asyncio.gather(*(one(i) for i in range(streams)), return_exceptions=True)
@@ -675,6 +680,8 @@ def main(argv: list[str] | None = None) -> int:
     client.add_argument("--events", type=int, default=500)
     client.add_argument("--interval-ms", type=float, default=10)
     client.add_argument("--concurrency", type=int, default=20)
+    client.add_argument("--at-most", type=int, default=0,
+                        help="throughput: at most this many streams open at once (default: all)")
     client.add_argument("--hold-s", type=float, default=10)
     client.add_argument("--read-bytes", type=int, default=2048)
     client.add_argument("--read-pause-ms", type=float, default=100)
@@ -691,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
     host, _, port_text = args.target.rpartition(":")
     port = int(port_text)
     if args.scenario == "throughput":
-        coro = scenario_throughput(host, port, args.streams, args.events, args.interval_ms)
+        coro = scenario_throughput(host, port, args.streams, args.events, args.interval_ms, args.at_most)
     elif args.scenario == "reset":
         coro = scenario_reset(host, port, args.upstream_port, args.streams, args.concurrency,
                               args.at_once)

@@ -95,9 +95,9 @@ def parse_bounds(specs: tuple[str, ...]) -> dict[str, Bound]:
     for spec in specs:
         name, sep, allowed = spec.partition("=")
         name = name.strip()
-        if not sep or name not in (*_NUMERIC, "slow_client_policy"):
+        if not sep or (name not in _NUMERIC and name != "slow_client_policy"):
             raise ValueError(f"{spec!r}: expected NAME=LOW..HIGH or slow_client_policy=A|B, NAME one of "
-                             f"{', '.join(sorted((*_NUMERIC, 'slow_client_policy')))}")
+                             f"{', '.join(sorted([*_NUMERIC, 'slow_client_policy']))}")
         if name == "slow_client_policy":
             choices = tuple(choice.strip() for choice in allowed.split("|"))
             if not all(choice in _POLICIES for choice in choices):
