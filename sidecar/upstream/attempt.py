@@ -117,11 +117,19 @@ async def run_attempt(
     callback (pause it with the stream's ``pause_delivery``/``resume_delivery``);
     other bodies come through ``feed`` as ``UpstreamData``.
     """
-    connection: UpstreamConnection | None = None
+    # The connection is got (or the attempt fails) before the try that releases
+    # it: an optional connection assigned inside that try, from a tuple, was
+    # typed by mypyc as never None, so its finally's None check raised TypeError.
+    try:
+        connection, head = await _send(upstream, method=method, target=target, headers=headers,
+                                       body=body, timeouts=timeouts)
+    except asyncio.CancelledError:
+        raise
+    except Exception as error:  # _send released the connection it could not use
+        _failed(upstream, method, target, error, feed)
+        return
     clean = False
     try:
-        connection, head = await _send(upstream, method=method, target=target, headers=headers, body=body,
-                                       timeouts=timeouts)
         upstream.counters.connected = True
         network = connection.stream
         assert network is not None  # connected: it sent a head
@@ -151,20 +159,26 @@ async def run_attempt(
     except asyncio.CancelledError:
         raise
     except Exception as error:
-        if isinstance(error, ConnectFailed) and not isinstance(error, PoolTimedOut):
-            # A pool whose connections are all busy reached the pod; a refused or
-            # timed-out connect did not (readiness with health checks off).
-            upstream.counters.connected = False
-        # The caller reads what went wrong; the operator reads which pod, and how.
-        logger.warning("upstream %s: %s %s failed: %s: %s", upstream.name, method.decode("latin-1"),
-                       target.partition(b"?")[0].decode("latin-1"), type(error).__name__, error)
-        feed(UpstreamFailed(failure_kind(error), caller_message(error)))
+        _failed(upstream, method, target, error, feed)
         return
     finally:
-        if connection is not None:  # _send releases a connection it could not use
-            connection.finish(clean)
-            upstream.pool.release(connection)
+        connection.finish(clean)
+        upstream.pool.release(connection)
     feed(UpstreamEnded())
+
+
+def _failed(upstream: Upstream, method: bytes, target: bytes, error: Exception,
+            feed: Callable[[Input], None]) -> None:
+    """An attempt failed: the caller reads what went wrong; the operator reads
+    which pod, and how."""
+    if isinstance(error, ConnectFailed) and not isinstance(error, PoolTimedOut):
+        # A pool whose connections are all busy reached the pod; a refused or
+        # timed-out connect did not (readiness with health checks off).
+        upstream.counters.connected = False
+    # The path without its query, which may hold a credential.
+    logger.warning("upstream %s: %s %s failed: %s: %s", upstream.name, method.decode("latin-1"),
+                   target.partition(b"?")[0].decode("latin-1"), type(error).__name__, error)
+    feed(UpstreamFailed(failure_kind(error), caller_message(error)))
 
 
 async def _send(upstream: Upstream, *, method: bytes, target: bytes, headers: Sequence[Header],
