@@ -59,6 +59,7 @@ from ..core.stream import WireStream
 from ..process.logs import wall_clock
 from ..shared.driver import DeadlineTimer, answer_cancel, enter_resume, needs_body, replay, wait_for_reader
 from ..shared.replay_store import StoreUnavailable
+from ..shared.store_outages import STORE_OUTAGES
 from .inbox import RequestInbox
 from .types import Message, MiddlewareSettings, Receive, Scope, Send
 from .writer import ResponseWriter
@@ -218,8 +219,6 @@ class Exchange(ResponseWriter):
         if entry.refusal is not None:
             self.refuse(entry.refusal)
             return True
-        if entry.unresumable is not None:
-            logger.warning("request %s: not resumable: %s", self.request_id, entry.unresumable)
         if entry.cancel is not None:
             await answer_cancel(store, entry.cancel, stop_writer=self.middleware.stop_writer,
                                 feed=self.answer_here())
@@ -326,7 +325,7 @@ class Exchange(ResponseWriter):
                 try:
                     await store.open(self.stream_id, owner=self.owner)
                 except StoreUnavailable as error:
-                    logger.warning("request %s: not resumable: %s", self.request_id, error)
+                    STORE_OUTAGES.not_resumable(self.stream_id, error)  # once a while, not per request
                 self.resume_opened = True
             stream = self.start_core()
             self.apply(stream.handle(UpstreamHeaders(int(message["status"]), headers),

@@ -153,7 +153,9 @@ async def enter_resume(store: ReplayStore, caller_key: CallerKey, *, method: str
     except WireError as error:
         return ResumeEntry(owner, refusal=error)
     except StoreUnavailable as error:
-        # An ordinary request still gets its answer; only its resume is lost.
+        # An ordinary request still gets its answer; only its resume is lost
+        # (said once a while, not once a request: store_outages.py).
+        STORE_OUTAGES.not_resumable(stream_id, error)
         return ResumeEntry(owner, unresumable=error)
     if isinstance(source, CancelStream):
         return ResumeEntry(owner, cancel=source)

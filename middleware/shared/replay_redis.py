@@ -30,14 +30,16 @@ frame before it).
 
 A resume never serves a gap. Each event is stored under its own number and a
 reader checks the numbers it gets run on from where it asked; a batch that
-fails (Redis down, failing over) marks each of its streams with ``gap`` (the
-first number lost), and with the end if the end was lost too, at the next
-round that reaches Redis (tried every ``_GAP_RETRY_S`` until one does), since
-the frames after it may well be stored. A reader that meets a missing number,
-has read all there is of a stream so marked short of that number, or reaches
-the end short of ``last``, stops with :class:`ReplayGap` (the in-band
-``replay_gap`` error): a restart that kept its data, or one that lost its last
-writes, is told, never renumbered into a clean answer.
+fails (Redis down, failing over) or is refused (an error reply to any of its
+commands: READONLY from a master turned replica, OOM past ``maxmemory``)
+marks each of its streams with ``gap`` (the first number lost), and with the
+end if the end was lost too, at the next round that reaches Redis (tried every
+``_GAP_RETRY_S`` until one does), since the frames after it may well be
+stored. A reader that meets a missing number, has read all there is of a
+stream so marked short of that number, or reaches the end short of ``last``,
+stops with :class:`ReplayGap` (the in-band ``replay_gap`` error): a restart
+that kept its data, or one that lost its last writes, is told, never
+renumbered into a clean answer.
 
 A writer that is gone is known at once. The process writing a live stream
 renews its lease every 0.4 s (``redis_lease.py``: one task and one pipeline for
@@ -63,7 +65,7 @@ from typing import Any
 from ..core.events import EndReason, ReplayAppend
 from ..core.resume import scoped_key
 from .redis_cancel import RedisCancelRelay
-from .redis_client import open_client
+from .redis_client import open_client, redacted
 from .redis_lease import LeaseWatch, RedisLeases, lease_key
 from .replay_store import (
     KeyReused,
@@ -77,6 +79,11 @@ from .replay_store import (
 logger = logging.getLogger("tokenwire.resume")
 
 _BLOCK_MS = 1000
+# A blocking command's reply must come within redis-py's socket timeout (5 s by
+# default; open_client leaves it so, and a read that long from a live server is
+# a dead connection), or the client raises TimeoutError: a longer wait for a
+# reader goes in BLPOPs this long. (XREAD blocks _BLOCK_MS at most.)
+_BLOCK_SLICE_S = 4.0
 _ALIAS = "tw:r:"
 _ERROR_LOG_EVERY_S = 10.0
 _GAP_RETRY_S = 0.5
@@ -300,7 +307,7 @@ class RedisReplayStore:
                 now = time.monotonic()
                 if now - self._error_logged_at >= _ERROR_LOG_EVERY_S:  # once a while, not per batch
                     self._error_logged_at = now
-                    logger.error("replay store %s: appends lost (%d so far): %s", self.url,
+                    logger.error("replay store %s: appends lost (%d so far): %s", redacted(self.url),
                                  self.write_errors, error)
 
     async def _write(self, batch: list[ReplayAppend]) -> None:
@@ -358,6 +365,13 @@ class RedisReplayStore:
                     self._owners.pop(action.stream_id, None)
             try:
                 results = await pipe.execute(raise_on_error=False)
+                # An error reply means its command was not stored (READONLY from a
+                # master turned replica, OOM past maxmemory, MISCONF): the round is
+                # lost as one that never reached Redis is, and marked so. Raised as
+                # Redis said it: redis-py's own raise quotes the command, frames and all.
+                refused = next((result for result in results if isinstance(result, Exception)), None)
+                if refused is not None:
+                    raise refused
             except Exception:
                 for stream_id, lost in gaps.items():  # not marked yet: the next round tries again
                     self._gaps.setdefault(stream_id, lost)
@@ -438,8 +452,14 @@ class RedisReplayStore:
 
     async def _wait_reader(self, stream_id: str, timeout_s: float) -> bool:
         _, _, attach = _keys(stream_id)
-        found = await self._redis.blpop([attach], timeout=max(timeout_s, 0.01))
-        return found is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:  # in slices: see _BLOCK_SLICE_S (an attach between two is popped by the next)
+            slice_s = min(deadline - loop.time(), _BLOCK_SLICE_S)
+            if await self._redis.blpop([attach], timeout=max(slice_s, 0.01)) is not None:
+                return True
+            if loop.time() >= deadline:
+                return False
 
     async def aclose(self) -> None:
         if self._queue is not None and self._writer is not None:

@@ -471,8 +471,6 @@ class Exchange:
         if entry.refusal is not None:
             self.feed(Rejected(entry.refusal))
             return
-        if entry.unresumable is not None:
-            logger.warning("stream %s: not resumable: %s", self.request_id, entry.unresumable)
         if entry.cancel is not None:
             await answer_cancel(store, entry.cancel, stop_writer=stop, feed=self.feed)
             return
