@@ -189,7 +189,8 @@ async def answer_cancel(store: ReplayStore, cancel: CancelStream, *, stop_writer
     reconnect learns of the cancel. A stream that had already ended is
     forgotten now (there is nothing to stop; the caller is done with it). A
     live stream written by another process sharing the store is stopped there
-    (``store.relay_cancel``); one that no process stopped is refused with 409
+    (``store.relay_cancel``); one whose writer died is over, and forgotten as
+    an ended one; one that no live process stopped is refused with 409
     (``stream_elsewhere``): only its writer can stop its upstream."""
     stream_id = cancel.stream_id
     try:
@@ -218,13 +219,17 @@ async def answer_cancel(store: ReplayStore, cancel: CancelStream, *, stop_writer
 async def _stop_elsewhere(store: ReplayStore, stream_id: str) -> tuple[bool, EndReason | None]:
     """A stream this process does not write: (stopped by the process that does,
     how it ended if it had ended). Its end is read once, and again only after a
-    relay no process answered (it may have ended meanwhile)."""
+    relay no process answered (it may have ended meanwhile); then a writer that
+    died counts as the stream's end (``WORKER_LOST``: it never goes on)."""
     reason = await store.end_reason(stream_id)
     if reason is not None:
         return False, reason
     if await store.relay_cancel(stream_id):
         return True, None
-    return False, await store.end_reason(stream_id)
+    reason = await store.end_reason(stream_id)
+    if reason is None and await store.writer_gone(stream_id):
+        return False, EndReason.WORKER_LOST
+    return False, reason
 
 
 async def wait_for_reader(store: ReplayStore, action: AwaitReader, now: float) -> bool:

@@ -229,6 +229,12 @@ class RedisReplayStore:
         except self._outages as error:
             raise StoreUnavailable(f"redis: {error}") from error
 
+    async def writer_gone(self, stream_id: str) -> bool:
+        try:
+            return await self._leases.lapsed(stream_id, _keys(stream_id)[1])
+        except self._outages as error:
+            raise StoreUnavailable(f"redis: {error}") from error
+
     async def wait_reader(self, stream_id: str, timeout_s: float) -> bool:
         try:
             return await self._wait_reader(stream_id, timeout_s)
@@ -468,7 +474,12 @@ class RedisReplayStore:
                 if self._queue.empty():
                     break
                 await asyncio.sleep(0.01)
-            self._writer.cancel()
+            while not self._writer.done():
+                # A cancel that lands inside a round can be swallowed on the way
+                # (the task was seen waiting on its queue again, cancelling, and a
+                # shutdown hung on it): cancelled again until it ends.
+                self._writer.cancel()
+                await asyncio.wait({self._writer}, timeout=_GAP_RETRY_S)
             with contextlib.suppress(asyncio.CancelledError):
                 await self._writer
         await self._leases.aclose()

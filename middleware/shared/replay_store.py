@@ -168,6 +168,12 @@ class ReplayStore(Protocol):
         stopped (its end is stored), False if none did (or none can be asked)."""
         ...
 
+    async def writer_gone(self, stream_id: str) -> bool:
+        """Whether the process writing ``stream_id`` died before storing its end
+        (its lease lapsed): the stream will never go on. A store of one process
+        says False, its writers die with it."""
+        ...
+
     async def aclose(self) -> None:
         ...
 
@@ -307,6 +313,9 @@ class MemoryReplayStore:
         pass  # one process: its writers are all stopped here
 
     async def relay_cancel(self, stream_id: str) -> bool:
+        return False
+
+    async def writer_gone(self, stream_id: str) -> bool:
         return False
 
     async def aclose(self) -> None:

@@ -64,26 +64,45 @@ def test_another_callers_cancel_on_the_other_replica_is_an_unknown_id_and_change
     assert _cancel(other, part.stream_id, ALICE)[0] == 200  # the owner's still works
 
 
-def test_a_live_stream_no_process_writes_is_stream_elsewhere(
+def test_a_live_stream_no_process_stops_is_stream_elsewhere(
         start_sidecar: Callable[..., RunningSidecar], loop_thread: LoopThread, redis_url: str) -> None:
-    """Its writer is gone (the store still says live): nobody stops it, and the
-    caller is told so after the relay's wait, not told it was cancelled."""
+    """Its writer lives (its lease is renewed) but does not hear cancels: nobody
+    stops it, and the caller is told so after the relay's wait, not told it
+    was cancelled."""
     sidecar, _ = _replicas(start_sidecar, redis_url)
-    key = CallerKey.from_config(WireConfig(resume=True, resume_owner_secret=SHARED["resume_owner_secret"]))
-    store = RedisReplayStore(redis_url)
+    writer = RedisReplayStore(redis_url)  # renews its lease on the loop thread, hears no cancel
+    loop_thread.run(writer.open("unheard-stream", owner=_alice()))
+    try:
+        _start(sidecar, "listens")  # the replica writes streams: it listens for cancels
+        asked_at = time.monotonic()
+        status, body = _cancel(sidecar, "unheard-stream")
+        assert status == 409 and body["error"]["code"] == "stream_elsewhere", body
+        assert time.monotonic() - asked_at >= 1.5  # the relay waited for a writer that never answered
+    finally:
+        loop_thread.run(writer.aclose())
 
-    alice = key.owner([(b"authorization", ALICE["Authorization"].encode())])
 
-    async def orphan() -> None:
-        await store.open("orphaned-stream", owner=alice)
-        await store.aclose()
-
-    loop_thread.run(orphan())
-    _start(sidecar, "listens")  # the replica writes streams: it listens for cancels
+def test_a_cancel_of_a_stream_whose_writer_died_forgets_it(
+        start_sidecar: Callable[..., RunningSidecar], loop_thread: LoopThread, redis_url: str) -> None:
+    """Its writer opened it and is gone before storing its end (its lease
+    lapses): the stream never goes on, so the cancel answers as for an ended
+    stream and forgets it, where it used to say 409 stream_elsewhere."""
+    sidecar, _ = _replicas(start_sidecar, redis_url)
+    writer = RedisReplayStore(redis_url)
+    loop_thread.run(writer.open("orphaned-stream", owner=_alice()))
+    loop_thread.run(writer.aclose())  # its renewals stop: the lease lapses
+    _start(sidecar, "listens")
     asked_at = time.monotonic()
     status, body = _cancel(sidecar, "orphaned-stream")
-    assert status == 409 and body["error"]["code"] == "stream_elsewhere", body
-    assert time.monotonic() - asked_at >= 1.5  # the relay waited for a writer that never answered
+    assert (status, body) == (200, {"id": "orphaned-stream", "object": "stream", "status": "ended"}), body
+    print(f"\na dead writer's stream: cancel answered in {time.monotonic() - asked_at:.2f} s")
+    status, body = _cancel(sidecar, "orphaned-stream")
+    assert status == 404 and body["error"]["code"] == "stream_not_found", body  # forgotten
+
+
+def _alice() -> str:
+    key = CallerKey.from_config(WireConfig(resume=True, resume_owner_secret=SHARED["resume_owner_secret"]))
+    return key.owner([(b"authorization", ALICE["Authorization"].encode())])
 
 
 def test_the_relay_is_heard_only_by_the_process_that_writes(loop_thread: LoopThread, redis_url: str) -> None:
