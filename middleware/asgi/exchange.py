@@ -131,7 +131,8 @@ class Exchange(ResponseWriter):
         self.scope["extensions"] = {**(scope.get("extensions") or {}), EXTENSION: StreamControl(self)}
         # The request's own ``Tokenwire-…`` settings: a refusal is answered (400) with no app run; the
         # app is the upstream, so it gets the headers without them; the log line says what changed.
-        headers = [(bytes(k).lower(), bytes(v)) for k, v in scope.get("headers", ())]
+        headers = frames.with_query([(bytes(k).lower(), bytes(v)) for k, v in scope.get("headers", ())],
+                                    bytes(scope.get("query_string", b"")))  # an EventSource's way to ask
         self.config, self.client_settings, kept, self.refusal = client_settings.for_request(
             self.config, headers, None, "")
         self.scope["headers"] = list(kept)

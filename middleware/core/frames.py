@@ -8,7 +8,12 @@ JSON parser on data it has no type for). So tokenwire adds events of its own
 to a stream only for a client that asked, by a request header:
 
 * ``Tokenwire-Frames: open, done`` (any of ``open``, ``done``, ``summary``);
-* ``Tokenwire-Summary: true``, the older spelling of ``summary``.
+* ``Tokenwire-Summary: true``, the older spelling of ``summary``;
+* the query parameter ``tokenwire_frames=open,done``, for a client that can
+  set no header (a browser ``EventSource``): the drivers read it as that
+  header (:func:`with_query`) before anything else looks at the request, so
+  it is checked, passed on and applied as the header is. The header wins
+  where both are given.
 
 ``event: tokenwire.open`` is the first event of the response: the stream id
 (None without resume), whether it is a resume, the sequence number of the
@@ -25,8 +30,9 @@ replays them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
+from urllib.parse import unquote_to_bytes
 
 from .chunks import dumps
 from .errors import ClientError, ErrorCode
@@ -39,6 +45,8 @@ if TYPE_CHECKING:
 
 FRAMES_HEADER = b"tokenwire-frames"
 """A request header: the comma-separated frames the client asks for."""
+QUERY_PARAM = b"tokenwire_frames"
+"""The query parameter that stands for :data:`FRAMES_HEADER`."""
 
 OPEN = "open"
 DONE = "done"
@@ -56,6 +64,20 @@ def check_frames(value: bytes) -> ClientError | None:
             return ClientError(f"tokenwire-frames: {name[:40]!r} is not a frame (one of {', '.join(NAMES)})",
                                ErrorCode.BAD_REQUEST)
     return None
+
+
+def with_query(headers: Sequence[Header], query: bytes) -> Sequence[Header]:
+    """``headers`` with the ``tokenwire_frames`` parameter of ``query`` (the
+    target's part after ``?``, percent-encoded) as a ``Tokenwire-Frames``
+    header, unless the request has that header or no such parameter; the
+    same headers, not a copy, when nothing is added."""
+    if QUERY_PARAM not in query or any(name == FRAMES_HEADER for name, _ in headers):
+        return headers
+    for part in query.split(b"&"):
+        name, _, value = part.partition(b"=")
+        if name == QUERY_PARAM:
+            return [*headers, (FRAMES_HEADER, unquote_to_bytes(value.replace(b"+", b" ")))]
+    return headers
 
 
 def asked(headers: Iterable[Header]) -> frozenset[str]:

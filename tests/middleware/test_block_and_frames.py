@@ -165,6 +165,21 @@ def test_frames_header_parsed_and_an_unknown_frame_refused() -> None:
     assert "'bogus' is not a frame" in str(refusal)
 
 
+def test_the_query_parameter_stands_for_the_header() -> None:
+    """``?tokenwire_frames=`` (a browser EventSource sets no header) becomes the
+    header, so it is checked and applied as the header is; the header wins."""
+    assert frames.with_query([], b"a=1&tokenwire_frames=open%2Cdone") == [(b"tokenwire-frames", b"open,done")]
+    assert frames.asked(frames.with_query([], b"tokenwire_frames=done+,open")) == {"open", "done"}
+    header = [(b"tokenwire-frames", b"summary")]
+    assert frames.with_query(header, b"tokenwire_frames=open") is header
+    plain = [(b"accept", b"text/event-stream")]
+    for query in (b"", b"x=1", b"not_tokenwire_frames_either=1", b"tokenwire_framesx=open"):
+        assert frames.with_query(plain, query) is plain, query
+    _, _, _, refusal = client_settings.for_request(
+        proxy_config(), frames.with_query(plain, b"tokenwire_frames=open,nope"), b"", "chat.completions")
+    assert isinstance(refusal, ClientError) and "'nope' is not a frame" in str(refusal)
+
+
 _DIALECT_ANSWERS = {
     "/v1/responses": [
         b'event: response.created\ndata: {"type":"response.created","sequence_number":0,'

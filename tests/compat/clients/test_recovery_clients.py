@@ -100,14 +100,20 @@ PAGE = b"""<!doctype html>
 // (with Last-Event-ID) whenever its connection drops, until it gives up
 // (CLOSED), reads [DONE], or limitMs pass. Reports what it saw; every
 // judgement is the test's.
-window.watch = (url, limitMs) => new Promise((resolve) => {
+window.watch = (url, limitMs, names = []) => new Promise((resolve) => {
   const started = performance.now();
-  const seen = {messages: [], errors: [], opens: 0, ended: null, startedAt: Date.now()};
+  const seen = {messages: [], named: [], errors: [], opens: 0, ended: null, startedAt: Date.now()};
   window.seen = seen;  // for the test to wait on while it runs
   const source = new EventSource(url);
   const finish = (why) => { clearTimeout(late); source.close(); seen.ended = why; resolve(seen); };
   const late = setTimeout(() => finish("timeout"), limitMs);
   source.onopen = () => { seen.opens += 1; };
+  // Named events (tokenwire's frames) reach only listeners of their name, in order with the rest.
+  for (const name of names) {
+    source.addEventListener(name, (event) => {
+      seen.named.push({name, data: event.data, at: seen.messages.length});
+    });
+  }
   source.onmessage = (event) => {
     seen.messages.push({data: event.data, id: event.lastEventId, atMs: performance.now() - started});
     if (event.data === "[DONE]") finish("done");
@@ -535,6 +541,36 @@ def _assert_frames(response: httpx.Response, events: list[Any]) -> None:
     assert summary["tokens"] == FRAME_TOKENS and summary["tokens_source"] == "usage", summary
     assert (done["end_reason"], done["tokens"], done["delivered_from"]) == ("complete", FRAME_TOKENS, 1), done
     assert (done["coalesced"], done["dropped"], done["producer_wait_s"]) == (0, 0, 0), done
+
+
+@pytest.mark.slow
+def test_browser_eventsource_asks_for_the_frames_by_query(recovery: RecoveryServers, browser: Any) -> None:
+    """An EventSource can set no header: ``?tokenwire_frames=open,done`` on its
+    ``GET /v1/streams/{id}`` asks for them. It reads ``tokenwire.open`` (a
+    resume, from event 1) before the stored answer and ``tokenwire.done``
+    just before ``[DONE]``, each through a listener of its name; the answer's
+    own messages are the stored ones, exact."""
+    answer = httpx.post(recovery.urls["redis"] + CHAT, json=chat_body(), timeout=30,
+                        headers={"x-fake-tokens": str(FRAME_TOKENS)})
+    assert answer.status_code == 200 and "\ndata: [DONE]\n" in answer.text, answer.text[-300:]
+    stream_id = answer.headers["x-tokenwire-stream-id"]
+    with new_page(browser) as page:
+        page.goto(recovery.page_origin + "/")
+        seen = page.evaluate(
+            "([url, limit, names]) => window.watch(url, limit, names)",
+            [f"{recovery.urls['redis']}/v1/streams/{stream_id}?tokenwire_frames=open,done", 30000,
+             ["tokenwire.open", "tokenwire.done"]])
+    assert seen["ended"] == "done", seen
+    messages = seen["messages"]
+    named = [(frame["name"], frame["at"]) for frame in seen["named"]]
+    assert named == [("tokenwire.open", 0), ("tokenwire.done", len(messages) - 1)], named
+    opened = json.loads(seen["named"][0]["data"])
+    assert (opened["stream_id"], opened["resumed"], opened["start_index"]) == (stream_id, True, 1), opened
+    done = json.loads(seen["named"][1]["data"])
+    assert (done["end_reason"], done["delivered_from"]) == ("complete", 1), done
+    datas = [message["data"] for message in messages]
+    assert datas[-1] == "[DONE]" and _text_of(datas[:FRAME_TOKENS + 1]) == _tokens(1, FRAME_TOKENS + 1)
+    assert [_seq(message["id"]) for message in messages] == list(range(1, len(messages) + 1))
 
 
 def test_httpx_sse_sees_the_frames_by_their_names(recovery: RecoveryServers) -> None:
