@@ -139,6 +139,9 @@ def test_block_holds_the_engine_for_as_long_as_the_record_says(
     assert block_held_s > 1.0  # the reader is the bottleneck: the engine was held
     assert abs(block.producer_wait_s - block_held_s) <= 0.1 * block_held_s, (block.producer_wait_s,
                                                                            block_held_s)
+    print(f"\nblock: engine held {block_held_s:.2f} s (measured at the upstream), record "
+          f"{block.producer_wait_s:.2f} s, {block.coalesced_events} merged; coalesce: held "
+          f"{coalesce_held_s:.2f} s, {coalesce.coalesced_events} merged")
 
 
 @pytest.mark.slow
@@ -172,3 +175,4 @@ def test_block_holds_an_asgi_app_for_as_long_as_the_record_says() -> None:
     assert record.end_reason.value == "complete" and record.coalesced_events == 0
     assert held and held[0] > 1.0
     assert abs(record.producer_wait_s - held[0]) <= 0.1 * held[0], (record.producer_wait_s, held[0])
+    print(f"\nblock, middleware: the app's sends held {held[0]:.2f} s, record {record.producer_wait_s:.2f} s")

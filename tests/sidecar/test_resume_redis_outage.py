@@ -204,5 +204,7 @@ def test_a_resume_after_a_redis_outage_is_exact_or_clearly_refused(
         if redis_server.aof:
             # What was stored before the kill is replayed, then the loss is said.
             assert outcomes[0] == "replay_gap", outcomes
+        print(f"\nkilled at {kill_at}, restarted at {restart_at} (aof {redis_server.aof}): "
+              + ", ".join(f"from {after}: {outcome}" for after, outcome in sorted(outcomes.items())))
     finally:
         loop_thread.run(engine.stop())
