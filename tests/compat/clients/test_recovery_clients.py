@@ -435,6 +435,43 @@ def test_browser_eventsource_caught_up_when_its_replica_dies_is_refused_without_
 
 
 @pytest.mark.slow
+def test_browser_eventsource_reading_a_draining_replica_is_handed_to_the_other_and_reads_it_all(
+        recovery: RecoveryServers, second_replica: SidecarProcess, browser: Any) -> None:
+    """A rolling restart as a browser sees it: Chromium's EventSource reads
+    ``GET /v1/streams/{id}`` through a load balancer (a relay to the first
+    replica that accepts) from replica A while A's engine generates; A gets
+    SIGTERM. Its drain closes the reader after an event, without the terminal
+    event, and keeps generating into the store; the EventSource reconnects by
+    itself with ``Last-Event-ID``, lands on replica B, and reads the rest from
+    the store to ``[DONE]``: every event once, in order, one engine request."""
+    draining = recovery.replica("--drain-s", "30")
+    request_id = uuid.uuid4().hex
+    sock, stream_id = _begin(draining.port, {"x-request-id": request_id}, events=2)
+    link_url, link = recovery.failover_link([draining.port, second_replica.port])
+    try:
+        with new_page(browser) as page:
+            page.goto(recovery.page_origin + "/")
+            page.evaluate("([url, limit]) => { window.watching = window.watch(url, limit); }",
+                          [f"{link_url}/v1/streams/{stream_id}", 60000])
+            page.wait_for_function("() => window.seen && window.seen.messages.length >= 20", timeout=15000)
+            draining.signal(signal.SIGTERM)
+            seen = page.evaluate("() => window.watching")
+    finally:
+        recovery.close_link(link)
+        sock.close()
+        exited = draining.stop()
+    assert seen["ended"] == "done", seen
+    assert link.landed == [draining.port, second_replica.port], link.landed  # reconnected to B
+    messages = seen["messages"]
+    assert [_seq(message["id"]) for message in messages] == list(range(1, len(messages) + 1))
+    assert _text_of([message["data"] for message in messages[:401]]) == _tokens(1, 401)  # role, 400 tokens
+    assert messages[-1]["data"] == "[DONE]" and all(error_of(m["data"]) is None for m in messages)
+    assert [error["state"] for error in seen["errors"]] == [0], seen["errors"]  # one reconnect, no give-up
+    assert len(recovery.upstream.requests_with(request_id)) == 1  # generated once
+    assert exited == 0
+
+
+@pytest.mark.slow
 def test_openai_python_resuming_on_the_second_replica_raises_writer_gone(
         recovery: RecoveryServers, first_replica: SidecarProcess, second_replica: SidecarProcess) -> None:
     """openai-python reads ten chunks from replica A, which is SIGKILLed: its loop
