@@ -1,17 +1,11 @@
-"""The ASGI middleware with its Redis resume store out (a real ``redis-server``,
-killed): every request is still answered, and "not resumable" is logged once a
+"""The ASGI middleware with its Redis resume store out (nothing answers at its
+address): every request is still answered, and "not resumable" is logged once a
 while with a count (``store_outages.py``), not once a request."""
 
 from __future__ import annotations
 
 import logging
-import shutil
-import signal
-import socket
-import subprocess
-import time
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 
 import pytest
 from resume_client import open_stream
@@ -40,27 +34,11 @@ async def _endpoint(request: Request) -> StreamingResponse:
 
 
 @pytest.fixture
-def dead_store_url(tmp_path: Path) -> Iterator[str]:
-    """The address of a redis-server that was up and has been SIGKILLed."""
-    port = free_port()
-    binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-    process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                "--appendonly", "no", "--dir", str(tmp_path)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while True:  # polling a starting server's port: nothing to wait on instead
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as probe:
-                probe.sendall(b"PING\r\n")
-                if probe.recv(16).startswith(b"+PONG"):
-                    break
-        except OSError:
-            pass
-        assert time.monotonic() < deadline and process.poll() is None, "redis-server did not start"
-        time.sleep(0.02)
-    process.send_signal(signal.SIGKILL)
-    process.wait(10)
-    yield f"redis://127.0.0.1:{port}/0"
+def dead_store_url() -> str:
+    """A Redis address where nothing listens: every command is refused, as from
+    a redis-server that was killed (``tests/sidecar/test_resume_redis_faults.py``
+    kills a real one under a sidecar)."""
+    return f"redis://127.0.0.1:{free_port()}/0"
 
 
 def test_not_resumable_is_logged_once_a_while_with_a_count(

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from redis_topologies import ClusterSetup, SentinelSetup
 from tokenwire.middleware import StreamRecord, WireConfig
 from tokenwire.sidecar import Sidecar, SidecarConfig, StreamLog
 from tokenwire.sidecar.settings import SIDECAR_WIRE_DEFAULTS
@@ -164,3 +165,21 @@ def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     pytest.importorskip("torch")
     cache_dir = tmp_path_factory.mktemp("tokenwire-cache")
     return cache_dir, tiny_model(cache_dir, timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def sentinel_setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SentinelSetup]:
+    """Real redis-servers as a Sentinel topology (a master, a replica, a sentinel)."""
+    setup = SentinelSetup(tmp_path_factory.mktemp("sentinel"))
+    setup.start()
+    yield setup
+    setup.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster_setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterSetup]:
+    """Real redis-servers as a three-master Redis Cluster."""
+    setup = ClusterSetup(tmp_path_factory.mktemp("cluster"))
+    setup.start()
+    yield setup
+    setup.stop()

@@ -135,22 +135,6 @@ OOM = Fault(  # past maxmemory, with Redis's default policy: writes are refused,
     lambda node: node.config_set("maxmemory", 0))
 
 
-@pytest.fixture(scope="module")
-def sentinel_setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SentinelSetup]:
-    setup = SentinelSetup(tmp_path_factory.mktemp("sentinel"))
-    setup.start()
-    yield setup
-    setup.stop()
-
-
-@pytest.fixture(scope="module")
-def cluster_setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterSetup]:
-    setup = ClusterSetup(tmp_path_factory.mktemp("cluster"))
-    setup.start()
-    yield setup
-    setup.stop()
-
-
 # Sentinel's READONLY is redis-py's ConnectionError (its SentinelManagedConnection)
 # and a cluster node takes no REPLICAOF: OOM is the error reply both have.
 @pytest.mark.parametrize(("topology", "fault"), [

@@ -37,22 +37,6 @@ SECRET = "replicas-share-this"
 Topology = SentinelSetup | ClusterSetup
 
 
-@pytest.fixture(scope="module")
-def sentinel_setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SentinelSetup]:
-    setup = SentinelSetup(tmp_path_factory.mktemp("sentinel"))
-    setup.start()
-    yield setup
-    setup.stop()
-
-
-@pytest.fixture(scope="module")
-def cluster_setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterSetup]:
-    setup = ClusterSetup(tmp_path_factory.mktemp("cluster"))
-    setup.start()
-    yield setup
-    setup.stop()
-
-
 @pytest.fixture(params=["sentinel", "cluster"])
 def topology(request: pytest.FixtureRequest) -> Topology:
     setup: Topology = request.getfixturevalue(f"{request.param}_setup")
