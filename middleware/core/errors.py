@@ -76,7 +76,8 @@ ERROR_TABLE: tuple[tuple[str, ErrorCode, str], ...] = (
     ("E7313", ErrorCode.INTERNAL, "a bug in tokenwire, or an engine's own failure to generate"),
     ("E7314", ErrorCode.UNAUTHORIZED, "the admin API's bearer token was missing or wrong"),
     ("E7315", ErrorCode.STREAM_ELSEWHERE,
-     "a cancel of a live stream no process sharing the store stopped (its writer is gone)"),
+     "a cancel of a live stream that its writer, alive in another process sharing the store, "
+     "did not stop within 2 s"),
     ("E7316", ErrorCode.REPLAY_GAP,
      "the replay store lost events of the stream (an outage): a resume stops where they are missing"),
     ("E7317", ErrorCode.WRITER_GONE,

@@ -30,6 +30,7 @@ replays them.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 from urllib.parse import unquote_to_bytes
@@ -54,10 +55,17 @@ SUMMARY = "summary"
 NAMES = (OPEN, DONE, SUMMARY)
 """The frames a client may ask for."""
 _NONE: frozenset[str] = frozenset()
+_NOT_A_LIST = re.compile(rb"[^A-Za-z, \t]")
+"""A byte no list of frame names holds: a query's value is percent-decoded, so
+it could carry a line break into the header it becomes."""
 
 
 def check_frames(value: bytes) -> ClientError | None:
-    """The refusal of a ``Tokenwire-Frames`` value naming an unknown frame, or None."""
+    """The refusal of a ``Tokenwire-Frames`` value naming an unknown frame (or
+    holding anything but names, commas and blanks), or None."""
+    if _NOT_A_LIST.search(value):
+        return ClientError(f"tokenwire-frames: {value[:40]!r} is not a list of frame names "
+                           f"(of {', '.join(NAMES)})", ErrorCode.BAD_REQUEST)
     for name in value.decode("latin-1").split(","):
         name = name.strip().lower()
         if name and name not in NAMES:

@@ -124,8 +124,6 @@ class ResumeEntry:
     """Answer with this error (feed the core ``Rejected``)."""
     opened: bool = False
     """This request's stream is open in the store already."""
-    unresumable: StoreUnavailable | None = None
-    """The store is down: the request is generated, but cannot be resumed."""
     cancel: CancelStream | None = None
     """Stop this (caller's own) stream and answer so (:func:`answer_cancel`)."""
 
@@ -156,7 +154,7 @@ async def enter_resume(store: ReplayStore, caller_key: CallerKey, *, method: str
         # An ordinary request still gets its answer; only its resume is lost
         # (said once a while, not once a request: store_outages.py).
         STORE_OUTAGES.not_resumable(stream_id, error)
-        return ResumeEntry(owner, unresumable=error)
+        return ResumeEntry(owner)
     if isinstance(source, CancelStream):
         return ResumeEntry(owner, cancel=source)
     if source is not None:
@@ -189,7 +187,7 @@ async def answer_cancel(store: ReplayStore, cancel: CancelStream, *, stop_writer
     reconnect learns of the cancel. A stream that had already ended is
     forgotten now (there is nothing to stop; the caller is done with it). A
     live stream written by another process sharing the store is stopped there
-    (``store.relay_cancel``); one whose writer died is over, and forgotten as
+    (``store.relay_cancel``); one whose writer died (``store.writer_lapsed``) is over, and forgotten as
     an ended one; one that no live process stopped is refused with 409
     (``stream_elsewhere``): only its writer can stop its upstream."""
     stream_id = cancel.stream_id
@@ -227,8 +225,10 @@ async def _stop_elsewhere(store: ReplayStore, stream_id: str) -> tuple[bool, End
     if await store.relay_cancel(stream_id):
         return True, None
     reason = await store.end_reason(stream_id)
-    if reason is None and await store.writer_gone(stream_id):
-        return False, EndReason.WORKER_LOST
+    if reason is None:
+        if await store.writer_lapsed(stream_id):
+            return False, EndReason.WORKER_LOST
+        reason = await store.end_reason(stream_id)  # it may have ended while the lease was looked at
     return False, reason
 
 

@@ -104,15 +104,17 @@ def redacted(url: str) -> str:
     scheme, sep, rest = url.partition("://")
     if not sep:
         return url
+    # The last @ ends the user's part, wherever a / or ? falls: a raw one in a
+    # password (which redis-py would misread as the host's) stays inside it.
+    userinfo, at, rest = rest.rpartition("@")
+    user, colon, _ = userinfo.partition(":")
+    if colon or "?" in userinfo:  # a password, or a query whose value held the @
+        userinfo = user.partition("/")[0].partition("?")[0] + ":***"
     rest, mark, query = rest.partition("?")
-    netloc, slash, path = rest.partition("/")
-    userinfo, at, hosts = netloc.rpartition("@")
-    if at and ":" in userinfo:
-        netloc = userinfo.partition(":")[0] + ":***@" + hosts
     if mark:
         pairs = (pair.partition("=") for pair in query.split("&"))
         query = "&".join(name + eq + ("***" if "password" in name else value) for name, eq, value in pairs)
-    return f"{scheme}://{netloc}{slash}{path}{mark}{query}"
+    return f"{scheme}://{userinfo}{at}{rest}{mark}{query}"
 
 
 def parse_store_url(url: str) -> StoreAddress:

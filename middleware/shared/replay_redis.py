@@ -87,6 +87,7 @@ _BLOCK_SLICE_S = 4.0
 _ALIAS = "tw:r:"
 _ERROR_LOG_EVERY_S = 10.0
 _GAP_RETRY_S = 0.5
+_RECANCEL_S = 0.1
 _READ_COUNT = 1024
 # The first read is small: its events go out while the rest of a long backlog
 # is still being fetched and decoded (the reader's time to first byte).
@@ -151,6 +152,7 @@ class RedisReplayStore:
         self._redis, self._outages = open_client(url)
         self._queue: asyncio.Queue[ReplayAppend] | None = None
         self._writer: asyncio.Task[None] | None = None
+        self._writing = False  # a round is on its way to Redis (aclose waits for it)
         self._claims: dict[str, str] = {}  # stream -> its idempotency key, while it is written here
         self._aliases: dict[str, str] = {}  # stream -> its alias's key, while it is written here
         self._owners: dict[str, str] = {}  # stream -> its owner, while it is written here (its alias's scope)
@@ -229,7 +231,7 @@ class RedisReplayStore:
         except self._outages as error:
             raise StoreUnavailable(f"redis: {error}") from error
 
-    async def writer_gone(self, stream_id: str) -> bool:
+    async def writer_lapsed(self, stream_id: str) -> bool:
         try:
             return await self._leases.lapsed(stream_id, _keys(stream_id)[1])
         except self._outages as error:
@@ -296,16 +298,23 @@ class RedisReplayStore:
                 # Marks owed from a failed round: tried again even if no append
                 # comes (a stream that ended in the outage has none to come).
                 try:
-                    batch = [await asyncio.wait_for(queue.get(), _GAP_RETRY_S)]
+                    # asyncio.timeout, not wait_for: 3.11's wait_for can return an item
+                    # that came as it was cancelled, and swallow the cancel.
+                    async with asyncio.timeout(_GAP_RETRY_S):
+                        batch = [await queue.get()]
                 except TimeoutError:
                     batch = []
             else:
                 batch = [await queue.get()]
             while not queue.empty():
                 batch.append(queue.get_nowait())
+            self._writing = True
             try:
                 await self._write(batch)
             except Exception as error:  # a store outage must not take the streams down
+                # A discarded stream is forgotten here either way: its lease is let go
+                # (it lapses, and a repeat of its key takes the key over).
+                self._leases.released([action.stream_id for action in batch if action.discard])
                 for action in batch:
                     if not action.discard:
                         self._gaps.setdefault(action.stream_id, _Lost(action.first_seq)).add(action)
@@ -315,6 +324,8 @@ class RedisReplayStore:
                     self._error_logged_at = now
                     logger.error("replay store %s: appends lost (%d so far): %s", redacted(self.url),
                                  self.write_errors, error)
+            finally:
+                self._writing = False
 
     async def _write(self, batch: list[ReplayAppend]) -> None:
         key_reads: list[tuple[int, str]] = []  # the HGETs of discarded streams' keys: position, stream
@@ -469,17 +480,17 @@ class RedisReplayStore:
 
     async def aclose(self) -> None:
         if self._queue is not None and self._writer is not None:
-            # Let queued appends reach Redis before the connection goes.
+            # Let queued appends, and the round on its way, reach Redis before the connection goes.
             for _ in range(100):
-                if self._queue.empty():
+                if self._queue.empty() and not self._writing:
                     break
                 await asyncio.sleep(0.01)
             while not self._writer.done():
                 # A cancel that lands inside a round can be swallowed on the way
-                # (the task was seen waiting on its queue again, cancelling, and a
-                # shutdown hung on it): cancelled again until it ends.
+                # (redis-py: the task was seen waiting on its queue again, cancelling,
+                # and a shutdown hung on it): cancelled again until it ends.
                 self._writer.cancel()
-                await asyncio.wait({self._writer}, timeout=_GAP_RETRY_S)
+                await asyncio.wait({self._writer}, timeout=_RECANCEL_S)
             with contextlib.suppress(asyncio.CancelledError):
                 await self._writer
         await self._leases.aclose()

@@ -168,7 +168,7 @@ class ReplayStore(Protocol):
         stopped (its end is stored), False if none did (or none can be asked)."""
         ...
 
-    async def writer_gone(self, stream_id: str) -> bool:
+    async def writer_lapsed(self, stream_id: str) -> bool:
         """Whether the process writing ``stream_id`` died before storing its end
         (its lease lapsed): the stream will never go on. A store of one process
         says False, its writers die with it."""
@@ -315,7 +315,7 @@ class MemoryReplayStore:
     async def relay_cancel(self, stream_id: str) -> bool:
         return False
 
-    async def writer_gone(self, stream_id: str) -> bool:
+    async def writer_lapsed(self, stream_id: str) -> bool:
         return False
 
     async def aclose(self) -> None:
@@ -401,9 +401,9 @@ async def admit(store: ReplayStore, route: ResumeFrom | ResumeAlias | Idempotent
     except KeyReused:
         raise key_reused() from None
     except StoreUnavailable as error:
-        STORE_OUTAGES.note(error)
         if route is None:
-            raise
+            raise  # the caller answers without the resume, and says so (not_resumable)
+        STORE_OUTAGES.note(error)
         # A reconnect cannot be served, and generating an idempotent request
         # without its key could answer it twice: the client retries later.
         raise store_unavailable() from None

@@ -5,7 +5,8 @@ while with a count (``store_outages.py``), not once a request."""
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+import socket
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from resume_client import open_stream
@@ -18,7 +19,7 @@ from tokenwire.middleware.asgi.middleware import DEFAULT_CONFIG
 from tokenwire.middleware.shared.replay_redis import RedisReplayStore
 from tokenwire.middleware.shared.store_outages import LOG_EVERY_S, STORE_OUTAGES
 
-from .asgi_apps import chat_chunk, free_port, running_server
+from .asgi_apps import chat_chunk, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -34,11 +35,14 @@ async def _endpoint(request: Request) -> StreamingResponse:
 
 
 @pytest.fixture
-def dead_store_url() -> str:
-    """A Redis address where nothing listens: every command is refused, as from
-    a redis-server that was killed (``tests/sidecar/test_resume_redis_faults.py``
-    kills a real one under a sidecar)."""
-    return f"redis://127.0.0.1:{free_port()}/0"
+def dead_store_url() -> Iterator[str]:
+    """A Redis address where nothing listens: every connect is refused, as to a
+    redis-server that was killed (``tests/sidecar/test_resume_redis_faults.py``
+    kills a real one under a sidecar). The port is held, bound but not
+    listening, so no other process can take it meanwhile."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        yield f"redis://127.0.0.1:{held.getsockname()[1]}/0"
 
 
 def test_not_resumable_is_logged_once_a_while_with_a_count(

@@ -178,6 +178,12 @@ def test_the_query_parameter_stands_for_the_header() -> None:
     _, _, _, refusal = client_settings.for_request(
         proxy_config(), frames.with_query(plain, b"tokenwire_frames=open,nope"), b"", "chat.completions")
     assert isinstance(refusal, ClientError) and "'nope' is not a frame" in str(refusal)
+    # Percent-decoded, a value could carry a line break into the header: refused, never passed on.
+    for bad in (b"open%0A", b"open%0D%0Ax-injected:%201", b"done%00", b"open;done", b"%C3%A9"):
+        _, _, _, refusal = client_settings.for_request(
+            proxy_config(), frames.with_query(plain, b"tokenwire_frames=" + bad), b"", "chat.completions")
+        assert isinstance(refusal, ClientError) and refusal.http_status == 400, bad
+        assert "is not a list of frame names" in str(refusal), (bad, str(refusal))
 
 
 _DIALECT_ANSWERS = {

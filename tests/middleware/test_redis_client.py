@@ -82,6 +82,11 @@ def test_a_refusal_never_shows_a_password() -> None:
     assert "hunter" not in str(refused.value) and "admin:***@n1:7000" in str(refused.value)
     assert redacted("redis://:pw@h:1/0?password=x&db=1") == "redis://:***@h:1/0?password=***&db=1"
     assert redacted("redis+sentinel://s1/m") == "redis+sentinel://s1/m"
+    # A raw / or ? in a password (a URL redis-py misreads) is hidden all the same.
+    assert redacted("redis://u:p/ss@h:1/0") == "redis://u:***@h:1/0"
+    assert redacted("redis://u:p?ss@h/0") == "redis://u:***@h/0"
+    assert redacted("redis://h/0?sentinel_password=a@b") == "redis://h:***@b"
+    assert redacted("redis://user@h:1/0") == "redis://user@h:1/0"
 
 
 def test_the_sidecar_refuses_a_malformed_store_at_start_up_and_takes_each_form() -> None:

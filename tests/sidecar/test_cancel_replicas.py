@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+import uuid
 from collections.abc import Callable
 
 import pytest
@@ -70,16 +71,20 @@ def test_a_live_stream_no_process_stops_is_stream_elsewhere(
     stops it, and the caller is told so after the relay's wait, not told it
     was cancelled."""
     sidecar, _ = _replicas(start_sidecar, redis_url)
-    writer = RedisReplayStore(redis_url)  # renews its lease on the loop thread, hears no cancel
-    loop_thread.run(writer.open("unheard-stream", owner=_alice()))
+    stream_id = f"unheard-{uuid.uuid4().hex}"
+    # Its lease renewed on a loop of its own, which the sidecars' work never holds up.
+    own = LoopThread()
+    writer = RedisReplayStore(redis_url)  # hears no cancel
+    own.run(writer.open(stream_id, owner=_alice()))
     try:
         _start(sidecar, "listens")  # the replica writes streams: it listens for cancels
         asked_at = time.monotonic()
-        status, body = _cancel(sidecar, "unheard-stream")
+        status, body = _cancel(sidecar, stream_id)
         assert status == 409 and body["error"]["code"] == "stream_elsewhere", body
         assert time.monotonic() - asked_at >= 1.5  # the relay waited for a writer that never answered
     finally:
-        loop_thread.run(writer.aclose())
+        own.run(writer.aclose())
+        own.close()
 
 
 def test_a_cancel_of_a_stream_whose_writer_died_forgets_it(
@@ -88,15 +93,16 @@ def test_a_cancel_of_a_stream_whose_writer_died_forgets_it(
     lapses): the stream never goes on, so the cancel answers as for an ended
     stream and forgets it, where it used to say 409 stream_elsewhere."""
     sidecar, _ = _replicas(start_sidecar, redis_url)
+    stream_id = f"orphaned-{uuid.uuid4().hex}"
     writer = RedisReplayStore(redis_url)
-    loop_thread.run(writer.open("orphaned-stream", owner=_alice()))
+    loop_thread.run(writer.open(stream_id, owner=_alice()))
     loop_thread.run(writer.aclose())  # its renewals stop: the lease lapses
     _start(sidecar, "listens")
     asked_at = time.monotonic()
-    status, body = _cancel(sidecar, "orphaned-stream")
-    assert (status, body) == (200, {"id": "orphaned-stream", "object": "stream", "status": "ended"}), body
+    status, body = _cancel(sidecar, stream_id)
+    assert (status, body) == (200, {"id": stream_id, "object": "stream", "status": "ended"}), body
     print(f"\na dead writer's stream: cancel answered in {time.monotonic() - asked_at:.2f} s")
-    status, body = _cancel(sidecar, "orphaned-stream")
+    status, body = _cancel(sidecar, stream_id)
     assert status == 404 and body["error"]["code"] == "stream_not_found", body  # forgotten
 
 

@@ -178,6 +178,37 @@ def test_an_append_refused_by_an_error_reply_is_marked_as_a_gap(
     asyncio.run(scenario())
 
 
+def test_a_discard_refused_by_an_error_reply_lets_its_lease_go(server: Server) -> None:
+    # A stream that failed before its first event is discarded (its key freed for
+    # a repeat). A round refused by READONLY used to skip letting its lease go:
+    # the renewer kept it alive, and a repeat of the key was served the empty
+    # stream, heartbeats until the TTL.
+    stream_id, key = f"discarded-{RUN}", ("key-" + RUN, "digest")
+
+    async def scenario() -> None:
+        node = server.client()
+        store, repeat = RedisReplayStore(f"redis://127.0.0.1:{server.port}/0"), None
+        try:
+            assert await store.open(stream_id, key) is None
+            READONLY.on(node)
+            try:
+                store.append(ReplayAppend(stream_id, 0, (), discard=True))
+                await _until(lambda: store.write_errors > 0, "the refused discard counted lost")
+            finally:
+                READONLY.off(node)
+            lease = "tw:{" + stream_id + "}:w"
+            lapsed_s = await _until(lambda: node.exists(lease) == 0, "the lease lapsed", timeout_s=5.0)
+            repeat = RedisReplayStore(f"redis://127.0.0.1:{server.port}/0")
+            assert await repeat.open(f"repeat-{RUN}", key) is None  # the key taken over: generated afresh
+            print(f"\nrefused discard: lease gone {lapsed_s:.2f} s after the node took writes again")
+        finally:
+            await store.aclose()
+            if repeat is not None:
+                await repeat.aclose()
+
+    asyncio.run(scenario())
+
+
 def _store_and_node(topology: str, key: str, request: pytest.FixtureRequest) -> tuple[str, redis.Redis]:
     """The store's address in ``topology``, and a client of the node holding ``key``."""
     if topology == "server":

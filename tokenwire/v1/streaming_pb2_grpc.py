@@ -204,8 +204,9 @@ class StreamsServicer:
         forgotten. A stream belongs to its caller (the `authorization` metadata,
         or the operator's `resume_owner_header`): another caller's id is
         NOT_FOUND, exactly as an unknown one. A live stream another process
-        sharing the replay store writes is FAILED_PRECONDITION
-        (`stream_elsewhere`); the store unreachable is UNAVAILABLE.
+        sharing the replay store writes is stopped there; one whose writer died
+        is `ended`; one whose live writer does not stop within 2 s is
+        FAILED_PRECONDITION (`stream_elsewhere`); the store unreachable is UNAVAILABLE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
