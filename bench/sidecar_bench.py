@@ -217,7 +217,7 @@ def cpu_per_event(rounds: int, streams: int, events: int, interval_ms: float,
 
 
 def burst_rounds(rounds: int, streams: int = 200, events: int = 500,
-                 base_code: str | None = None) -> dict[str, Any]:
+                 base_code: str | None = None, parse: bool = False) -> dict[str, Any]:
     """The 200 x 100 events/s target, direct, tokenwire and nginx alternating, ``rounds`` each.
 
     Every stream starts within one 10 ms interval, so the run also measures a
@@ -227,16 +227,18 @@ def burst_rounds(rounds: int, streams: int = 200, events: int = 500,
     first event p50/p99, added latency p50/p99. ``base_code``: also a ``base``
     sidecar run from that directory, in the same rotation. The sidecars keep
     idle upstream connections as long as the nginx beside them (see
-    ``NGINX_KEEPALIVE_FLAGS``).
+    ``NGINX_KEEPALIVE_FLAGS``). ``parse``: the client parses every event as an
+    SDK does (``sse_load.py client --parse``).
     """
     flags = STAMP_FLAGS + NGINX_KEEPALIVE_FLAGS
+    parsing = ("--parse",) if parse else ()
     with side_by_side(base_code, direct=True, flags=flags) as (upstream_port, targets):
         rows: dict[str, list[dict[str, Any]]] = {name: [] for name in targets}
         for round_index in range(rounds + 1):  # round 0 warms up
             direct_rate = 1.0
             for name, (port, _) in targets.items():
                 result = client("throughput", port, upstream_port, "--streams", str(streams),
-                                "--events", str(events), "--interval-ms", "10")
+                                "--events", str(events), "--interval-ms", "10", *parsing)
                 if name == "direct":
                     direct_rate = result["delivered_events_per_s"]
                 row = {"vs_direct": round(result["delivered_events_per_s"] / direct_rate, 4),
@@ -249,7 +251,7 @@ def burst_rounds(rounds: int, streams: int = 200, events: int = 500,
     def median(values: list[float]) -> float:
         return sorted(values)[len(values) // 2]
 
-    return {"streams": streams, "events": events, "rounds": rows,
+    return {"streams": streams, "events": events, "parse": parse, "rounds": rows,
             "load_average_after": list(os.getloadavg()),
             "medians": {name: {"vs_direct": median([r["vs_direct"] for r in runs]),
                                "first_event_p50_ms": median([r["first_event"]["p50_ms"] for r in runs]),
@@ -465,6 +467,9 @@ def main() -> int:
                         help="only the 200 x 100 events/s run (200 streams starting at once), direct, "
                              "tokenwire and nginx alternating, ROUNDS rounds after a warm-up (with --base: "
                              "that checkout too); writes sidecar_burst.json")
+    parser.add_argument("--parse", action="store_true",
+                        help="--burst: the client parses every event as an SDK does (SSE parser, "
+                             "json.loads); writes sidecar_burst_parse.json")
     parser.add_argument("--resets", type=int, metavar="ROUNDS", default=0,
                         help="only 50 clients resetting at once, tokenwire and nginx alternating, "
                              "ROUNDS rounds after a warm-up (with --base: that checkout too); "
@@ -472,8 +477,9 @@ def main() -> int:
     args = parser.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
     if args.burst:
-        burst = burst_rounds(args.burst, base_code=args.base)
-        (RESULTS / "sidecar_burst.json").write_text(json.dumps(burst, indent=2) + "\n")
+        burst = burst_rounds(args.burst, base_code=args.base, parse=args.parse)
+        name = "sidecar_burst_parse.json" if args.parse else "sidecar_burst.json"
+        (RESULTS / name).write_text(json.dumps(burst, indent=2) + "\n")
         print(json.dumps(burst["medians"], indent=2))
         return 0
     if args.resets:
