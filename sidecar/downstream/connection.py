@@ -162,7 +162,8 @@ def new_exchange(context: SidecarContext, downstream: Downstream, *, method: byt
     """The exchange that forwards one whole request (``headers`` as HTTP/1.1
     has them, ``Host`` included), not yet started."""
     config = context.config
-    headers = frames.with_query(headers, target.partition(b"?")[2])  # an EventSource's way to ask
+    if frames.QUERY_PARAM in target:  # an EventSource's way to ask; no split of every other target
+        headers = frames.with_query(headers, target.partition(b"?")[2])
     dialect = context.dialects.for_path(target.decode("latin-1"))
     # Usage asked of the engine for the record, where the client did not ask.
     asked = dialect.ask_usage(body) if config.request_usage and method == b"POST" else None

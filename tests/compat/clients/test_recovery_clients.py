@@ -409,6 +409,15 @@ def test_browser_eventsource_on_the_second_replica_sees_writer_gone_in_band(
     assert seen["ended"] == "closed" and seen["errors"][-1]["state"] == 2, seen
 
 
+def _start_watching(page: Any, recovery: RecoveryServers, url: str, limit_ms: int, *, read: int,
+                    timeout_ms: int = 10000) -> None:
+    """The page's EventSource on ``url`` (``window.watching`` resolves to what it
+    saw), once it has read ``read`` messages."""
+    page.goto(recovery.page_origin + "/")
+    page.evaluate("([url, limit]) => { window.watching = window.watch(url, limit); }", [url, limit_ms])
+    page.wait_for_function(f"() => window.seen && window.seen.messages.length >= {read}", timeout=timeout_ms)
+
+
 @pytest.mark.slow
 def test_browser_eventsource_caught_up_when_its_replica_dies_is_refused_without_writer_gone(
         recovery: RecoveryServers, first_replica: SidecarProcess, second_replica: SidecarProcess,
@@ -428,10 +437,7 @@ def test_browser_eventsource_caught_up_when_its_replica_dies_is_refused_without_
     link_url, link = recovery.failover_link([first_replica.port, second_replica.port])
     try:
         with new_page(browser) as page:
-            page.goto(recovery.page_origin + "/")
-            page.evaluate("([url, limit]) => { window.watching = window.watch(url, limit); }",
-                          [f"{link_url}/v1/streams/{stream_id}", 30000])
-            page.wait_for_function("() => window.seen && window.seen.messages.length >= 2", timeout=10000)
+            _start_watching(page, recovery, f"{link_url}/v1/streams/{stream_id}", 30000, read=2)
             assert _last_stored(recovery, stream_id) == 2  # caught up: it has all there is
             _kill(first_replica)
             killed_at = time.monotonic()
@@ -468,10 +474,8 @@ def test_browser_eventsource_reading_a_draining_replica_is_handed_to_the_other_a
     link_url, link = recovery.failover_link([draining.port, second_replica.port])
     try:
         with new_page(browser) as page:
-            page.goto(recovery.page_origin + "/")
-            page.evaluate("([url, limit]) => { window.watching = window.watch(url, limit); }",
-                          [f"{link_url}/v1/streams/{stream_id}", 60000])
-            page.wait_for_function("() => window.seen && window.seen.messages.length >= 20", timeout=15000)
+            _start_watching(page, recovery, f"{link_url}/v1/streams/{stream_id}", 60000, read=20,
+                            timeout_ms=15000)
             draining.signal(signal.SIGTERM)
             seen = page.evaluate("() => window.watching")
     finally:
