@@ -4,7 +4,8 @@ Theory of operation
 -------------------
 The loop of the sans-IO style: bytes from the socket go to h2
 (``receive_data``), each event it returns is handled, and what h2 has to send
-(``data_to_send``) is written once per loop turn, so the frames of many streams
+(``data_to_send``), with the answers' DATA frames written beside it
+(http2_data.py), is written once per loop turn, so the frames of many streams
 leave in one write.
 
 * ``RequestReceived`` opens an :class:`~tokenwire.sidecar.downstream.http2_stream.Http2Stream`
@@ -50,6 +51,7 @@ from hyperframe.frame import GoAwayFrame
 
 from ..context import SidecarContext
 from .connection import BUSY_BODIES, LINGER_S, Peer, new_exchange, preflight, refusal, set_up_transport
+from .http2_data import DataWriter
 from .http2_frames import FrameGate
 from .http2_guard import Flood, FloodGuard
 from .http2_request import RequestHead, request_head, request_problem
@@ -95,6 +97,8 @@ class Http2Connection(asyncio.Protocol):
             h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: config.http2_stream_window_bytes,
             h2.settings.SettingCodes.ENABLE_PUSH: 0,
         })
+        self.data = DataWriter(self.h2)
+        """What goes out: h2's frames and the answers' DATA frames (http2_data.py)."""
         self._transport: asyncio.Transport | None = None
         self._peer = Peer(host=None, server_port=None, scheme="http", client_cert_der=None)
         self.streams: dict[int, Http2Stream] = {}
@@ -464,7 +468,7 @@ class Http2Connection(asyncio.Protocol):
 
     def _flush(self) -> None:
         self._flush_scheduled = False
-        data = self.h2.data_to_send()
+        data = self.data.take()
         if data and self._transport is not None and not self._lost:
             self._transport.write(data)
 

@@ -99,6 +99,7 @@ class Http2Stream:
     def __init__(self, connection: Http2Connection, head: RequestHead) -> None:
         self._connection = connection
         self._h2 = connection.h2
+        self._data = connection.data
         self.head = head
         self.stream_id = head.stream_id
         self.body = bytearray()
@@ -203,7 +204,7 @@ class Http2Stream:
         waiting = self._waiting
         while waiting and not self.closed:
             try:
-                window = h2conn.local_flow_control_window(self.stream_id)
+                window = self._data.window(self.stream_id)
             except (h2.exceptions.StreamClosedError, h2.exceptions.NoSuchStreamError):
                 self._closed_under_us()
                 return True
@@ -297,7 +298,7 @@ class Http2Stream:
         self._connection.schedule_flush()
 
     def _send_data(self, chunk: bytes) -> None:
-        self._send(lambda: self._h2.send_data(self.stream_id, chunk))
+        self._send(lambda: self._data.send(self.stream_id, chunk))
 
     def _closed_under_us(self) -> None:
         self.closed = True
