@@ -4,9 +4,8 @@ Theory of operation
 -------------------
 The loop of the sans-IO style: bytes from the socket go to h2
 (``receive_data``), each event it returns is handled, and what h2 has to send
-(``data_to_send``), with the answers' DATA frames written beside it
-(http2_data.py), is written once per loop turn, so the frames of many streams
-leave in one write.
+(``data_to_send``), with the DATA frames written beside it (http2_data.py), is
+written once per loop turn, so the frames of many streams leave in one write.
 
 * ``RequestReceived`` opens an :class:`~tokenwire.sidecar.downstream.http2_stream.Http2Stream`
   after the checks HTTP/1.1 requests get (size, method, target, draining) and
@@ -60,8 +59,6 @@ from .keepalive import TOO_MANY_PINGS, PingPolicy
 
 logger = logging.getLogger("tokenwire.sidecar")
 
-Header = tuple[bytes, bytes]
-
 StreamRoute = Callable[[RequestHead, Http2Stream], StreamHandler | None]
 """Picks another handler than the exchange for a stream (gRPC by content type),
 or None. Called with the request head, before any body arrives."""
@@ -97,8 +94,7 @@ class Http2Connection(asyncio.Protocol):
             h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: config.http2_stream_window_bytes,
             h2.settings.SettingCodes.ENABLE_PUSH: 0,
         })
-        self.data = DataWriter(self.h2)
-        """What goes out: h2's frames and the answers' DATA frames (http2_data.py)."""
+        self.data = DataWriter(self.h2)  # what goes out: h2's frames and the answers' DATA frames
         self._transport: asyncio.Transport | None = None
         self._peer = Peer(host=None, server_port=None, scheme="http", client_cert_der=None)
         self.streams: dict[int, Http2Stream] = {}
