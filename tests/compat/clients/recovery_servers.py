@@ -170,11 +170,13 @@ class BurstEngine:
 class FailoverLink:
     """A TCP relay in front of replicas, as a load balancer: each connection goes
     to the first of ``ports`` that accepts it (a SIGKILLed replica refuses), and
-    is relayed both ways as it comes. ``landed`` lists the port of each."""
+    is relayed both ways as it comes. ``landed`` lists the port of each,
+    ``answered_bytes`` counts what the replicas sent back."""
 
     def __init__(self, ports: list[int]) -> None:
         self.ports = ports
         self.landed: list[int] = []
+        self.answered_bytes = 0
         self.server: asyncio.Server | None = None
 
     async def start(self) -> int:
@@ -197,9 +199,10 @@ class FailoverLink:
             client_writer.close()
             return
 
-        async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, back: bool) -> None:
             try:
                 while data := await reader.read(65536):
+                    self.answered_bytes += len(data) if back else 0
                     writer.write(data)
                     await writer.drain()
             except OSError:
@@ -207,7 +210,7 @@ class FailoverLink:
             finally:
                 writer.close()
 
-        await asyncio.gather(pump(client_reader, server_writer), pump(server_reader, client_writer))
+        await asyncio.gather(pump(client_reader, server_writer, False), pump(server_reader, client_writer, True))
 
 
 @dataclass
