@@ -210,7 +210,8 @@ class FailoverLink:
             finally:
                 writer.close()
 
-        await asyncio.gather(pump(client_reader, server_writer, False), pump(server_reader, client_writer, True))
+        await asyncio.gather(pump(client_reader, server_writer, False),
+                             pump(server_reader, client_writer, True))
 
 
 @dataclass
