@@ -36,7 +36,8 @@ ROOT = Path(__file__).resolve().parent
 # input takes live in the rest of the core. The sidecar's HTTP/1.1 driver is
 # compiled too: its upstream socket callback (upstream/transport), the exchange
 # that hands each read to the core (exchange/loop, exchange/slot) and the client
-# connection's write (downstream/http1); and, once a stream, its upstream client
+# connection's write (downstream/http1, its phases and the plain requests it
+# reads without h11: http1_phases, http1_plain); and, once a stream, its upstream client
 # (upstream/head, upstream/conn) and the heads it writes (downstream/h11_layout,
 # exchange/forwarding). The ASGI driver, HTTP/2 and the rest stay Python;
 # core/config.py reads TOML and signatures.
@@ -56,6 +57,8 @@ MODULES = (
     "sidecar/exchange/loop",
     "sidecar/exchange/slot",
     "sidecar/downstream/http1",
+    "sidecar/downstream/http1_plain",
+    "sidecar/downstream/http1_phases",
     # Once a request: its head's checks, called from http1 (interpreted, they
     # cost the stream's set-up a few percent of its instructions), and the rules
     # both HTTP versions share.

@@ -9,7 +9,9 @@ pins (:data:`H11_TESTED`: a new minor version is allowed once those tests pass
 on it):
 
 * :func:`fields_valid`: h11's header field rules over a whole list at once;
-* :func:`send_response_head`: h11's response head with its headers checked once;
+* :func:`send_response_head`: h11's response head with its headers checked once,
+  and :func:`plain_response_head` the same without a connection, for a plain
+  request (``http1_plain.py``), with :data:`CHUNKED_END`, its body's end;
 * :func:`declares_chunked` and :func:`chunk_size_line`: the chunked framing
   h11 chose, and its chunk frame (``%x`` CRLF data CRLF), written without h11;
 * :func:`refusal_head`: the head of a refusal, written raw (the request may be
@@ -57,6 +59,7 @@ right about the connection when ``EndOfMessage`` goes through it.
 
 from __future__ import annotations
 
+import functools
 import http
 import typing
 from collections.abc import Sequence
@@ -72,9 +75,9 @@ Header = tuple[bytes, bytes]
 # with field_vchar = [^\x00\s] (bytes: \s is space, \t, \n, \r, \f, \v).
 TOKEN_CHARS = b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 """The bytes of an HTTP token (a field name, a method)."""
-# Every byte a value may hold somewhere (not NUL, LF, CR, VT, FF); space and
-# tab only inside it, checked apart.
-_VALUE_CHARS = bytes(c for c in range(256) if c not in b"\x00\n\r\x0b\x0c")
+VALUE_CHARS = bytes(c for c in range(256) if c not in b"\x00\n\r\x0b\x0c")
+"""Every byte a field value may hold somewhere (not NUL, LF, CR, VT, FF); space
+and tab only inside it, checked apart."""
 
 
 def fields_valid(headers: Sequence[tuple[object, object]]) -> bool:
@@ -99,7 +102,7 @@ def fields_valid(headers: Sequence[tuple[object, object]]) -> bool:
     all_values = b"\n" + b"\n".join(values) + b"\n"
     return (all_names.translate(None, TOKEN_CHARS) == b"\n" + separators + b"\n"
             and all_names.find(b"\n\n") < 0  # an empty name
-            and all_values.translate(None, _VALUE_CHARS) == b"\n" + separators + b"\n"
+            and all_values.translate(None, VALUE_CHARS) == b"\n" + separators + b"\n"
             # Space or tab leading or trailing a value.
             and all_values.find(b"\n ") < 0 and all_values.find(b" \n") < 0
             and all_values.find(b"\n\t") < 0 and all_values.find(b"\t\n") < 0)
@@ -117,12 +120,46 @@ def send_response_head(conn: h11.Connection, status: int, headers: list[Header])
         items = headers
     else:  # h11 says why (or takes what is not bytes)
         items = h11.Response(status_code=status, headers=headers).headers.raw_items()
-    for name, _ in items:
-        if name.lower() in _REWRITTEN:
-            return conn.send(h11.Response(status_code=status, headers=headers)) or b""
-    bare = conn.send(h11.Response(status_code=status, headers=[])) or b""
+    if _rewritten(items):
+        return conn.send(h11.Response(status_code=status, headers=headers)) or b""
+    return _with_fields(conn.send(h11.Response(status_code=status, headers=[])) or b"", items)
+
+
+def plain_response_head(status: int, headers: list[Header]) -> bytes | None:
+    """What h11 writes for this response to a plain request (``http1_plain``:
+    HTTP/1.1, keep-alive, not HEAD), a chunked one; None for a response whose
+    head h11 must write itself: fields it would refuse or rewrite, or a status
+    without a body (1xx, 204, 304) or with none of h11's framing."""
+    if status < 200 or status in (204, 304) or not fields_valid(headers) or _rewritten(headers):
+        return None
+    bare = _plain_bare_head(status)
+    return None if bare is None else _with_fields(bare, headers)
+
+
+CHUNKED_END: typing.Final = b"0\r\n\r\n"
+"""What h11 writes for ``EndOfMessage`` (no trailers) ending a chunked body."""
+
+
+def _rewritten(items: Sequence[Header]) -> bool:
+    return any(name.lower() in _REWRITTEN for name, _ in items)
+
+
+def _with_fields(bare: bytes, items: Sequence[Header]) -> bytes:
+    """``bare`` (h11's head with no fields) with ``items`` after its status line."""
     line_end = bare.index(b"\r\n") + 2
     return b"".join([bare[:line_end], *(b"%s: %s\r\n" % item for item in items), bare[line_end:]])
+
+
+@functools.cache
+def _plain_bare_head(status: int) -> bytes | None:
+    """h11's head for ``status`` with no fields, answering a plain request
+    (asked of h11 once a status), if it frames that body chunked."""
+    conn = h11.Connection(h11.SERVER)
+    conn.receive_data(b"GET / HTTP/1.1\r\nhost: h\r\n\r\n")
+    while not isinstance(conn.next_event(), h11.EndOfMessage):
+        pass
+    bare = conn.send(h11.Response(status_code=status, headers=[])) or b""
+    return bare if declares_chunked(bare, status, b"GET") else None
 
 
 # How a response head h11 wrote declares a chunked body (the lowered head is searched).

@@ -1,4 +1,4 @@
-"""The client side over HTTP/1.1: one ``asyncio.Protocol`` per connection, driving h11.
+"""The client side over HTTP/1.1: one ``asyncio.Protocol`` per connection, plain or driving h11.
 
 Theory of operation
 -------------------
@@ -18,13 +18,16 @@ A connection moves through four phases, and one timer guards each:
 * RESPONSE: an :class:`~tokenwire.sidecar.exchange.loop.Exchange` owns the
   response. The connection keeps reading so a client that leaves is seen at
   once (``connection_lost`` → ``ClientGone``), even while the upstream is
-  silent; pipelined requests wait in h11's buffer (reading pauses if they pile
+  silent; pipelined requests wait in a buffer (reading pauses if they pile
   up) and are served in order once the response is complete.
+
+A connection reads its plain requests itself and takes h11 on at the first
+one that is not, for good (``http1_plain.py`` says what plain is and why).
 
 Requests refused before reaching an upstream (limits, malformed, smuggling,
 too many connections) get a small JSON error, ``Connection: close``, and a
-lingering close: half-close, drain what the client is still sending, then
-close, so the client reads the status instead of a reset.
+lingering close (``http1_phases.py``: the phases, their timers and the
+connection's endings).
 
 ``pause_writing``/``resume_writing`` become ``SocketPaused``/``SocketResumed``
 (the socket is tuned for that in ``connection.set_up_transport``).
@@ -34,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import socket
 import struct
@@ -49,18 +51,23 @@ from ..context import SidecarContext
 from ..exchange.loop import Exchange
 from .connection import (
     BUSY_BODIES,
-    LINGER_S,
-    BodyReservation,
     Peer,
     new_exchange,
     preflight,
-    refusal,
     set_up_transport,
     with_cors,
 )
-from .framing import ChunkedScanner, head_length, request_line_end, request_line_problem
-from .h11_layout import chunk_size_line, declares_chunked, refusal_head, send_response_head
-from .http1_faults import h11_fault, request_problem
+from .framing import ChunkedScanner, head_length
+from .h11_layout import (
+    CHUNKED_END,
+    chunk_size_line,
+    declares_chunked,
+    plain_response_head,
+    send_response_head,
+)
+from .http1_faults import request_problem
+from .http1_phases import ConnectionPhases, Phase
+from .http1_plain import adopted, read_head
 
 logger = logging.getLogger("tokenwire.sidecar")
 
@@ -68,54 +75,44 @@ Header = tuple[bytes, bytes]
 
 # Pipelined requests buffered beyond this pause reading until the current response ends.
 _PIPELINE_BUFFER_BYTES = 64 * 1024
+# A line feed as an int: ``bytes in bytes`` first tries its needle as an int and formats
+# the TypeError it gets (~400 instructions) before it searches; an int needle is a memchr.
+_LF: typing.Final = 0x0A
 
 
-class Phase(enum.Enum):
-    IDLE = "idle"
-    HEAD = "head"
-    BODY = "body"
-    RESPONSE = "response"
-    CLOSING = "closing"
-
-
-class ClientConnection(asyncio.Protocol):
-    """One client connection: h11 in, exchanges out. See the module docstring."""
+class ClientConnection(ConnectionPhases):
+    """One client connection: requests in (plain, or through h11), exchanges out.
+    See the module docstring."""
 
     def __init__(self, context: SidecarContext, *, over_limit: bool | None = None) -> None:
         """``over_limit``: whether the connection came in past ``max_connections``
         (None: counted when the transport arrives)."""
-        self._context = context
-        self._config = context.config
-        self._loop = asyncio.get_running_loop()
-        self._transport: asyncio.Transport | None = None
+        super().__init__(context)
         # The transport's write, bound once (send_framed: a method lookup per event otherwise).
         self._transport_write: Callable[[bytes], None] | None = None
-        self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self._config.max_head_bytes)
-        self._phase = Phase.IDLE
-        self._timer: asyncio.TimerHandle | None = None
+        # None while every request has been plain (http1_plain.py); h11 from the first that is not.
+        self._conn: h11.Connection | None = None
         self._peer = Peer(host=None, server_port=None, scheme="http", client_cert_der=None)
         self._over_limit = over_limit
         self._write_paused = False
-        self._reading_paused = False
-        self._lost = False
-        self._request: h11.Request | None = None
+        # The current request's method (None between requests), target and version.
+        self._method: bytes | None = None
+        self._target = b""
+        self._http_version = b"1.1"
+        # Plain: what is left of the body, the request as read (for adopted()),
+        # what came after it, and whether the response has ended cleanly.
+        self._plain_left = 0
+        self._plain_request = b""
+        self._pending = bytearray()
+        self._plain_ended = False
         # Its headers as a list, made once: h11's Headers is iterated in Python,
         # a call per header, and the exchange, the CORS check and the head read them.
         self._request_headers: list[Header] = []
         self._body = bytearray()
-        self._exchange: Exchange | None = None
         self._chunked_body = False
         self._held_head = b""  # the response head, until the first body bytes (see send_headers)
-        # What arrived since the current request head began, for _framing_problem.
-        # One buffer, not a list of reads: a client sending a byte per packet
-        # would otherwise cost an object per byte.
-        self._head_received = bytearray()
-        # The current head's request line was complete and found servable.
-        self._line_checked = False
         # Follows a chunked body beside h11 (framing.py); None otherwise.
         self._chunks: ChunkedScanner | None = None
-        # This request's body, counted in context.buffered_body_bytes.
-        self._body_reserved = BodyReservation(context)
 
     # ------------------------------------------------------------ asyncio.Protocol
 
@@ -142,13 +139,16 @@ class ClientConnection(asyncio.Protocol):
             # Bounded: h11 refuses a head still incomplete past max_head_bytes.
             self._head_received += data
             # Checked once, when the line is complete: only a read with a LF can complete it.
-            if not self._line_checked and b"\n" in data and self._request_line_refused():
+            if not self._line_checked and _LF in data and self._request_line_refused():
                 return
         elif self._phase is Phase.BODY and self._chunks is not None:
             problem = self._chunks.feed(data)
             if problem is not None:
                 self._refuse(*problem)
                 return
+        if self._conn is None:
+            self._plain_received(data)
+            return
         try:
             self._conn.receive_data(data)
         except h11.RemoteProtocolError as error:
@@ -165,7 +165,7 @@ class ClientConnection(asyncio.Protocol):
     def eof_received(self) -> bool | None:
         # A client that half-closes mid-response is treated as gone, as most
         # servers do; returning None closes the transport (→ connection_lost).
-        if self._phase in (Phase.HEAD, Phase.BODY):
+        if self._phase in (Phase.HEAD, Phase.BODY) and self._conn is not None:
             with contextlib.suppress(h11.RemoteProtocolError):
                 self._conn.receive_data(b"")
         return None
@@ -207,16 +207,20 @@ class ClientConnection(asyncio.Protocol):
 
     def _process(self) -> None:
         """Handle buffered request events until a response starts or data runs out."""
+        conn = self._conn
+        assert conn is not None
         while self._exchange is None and self._phase is not Phase.CLOSING and not self._lost:
             try:
-                event = self._conn.next_event()
+                event = conn.next_event()
             except h11.RemoteProtocolError as error:
                 self._refuse_malformed(error)
                 return
             if event is h11.NEED_DATA or event is h11.PAUSED:
                 return
             if isinstance(event, h11.Request):
-                self._on_request(event)
+                self._on_request(event.method, event.target, event.http_version, list(event.headers))
+                if conn.they_are_waiting_for_100_continue and self._phase is Phase.BODY:
+                    self._write(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
             elif isinstance(event, h11.Data):
                 # Typed bytes, but h11 hands a bytearray out: read untyped, as
                 # compiled code checks a typed read's type at run time.
@@ -228,16 +232,63 @@ class ClientConnection(asyncio.Protocol):
                 self._close()
                 return
 
-    def _on_request(self, request: h11.Request) -> None:
+    def _plain_received(self, data: bytes) -> None:
+        """``data`` on a connection without h11 (see ``http1_plain.py``)."""
+        phase = self._phase
+        if phase is Phase.HEAD:
+            self._plain_head()
+        elif phase is Phase.BODY:
+            self._plain_body(data)
+        elif phase is Phase.RESPONSE:
+            self._pending += data
+            if len(self._pending) > _PIPELINE_BUFFER_BYTES and self._transport:
+                self._transport.pause_reading()
+                self._reading_paused = True
+
+    def _plain_head(self) -> None:
+        """Read the request head received so far, or hand it all to h11."""
+        received = self._head_received
+        head = read_head(received)
+        if head is None:  # h11 from here on, given all of this request so far
+            conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self._config.max_head_bytes)
+            self._conn = conn
+            try:
+                conn.receive_data(bytes(received))
+            except h11.RemoteProtocolError as error:
+                self._refuse_malformed(error)
+                return
+            self._process()
+            return
+        rest = bytes(received[head.head_bytes:])
+        self._plain_request = bytes(received[:head.head_bytes])
+        self._on_request(head.method, head.target, b"1.1", head.headers)
+        if self._phase is Phase.BODY:
+            self._plain_left = head.body_bytes
+            self._plain_body(rest)
+
+    def _plain_body(self, data: bytes) -> None:
+        """Body bytes of a plain request (and any after it, kept for later)."""
+        left = self._plain_left
+        part = data[:left] if len(data) > left else data
+        if part:
+            self._plain_left = left - len(part)
+            self._on_body(part)
+            if self._phase is not Phase.BODY:
+                return
+        if not self._plain_left:
+            self._pending += data[left:]
+            self._plain_request += self._body
+            self._start_exchange()
+
+    def _on_request(self, method: bytes, target: bytes, http_version: bytes, headers: list[Header]) -> None:
         config = self._config
         self._phase = Phase.BODY
         self._arm_timer(config.body_read_timeout_s)
-        headers = list(request.headers)
         received, self._head_received = self._head_received, bytearray()
         if self._context.draining or self._over_limit:
             self._refuse(503, "the server is not taking new requests", retry_after_s=1)
             return
-        problem = request_problem(request, headers, received, config)
+        problem = request_problem(method, target, http_version, headers, received, config)
         if problem is not None:
             self._refuse(*problem)
             return
@@ -250,11 +301,9 @@ class ClientConnection(asyncio.Protocol):
             if fault is not None:
                 self._refuse(*fault)
                 return
-        self._request = request
+        self._method, self._target, self._http_version = method, target, http_version
         self._request_headers = headers
         self._body = bytearray()
-        if self._conn.they_are_waiting_for_100_continue:
-            self._write(self._conn.send(h11.InformationalResponse(status_code=100, headers=[])))
 
     def _on_body(self, data: bytes | bytearray) -> None:
         self._body += data
@@ -272,24 +321,21 @@ class ClientConnection(asyncio.Protocol):
         self._refuse(503, BUSY_BODIES, retry_after_s=1)
         return False
 
-    def _release_body(self) -> None:
-        self._body_reserved.release()
-
     def _start_exchange(self) -> None:
-        request = self._request
-        assert request is not None
+        method = self._method
+        assert method is not None
         self._phase = Phase.RESPONSE
         self._cancel_timer()
         headers = self._request_headers
-        answer = preflight(self._context, request.method, headers)
+        answer = preflight(self._context, method, headers)
         if answer is not None:
             self._answer_preflight(*answer)
             return
         body = bytes(self._body)
         self._body = bytearray()
-        exchange = new_exchange(self._context, self, method=request.method, target=request.target,
+        exchange = new_exchange(self._context, self, method=method, target=self._target,
                                 headers=headers, body=body, peer=self._peer,
-                                http_version=request.http_version.decode())
+                                http_version=self._http_version.decode())
         self._exchange = exchange
         exchange.send_framed = self.send_framed
         exchange.start()
@@ -300,19 +346,20 @@ class ClientConnection(asyncio.Protocol):
 
     def send_headers(self, status: int, headers: Sequence[Header]) -> None:
         """Send the response head (called by the exchange on ``CommitHeaders``)."""
-        if self._request is not None:
+        method = self._method
+        if method is not None:
             headers = with_cors(self._context, self._request_headers, headers)
         else:
             headers = list(headers)
         if self._context.draining:
             headers.append((b"connection", b"close"))
-        head = send_response_head(self._conn, status, headers)
+        plain = None if self._conn is not None or method == b"HEAD" else plain_response_head(status, headers)
         # h11 chose the body framing and wrote it into the head. When it is
         # chunked, send_body frames the chunks itself (h11_layout: why that is
         # h11's framing); a Content-Length body keeps going through h11, which
-        # checks the length.
-        request = self._request
-        self._chunked_body = declares_chunked(head, status, None if request is None else request.method)
+        # checks the length. A plain response is chunked.
+        head = send_response_head(self._h11(), status, headers) if plain is None else plain
+        self._chunked_body = declares_chunked(head, status, method)
         # Held for a moment: the first body bytes usually follow at once, and
         # head and body then leave in one send(). This loop turn sends it at the latest.
         self._held_head = head
@@ -325,7 +372,7 @@ class ClientConnection(asyncio.Protocol):
     def send_body(self, data: bytes) -> None:
         head, self._held_head = self._held_head, b""
         if not self._chunked_body:
-            self._write(head + self._conn.send(h11.Data(data=data)))
+            self._write(head + (self._h11().send(h11.Data(data=data)) or b""))
         elif data and self._transport is not None and not self._lost:
             self._transport.write(b"".join((head, chunk_size_line(len(data)), data, b"\r\n")))
         else:
@@ -361,8 +408,11 @@ class ClientConnection(asyncio.Protocol):
             transport.close()
             # A client that stopped reading would hold the flush forever.
             self._loop.call_later(self._config.wire.close_flush_timeout_s, transport.abort)
+        elif self._conn is None and self._chunked_body:
+            self._write(CHUNKED_END)
+            self._plain_ended = True
         else:
-            self._write(self._conn.send(h11.EndOfMessage()))
+            self._write(self._h11().send(h11.EndOfMessage()) or b"")
 
     def closing_probe(self) -> Callable[[], bool] | None:
         """The transport's ``is_closing``: while an exchange runs, true once
@@ -378,12 +428,18 @@ class ClientConnection(asyncio.Protocol):
         if self._lost or self._phase is Phase.CLOSING or self._transport is None:
             return
         conn = self._conn
-        if (self._context.draining or conn.our_state is not h11.DONE
-                or conn.their_state is not h11.DONE):
+        if self._context.draining or (not self._plain_ended if conn is None else (
+                conn.our_state is not h11.DONE or conn.their_state is not h11.DONE)):
             self._close()
             return
-        conn.start_next_cycle()
-        self._request = None
+        buffered: bytes | bytearray
+        if conn is None:
+            buffered, self._pending = self._pending, bytearray()
+            self._plain_ended = False
+        else:
+            conn.start_next_cycle()
+            buffered = conn.trailing_data[0]
+        self._method = None
         self._request_headers = []
         self._chunks = None
         self._line_checked = False
@@ -394,100 +450,33 @@ class ClientConnection(asyncio.Protocol):
         if self._reading_paused:
             self._reading_paused = False
             self._transport.resume_reading()
-        buffered = conn.trailing_data[0]
         if buffered:
             self._phase = Phase.HEAD
             self._head_received = bytearray(buffered)
             self._arm_timer(self._config.header_read_timeout_s)
-            if not self._request_line_refused():
+            if self._request_line_refused():
+                return
+            if self._conn is None:
+                self._plain_head()
+            else:
                 self._process()
 
     def _answer_preflight(self, status: int, headers: list[Header], body: bytes) -> None:
         """Answer a CORS preflight here: the engine knows nothing of the sidecar's origins."""
         # Straight to h11, not send_headers: that would treat these as a proxied response's.
-        self._write(self._conn.send(h11.Response(status_code=status, headers=headers)))
+        conn = self._h11()
+        self._write(conn.send(h11.Response(status_code=status, headers=headers)) or b"")
         if body:
-            self._write(self._conn.send(h11.Data(data=body)))
-        self._write(self._conn.send(h11.EndOfMessage()))
+            self._write(conn.send(h11.Data(data=body)) or b"")
+        self._write(conn.send(h11.EndOfMessage()) or b"")
         self.exchange_finished(None)
-
-    # ------------------------------------------------------------ shutdown
-
-    @property
-    def idle(self) -> bool:
-        """Between requests, nothing of a new one received: safe to close on shutdown."""
-        return self._phase is Phase.IDLE and self._exchange is None
-
-    def close_if_idle(self) -> None:
-        if self.idle:
-            self._close()
-
-    def abort(self) -> None:
-        """Drop the connection at once (shutdown's last resort)."""
-        if self._transport is not None:
-            self._transport.abort()
 
     # ------------------------------------------------------------ helpers
 
-    def _write(self, data: bytes) -> None:
-        if self._transport is not None and not self._lost and data:
-            self._transport.write(data)
-
-    def _close(self) -> None:
-        self._phase = Phase.CLOSING
-        self._cancel_timer()
-        if self._transport is not None:
-            self._transport.close()
-
-    def _refuse_malformed(self, error: h11.RemoteProtocolError) -> None:
-        # h11 hints 501 for a Transfer-Encoding it does not implement (RFC 9110
-        # says SHOULD); here such a framing is a malformed or smuggling request,
-        # the client's fault, which must not count as a server error (5xx is
-        # what load balancers eject backends for and what clients retry).
-        status = error.error_status_hint
-        self._refuse(400 if status == 501 else status, h11_fault(error))
-
-    def _request_line_refused(self) -> bool:
-        """Refuse a request line h11 would wait on or accept wrongly, as soon as
-        it is complete (see framing.py); True if refused."""
-        received = self._head_received
-        problem = request_line_problem(received)
-        if problem is None:
-            self._line_checked = request_line_end(received) != -1
-            return False
-        self._refuse(*problem)
-        return True
-
-    def _refuse(self, status: int, message: str, *, retry_after_s: int | None = None) -> None:
-        """Answer with an error status, nothing forwarded, then close lingeringly."""
-        if self._phase is Phase.CLOSING or self._transport is None or self._lost:
-            return
-        self._release_body()
-        headers, body = refusal(self._context, status, message, retry_after_s=retry_after_s)
-        self._transport.write(refusal_head(status, headers) + body)
-        self._phase = Phase.CLOSING
-        transport = self._transport
-        if self._reading_paused:
-            transport.resume_reading()
-        if transport.can_write_eof():
-            transport.write_eof()
-            self._arm_timer(LINGER_S, transport.abort)
-        else:
-            # TLS cannot half-close; close_notify after the response is the best there is.
-            transport.close()
-
-    def _arm_timer(self, delay_s: float, callback: Callable[[], object] | None = None) -> None:
-        self._cancel_timer()
-        self._timer = self._loop.call_later(delay_s, self._on_timer if callback is None else callback)
-
-    def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        if self._phase is Phase.IDLE:
-            self._close()
-        elif self._phase in (Phase.HEAD, Phase.BODY):
-            self._refuse(408, "the request was not received in time")
+    def _h11(self) -> h11.Connection:
+        """h11, taken on now if the connection has been plain: it is given the
+        request read so far and what came after it (``http1_plain.adopted``)."""
+        if self._conn is None:
+            self._conn = adopted(self._config.max_head_bytes, self._plain_request, self._pending)
+            self._pending = bytearray()
+        return self._conn

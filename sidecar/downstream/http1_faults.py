@@ -36,12 +36,12 @@ def framing_problem(received: bytes | bytearray) -> str | None:
     head = received[:end + 1]
     if head.count(b"\n") != head.count(b"\r\n"):
         return "bare LF in the request head"
-    if b"\n " in head or b"\n\t" in head:
+    if head.find(b"\n ") != -1 or head.find(b"\n\t") != -1:
         return "obsolete line folding in the request head"
     lowered = head.lower()
     at = lowered.find(b"\ncontent-length:")
     if at != -1 and (lowered.find(b"\ncontent-length:", at + 1) != -1
-                     or b"," in lowered[at:lowered.find(b"\r", at + 1)]):
+                     or lowered.find(b",", at, lowered.find(b"\r", at + 1)) != -1):
         return "more than one Content-Length"
     return None
 
@@ -76,9 +76,10 @@ def h11_fault(error: h11.RemoteProtocolError) -> str:
     return "a malformed request"
 
 
-def request_problem(request: h11.Request, headers: list[tuple[bytes, bytes]], received: bytes | bytearray,
-                    limits: RequestLimits) -> Problem | None:
-    """Why a request head h11 parsed is refused (status, words), or None.
+def request_problem(method: bytes, target: bytes, http_version: bytes, headers: list[tuple[bytes, bytes]],
+                    received: bytes | bytearray, limits: RequestLimits) -> Problem | None:
+    """Why a request head h11 parsed (or ``http1_plain`` read as h11 would) is
+    refused (status, words), or None.
 
     ``headers``: the request's headers as a list (h11's ``Headers`` is a
     sequence written in Python: each item read from it is a call).
@@ -89,7 +90,7 @@ def request_problem(request: h11.Request, headers: list[tuple[bytes, bytes]], re
     names = [name for name, _ in headers]
     # h11's buffer limit only catches a head still incomplete at the limit;
     # one that arrives whole in a single read is measured here.
-    head_bytes = len(request.method) + len(request.target) + 12 + sum(
+    head_bytes = len(method) + len(target) + 12 + sum(
         len(name) + len(value) + 4 for name, value in headers)
     if head_bytes > limits.max_head_bytes:
         return 431, f"request head over {limits.max_head_bytes} bytes"
@@ -99,7 +100,7 @@ def request_problem(request: h11.Request, headers: list[tuple[bytes, bytes]], re
     problem = framing_problem(received)
     if problem is not None:
         return 400, problem
-    if b"transfer-encoding" in names and request.http_version == b"1.0":
+    if b"transfer-encoding" in names and http_version == b"1.0":
         # RFC 9112 section 6.1: chunked framing in HTTP/1.0 is faulty framing.
         return 400, "Transfer-Encoding in an HTTP/1.0 request"
     if b"upgrade" in names:
@@ -107,6 +108,6 @@ def request_problem(request: h11.Request, headers: list[tuple[bytes, bytes]], re
         # than dropping the header means no hop ever sees a half-upgraded
         # connection (h2c smuggling past a front proxy's rules).
         return 400, "protocol upgrades are not supported"
-    if request.http_version not in (b"1.0", b"1.1"):
+    if http_version not in (b"1.0", b"1.1"):
         return 505, "only HTTP/1.0 and HTTP/1.1 are supported"
-    return head_problem(request.method, request.target, header_value(headers, b"host"), headers, limits)
+    return head_problem(method, target, header_value(headers, b"host"), headers, limits)

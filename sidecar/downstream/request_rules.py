@@ -14,7 +14,7 @@ Pure functions: the connection sends the refusal.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Final, Protocol
 
 from tokenwire.middleware.core.headers import header_value
 
@@ -23,6 +23,9 @@ Problem = tuple[int, str]
 Header = tuple[bytes, bytes]
 
 MAX_TARGET_BYTES = 8 * 1024
+# A dot as an int: ``bytes in bytes`` first tries its needle as an int and formats
+# the TypeError it gets (~400 instructions) before it searches; an int needle is a memchr.
+_DOT: Final = 0x2E
 """A request target longer than this gets 414 (nginx's default header buffer, 8 KiB)."""
 MAX_HEADER_NAME_BYTES = 1024
 """A header name longer than this gets 431: no header anyone sends is named that
@@ -82,7 +85,7 @@ def has_dot_segment(target: bytes) -> bool:
     """Whether the path of ``target`` has a ``.`` or ``..`` segment, spelled
     plainly, percent-encoded (``%2e``) or between encoded separators
     (``%2f``, ``%5c``, a backslash)."""
-    if b"." not in target and b"%2e" not in target and b"%2E" not in target:
+    if _DOT not in target and target.find(b"%2e") == -1 and target.find(b"%2E") == -1:
         return False  # no dot however spelled (most API paths): none of the copies below
     path = target.split(b"?", 1)[0].lower()
     for spelled, meant in _SPELLINGS:

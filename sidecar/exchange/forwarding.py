@@ -15,6 +15,7 @@ import os
 import re
 import time
 from collections.abc import Iterable
+from typing import Final
 
 from tokenwire.middleware.core.headers import header_value, strip_hop_by_hop
 
@@ -23,6 +24,9 @@ Header = tuple[bytes, bytes]
 # Set by the sidecar itself from what it saw on the socket; a client's own
 # values would let it spoof its address, scheme or certificate to the engine
 # (nginx's proxy_set_header examples replace the same set).
+# An underscore as an int: ``bytes in bytes`` first tries its needle as an int and formats
+# the TypeError it gets (~400 instructions) before it searches; an int needle is a memchr.
+_UNDERSCORE: Final = 0x5F
 _REPLACED_UPSTREAM = frozenset({
     b"host", b"content-length", b"accept-encoding", b"expect",
     b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host", b"x-forwarded-port",
@@ -52,7 +56,7 @@ def wants_stream(headers: Iterable[Header], body: bytes) -> bool:
     EventSource clients with ``Accept: text/event-stream``.
     """
     accept = header_value(headers, b"accept")
-    if accept is not None and b"text/event-stream" in accept.lower():
+    if accept is not None and accept.lower().find(b"text/event-stream") != -1:
         return True
     # Most bodies are small JSON; skip the parse when the key is plainly absent.
     if b'"stream"' not in body:
@@ -128,7 +132,7 @@ def upstream_request_headers(
     kept = [(k, v) for k, v in strip_hop_by_hop(headers)
             if k not in _REPLACED_UPSTREAM and k != request_id_header and k != CLIENT_REQUEST_ID_HEADER
             and not _client_cert_header(k)
-            and not (drop_underscores and b"_" in k)]
+            and not (drop_underscores and _UNDERSCORE in k)]
     host = header_value(headers, b"host")
     chain = [v.strip() for k, v in headers if k == b"x-forwarded-for" and v.strip()]
     if peer_host is not None:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Final, Protocol
 
 from tokenwire.middleware.core.errors import (
     ErrorCode,
@@ -55,6 +55,9 @@ from .routing import StreamMethod
 from .transcode import TextCarry
 
 _DONE = "[DONE]"
+# A line feed as an int: ``bytes in bytes`` first tries its needle as an int and formats
+# the TypeError it gets (~400 instructions) before it searches; an int needle is a memchr.
+_LF: Final = 0x0A
 SUMMARY_EVENT = "tokenwire.summary"
 """The core's named event with a stream's figures (``Tokenwire-Summary: true``)."""
 SUMMARY_KEYS = ("ttft_s", "tokens", "tokens_source", "tokens_per_s", "duration_s", "events_out",
@@ -292,7 +295,7 @@ class ResponseTranscoder:
             self._parser.feed(rest)
         events: list[tuple[str, str | None, str | None]] = []
         for block in blocks[:-1]:
-            if block.startswith(b"data: ") and b"\n" not in block:
+            if block.startswith(b"data: ") and _LF not in block:
                 events.append((block[6:].decode("utf-8", "replace"), None, None))
                 continue
             lines: list[bytes] = []

@@ -147,7 +147,7 @@ class ChunkedBodyReader:
                     continue
                 line_end = buffer.find(b"\r\n", pos, pos + _MAX_SIZE_LINE_BYTES)
                 if line_end == -1:
-                    if end - pos >= _MAX_SIZE_LINE_BYTES or b"\n" in buffer[pos:]:
+                    if end - pos >= _MAX_SIZE_LINE_BYTES or buffer.find(b"\n", pos) != -1:
                         raise RemoteProtocolFault("malformed chunk-size line from the upstream")
                     break
                 digits = buffer[pos:line_end]
@@ -187,7 +187,7 @@ class ChunkedBodyReader:
                     self.leftover = buffer[pos:]
                     pos = end
                     break
-                if b"\n" in buffer[pos:line_end] or b":" not in buffer[pos:line_end]:
+                if buffer.find(b"\n", pos, line_end) != -1 or buffer.find(b":", pos, line_end) == -1:
                     raise RemoteProtocolFault("malformed trailer field from the upstream")
                 pos = line_end + 2
         self._state = state

@@ -77,7 +77,7 @@ class ChatDialect(Dialect):
 
     def ask_usage(self, body: bytes) -> bytes | None:
         # A client that said anything about include_usage (true or false) is heard.
-        if b'"stream"' not in body:
+        if body.find(b'"stream"') == -1:
             return None
         obj = chunk_object(body.decode("utf-8", "replace"))
         if obj is None or obj.get("stream") is not True:

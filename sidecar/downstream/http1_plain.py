@@ -1,0 +1,131 @@
+"""Plain HTTP/1.1 requests read without h11, and h11 taken on where one is not.
+
+Theory of operation
+-------------------
+Almost every request an API client sends is *plain*: HTTP/1.1, its head whole
+in the first read, CRLF line ends, a ``Host``, no body or a ``Content-Length``
+one, and none of the headers that change h11's state machine (``Connection``,
+``Transfer-Encoding``, ``Expect``, ``Upgrade``). For such a request h11's
+parse is a regular expression per line, a ``Headers`` rebuilt and checked,
+and three events through its state machine, interpreted: a quarter of a short
+stream's set-up (docs/perf/stream-cost.md). :func:`read_head` reads it here
+(compiled) and gives back exactly what h11 would (the same method, target and
+lower-cased, stripped fields), or :data:`DECLINED` where it is not plain.
+
+A connection starts without h11. On the first request :func:`read_head`
+declines (an incomplete head included: a head arriving in pieces is not worth
+a second parser of its own), the connection takes h11 on for good, with every
+byte of that request fed to it from the start, and it is served as before.
+The response side is plain too: a response head with none of the headers
+h11 rewrites is written from h11's own head for its status
+(``h11_layout.plain_response_head``), chunked; anything else also takes h11
+on, fed the request already read (:func:`adopted`) so that h11 stands where it
+would have stood had it read the request itself.
+
+What keeps this honest: ``tests/sidecar/test_http1_plain.py`` feeds the same
+bytes to :func:`read_head` and to h11, and every head read here must be what
+h11 reads, with the same body, framing and keep-alive; and the request
+smuggling corpus and the HTTP/1.1 tests run through both paths.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Final
+
+import h11
+
+from .h11_layout import TOKEN_CHARS, VALUE_CHARS
+
+Header = tuple[bytes, bytes]
+
+DECLINED: Final = None
+"""What :func:`read_head` returns for a request h11 must read."""
+
+# h11/_abnf.py: request_target = vchar+ (visible ASCII, no obs-text).
+_TARGET_CHARS = bytes(range(0x21, 0x7F))
+# Headers whose presence changes h11's state (keep-alive, 100-continue, a
+# protocol switch, the body's framing): such a request goes to h11.
+_STATEFUL = frozenset({b"connection", b"transfer-encoding", b"expect", b"upgrade"})
+# h11/_headers.py: CONTENT_LENGTH_MAX_DIGITS.
+_LENGTH_MAX_DIGITS = 20
+
+
+@typing.final
+class PlainHead:
+    """A plain request's head, as h11 would have read it."""
+
+    def __init__(self, method: bytes, target: bytes, headers: list[Header], head_bytes: int,
+                 body_bytes: int) -> None:
+        self.method = method
+        self.target = target
+        self.headers = headers
+        """``(lower-cased name, value)`` in order, as iterating h11's ``Headers`` gives them."""
+        self.head_bytes = head_bytes
+        """Where the body starts in what was read."""
+        self.body_bytes = body_bytes
+        """The ``Content-Length`` (0 without one)."""
+
+
+def read_head(received: bytes | bytearray) -> PlainHead | None:
+    """The plain request whose head ``received`` starts with, or :data:`DECLINED`.
+
+    Declined: a head not yet whole, a line end other than CRLF, a request line
+    or field h11 would refuse or read otherwise (obs-fold, HTTP/1.0, ...), and
+    any request whose headers change h11's state; h11 reads those."""
+    end = received.find(b"\r\n\r\n")
+    if end < 0:
+        return DECLINED
+    # h11 ends a head at the first LF CR? LF and splits it at each LF. Split at
+    # CRLF here, any other CR or LF is left inside a method, target, version,
+    # name or value, none of which may hold one: declined below. So a head read
+    # here ends where h11's does, in the same lines.
+    lines = bytes(received[:end]).split(b"\r\n")
+    parts = lines[0].split(b" ")
+    if len(parts) != 3 or parts[2] != b"HTTP/1.1":
+        return DECLINED
+    method, target = parts[0], parts[1]
+    if (not method or method.translate(None, TOKEN_CHARS) or method == b"CONNECT"
+            or not target or target.translate(None, _TARGET_CHARS)):
+        return DECLINED
+    headers: list[Header] = []
+    hosts = 0
+    body_bytes = -1
+    for line in lines[1:]:
+        name, colon, value = line.partition(b":")
+        if not colon or not name or name.translate(None, TOKEN_CHARS):
+            return DECLINED  # also a line that starts with a space or tab (obs-fold)
+        value = value.strip(b" \t")
+        if value.translate(None, VALUE_CHARS):
+            return DECLINED
+        name = name.lower()
+        if name in _STATEFUL:
+            return DECLINED
+        if name == b"host":
+            hosts += 1
+        elif name == b"content-length":
+            # h11 merges repeated or comma-listed lengths: those are its to read.
+            if body_bytes >= 0 or not value.isdigit() or len(value) > _LENGTH_MAX_DIGITS:
+                return DECLINED
+            body_bytes = int(value)
+        headers.append((name, value))
+    if hosts != 1:
+        return DECLINED
+    return PlainHead(method, target, headers, end + 4, max(body_bytes, 0))
+
+
+def adopted(max_head_bytes: int, request: bytes, pending: bytes | bytearray) -> h11.Connection:
+    """An h11 connection that has read ``request`` (a plain request, whole) and
+    holds ``pending`` (what came after it) unread: where h11 would stand had it
+    read the connection itself."""
+    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=max_head_bytes)
+    conn.receive_data(request)
+    while True:
+        event = conn.next_event()
+        if isinstance(event, h11.EndOfMessage):
+            break
+        if not isinstance(event, (h11.Request, h11.Data)):
+            raise RuntimeError(f"h11 read a plain request otherwise: {event!r}")
+    if pending:
+        conn.receive_data(bytes(pending))
+    return conn
