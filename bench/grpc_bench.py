@@ -38,10 +38,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testbed/
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sidecar_bench as sb
 import sse_load
-import targets
+
+from testbed import targets
 
 METHOD = "/tokenwire.v1.ChatCompletions/Create"
 _STAMP_RE = re.compile(rb'"system_fingerprint":"t(\d+)"')

@@ -4,8 +4,11 @@ imports that run one way, and a benchmark index that names every bench."""
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"middleware": "tokenwire.middleware", "sidecar": "tokenwire.sidecar",
@@ -117,6 +120,18 @@ def test_the_bench_index_fits_a_screen_and_names_every_script() -> None:
     scripts = sorted(p.name for p in (ROOT / "bench").iterdir() if p.suffix in (".py", ".sh"))
     assert len(scripts) > 10
     assert [name for name in scripts if name not in index] == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "bench").glob("*.py")))
+def test_every_bench_script_starts(script: str) -> None:
+    """Each benchmark imports what it needs and answers ``--help``: a bench the
+    layout step left importing ``targets`` from its old folder failed only
+    when someone next ran it."""
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--help"], capture_output=True,
+                         text=True, timeout=60, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "usage:" in run.stdout
 
 
 def test_no_two_test_files_outside_a_package_share_a_name() -> None:
