@@ -294,7 +294,7 @@ class AwaitReader:
     until: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class StreamRecord:
     """The accounting record: one per stream, whatever happened to it."""
 
@@ -343,6 +343,48 @@ class StreamRecord:
     """Time the upstream was not read because a slow reader had enough waiting
     (``PauseUpstream``: under ``block``, past ``block_window_bytes``): how long the
     engine was made to wait."""
+
+    def __init__(
+            self, request_id: str, upstream: str, status: int, end_reason: EndReason,
+            error_code: ErrorCode | None, started_at: float, duration_s: float, ttfb_s: float | None,
+            max_event_gap_s: float, event_gap_buckets: tuple[int, ...], events_in: int, events_out: int,
+            bytes_out: int, heartbeats: int, coalesced_events: int, dropped_events: int, retries: int,
+            refused_retries: int, pending_high_water_bytes: int, usage: dict[str, Any] | None = None,
+            ttft_s: float | None = None, event_gap_sum_s: float = 0.0, content_events: int = 0,
+            stream_id: str | None = None, dialect: str = "", upstream_keepalives: int = 0,
+            tokens_counted: int = 0, producer_wait_s: float = 0.0
+    ) -> None:
+        # Written out, not generated: dataclass's __init__ is interpreted, an
+        # object.__setattr__ call a field; this one is compiled (~44 k instructions a stream,
+        # docs/perf/stream-cost.md). tests/middleware/test_written_inits.py holds it to the fields.
+        object.__setattr__(self, "request_id", request_id)
+        object.__setattr__(self, "upstream", upstream)
+        object.__setattr__(self, "status", status)
+        object.__setattr__(self, "end_reason", end_reason)
+        object.__setattr__(self, "error_code", error_code)
+        object.__setattr__(self, "started_at", started_at)
+        object.__setattr__(self, "duration_s", duration_s)
+        object.__setattr__(self, "ttfb_s", ttfb_s)
+        object.__setattr__(self, "max_event_gap_s", max_event_gap_s)
+        object.__setattr__(self, "event_gap_buckets", event_gap_buckets)
+        object.__setattr__(self, "events_in", events_in)
+        object.__setattr__(self, "events_out", events_out)
+        object.__setattr__(self, "bytes_out", bytes_out)
+        object.__setattr__(self, "heartbeats", heartbeats)
+        object.__setattr__(self, "coalesced_events", coalesced_events)
+        object.__setattr__(self, "dropped_events", dropped_events)
+        object.__setattr__(self, "retries", retries)
+        object.__setattr__(self, "refused_retries", refused_retries)
+        object.__setattr__(self, "pending_high_water_bytes", pending_high_water_bytes)
+        object.__setattr__(self, "usage", usage)
+        object.__setattr__(self, "ttft_s", ttft_s)
+        object.__setattr__(self, "event_gap_sum_s", event_gap_sum_s)
+        object.__setattr__(self, "content_events", content_events)
+        object.__setattr__(self, "stream_id", stream_id)
+        object.__setattr__(self, "dialect", dialect)
+        object.__setattr__(self, "upstream_keepalives", upstream_keepalives)
+        object.__setattr__(self, "tokens_counted", tokens_counted)
+        object.__setattr__(self, "producer_wait_s", producer_wait_s)
 
     @property
     def tokens_out(self) -> tuple[int, str]:

@@ -51,7 +51,7 @@ _BOM = b"\xef\xbb\xbf"
 _LF: Final = 0x0A
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class SSEEvent:
     """One Server-Sent Event, or one comment line (``comment`` set, all else default).
 
@@ -63,6 +63,18 @@ class SSEEvent:
     id: str | None = None
     retry: int | None = None
     comment: str | None = None
+
+    def __init__(self, data: str | None = None, event: str | None = None, id: str | None = None,
+                 retry: int | None = None, comment: str | None = None) -> None:
+        # Written out, not generated: dataclass's __init__ is interpreted, an
+        # object.__setattr__ call a field; this one is compiled (a stream's set-up,
+        # docs/perf/stream-cost.md). tests/middleware/test_written_inits.py holds it to the fields.
+        object.__setattr__(self, "data", data)
+        object.__setattr__(self, "event", event)
+        object.__setattr__(self, "id", id)
+        object.__setattr__(self, "retry", retry)
+        object.__setattr__(self, "comment", comment)
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         if self.comment is not None:

@@ -99,10 +99,12 @@ class ClientConnection(ConnectionPhases):
         self._method: bytes | None = None
         self._target = b""
         self._http_version = b"1.1"
-        # Plain: what is left of the body, the request as read (for adopted()),
-        # what came after it, and whether the response has ended cleanly.
+        # Plain: what is left of the body, the request's head as read and its body
+        # (the exchange's own bytes, no copy; both for adopted(), and let go when the
+        # exchange ends), what came after it, whether the response has ended cleanly.
         self._plain_left = 0
-        self._plain_request = b""
+        self._plain_head_bytes = b""
+        self._request_body = b""
         self._pending = bytearray()
         self._plain_ended = False
         # Its headers as a list, made once: h11's Headers is iterated in Python,
@@ -260,7 +262,7 @@ class ClientConnection(ConnectionPhases):
             self._process()
             return
         rest = bytes(received[head.head_bytes:])
-        self._plain_request = bytes(received[:head.head_bytes])
+        self._plain_head_bytes = bytes(received[:head.head_bytes])
         self._on_request(head.method, head.target, b"1.1", head.headers)
         if self._phase is Phase.BODY:
             self._plain_left = head.body_bytes
@@ -277,7 +279,6 @@ class ClientConnection(ConnectionPhases):
                 return
         if not self._plain_left:
             self._pending += data[left:]
-            self._plain_request += self._body
             self._start_exchange()
 
     def _on_request(self, method: bytes, target: bytes, http_version: bytes, headers: list[Header]) -> None:
@@ -327,12 +328,12 @@ class ClientConnection(ConnectionPhases):
         self._phase = Phase.RESPONSE
         self._cancel_timer()
         headers = self._request_headers
+        body = self._request_body = bytes(self._body)
+        self._body = bytearray()
         answer = preflight(self._context, method, headers)
         if answer is not None:
             self._answer_preflight(*answer)
             return
-        body = bytes(self._body)
-        self._body = bytearray()
         exchange = new_exchange(self._context, self, method=method, target=self._target,
                                 headers=headers, body=body, peer=self._peer,
                                 http_version=self._http_version.decode())
@@ -425,6 +426,7 @@ class ClientConnection(ConnectionPhases):
         if self._exchange is exchange:
             self._exchange = None
         self._release_body()  # the exchange held the body for retries until now
+        self._plain_head_bytes = self._request_body = b""
         if self._lost or self._phase is Phase.CLOSING or self._transport is None:
             return
         conn = self._conn
@@ -477,6 +479,8 @@ class ClientConnection(ConnectionPhases):
         """h11, taken on now if the connection has been plain: it is given the
         request read so far and what came after it (``http1_plain.adopted``)."""
         if self._conn is None:
-            self._conn = adopted(self._config.max_head_bytes, self._plain_request, self._pending)
+            self._conn = adopted(self._config.max_head_bytes, self._plain_head_bytes + self._request_body,
+                                 self._pending)
             self._pending = bytearray()
+            self._plain_head_bytes = b""
         return self._conn
