@@ -451,3 +451,33 @@ def test_chat_when_every_chunk_carries_cumulative_usage_then_a_slow_reader_still
     assert record.coalesced_events == 4999 and record.end_reason is EndReason.COMPLETE
     assert record.pending_high_water_bytes < proxy_config().max_pending_bytes
     assert record.tokens_out == (5000, "usage")
+
+
+@pytest.mark.parametrize(("body", "asked"), [
+    # No stream_options: spliced in before the closing brace, the client's bytes kept.
+    (b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "h\\u00e9"}]}\n',
+     b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "h\\u00e9"}]'
+     b',"stream_options":{"include_usage":true}}\n'),
+    (b'{"stream":true}', b'{"stream":true,"stream_options":{"include_usage":true}}'),
+    # stream_options there (null, or a dict without include_usage): merged, the body dumped.
+    (b'{"stream": true, "stream_options": null}', b'{"stream":true,"stream_options":{"include_usage":true}}'),
+    (b'{"stream":true,"stream_options":{"x":1},"n":2}',
+     b'{"stream":true,"stream_options":{"x":1,"include_usage":true},"n":2}'),
+    # The client said something about usage, or does not stream: left as it is.
+    (b'{"stream":true,"stream_options":{"include_usage":false}}', None),
+    (b'{"stream":true,"stream_options":"yes"}', None),
+    (b'{"stream":false}', None),
+    (b'{"stream":"true"}', None),
+    (b'["stream"]', None),
+    (b'{"stream":true', None),
+])
+def test_chat_asks_the_engine_for_usage_only_where_the_client_did_not_say(body: bytes,
+                                                                         asked: bytes | None) -> None:
+    chat = DialectTable().for_path("/v1/chat/completions")
+    assert chat.name == "chat.completions"
+    got = chat.ask_usage(body)
+    assert got == asked
+    if got is not None:
+        given = json.loads(body)
+        options = given.get("stream_options") or {}
+        assert json.loads(got) == {**given, "stream_options": {**options, "include_usage": True}}
