@@ -75,9 +75,9 @@ Header = tuple[bytes, bytes]
 # with field_vchar = [^\x00\s] (bytes: \s is space, \t, \n, \r, \f, \v).
 TOKEN_CHARS = b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 """The bytes of an HTTP token (a field name, a method)."""
-VALUE_CHARS = bytes(c for c in range(256) if c not in b"\x00\n\r\x0b\x0c")
-"""Every byte a field value may hold somewhere (not NUL, LF, CR, VT, FF); space
-and tab only inside it, checked apart."""
+# Every byte a value may hold somewhere (not NUL, LF, CR, VT, FF); space and
+# tab only inside it, checked apart.
+_VALUE_CHARS = bytes(c for c in range(256) if c not in b"\x00\n\r\x0b\x0c")
 
 
 def fields_valid(headers: Sequence[tuple[object, object]]) -> bool:
@@ -102,7 +102,7 @@ def fields_valid(headers: Sequence[tuple[object, object]]) -> bool:
     all_values = b"\n" + b"\n".join(values) + b"\n"
     return (all_names.translate(None, TOKEN_CHARS) == b"\n" + separators + b"\n"
             and all_names.find(b"\n\n") < 0  # an empty name
-            and all_values.translate(None, VALUE_CHARS) == b"\n" + separators + b"\n"
+            and all_values.translate(None, _VALUE_CHARS) == b"\n" + separators + b"\n"
             # Space or tab leading or trailing a value.
             and all_values.find(b"\n ") < 0 and all_values.find(b" \n") < 0
             and all_values.find(b"\n\t") < 0 and all_values.find(b"\t\n") < 0)

@@ -67,7 +67,7 @@ from .h11_layout import (
 )
 from .http1_faults import request_problem
 from .http1_phases import ConnectionPhases, Phase
-from .http1_plain import adopted, read_head
+from .http1_plain import adopted, read_head, server_connection
 
 logger = logging.getLogger("tokenwire.sidecar")
 
@@ -75,8 +75,7 @@ Header = tuple[bytes, bytes]
 
 # Pipelined requests buffered beyond this pause reading until the current response ends.
 _PIPELINE_BUFFER_BYTES = 64 * 1024
-# A line feed as an int: ``bytes in bytes`` first tries its needle as an int and formats
-# the TypeError it gets (~400 instructions) before it searches; an int needle is a memchr.
+# A line feed as an int, the needle of a memchr (why: middleware/core/sse.py, _LF).
 _LF: typing.Final = 0x0A
 
 
@@ -150,19 +149,26 @@ class ClientConnection(ConnectionPhases):
                 return
         if self._conn is None:
             self._plain_received(data)
-            return
+        else:
+            self._h11_received(self._conn, data)
+
+    def _h11_received(self, conn: h11.Connection, data: bytes) -> None:
+        """``data`` through h11: its events handled, or kept while a response runs."""
         try:
-            self._conn.receive_data(data)
+            conn.receive_data(data)
         except h11.RemoteProtocolError as error:
             self._refuse_malformed(error)
             return
         if self._phase is Phase.RESPONSE:
-            # Pipelined bytes wait in h11's buffer; stop reading if they pile up.
-            if len(self._conn.trailing_data[0]) > _PIPELINE_BUFFER_BYTES and self._transport:
-                self._transport.pause_reading()
-                self._reading_paused = True
+            self._pause_if_piled_up(len(conn.trailing_data[0]))  # pipelined bytes wait in h11's buffer
             return
         self._process()
+
+    def _pause_if_piled_up(self, buffered_bytes: int) -> None:
+        """Stop reading while the pipelined requests buffered pile up (see exchange_finished)."""
+        if buffered_bytes > _PIPELINE_BUFFER_BYTES and self._transport:
+            self._transport.pause_reading()
+            self._reading_paused = True
 
     def eof_received(self) -> bool | None:
         # A client that half-closes mid-response is treated as gone, as most
@@ -243,26 +249,18 @@ class ClientConnection(ConnectionPhases):
             self._plain_body(data)
         elif phase is Phase.RESPONSE:
             self._pending += data
-            if len(self._pending) > _PIPELINE_BUFFER_BYTES and self._transport:
-                self._transport.pause_reading()
-                self._reading_paused = True
+            self._pause_if_piled_up(len(self._pending))
 
     def _plain_head(self) -> None:
         """Read the request head received so far, or hand it all to h11."""
         received = self._head_received
         head = read_head(received)
         if head is None:  # h11 from here on, given all of this request so far
-            conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self._config.max_head_bytes)
-            self._conn = conn
-            try:
-                conn.receive_data(bytes(received))
-            except h11.RemoteProtocolError as error:
-                self._refuse_malformed(error)
-                return
-            self._process()
+            conn = self._conn = server_connection(self._config.max_head_bytes)
+            self._h11_received(conn, bytes(received))
             return
         rest = bytes(received[head.head_bytes:])
-        self._plain_head_bytes = bytes(received[:head.head_bytes])
+        self._plain_head_bytes = head.raw
         self._on_request(head.method, head.target, b"1.1", head.headers)
         if self._phase is Phase.BODY:
             self._plain_left = head.body_bytes
@@ -271,7 +269,7 @@ class ClientConnection(ConnectionPhases):
     def _plain_body(self, data: bytes) -> None:
         """Body bytes of a plain request (and any after it, kept for later)."""
         left = self._plain_left
-        part = data[:left] if len(data) > left else data
+        part = data[:left]
         if part:
             self._plain_left = left - len(part)
             self._on_body(part)

@@ -35,7 +35,7 @@ from typing import Final
 
 import h11
 
-from .h11_layout import TOKEN_CHARS, VALUE_CHARS
+from .h11_layout import TOKEN_CHARS, fields_valid
 
 Header = tuple[bytes, bytes]
 
@@ -55,16 +55,21 @@ _LENGTH_MAX_DIGITS = 20
 class PlainHead:
     """A plain request's head, as h11 would have read it."""
 
-    def __init__(self, method: bytes, target: bytes, headers: list[Header], head_bytes: int,
+    def __init__(self, raw: bytes, method: bytes, target: bytes, headers: list[Header],
                  body_bytes: int) -> None:
+        self.raw = raw
+        """The head as it was read, its blank line included (``adopted`` is given it again)."""
         self.method = method
         self.target = target
         self.headers = headers
         """``(lower-cased name, value)`` in order, as iterating h11's ``Headers`` gives them."""
-        self.head_bytes = head_bytes
-        """Where the body starts in what was read."""
         self.body_bytes = body_bytes
         """The ``Content-Length`` (0 without one)."""
+
+    @property
+    def head_bytes(self) -> int:
+        """Where the body starts in what was read."""
+        return len(self.raw)
 
 
 def read_head(received: bytes | bytearray) -> PlainHead | None:
@@ -80,7 +85,8 @@ def read_head(received: bytes | bytearray) -> PlainHead | None:
     # CRLF here, any other CR or LF is left inside a method, target, version,
     # name or value, none of which may hold one: declined below. So a head read
     # here ends where h11's does, in the same lines.
-    lines = bytes(received[:end]).split(b"\r\n")
+    raw = bytes(received[:end + 4])
+    lines = raw.split(b"\r\n")[:-2]  # the blank line's two empty pieces off
     parts = lines[0].split(b" ")
     if len(parts) != 3 or parts[2] != b"HTTP/1.1":
         return DECLINED
@@ -88,16 +94,20 @@ def read_head(received: bytes | bytearray) -> PlainHead | None:
     if (not method or method.translate(None, TOKEN_CHARS) or method == b"CONNECT"
             or not target or target.translate(None, _TARGET_CHARS)):
         return DECLINED
+    fields: list[Header] = []
+    for line in lines[1:]:
+        name, colon, value = line.partition(b":")
+        if not colon:
+            return DECLINED
+        fields.append((name, value.strip(b" \t")))
+    # h11's field rules, the list at once; a line that starts with a space or tab
+    # (obs-fold) has a name that is not a token.
+    if not fields_valid(fields):
+        return DECLINED
     headers: list[Header] = []
     hosts = 0
     body_bytes = -1
-    for line in lines[1:]:
-        name, colon, value = line.partition(b":")
-        if not colon or not name or name.translate(None, TOKEN_CHARS):
-            return DECLINED  # also a line that starts with a space or tab (obs-fold)
-        value = value.strip(b" \t")
-        if value.translate(None, VALUE_CHARS):
-            return DECLINED
+    for name, value in fields:
         name = name.lower()
         if name in _STATEFUL:
             return DECLINED
@@ -111,14 +121,19 @@ def read_head(received: bytes | bytearray) -> PlainHead | None:
         headers.append((name, value))
     if hosts != 1:
         return DECLINED
-    return PlainHead(method, target, headers, end + 4, max(body_bytes, 0))
+    return PlainHead(raw, method, target, headers, max(body_bytes, 0))
+
+
+def server_connection(max_head_bytes: int) -> h11.Connection:
+    """A new h11 server connection, its incomplete head bounded by ``max_head_bytes``."""
+    return h11.Connection(h11.SERVER, max_incomplete_event_size=max_head_bytes)
 
 
 def adopted(max_head_bytes: int, request: bytes, pending: bytes | bytearray) -> h11.Connection:
     """An h11 connection that has read ``request`` (a plain request, whole) and
     holds ``pending`` (what came after it) unread: where h11 would stand had it
     read the connection itself."""
-    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=max_head_bytes)
+    conn = server_connection(max_head_bytes)
     conn.receive_data(request)
     while True:
         event = conn.next_event()

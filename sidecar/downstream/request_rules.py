@@ -24,8 +24,7 @@ Header = tuple[bytes, bytes]
 
 MAX_TARGET_BYTES = 8 * 1024
 """A request target longer than this gets 414 (nginx's default header buffer, 8 KiB)."""
-# A dot as an int: ``bytes in bytes`` first tries its needle as an int and formats
-# the TypeError it gets (~400 instructions) before it searches; an int needle is a memchr.
+# A dot as an int, the needle of a memchr (why: middleware/core/sse.py, _LF).
 _DOT: Final = 0x2E
 MAX_HEADER_NAME_BYTES = 1024
 """A header name longer than this gets 431: no header anyone sends is named that

@@ -24,8 +24,7 @@ Header = tuple[bytes, bytes]
 # Set by the sidecar itself from what it saw on the socket; a client's own
 # values would let it spoof its address, scheme or certificate to the engine
 # (nginx's proxy_set_header examples replace the same set).
-# An underscore as an int: ``bytes in bytes`` first tries its needle as an int and formats
-# the TypeError it gets (~400 instructions) before it searches; an int needle is a memchr.
+# An underscore as an int, the needle of a memchr (why: middleware/core/sse.py, _LF).
 _UNDERSCORE: Final = 0x5F
 _REPLACED_UPSTREAM = frozenset({
     b"host", b"content-length", b"accept-encoding", b"expect",

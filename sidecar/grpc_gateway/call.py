@@ -55,8 +55,7 @@ from .routing import StreamMethod
 from .transcode import TextCarry
 
 _DONE = "[DONE]"
-# A line feed as an int: ``bytes in bytes`` first tries its needle as an int and formats
-# the TypeError it gets (~400 instructions) before it searches; an int needle is a memchr.
+# A line feed as an int, the needle of a memchr (why: middleware/core/sse.py, _LF).
 _LF: Final = 0x0A
 SUMMARY_EVENT = "tokenwire.summary"
 """The core's named event with a stream's figures (``Tokenwire-Summary: true``)."""

@@ -35,7 +35,7 @@ _NAMES = ([b"Content-Type", b"Authorization", b"Accept", b"X-Request-Id", b"TE",
 _VALUES = ([b"application/json", b"Bearer sk-x", b"a, b;q=0.5", b"", b"\x01\x7f\x80\xff", b"  padded\t",
             b"in  ner\tx", b"chunked", b"close"],
            [b"a\x00b", b"a\rb", b"a\nb", b"a\x0bb", b"a\x0cb"])
-_COLONS = ([b": ", b":", b":\t", b":  "], [b" : ", b" :"])
+_COLONS = ([b": ", b":", b":\t", b":  "], [b" : ", b" :", b"", b" "])
 _LINE_ENDS = ([b"\r\n"], [b"\n", b"\r", b"\r\r\n"])
 _LENGTHS = ([b"%d"], [b"%d, %d", b"+%d", b"%d %d", b"1" * 21 + b"%d", b"x%d"])
 _AFTER = [b"", b"", b"GET / HTTP/1.1\r\nhost: h\r\n\r\n", b"garbage", b"\r\n"]
@@ -123,11 +123,12 @@ def test_a_plain_request_is_read_as_h11_reads_it_and_answered_with_h11s_bytes(
 
 
 @pytest.mark.parametrize("raw", [
-    # httpx (openai-python, anthropic-sdk-python, litellm, LangChain)
+    # httpx's request (openai-python, anthropic-sdk-python, litellm, LangChain) less the
+    # Connection: keep-alive it really sends, which today hands the request to h11
     b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:8000\r\nAccept-Encoding: gzip, deflate\r\n"
     b"Accept: application/json\r\nContent-Type: application/json\r\nUser-Agent: OpenAI/Python 1.99.0\r\n"
     b"Authorization: Bearer sk-test\r\nX-Stainless-Retry-Count: 0\r\nContent-Length: 2\r\n\r\n{}",
-    # undici (openai-node, the Vercel AI SDK), curl
+    # undici's (openai-node, the Vercel AI SDK) less its connection: keep-alive too; curl's
     b"POST /v1/messages HTTP/1.1\r\nhost: localhost:8000\r\ncontent-type: application/json\r\n"
     b"anthropic-version: 2023-06-01\r\naccept: */*\r\nuser-agent: node\r\nsec-fetch-mode: cors\r\n"
     b"content-length: 2\r\n\r\n{}",
