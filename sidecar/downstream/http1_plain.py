@@ -4,8 +4,8 @@ Theory of operation
 -------------------
 Almost every request an API client sends is *plain*: HTTP/1.1, its head whole
 in the first read, CRLF line ends, a ``Host``, no body or a ``Content-Length``
-one, and none of the headers that change h11's state machine (``Connection``,
-``Transfer-Encoding``, ``Expect``, ``Upgrade``). For such a request h11's
+one, and none of the headers that change h11's state machine (``Connection``
+other than ``keep-alive``, ``Transfer-Encoding``, ``Expect``, ``Upgrade``). For such a request h11's
 parse is a regular expression per line, a ``Headers`` rebuilt and checked,
 and three events through its state machine, interpreted: a quarter of a short
 stream's set-up (docs/perf/stream-cost.md). :func:`read_head` reads it here
@@ -45,7 +45,9 @@ DECLINED: Final = None
 # h11/_abnf.py: request_target = vchar+ (visible ASCII, no obs-text).
 _TARGET_CHARS = bytes(range(0x21, 0x7F))
 # Headers whose presence changes h11's state (keep-alive, 100-continue, a
-# protocol switch, the body's framing): such a request goes to h11.
+# protocol switch, the body's framing): such a request goes to h11. All but
+# ``Connection: keep-alive``, which httpx, undici and browsers send on every
+# request, and which leaves an HTTP/1.1 connection as h11 keeps it: alive.
 _STATEFUL = frozenset({b"connection", b"transfer-encoding", b"expect", b"upgrade"})
 # h11/_headers.py: CONTENT_LENGTH_MAX_DIGITS.
 _LENGTH_MAX_DIGITS = 20
@@ -109,7 +111,7 @@ def read_head(received: bytes | bytearray) -> PlainHead | None:
     body_bytes = -1
     for name, value in fields:
         name = name.lower()
-        if name in _STATEFUL:
+        if name in _STATEFUL and (name != b"connection" or value.lower() != b"keep-alive"):
             return DECLINED
         if name == b"host":
             hosts += 1

@@ -29,11 +29,12 @@ _TARGETS = ([b"/", b"/v1/chat/completions", b"/v1/streams/abc?tokenwire_frames=o
              b"/%0a", b"/a~b"],
             [b"/a b", b"/\x80", b"/\x7f", b""])
 _VERSIONS = ([b"HTTP/1.1"], [b"HTTP/1.0", b"HTTP/2.0", b"HTTP/1.1 ", b"http/1.1", b"HTTP/1.11"])
-_NAMES = ([b"Content-Type", b"Authorization", b"Accept", b"X-Request-Id", b"TE", b"x_y", b"A~b", b"Host"],
-          [b"Transfer-Encoding", b"Connection", b"Expect", b"Upgrade", b"x foo", b"", b"x\x00y",
+_NAMES = ([b"Content-Type", b"Authorization", b"Accept", b"X-Request-Id", b"TE", b"x_y", b"A~b", b"Host",
+           b"Connection", b"connection"],
+          [b"Transfer-Encoding", b"Expect", b"Upgrade", b"x foo", b"", b"x\x00y",
            b" leading", b"\tfold", b"Content-Length", b"HOST"])
 _VALUES = ([b"application/json", b"Bearer sk-x", b"a, b;q=0.5", b"", b"\x01\x7f\x80\xff", b"  padded\t",
-            b"in  ner\tx", b"chunked", b"close"],
+            b"in  ner\tx", b"chunked", b"close", b"keep-alive", b"Keep-Alive", b"keep-alive, close"],
            [b"a\x00b", b"a\rb", b"a\nb", b"a\x0bb", b"a\x0cb"])
 _COLONS = ([b": ", b":", b":\t", b":  "], [b" : ", b" :", b"", b" "])
 _LINE_ENDS = ([b"\r\n"], [b"\n", b"\r", b"\r\r\n"])
@@ -123,13 +124,14 @@ def test_a_plain_request_is_read_as_h11_reads_it_and_answered_with_h11s_bytes(
 
 
 @pytest.mark.parametrize("raw", [
-    # httpx's request (openai-python, anthropic-sdk-python, litellm, LangChain) less the
-    # Connection: keep-alive it really sends, which today hands the request to h11
+    # httpx's request (openai-python, anthropic-sdk-python, litellm, LangChain), as captured
     b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:8000\r\nAccept-Encoding: gzip, deflate\r\n"
+    b"Connection: keep-alive\r\n"
     b"Accept: application/json\r\nContent-Type: application/json\r\nUser-Agent: OpenAI/Python 1.99.0\r\n"
     b"Authorization: Bearer sk-test\r\nX-Stainless-Retry-Count: 0\r\nContent-Length: 2\r\n\r\n{}",
-    # undici's (openai-node, the Vercel AI SDK) less its connection: keep-alive too; curl's
-    b"POST /v1/messages HTTP/1.1\r\nhost: localhost:8000\r\ncontent-type: application/json\r\n"
+    # undici's (openai-node, the Vercel AI SDK), curl's
+    b"POST /v1/messages HTTP/1.1\r\nhost: localhost:8000\r\nconnection: keep-alive\r\n"
+    b"content-type: application/json\r\n"
     b"anthropic-version: 2023-06-01\r\naccept: */*\r\nuser-agent: node\r\nsec-fetch-mode: cors\r\n"
     b"content-length: 2\r\n\r\n{}",
     b"GET /v1/streams/0123?tokenwire_frames=open,done HTTP/1.1\r\nHost: sidecar\r\nUser-Agent: curl/8.5.0"
@@ -145,6 +147,7 @@ def test_what_clients_send_is_plain(raw: bytes) -> None:
     b"POST / HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
     b"POST / HTTP/1.1\r\nHost: h\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n",
     b"GET / HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n",
+    b"GET / HTTP/1.1\r\nHost: h\r\nConnection: keep-alive, Upgrade\r\n\r\n",
     b"GET / HTTP/1.0\r\nHost: h\r\n\r\n",
     b"GET / HTTP/1.1\r\nHost: h\r\nContent-Length: 1\r\nContent-Length: 1\r\n\r\nx",
     b"GET / HTTP/1.1\r\nHost: h\r\n",  # not whole yet
