@@ -2,19 +2,25 @@
 
 Method (figures in docs/perf/http2-grpc.md, "gRPC"):
 
-* One paced fake upstream (``sse_load.py upstream``) and one sidecar process
-  (``tokenwire sidecar``, HTTP/1.1 and HTTP/2 on one port) in front of it.
+* One paced fake upstream (``sse_load.py upstream``), one sidecar process
+  (``tokenwire sidecar``, HTTP/1.1 and HTTP/2 on one port) and one nginx
+  (one worker, ``listen ... http2``: HTTP/2 in plaintext) in front of it.
 * ``throughput``: 200 concurrent streams x E chunks every 10 ms (100 messages/s
-  each), three ways, one after the other, repeated ``--rounds`` times
-  alternating: ``direct`` (SSE straight from the upstream: the latency floor),
-  ``sse`` (SSE through the sidecar, HTTP/1.1, ``sse_load.py client``) and
-  ``grpc`` (``tokenwire.v1.ChatCompletions/Create`` through the sidecar over 10
-  HTTP/2 connections of 20 calls each, a grpc.aio client in its own process).
+  each), six ways, one after the other, repeated ``--rounds`` times:
+  ``direct`` (SSE straight from the upstream: the latency floor), ``sse`` (SSE
+  through the sidecar, HTTP/1.1, ``sse_load.py client``), ``h2_sse`` and
+  ``nginx_h2_sse`` (the same answer over HTTP/2 through the sidecar and
+  through nginx), ``grpc`` (``tokenwire.v1.ChatCompletions/Create`` through
+  the sidecar) and ``grpcio`` (the same calls from grpc.aio). The HTTP/2 paths
+  use 10 connections of 20 streams each; all but grpcio's use one lean client
+  that reads frames by hand (``RawGrpcConnection``), in its own process.
   Each chunk carries its send time (``time.monotonic_ns()``, one clock for all
   processes on the machine), which the gRPC message keeps in ``chunk_json``:
   latency = client read time - send time of the message's first token; added
-  latency = a path's p50 - direct's p50. Delivered events/s and exact text per
-  stream; the ratio gRPC/SSE of delivered events/s.
+  latency = a path's p50 (p99) - direct's p50 (p99). Delivered events/s,
+  exact text per stream, the proxy's CPU per delivered event (its
+  ``/proc`` time) and the client's; the ratios HTTP/2 CPU / nginx's and
+  gRPC CPU / HTTP/2 SSE's.
 * ``cancel``: a client reads 3 messages and cancels the call (gRPC:
   RST_STREAM CANCEL; SSE: a TCP reset), 100 times one at a time (the
   propagation alone) and 200 times 50 at a time (under 5,000 messages/s); the
@@ -40,6 +46,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testbed/
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import h2_load
 import sidecar_bench as sb
 import sse_load
 
@@ -65,28 +72,32 @@ def _channels(target: str, count: int) -> list[Any]:
 
 
 class RawGrpcConnection(asyncio.Protocol):
-    """A lean gRPC client connection (h2's state machine, no grpc library): as
-    cheap per message as ``sse_load``'s SSE client is per event, so the two
-    paths are measured with clients of like cost. Windows are credited at once."""
+    """A lean gRPC client connection, read frame by frame as ``h2_load.H2Conn``
+    reads SSE (h2's state machine cost this client 29 µs an event, more than
+    the sidecar it measured, and its queueing showed up as the sidecar's
+    latency tail). Requests are HPACK-encoded (hpack, one encoder per
+    connection), response header blocks decoded only for the trailers' status;
+    the windows are opened wide at the start, so nothing is credited later."""
 
     def __init__(self) -> None:
-        import h2.config
-        import h2.connection
+        import hpack
 
-        self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True,
-                                                                       header_encoding=None))
+        self.encoder, self.decoder = hpack.Encoder(), hpack.Decoder()
         self.transport: asyncio.Transport | None = None
         self.buffers: dict[int, bytearray] = {}
         self.on_message: dict[int, Any] = {}
         self.ended: dict[int, asyncio.Future[bytes]] = {}
         self.sse: set[int] = set()
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._next_id = 1
+        self._pending = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.h2.initiate_connection()
-        self.h2.increment_flow_control_window(1 << 30)
-        self.transport.write(self.h2.data_to_send())  # type: ignore[union-attr]
+        wide = (1 << 31) - 1
+        settings = (0x4).to_bytes(2, "big") + wide.to_bytes(4, "big")  # INITIAL_WINDOW_SIZE
+        self.transport.write(h2_load.PREFACE + h2_load.frame(0x4, 0, 0, settings)
+                             + h2_load.frame(0x8, 0, 0, (wide - 65_535).to_bytes(4, "big")))
         self.ready.set_result(None)
 
     def call(self, payload: bytes, on_message: Any, *,
@@ -94,75 +105,80 @@ class RawGrpcConnection(asyncio.Protocol):
         """A gRPC call (``payload``: the request message), or with ``sse`` the same
         answer as SSE over HTTP/2 (``payload``: the JSON body): the HTTP/2 listener
         without the transcoder."""
-        stream_id = self.h2.get_next_available_stream_id()
+        stream_id = self._next_id
+        self._next_id += 2
         if sse:
-            self.h2.send_headers(stream_id, [
-                (b":method", b"POST"), (b":path", b"/v1/chat/completions"), (b":scheme", b"http"),
-                (b":authority", b"bench"), (b"content-type", b"application/json"),
-                (b"accept", b"text/event-stream")])
-            self.h2.send_data(stream_id, payload, end_stream=True)
+            headers = [(b":method", b"POST"), (b":path", b"/v1/chat/completions"), (b":scheme", b"http"),
+                       (b":authority", b"bench"), (b"content-type", b"application/json"),
+                       (b"accept", b"text/event-stream")]
+            body = payload
             self.sse.add(stream_id)
         else:
-            self.h2.send_headers(stream_id, [
-                (b":method", b"POST"), (b":path", METHOD.encode()), (b":scheme", b"http"),
-                (b":authority", b"bench"), (b"content-type", b"application/grpc"), (b"te", b"trailers")])
-            self.h2.send_data(stream_id, b"\x00" + len(payload).to_bytes(4, "big") + payload, end_stream=True)
+            headers = [(b":method", b"POST"), (b":path", METHOD.encode()), (b":scheme", b"http"),
+                       (b":authority", b"bench"), (b"content-type", b"application/grpc"),
+                       (b"te", b"trailers")]
+            body = b"\x00" + len(payload).to_bytes(4, "big") + payload
         self.buffers[stream_id] = bytearray()
         self.on_message[stream_id] = on_message
         done: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self.ended[stream_id] = done
         assert self.transport is not None
-        self.transport.write(self.h2.data_to_send())
+        self.transport.write(h2_load.frame(0x1, 0x4, stream_id, self.encoder.encode(headers))
+                             + h2_load.frame(0x0, 0x1, stream_id, body))
         return stream_id, done
 
     def cancel(self, stream_id: int) -> None:
-        self.h2.reset_stream(stream_id, 8)  # CANCEL
         assert self.transport is not None
-        self.transport.write(self.h2.data_to_send())
+        self.transport.write(h2_load.frame(0x3, 0, stream_id, (8).to_bytes(4, "big")))  # CANCEL
 
     def data_received(self, data: bytes) -> None:
-        import h2.events
-
         now = time.monotonic_ns()
-        for event in self.h2.receive_data(data):
-            if isinstance(event, h2.events.DataReceived):
-                stream_id = event.stream_id
-                self.h2.acknowledge_received_data(event.flow_controlled_length, stream_id)
-                buffer = self.buffers.get(stream_id)
-                if buffer is None:
-                    continue
-                buffer += event.data
-                on_message = self.on_message[stream_id]
-                if stream_id in self.sse:
-                    end = buffer.rfind(b"\n\n")
-                    if end >= 0:
-                        for frame in bytes(buffer[:end]).split(b"\n\n"):
-                            # A heartbeat comment line may precede an event in its block.
-                            if b"data: {" in frame:
-                                on_message(frame, now)
-                        del buffer[:end + 2]
-                    continue
-                while len(buffer) >= 5:
-                    length = int.from_bytes(buffer[1:5], "big")
-                    if len(buffer) < 5 + length:
-                        break
-                    on_message(bytes(buffer[5:5 + length]), now)
-                    del buffer[:5 + length]
-            elif isinstance(event, h2.events.StreamEnded) and event.stream_id in self.sse:
-                done = self.ended.pop(event.stream_id, None)
-                if done is not None and not done.done():
-                    done.set_result(b"0")
-            elif isinstance(event, h2.events.TrailersReceived | h2.events.StreamReset):
-                status = b"reset"
-                if isinstance(event, h2.events.TrailersReceived):
-                    status = dict(event.headers or []).get(b"grpc-status", b"?")
-                done = self.ended.pop(event.stream_id, None)
-                self.buffers.pop(event.stream_id, None)
-                if done is not None and not done.done():
-                    done.set_result(status)
-        out = self.h2.data_to_send()
+        frames, self._pending = h2_load.split_frames(self._pending + data if self._pending else data)
+        out: list[bytes] = []
+        for kind, flags, stream_id, payload in frames:
+            if kind == 0x0:
+                self._on_data(stream_id, payload, now)
+                if flags & 0x1 and stream_id in self.sse:
+                    self._end(stream_id, b"0")
+            elif kind == 0x1:
+                assert flags & 0x4 and not flags & 0x28, "one unpadded header block a frame"
+                headers = dict(self.decoder.decode(payload, raw=True))
+                if flags & 0x1:  # trailers (or a trailers-only answer)
+                    self._end(stream_id, headers.get(b"grpc-status", b"0" if stream_id in self.sse else b"?"))
+            elif kind == 0x3:
+                self._end(stream_id, b"reset")
+            else:
+                h2_load.control_reply(kind, flags, payload, out)
         if out and self.transport is not None:
-            self.transport.write(out)
+            self.transport.write(b"".join(out))
+
+    def _on_data(self, stream_id: int, payload: bytes, now: int) -> None:
+        buffer = self.buffers.get(stream_id)
+        if buffer is None:
+            return
+        buffer += payload
+        on_message = self.on_message[stream_id]
+        if stream_id in self.sse:
+            end = buffer.rfind(b"\n\n")
+            if end >= 0:
+                for block in bytes(buffer[:end]).split(b"\n\n"):
+                    # A heartbeat comment line may precede an event in its block.
+                    if b"data: {" in block:
+                        on_message(block, now)
+                del buffer[:end + 2]
+            return
+        while len(buffer) >= 5:
+            length = int.from_bytes(buffer[1:5], "big")
+            if len(buffer) < 5 + length:
+                break
+            on_message(bytes(buffer[5:5 + length]), now)
+            del buffer[:5 + length]
+
+    def _end(self, stream_id: int, status: bytes) -> None:
+        done = self.ended.pop(stream_id, None)
+        self.buffers.pop(stream_id, None)
+        if done is not None and not done.done():
+            done.set_result(status)
 
 
 async def _raw_connections(target: str, count: int) -> list[RawGrpcConnection]:
@@ -258,6 +274,7 @@ def _throughput_result(results: list[Any], codes: list[str], outcomes: list[Any]
         "exact_text": sum(text == expected for text in texts), "delivered_events": delivered,
         "wall_s": round(wall_s, 3), "delivered_events_per_s": round(delivered / wall_s, 1),
         "latency": sse_load.summarize_ms([v for r in results for v in r.latencies_ns]),
+        "steady_latency": sse_load.summarize_ms(sse_load.steady_latencies(results)),
         "client_cpu_us_per_event": client_cpu_us, "errors": errors[:5],
     }
 
@@ -339,19 +356,25 @@ def grpc_client(scenario: str, target_port: int, upstream_port: int, args: list[
 def run(rounds: int, streams: int, events: int, interval_ms: float) -> dict[str, Any]:
     upstream_port, sidecar_port = targets.free_port(), targets.free_port()
     load = ["--streams", str(streams), "--events", str(events), "--interval-ms", str(interval_ms)]
-    runs: dict[str, list[dict[str, Any]]] = {"direct": [], "sse": [], "h2_sse": [], "grpc": [], "grpcio": []}
-    with targets.fake_upstream(upstream_port), targets.sidecar(sidecar_port, upstream_port) as side:
+    nginx_port = targets.free_port()
+    runs: dict[str, list[dict[str, Any]]] = {"direct": [], "sse": [], "h2_sse": [], "nginx_h2_sse": [],
+                                             "grpc": [], "grpcio": []}
+    with (targets.fake_upstream(upstream_port), targets.sidecar(sidecar_port, upstream_port) as side,
+          targets.nginx(nginx_port, upstream_port, h2c=True) as nginx):
+        nginx_pid = targets.nginx_worker_pid(nginx)
 
-        def measured(result_of: Any) -> dict[str, Any]:
-            """One run, with the sidecar's CPU seconds per delivered event."""
-            before = targets.cpu_seconds(side.pid)
+        def measured(result_of: Any, pid: int = side.pid) -> dict[str, Any]:
+            """One run, with the proxy's CPU seconds per delivered event."""
+            before = targets.cpu_seconds(pid)
             result: dict[str, Any] = result_of()
-            used_s = targets.cpu_seconds(side.pid) - before
-            result["sidecar_cpu_us_per_event"] = round(used_s / max(result["delivered_events"], 1) * 1e6, 2)
+            used_s = targets.cpu_seconds(pid) - before
+            result["proxy_cpu_us_per_event"] = round(used_s / max(result["delivered_events"], 1) * 1e6, 2)
             return result
 
         for _ in range(rounds):
             runs["direct"].append(sb.client("throughput", upstream_port, upstream_port, *load))
+            runs["nginx_h2_sse"].append(measured(lambda: grpc_client(
+                "h2-sse-throughput", nginx_port, upstream_port, [*load, "--connections", "10"]), nginx_pid))
             runs["sse"].append(measured(lambda: sb.client("throughput", sidecar_port, upstream_port, *load)))
             runs["h2_sse"].append(measured(lambda: grpc_client(
                 "h2-sse-throughput", sidecar_port, upstream_port, [*load, "--connections", "10"])))
@@ -378,16 +401,21 @@ def run(rounds: int, streams: int, events: int, interval_ms: float) -> dict[str,
         summary[path] = {
             "delivered_events_per_s": median(path, "delivered_events_per_s"),
             "latency_p50_ms": median(path, "p50_ms"), "latency_p99_ms": median(path, "p99_ms"),
+            "steady_p99_ms": statistics.median(r["steady_latency"]["p99_ms"] for r in runs[path]),
             "complete": [r["complete"] for r in runs[path]],
             "exact_text": [r["exact_text"] for r in runs[path]],
         }
         if path != "direct":
-            summary[path]["sidecar_cpu_us_per_event"] = median(path, "sidecar_cpu_us_per_event")
+            summary[path]["proxy_cpu_us_per_event"] = median(path, "proxy_cpu_us_per_event")
     direct_p50 = summary["direct"]["latency_p50_ms"]
-    for path in ("sse", "h2_sse", "grpc", "grpcio"):
+    for path in ("sse", "h2_sse", "nginx_h2_sse", "grpc", "grpcio"):
         summary[path]["added_p50_ms"] = round(summary[path]["latency_p50_ms"] - direct_p50, 3)
         summary[path]["added_p99_ms"] = round(summary[path]["latency_p99_ms"]
                                               - summary["direct"]["latency_p99_ms"], 3)
+    h2_cpu = summary["h2_sse"]["proxy_cpu_us_per_event"]
+    nginx_cpu = summary["nginx_h2_sse"]["proxy_cpu_us_per_event"]
+    summary["h2_sse_cpu_over_nginx_h2"] = round(h2_cpu / max(nginx_cpu, 1e-9), 3)
+    summary["grpc_cpu_over_h2_sse"] = round(summary["grpc"]["proxy_cpu_us_per_event"] / max(h2_cpu, 1e-9), 3)
     summary["grpc_over_sse_events_per_s"] = round(
         summary["grpc"]["delivered_events_per_s"] / summary["sse"]["delivered_events_per_s"], 4)
     sse_added = summary["sse"]["added_p50_ms"]

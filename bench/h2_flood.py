@@ -50,7 +50,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testbed/
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from h2_bench import RESULTS, rotation
-from h2_load import PREFACE, H2Conn, _frame, _tls, connect
+from h2_load import PREFACE, H2Conn, _tls, connect, frame
 from sse_load import StreamResult
 
 from testbed.targets import PY, cpu_seconds, free_port, sidecar
@@ -88,7 +88,7 @@ class FloodConn(asyncio.Protocol):
             if kind in self.acks and flags & 0x1:
                 self.acks[kind] += 1
             elif kind == 0x4 and self.transport is not None:
-                self.transport.write(_frame(0x4, 0x1, 0, b""))  # the target's own SETTINGS
+                self.transport.write(frame(0x4, 0x1, 0, b""))  # the target's own SETTINGS
             elif kind == 0x7 and self.goaway is None:
                 self.goaway = (int.from_bytes(payload[:4], "big") & 0x7FFFFFFF,
                                int.from_bytes(payload[4:8], "big"))
@@ -116,14 +116,14 @@ async def flood(host: str, port: int, kind: str, count: int, plain: bool, burst:
     _, conn = await loop.create_connection(FloodConn, host, port, **_context(plain))
     transport = conn.transport
     assert transport is not None
-    transport.write(PREFACE + _frame(0x4, 0, 0, b""))
+    transport.write(PREFACE + frame(0x4, 0, 0, b""))
     started = time.monotonic_ns()
     written = 0
     if kind == "rapid-reset":
         for first in range(0, count, burst):
             if transport.is_closing() or conn.goaway is not None:
                 break
-            transport.write(b"".join(_frame(0x1, 0x5, 1 + 2 * i, BLOCK) + _frame(0x3, 0, 1 + 2 * i, CANCEL)
+            transport.write(b"".join(frame(0x1, 0x5, 1 + 2 * i, BLOCK) + frame(0x3, 0, 1 + 2 * i, CANCEL)
                                      for i in range(first, min(first + burst, count))))
             written = min(first + burst, count)
             await asyncio.sleep(0)  # let a GOAWAY in
@@ -131,7 +131,7 @@ async def flood(host: str, port: int, kind: str, count: int, plain: bool, burst:
                 await asyncio.sleep(0.001)
     else:
         frame_type, payload = CONTROL[kind]
-        transport.write(_frame(frame_type, 0, 0, payload) * count)
+        transport.write(frame(frame_type, 0, 0, payload) * count)
         written = count
     # A target that answers every frame and stays open (no limit) has answered within seconds.
     with contextlib.suppress(TimeoutError):

@@ -64,11 +64,35 @@ def _body(spec: dict[str, Any]) -> bytes:
     return json.dumps({"model": "bench", "stream": True, **spec}).encode()
 
 
-def _frame(kind: int, flags: int, stream_id: int, payload: bytes) -> bytes:
+def frame(kind: int, flags: int, stream_id: int, payload: bytes) -> bytes:
     return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream_id.to_bytes(4, "big") + payload
 
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+
+def split_frames(buffer: bytes) -> tuple[list[tuple[int, int, int, bytes]], bytes]:
+    """The whole frames at the head of ``buffer`` as (type, flags, stream id,
+    payload), and what is left of it (a frame not yet whole)."""
+    frames = []
+    position = 0
+    while len(buffer) - position >= 9:
+        end = position + 9 + int.from_bytes(buffer[position:position + 3], "big")
+        if end > len(buffer):
+            break
+        frames.append((buffer[position + 3], buffer[position + 4],
+                       int.from_bytes(buffer[position + 5:position + 9], "big") & 0x7FFFFFFF,
+                       buffer[position + 9:end]))
+        position = end
+    return frames, buffer[position:]
+
+
+def control_reply(kind: int, flags: int, payload: bytes, out: list[bytes]) -> None:
+    """A client's answer to the server's SETTINGS (ACK) and PING (ACK with its payload)."""
+    if kind == 0x4 and not flags & 0x1:
+        out.append(frame(0x4, 0x1, 0, b""))
+    elif kind == 0x6 and not flags & 0x1:
+        out.append(frame(0x6, 0x1, 0, payload))
 # A request's header block from HPACK's static table and literals without
 # indexing only, so one block serves every stream and no encoder state is kept.
 REQUEST_BLOCK = (b"\x83"  # :method POST
@@ -108,7 +132,7 @@ class H2Conn(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         settings = (0x4).to_bytes(2, "big") + self.window_bytes.to_bytes(4, "big")
         increment = (CHROME_CONNECTION_WINDOW_BYTES - 65_535).to_bytes(4, "big")
-        self.transport.write(PREFACE + _frame(0x4, 0, 0, settings) + _frame(0x8, 0, 0, increment))
+        self.transport.write(PREFACE + frame(0x4, 0, 0, settings) + frame(0x8, 0, 0, increment))
         self.ready.set_result(None)
 
     def open(self, spec: dict[str, Any], result: StreamResult, stop_after_events: int = 0) -> int:
@@ -119,41 +143,29 @@ class H2Conn(asyncio.Protocol):
         self.readers[stream_id] = reader
         self.done[stream_id] = asyncio.get_running_loop().create_future()
         assert self.transport is not None
-        self.transport.write(_frame(0x1, 0x4, stream_id, REQUEST_BLOCK)
-                             + _frame(0x0, 0x1, stream_id, _body(spec)))
+        self.transport.write(frame(0x1, 0x4, stream_id, REQUEST_BLOCK)
+                             + frame(0x0, 0x1, stream_id, _body(spec)))
         return stream_id
 
     def credit_stream(self, stream_id: int, increment: int) -> None:
         assert self.transport is not None
-        self.transport.write(_frame(0x8, 0, stream_id, increment.to_bytes(4, "big")))
+        self.transport.write(frame(0x8, 0, stream_id, increment.to_bytes(4, "big")))
 
     def data_received(self, data: bytes) -> None:
         now = time.monotonic_ns()
-        buffer = self._buffer + data if self._buffer else data
-        position = 0
+        frames, self._buffer = split_frames(self._buffer + data if self._buffer else data)
         out: list[bytes] = []
-        while len(buffer) - position >= 9:
-            length = int.from_bytes(buffer[position:position + 3], "big")
-            end = position + 9 + length
-            if end > len(buffer):
-                break
-            kind, flags = buffer[position + 3], buffer[position + 4]
-            stream_id = int.from_bytes(buffer[position + 5:position + 9], "big") & 0x7FFFFFFF
-            payload = buffer[position + 9:end]
-            position = end
+        for kind, flags, stream_id, payload in frames:
             if kind == 0x0:
                 self._on_data(stream_id, payload, now, out)
                 if flags & 0x1:
                     self._finish(stream_id)
             elif (kind == 0x1 and flags & 0x1) or kind == 0x3:
                 self._finish(stream_id)
-            elif kind == 0x4 and not flags & 0x1:
-                out.append(_frame(0x4, 0x1, 0, b""))
-            elif kind == 0x6 and not flags & 0x1:
-                out.append(_frame(0x6, 0x1, 0, payload))
-            elif kind == 0x7:
-                self.goaway = int.from_bytes(payload[4:8], "big")
-        self._buffer = buffer[position:]
+            else:
+                control_reply(kind, flags, payload, out)
+                if kind == 0x7:
+                    self.goaway = int.from_bytes(payload[4:8], "big")
         if out and self.transport is not None:
             self.transport.write(b"".join(out))
 
@@ -169,12 +181,12 @@ class H2Conn(asyncio.Protocol):
                 self._finish(stream_id, error)
         self._unacked_connection += len(payload)
         if self._unacked_connection >= _CREDIT_EVERY_BYTES:
-            out.append(_frame(0x8, 0, 0, self._unacked_connection.to_bytes(4, "big")))
+            out.append(frame(0x8, 0, 0, self._unacked_connection.to_bytes(4, "big")))
             self._unacked_connection = 0
         if self.credit(stream_id):
             unacked = self._unacked.get(stream_id, 0) + len(payload)
             if unacked >= _CREDIT_EVERY_BYTES:
-                out.append(_frame(0x8, 0, stream_id, unacked.to_bytes(4, "big")))
+                out.append(frame(0x8, 0, stream_id, unacked.to_bytes(4, "big")))
                 unacked = 0
             self._unacked[stream_id] = unacked
 
@@ -188,7 +200,7 @@ class H2Conn(asyncio.Protocol):
 
     def reset(self, stream_id: int) -> int:
         assert self.transport is not None
-        self.transport.write(_frame(0x3, 0, stream_id, (8).to_bytes(4, "big")))  # CANCEL
+        self.transport.write(frame(0x3, 0, stream_id, (8).to_bytes(4, "big")))  # CANCEL
         return time.monotonic_ns()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -343,8 +355,8 @@ async def rapid_reset(host: str, port: int, *, pairs: int) -> dict[str, Any]:
     for i in range(pairs):
         stream_id = 1 + 2 * i
         body = b'{"id":"rr%d","events":100,"interval_ms":10}' % i
-        batch.append(_frame(0x1, 0x4, stream_id, block) + _frame(0x0, 0x1, stream_id, body)
-                     + _frame(0x3, 0x0, stream_id, b"\x00\x00\x00\x08"))
+        batch.append(frame(0x1, 0x4, stream_id, block) + frame(0x0, 0x1, stream_id, body)
+                     + frame(0x3, 0x0, stream_id, b"\x00\x00\x00\x08"))
         if len(batch) == 500 or i == pairs - 1:
             if transport.is_closing():
                 break

@@ -523,6 +523,18 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
+STEADY_FROM_EVENT = 50
+"""Events from this one on (0.5 s into a stream at 100 events/s) are the
+steady state's: long after a burst of streams has been set up."""
+
+
+def steady_latencies(results: list[StreamResult]) -> list[int]:
+    """Every stream's latencies from its ``STEADY_FROM_EVENT``-th event on: the
+    tail without the streams' start, where the early events wait behind the
+    other streams' set-ups."""
+    return [v for r in results for v in r.latencies_ns[STEADY_FROM_EVENT:]]
+
+
 def summarize_ms(values_ns: list[int]) -> dict[str, float]:
     ms = [v / 1e6 for v in values_ns]
     return {"p50_ms": round(percentile(ms, 50), 3), "p99_ms": round(percentile(ms, 99), 3),
@@ -586,7 +598,8 @@ async def scenario_throughput(host: str, port: int, streams: int, events: int,
         "delivered_events": delivered, "delivered_tokens": tokens, "wall_s": round(wall_s, 3),
         "delivered_events_per_s": round(delivered / wall_s, 1),
         "delivered_tokens_per_s": round(tokens / wall_s, 1),
-        "latency": summarize_ms(latencies), "errors": errors[:5],
+        "latency": summarize_ms(latencies), "steady_latency": summarize_ms(steady_latencies(results)),
+        "errors": errors[:5],
         # From connecting to the first event: the whole set-up of a stream that
         # arrived in a burst (the streams start within one interval).
         "first_event": summarize_ms([r.first_event_at - r.started_at for r in results if r.first_event_at]),

@@ -167,16 +167,18 @@ def nginx_binary() -> str:
 
 @contextlib.contextmanager
 def nginx(listen_port: int, upstream_port: int, workers: int = 1, *, tls: tuple[str, str] | None = None,
-          max_streams: int | None = None, wrapper: Sequence[str] = (), master_process: bool = True,
+          h2c: bool = False, max_streams: int | None = None, wrapper: Sequence[str] = (),
+          master_process: bool = True,
           ready_timeout_s: float = 30) -> Iterator[subprocess.Popen[str]]:
     """nginx as a streaming proxy (``proxy_buffering off``, upstream keepalive);
     with ``tls`` (certificate and key files) it listens with TLS and HTTP/2,
-    allowing ``max_streams`` concurrent streams per connection. Under
+    allowing ``max_streams`` concurrent streams per connection; with ``h2c``
+    it also takes HTTP/2 in plaintext (prior knowledge). Under
     ``wrapper`` (``valgrind ...``) with ``master_process`` off, the one process
     is the one that serves."""
     prefix = Path(tempfile.mkdtemp(prefix="tokenwire-nginx-"))
     (prefix / "logs").mkdir()
-    listen = f"127.0.0.1:{listen_port}{' ssl http2' if tls else ''} backlog=8192"
+    listen = f"127.0.0.1:{listen_port}{' ssl http2' if tls else ' http2' if h2c else ''} backlog=8192"
     listen += " reuseport" if workers > 1 else ""
     server_tls = "" if tls is None else (
         f"ssl_certificate {tls[0]};\n        ssl_certificate_key {tls[1]};\n"
