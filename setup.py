@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parent
 MODULES = (
     *(f"middleware/core/{name}" for name in (
         "accounting", "attempt", "chunks", "client_socket", "decisions", "errors", "events", "headers",
-        "lifecycle", "meter", "pending", "recording", "retry", "sse", "stream", "upstream_inputs",
+        "lifecycle", "meter", "pending", "record", "recording", "retry", "sse", "stream", "upstream_inputs",
         # The dialects: the core asks them of every parsed event (compiled, a
         # native method call; interpreted, a Python call from compiled code).
         "dialects/base", "dialects/chat", "dialects/responses", "dialects/anthropic")),
@@ -75,6 +75,19 @@ MODULES = (
     "sidecar/upstream/pool",
     "sidecar/process/listener",
     "middleware/core/client_settings",
+    # And the pod's pick, its grant and release, the stream's timers, spans,
+    # route and CORS rules: some hundred interpreted calls a stream, about a
+    # quarter of its instructions before (docs/perf/stream-cost.md).
+    *(f"sidecar/balance/{name}" for name in ("balancer", "load", "members", "pods", "policies", "prefix",
+                                              "verdicts")),
+    "sidecar/upstream/pools",
+    "sidecar/exchange/milestones",
+    "sidecar/registry",
+    "sidecar/tasks",
+    "sidecar/downstream/cors",
+    "middleware/shared/driver",
+    "middleware/core/dialects/routes",
+    "middleware/core/frames",
 )
 GROUP = "tokenwire.middleware._core"
 """The library the compiled modules share (``middleware/_core__mypyc*.so``)."""

@@ -25,7 +25,6 @@ from .core.events import (
     ClientGone,
     CloseClient,
     CommitHeaders,
-    EndReason,
     FailureKind,
     Finished,
     HandOff,
@@ -40,7 +39,6 @@ from .core.events import (
     SocketPaused,
     SocketResumed,
     StopRequested,
-    StreamRecord,
     Tick,
     UpstreamData,
     UpstreamEnded,
@@ -50,6 +48,7 @@ from .core.events import (
     WriteCompleted,
 )
 from .core.meter import GAP_BUCKETS_S
+from .core.record import EndReason, StreamRecord
 from .core.retry import RetryBudget
 from .core.sse import SSEEvent, SSEParser, encode
 from .core.stream import StreamState, WireStream

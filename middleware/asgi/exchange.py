@@ -35,7 +35,6 @@ from ..core.events import (
     ClientGone,
     CloseClient,
     CommitHeaders,
-    EndReason,
     FailureKind,
     Finished,
     Input,
@@ -46,7 +45,6 @@ from ..core.events import (
     ResumeUpstream,
     RetryUpstream,
     StopRequested,
-    StreamRecord,
     Tick,
     UpstreamData,
     UpstreamEnded,
@@ -54,6 +52,7 @@ from ..core.events import (
     UpstreamHeaders,
 )
 from ..core.headers import is_event_stream
+from ..core.record import EndReason, StreamRecord
 from ..core.resume import new_stream_id
 from ..core.stream import WireStream
 from ..process.logs import wall_clock

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from ..core.config import WireConfig
 from ..core.dialects import DialectTable
-from ..core.events import StreamRecord
+from ..core.record import StreamRecord
 from ..core.resume import CallerKey
 from ..shared.replay_store import ReplayStore
 

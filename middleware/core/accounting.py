@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 :class:`Accounting` has no states: it only counts, as the other parts of the
 core report what happened (an event in, bytes out, a heartbeat, a retry), and
-builds the one :class:`~tokenwire.middleware.core.events.StreamRecord` each
+builds the one :class:`~tokenwire.middleware.core.record.StreamRecord` each
 response ends with. Time to first byte, time to first token and the gaps
 between tokens are measured where the bytes are handed to the socket, not
 where they arrive; the token timing is its :class:`~tokenwire.middleware.core.meter.TokenMeter`'s.
@@ -16,9 +16,9 @@ from typing import Any
 
 from .dialects.base import Dialect
 from .errors import ErrorCode
-from .events import EndReason, StreamRecord
 from .meter import GAP_BUCKETS_S as GAP_BUCKETS_S
 from .meter import TokenMeter
+from .record import EndReason, StreamRecord
 
 
 class Accounting:

@@ -46,8 +46,9 @@ from .errors import (
     WireError,
     upstream_timeout,
 )
-from .events import EndReason, FailureKind, Headers, RetryUpstream, UpstreamFailed
+from .events import FailureKind, Headers, RetryUpstream, UpstreamFailed
 from .headers import header_value
+from .record import EndReason
 from .sse import SSEParser
 
 RETRYABLE_STATUSES = frozenset({502, 503, 504})

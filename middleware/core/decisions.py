@@ -42,14 +42,13 @@ from .events import (
     Action,
     CloseClient,
     CommitHeaders,
-    EndReason,
     Finished,
     ReplayAppend,
-    StreamRecord,
 )
 from .headers import STREAM_ID_HEADER, sse_response_headers
 from .lifecycle import ENDED, StreamState, Trigger, next_state
 from .pending import PendingBuffer
+from .record import EndReason, StreamRecord
 from .recording import ResumeHold, ResumeRecorder
 from .retry import RetryBudget
 from .sse import SSEEvent

@@ -37,8 +37,8 @@ from urllib.parse import unquote_to_bytes
 
 from .chunks import dumps
 from .errors import ClientError, ErrorCode
-from .events import EndReason, StreamRecord
 from .headers import SUMMARY_HEADER, Header
+from .record import EndReason, StreamRecord
 from .sse import SSEEvent
 
 if TYPE_CHECKING:

@@ -42,7 +42,8 @@ from enum import StrEnum
 
 from .config import WireConfig
 from .errors import ErrorCode, LocalError
-from .events import AwaitReader, EndReason, ReplayAppend
+from .events import AwaitReader, ReplayAppend
+from .record import EndReason
 from .sse import SSEEvent, encode
 
 

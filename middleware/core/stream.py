@@ -60,7 +60,6 @@ from .events import (
     Action,
     ClientGone,
     CloseClient,
-    EndReason,
     HandOff,
     Input,
     ReaderAttached,
@@ -81,6 +80,7 @@ from .events import (
 from .lifecycle import ENDED as _ENDED
 from .lifecycle import TRANSITIONS, StreamState, Trigger
 from .meter import TokenMeter
+from .record import EndReason
 from .upstream_inputs import UpstreamInputs
 
 __all__ = ["GAP_BUCKETS_S", "HEARTBEAT", "TRANSITIONS", "StreamState", "WireStream"]

@@ -38,7 +38,6 @@ from .errors import (
     UpstreamErrorEvent,
 )
 from .events import (
-    EndReason,
     PauseUpstream,
     UpstreamData,
     UpstreamEnded,
@@ -49,6 +48,7 @@ from .events import (
 from .headers import header_value, is_compressed, is_event_stream, passthrough_headers
 from .lifecycle import ENDED as _ENDED
 from .lifecycle import StreamState, Trigger
+from .record import EndReason
 from .sse import SSEEvent
 
 # Final: compiled, a final module name is a C static, not a lookup in the module's dict.

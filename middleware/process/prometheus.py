@@ -46,8 +46,8 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..core.events import StreamRecord
 from ..core.meter import GAP_BUCKETS_S, LATENCY_BUCKETS_S
+from ..core.record import StreamRecord
 
 if TYPE_CHECKING:
     from ..asgi.exchange import Exchange

@@ -43,7 +43,6 @@ from dataclasses import dataclass
 from ..core.errors import WireError
 from ..core.events import (
     AwaitReader,
-    EndReason,
     Input,
     Rejected,
     ReplaySource,
@@ -52,6 +51,7 @@ from ..core.events import (
     UpstreamHeaders,
 )
 from ..core.headers import Header
+from ..core.record import EndReason
 from ..core.resume import (
     CallerKey,
     CancelStream,

@@ -34,7 +34,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ..core.events import EndReason
+from ..core.record import EndReason
 from .redis_client import channel_node, node_client
 
 logger = logging.getLogger("tokenwire.resume")

@@ -62,7 +62,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.events import EndReason, ReplayAppend
+from ..core.events import ReplayAppend
+from ..core.record import EndReason
 from ..core.resume import scoped_key
 from .redis_cancel import RedisCancelRelay
 from .redis_client import open_client, redacted

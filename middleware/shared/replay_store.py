@@ -40,7 +40,6 @@ from typing import Protocol
 
 from ..core.config import WireConfig
 from ..core.events import (
-    EndReason,
     Input,
     Rejected,
     ReplayAppend,
@@ -49,6 +48,7 @@ from ..core.events import (
     UpstreamHeaders,
 )
 from ..core.headers import SSE_HEADERS
+from ..core.record import EndReason
 from ..core.resume import (
     CancelStream,
     Idempotent,

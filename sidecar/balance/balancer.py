@@ -51,12 +51,17 @@ class RefusalReason(StrEnum):
     QUEUE_TIMEOUT = "queue_timeout"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Pick:
     """Where a stream goes."""
 
     address: str
     reason: str
+
+    def __init__(self, address: str, reason: str) -> None:
+        # Written out, not generated (a compiled init: see sse.py's SSEEvent).
+        object.__setattr__(self, "address", address)
+        object.__setattr__(self, "reason", reason)
 
 
 @dataclass(frozen=True, slots=True)

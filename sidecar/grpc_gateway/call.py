@@ -45,8 +45,8 @@ from tokenwire.middleware.core.errors import (
     WireError,
     grpc_status_of,
 )
-from tokenwire.middleware.core.events import EndReason
 from tokenwire.middleware.core.headers import STREAM_ID_HEADER
+from tokenwire.middleware.core.record import EndReason
 from tokenwire.middleware.core.sse import SSEParser
 
 from .framing import encode_message, parse_timeout, valid_text

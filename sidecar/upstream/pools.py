@@ -73,13 +73,18 @@ logger = logging.getLogger("tokenwire.sidecar")
 _HTTP_PORT = 80
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Grant:
     """A pod given to one attempt: hand it back with :meth:`UpstreamPools.release`."""
 
     upstream: Upstream
     reason: str
     """Why the policy chose it (``least-outstanding``, ``prefix-affinity:overloaded``...)."""
+
+    def __init__(self, upstream: Upstream, reason: str) -> None:
+        # Written out, not generated (a compiled init: see sse.py's SSEEvent).
+        object.__setattr__(self, "upstream", upstream)
+        object.__setattr__(self, "reason", reason)
 
     @property
     def address(self) -> str:

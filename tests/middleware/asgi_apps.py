@@ -20,7 +20,7 @@ from typing import Any
 import uvicorn
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
-from tokenwire.middleware.core.events import StreamRecord
+from tokenwire.middleware.core.record import StreamRecord
 
 from tokenwire.tools.sse_client import read_response as read_sse_response
 

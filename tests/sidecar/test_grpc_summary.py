@@ -24,7 +24,7 @@ from tokenwire.middleware import (
     WireStream,
     WriteCompleted,
 )
-from tokenwire.middleware.core.events import StreamRecord
+from tokenwire.middleware.core.record import StreamRecord
 from tokenwire.sidecar.grpc_gateway.call import Ending, ResponseTranscoder, summary_trailers
 from tokenwire.sidecar.grpc_gateway.framing import MessageReader
 from tokenwire.sidecar.grpc_gateway.routing import STREAM_METHODS
