@@ -275,6 +275,7 @@ def _throughput_result(results: list[Any], codes: list[str], outcomes: list[Any]
         "wall_s": round(wall_s, 3), "delivered_events_per_s": round(delivered / wall_s, 1),
         "latency": sse_load.summarize_ms([v for r in results for v in r.latencies_ns]),
         "steady_latency": sse_load.summarize_ms(sse_load.steady_latencies(results)),
+        "start_latency": sse_load.summarize_ms(sse_load.steady_latencies(results, start=True)),
         "client_cpu_us_per_event": client_cpu_us, "errors": errors[:5],
     }
 
@@ -402,6 +403,7 @@ def run(rounds: int, streams: int, events: int, interval_ms: float) -> dict[str,
             "delivered_events_per_s": median(path, "delivered_events_per_s"),
             "latency_p50_ms": median(path, "p50_ms"), "latency_p99_ms": median(path, "p99_ms"),
             "steady_p99_ms": statistics.median(r["steady_latency"]["p99_ms"] for r in runs[path]),
+            "start_p99_ms": statistics.median(r["start_latency"]["p99_ms"] for r in runs[path]),
             "complete": [r["complete"] for r in runs[path]],
             "exact_text": [r["exact_text"] for r in runs[path]],
         }

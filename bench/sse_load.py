@@ -528,10 +528,12 @@ STEADY_FROM_EVENT = 50
 steady state's: long after a burst of streams has been set up."""
 
 
-def steady_latencies(results: list[StreamResult]) -> list[int]:
+def steady_latencies(results: list[StreamResult], *, start: bool = False) -> list[int]:
     """Every stream's latencies from its ``STEADY_FROM_EVENT``-th event on: the
     tail without the streams' start, where the early events wait behind the
-    other streams' set-ups."""
+    other streams' set-ups; with ``start``, the latencies before it instead."""
+    if start:
+        return [v for r in results for v in r.latencies_ns[:STEADY_FROM_EVENT]]
     return [v for r in results for v in r.latencies_ns[STEADY_FROM_EVENT:]]
 
 
@@ -599,6 +601,7 @@ async def scenario_throughput(host: str, port: int, streams: int, events: int,
         "delivered_events_per_s": round(delivered / wall_s, 1),
         "delivered_tokens_per_s": round(tokens / wall_s, 1),
         "latency": summarize_ms(latencies), "steady_latency": summarize_ms(steady_latencies(results)),
+        "start_latency": summarize_ms(steady_latencies(results, start=True)),
         "errors": errors[:5],
         # From connecting to the first event: the whole set-up of a stream that
         # arrived in a burst (the streams start within one interval).
