@@ -60,3 +60,4 @@ class SidecarContext:
     def __post_init__(self) -> None:
         wire = self.config.wire
         self.dialects = DialectTable(wire.dialect_routes, wire.terminal_marker)
+        self.metrics.count_open(lambda: len(self.registry), lambda: len(self.connections))

@@ -126,7 +126,6 @@ class ClientConnection(ConnectionPhases):
         if self._over_limit is None:
             self._over_limit = len(context.connections) >= self._config.max_connections
         context.connections.add(self)
-        context.metrics.active_connections.inc()
         self._peer = set_up_transport(context, transport)
         self._arm_timer(self._config.header_read_timeout_s)
 
@@ -196,10 +195,7 @@ class ClientConnection(ConnectionPhases):
 
     def _forget(self) -> None:
         """The connection is gone: no longer counted or drained."""
-        context = self._context
-        if self in context.connections:
-            context.connections.discard(self)
-            context.metrics.active_connections.dec()
+        self._context.connections.discard(self)
 
     def pause_writing(self) -> None:
         self._write_paused = True

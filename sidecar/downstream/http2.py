@@ -126,7 +126,6 @@ class Http2Connection(asyncio.Protocol):
         if self._over_limit is None:
             self._over_limit = len(context.connections) >= self._config.max_connections
         context.connections.add(self)
-        context.metrics.active_connections.inc()
         self._peer = set_up_transport(context, transport)
         h2conn = self.h2
         h2conn.initiate_connection()
@@ -168,10 +167,7 @@ class Http2Connection(asyncio.Protocol):
         self.closing = True
         if self._idle_timer is not None:
             self._idle_timer.cancel()
-        context = self.context
-        if self in context.connections:
-            context.connections.discard(self)
-            context.metrics.active_connections.dec()
+        self.context.connections.discard(self)
         self._end_all_streams()
 
     def pause_writing(self) -> None:

@@ -182,7 +182,6 @@ class Exchange:
     def start(self) -> None:
         """Register the stream and send the first upstream request."""
         self._context.registry.add(self)
-        self._context.metrics.active_streams.inc()
         if self._milestones is not None:
             self._milestones.accepted(self.stream_id)
         if self._refusal is not None:
@@ -409,7 +408,6 @@ class Exchange:
         self._done = True
         context = self._context
         context.registry.remove(self)
-        context.metrics.active_streams.dec()
         self._slot.release()
         # One record, built here (not when the core emitted Finished: see
         # _abort_first), with the balancer's pod in it; a copy only for a replay.
@@ -439,7 +437,6 @@ class Exchange:
         if not self._done:
             self._done = True
             self._context.registry.remove(self)
-            self._context.metrics.active_streams.dec()
             if not self._response_ended:
                 self._response_ended = True
                 self._downstream.end_response(abrupt=True, reset=True)

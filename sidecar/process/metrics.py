@@ -144,6 +144,13 @@ class SidecarMetrics:
         self._ended_children: dict[tuple[str, str, str, str], tuple[Counter, Histogram]] = {}
         self._tokens_children: dict[tuple[str, str], Counter] = {}
 
+    def count_open(self, streams: Callable[[], int], connections: Callable[[], int]) -> None:
+        """The two gauges read what they count when scraped (the registry's
+        streams, the open connections) instead of being moved up and down by
+        each stream: four interpreted ``prometheus_client`` calls a stream less."""
+        self.active_streams.set_function(streams)
+        self.active_connections.set_function(connections)
+
     def count_client_request(self, protocol: str) -> None:
         """One request read from a client over ``protocol`` (``http/1.1``, ``h2``)."""
         child = self._client_request_children.get(protocol)
