@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
+import pytest
 from clients import chat_body, exchange, wait_for
 from conftest import RunningSidecar
 from resume_client import open_stream
@@ -16,6 +17,7 @@ from upstreams import FakeUpstream, expected_text
 PATH = "/silent/v1/chat/completions"
 
 
+@pytest.mark.slow  # seconds each (the README's rule): the full run has it
 def test_a_heartbeat_asked_for_is_the_streams_own_and_the_header_stays_here(
         start_sidecar: Callable[..., RunningSidecar], upstream: FakeUpstream) -> None:
     """3 s of silence: the sidecar's 15 s heartbeat says nothing in it; the

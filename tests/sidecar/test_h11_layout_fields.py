@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import h11
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tokenwire.sidecar.downstream.h11_layout import fields_valid
@@ -23,6 +24,7 @@ def _h11_accepts(headers: list[Header]) -> bool:
     return True
 
 
+@pytest.mark.slow  # seconds each (the README's rule): the full run has it
 @settings(max_examples=2000, deadline=None)
 @given(st.lists(st.tuples(_FIELD, _FIELD), max_size=4))
 @example([(b"x-a", b"one two")])

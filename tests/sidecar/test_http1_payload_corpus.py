@@ -131,6 +131,7 @@ def _run_case(sidecar: RunningSidecar, recorder: ScriptedUpstream, raw: bytes) -
     return {"responses": _responses(data), "forwarded": _forwarded(received)}
 
 
+@pytest.mark.slow  # seconds each (the README's rule): the full run has it
 def test_payload_corpus_each_case_answered_and_forwarded_as_expected(
         start_sidecar: Any, recorder: ScriptedUpstream) -> None:
     # The corpus is HTTP/1.1's: with http2 on, its preface case would start HTTP/2

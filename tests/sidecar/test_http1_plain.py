@@ -80,6 +80,7 @@ def _h11_read(raw: bytes) -> tuple[h11.Connection, list[object]]:
             return conn, events
 
 
+@pytest.mark.slow  # seconds each (the README's rule): the full run has it
 @settings(max_examples=1200, deadline=None)
 @given(raw=_requests(),
        status=st.sampled_from([200, 200, 201, 204, 304, 400, 404, 429, 500, 502, 503]),

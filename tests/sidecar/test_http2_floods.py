@@ -86,6 +86,7 @@ class _Bystander(threading.Thread):
         return self.client.streams[self.stream_id].data_times
 
 
+@pytest.mark.slow  # seconds each (the README's rule): the full run has it
 def test_rapid_reset_when_one_write_of_pairs_then_cut_within_500_streams_and_a_bystander_keeps_its_pace(
         start_sidecar: Callable[..., RunningSidecar]) -> None:
     """CVE-2023-44487 as the issue measured it: HEADERS+RST_STREAM pairs, a

@@ -147,6 +147,7 @@ def test_probe_compare_when_engine_socket_direct_and_through_sidecar_then_interl
     assert isinstance(report["ttft_gap_p50_ms"], float)
 
 
+@pytest.mark.slow  # seconds each (the README's rule): the full run has it
 def test_probe_compare_when_one_target_prefills_longer_then_the_interval_holds_the_difference(
         upstream: FakeUpstream, capsys: pytest.CaptureFixture[str]) -> None:
     fast, slow = upstream.url + "/normal/v1", upstream.url + "/prefill/v1"  # /prefill: +0.5 s

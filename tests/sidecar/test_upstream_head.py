@@ -78,6 +78,7 @@ def _ours(head: bytes, method: bytes) -> tuple[int, bytes, list[Header]] | None:
     return parsed.status, parsed.http_version, list(parsed.headers)
 
 
+@pytest.mark.slow  # seconds each (the README's rule): the full run has it
 @settings(max_examples=3000, deadline=None)
 @given(_heads(), st.sampled_from([b"GET", b"POST", b"HEAD"]))
 @example(b"HTTP/1.1 200 OK\r\nContent-Length: 5, 5\r\ncontent-length: 5\r\n\r\n", b"POST")
