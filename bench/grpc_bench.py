@@ -137,6 +137,7 @@ class RawGrpcConnection(asyncio.Protocol):
         out: list[bytes] = []
         for kind, flags, stream_id, payload in frames:
             if kind == 0x0:
+                assert not flags & 0x8, "padded DATA"  # neither proxy pads; a pad would be read as data
                 self._on_data(stream_id, payload, now)
                 if flags & 0x1 and stream_id in self.sse:
                     self._end(stream_id, b"0")
@@ -147,6 +148,10 @@ class RawGrpcConnection(asyncio.Protocol):
                     self._end(stream_id, headers.get(b"grpc-status", b"0" if stream_id in self.sse else b"?"))
             elif kind == 0x3:
                 self._end(stream_id, b"reset")
+            elif kind == 0x7:  # GOAWAY: the streams past its last id will not be answered
+                last = int.from_bytes(payload[:4], "big") & 0x7FFFFFFF
+                for open_id in [i for i in self.ended if i > last]:
+                    self._end(open_id, b"goaway")
             else:
                 h2_load.control_reply(kind, flags, payload, out)
         if out and self.transport is not None:
@@ -173,6 +178,11 @@ class RawGrpcConnection(asyncio.Protocol):
                 break
             on_message(bytes(buffer[5:5 + length]), now)
             del buffer[:5 + length]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        # An error in data_received lands here too: every open stream ends, none waits.
+        for stream_id in list(self.ended):
+            self._end(stream_id, b"lost")
 
     def _end(self, stream_id: int, status: bytes) -> None:
         done = self.ended.pop(stream_id, None)
@@ -346,12 +356,13 @@ async def grpc_cancel(target: str, upstream_port: int, streams: int, concurrency
 def grpc_client(scenario: str, target_port: int, upstream_port: int, args: list[str]) -> dict[str, Any]:
     cmd = [targets.PY, __file__, "client", scenario, "--target", f"127.0.0.1:{target_port}",
            "--upstream-port", str(upstream_port), *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True).stdout
-    for line in out.splitlines():
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    for line in run.stdout.splitlines():
         if line.startswith('{"result"'):
             result: dict[str, Any] = json.loads(line)["result"]
             return result
-    raise RuntimeError(f"grpc {scenario}: no result in {out[-500:]}")
+    raise RuntimeError(f"grpc {scenario}: exit {run.returncode}, no result in {run.stdout[-500:]!r}; "
+                       f"stderr {run.stderr[-2000:]}")
 
 
 def run(rounds: int, streams: int, events: int, interval_ms: float) -> dict[str, Any]:

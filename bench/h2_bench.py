@@ -300,13 +300,17 @@ def main() -> int:
                              "HTTP/1.1), tokenwire and nginx alternating, ROUNDS rounds; prints")
     parser.add_argument("--cpu", type=int, metavar="ROUNDS", default=0,
                         help="only HTTP/2 throughput (200 streams on 10 connections), the proxy's CPU "
-                             "per event, tokenwire and nginx alternating, ROUNDS rounds; prints")
+                             "per event, tokenwire and nginx alternating, ROUNDS rounds; prints and "
+                             "writes bench/results/h2_cpu.json")
     parser.add_argument("--base", metavar="DIR", default=None,
                         help="--stuck/--resets/--cpu: also run the tokenwire package in DIR/tokenwire "
                              "as base")
     args = parser.parse_args()
     if args.cpu:
-        print(json.dumps(cpu_rounds(args.cpu, 200, args.base), indent=2))
+        cpu = cpu_rounds(args.cpu, 200, args.base)
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "h2_cpu.json").write_text(json.dumps(cpu, indent=2) + "\n")
+        print(json.dumps(cpu, indent=2))
         return 0
     if args.resets:
         print(json.dumps(reset_rounds(args.resets, 100, args.base), indent=2))

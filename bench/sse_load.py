@@ -524,8 +524,9 @@ def percentile(values: list[float], q: float) -> float:
 
 
 STEADY_FROM_EVENT = 50
-"""Events from this one on (0.5 s into a stream at 100 events/s) are the
-steady state's: long after a burst of streams has been set up."""
+"""A stream's events from this index on (0-based: the 51st on, 0.5 s into a
+stream at 100 events/s) are the steady state's: long after a burst of
+streams has been set up; the first 50 are the start's."""
 
 
 def steady_latencies(results: list[StreamResult], *, start: bool = False) -> list[int]:

@@ -173,16 +173,17 @@ def nginx(listen_port: int, upstream_port: int, workers: int = 1, *, tls: tuple[
     """nginx as a streaming proxy (``proxy_buffering off``, upstream keepalive);
     with ``tls`` (certificate and key files) it listens with TLS and HTTP/2,
     allowing ``max_streams`` concurrent streams per connection; with ``h2c``
-    it also takes HTTP/2 in plaintext (prior knowledge). Under
+    it takes HTTP/2 in plaintext (prior knowledge) and nothing else (nginx
+    1.22: no HTTP/1.1 on that port), with ``max_streams`` too. Under
     ``wrapper`` (``valgrind ...``) with ``master_process`` off, the one process
     is the one that serves."""
     prefix = Path(tempfile.mkdtemp(prefix="tokenwire-nginx-"))
     (prefix / "logs").mkdir()
     listen = f"127.0.0.1:{listen_port}{' ssl http2' if tls else ' http2' if h2c else ''} backlog=8192"
     listen += " reuseport" if workers > 1 else ""
-    server_tls = "" if tls is None else (
-        f"ssl_certificate {tls[0]};\n        ssl_certificate_key {tls[1]};\n"
-        + (f"        http2_max_concurrent_streams {max_streams};\n" if max_streams else ""))
+    streams = f"        http2_max_concurrent_streams {max_streams};\n" if max_streams and (tls or h2c) else ""
+    server_tls = streams if tls is None else (
+        f"ssl_certificate {tls[0]};\n        ssl_certificate_key {tls[1]};\n" + streams)
     conf = prefix / "nginx.conf"
     conf.write_text(f"""
 worker_processes {workers};

@@ -25,12 +25,15 @@ from tokenwire.middleware import compiled_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 # The sidecar's compiled driver modules (exchange/, downstream/http1, upstream/transport, the
-# upstream client) too: a few of its socket tests, with sidecars started in this process.
+# upstream client, the stream's set-up) too: a few of its tests, with sidecars started in this process.
 OTHER_PATH_TESTS = ["tests/middleware", "tests/behaviour", "tests/sidecar/test_upstream_body.py",
                     "tests/sidecar/test_streaming.py", "tests/sidecar/test_upstream_pool_framing.py",
                     "tests/sidecar/test_departures_burst.py", "tests/sidecar/test_upstream_conn.py",
                     "tests/sidecar/test_upstream_body_framed_chunks.py",
-                    "tests/sidecar/test_exchange_garbage.py"]
+                    "tests/sidecar/test_exchange_garbage.py",
+                    # The stream's set-up compiled since: the pick, CORS, the timers, the registry.
+                    "tests/sidecar/test_balance_core.py", "tests/sidecar/test_cors.py",
+                    "tests/sidecar/test_ownership.py", "tests/sidecar/test_readiness.py"]
 # Runs in the subprocess: a compiled copy (if any) first on the path and
 # imported before pytest starts (pytest then puts the checkout first, but the
 # packages are in sys.modules by then), the path checked, then the tests.
