@@ -11,6 +11,7 @@ when this checkout is compiled, on a compiled build of a copy
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.machinery
 import os
@@ -22,6 +23,8 @@ import pytest
 import tokenwire.middleware
 import tokenwire.sidecar
 from tokenwire.middleware import compiled_modules
+
+import setup
 
 ROOT = Path(__file__).resolve().parents[1]
 # The sidecar's compiled driver modules (exchange/, downstream/http1, upstream/transport, the
@@ -57,6 +60,24 @@ SUFFIXES = tuple(importlib.machinery.EXTENSION_SUFFIXES)
 
 def _is_extension(path: str) -> bool:
     return path.endswith(SUFFIXES)
+
+
+def test_no_compiled_function_binds_one_except_name_to_two_types() -> None:
+    """Compiled, a name keeps the type of its first binding: ``except A as error``
+    then ``except B as error`` in one function raised TypeError in the second
+    (a Redis outage, B, through ``enter_resume``), where mypy finds nothing."""
+    clashes = []
+    for module in setup.MODULES:
+        tree = ast.parse((ROOT / f"{module}.py").read_text())
+        for function in ast.walk(tree):
+            if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            types: dict[str, set[str]] = {}
+            for node in ast.walk(function):
+                if isinstance(node, ast.ExceptHandler) and node.name and node.type is not None:
+                    types.setdefault(node.name, set()).add(ast.unparse(node.type))
+            clashes += [(module, function.name, name) for name, kinds in types.items() if len(kinds) > 1]
+    assert clashes == []
 
 
 def test_compiled_modules_when_imported_then_names_exactly_the_modules_loaded_as_extensions() -> None:

@@ -150,10 +150,10 @@ async def enter_resume(store: ReplayStore, caller_key: CallerKey, *, method: str
         source = await admit(store, route, stream_id=stream_id, owner=owner, open_now=open_now)
     except WireError as error:
         return ResumeEntry(owner, refusal=error)
-    except StoreUnavailable as error:
+    except StoreUnavailable as outage:  # its own name: compiled, one name keeps one type
         # An ordinary request still gets its answer; only its resume is lost
         # (said once a while, not once a request: store_outages.py).
-        STORE_OUTAGES.not_resumable(stream_id, error)
+        STORE_OUTAGES.not_resumable(stream_id, outage)
         return ResumeEntry(owner)
     if isinstance(source, CancelStream):
         return ResumeEntry(owner, cancel=source)
