@@ -36,9 +36,8 @@ from __future__ import annotations
 import platform
 import threading
 import weakref
-from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
@@ -46,15 +45,22 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..core.meter import GAP_BUCKETS_S, LATENCY_BUCKETS_S
 from ..core.record import StreamRecord
+from .figures import (
+    DURATION_BUCKETS_S,
+    EndFigures,
+    LabelKey,
+    StreamFigures,
+    add_live,
+    copy_figures,
+    fold_record,
+    status_class,
+)
 
 if TYPE_CHECKING:
     from ..asgi.exchange import Exchange
 
 STREAM_LABELS = ("upstream", "status_class", "http_version")
-LabelKey = tuple[str, str, str]
-DURATION_BUCKETS_S = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, float("inf"))
 
 # The per-stream figures both drivers export (attribute of StreamFigures, name, help).
 STREAM_COUNTERS = (
@@ -79,11 +85,6 @@ STREAM_HISTOGRAMS = (
 _ACTIVE = ("tokenwire_active_streams", "Streams open now.")
 
 
-def status_class(status: int) -> str:
-    """``2xx``... for a status; ``none`` before one was sent."""
-    return f"{status // 100}xx" if status >= 100 else "none"
-
-
 def build_version() -> str:
     try:
         return metadata.version("tokenwire")
@@ -99,9 +100,25 @@ def build_info_gauge(registry: CollectorRegistry, program: str) -> Gauge:
     return gauge
 
 
+# The metrics counted from a stream's final record (name, help, labels); the
+# middleware keeps them as prometheus_client metrics, the sidecar folds them
+# (figures.EndFigures) and exports them from these when scraped.
+_END_LABELS = [*STREAM_LABELS, "reason"]
+DURATION = ("tokenwire_stream_duration_seconds",
+            "Request start to the end of the response, by how it ended.", _END_LABELS)
+ENDED = ("tokenwire_streams_ended", "Finished streams by end reason.", _END_LABELS)
+ERRORS = ("tokenwire_stream_errors",
+          "Streams that ended with an error, by its stable code (number and name).", ["number", "code"])
+TOKENS = ("tokenwire_tokens_out", "Tokens sent to clients, counted when each stream ends: from the "
+          "upstream's usage (source=usage) where it sent one, else its content events (source=counted).",
+          ["upstream", "source"])
+REQUESTS = ("tokenwire_client_requests", "Requests read from clients, by protocol (http/1.1, h2).",
+            ["protocol"])
+
+
 @dataclass(slots=True)
 class EndMetrics:
-    """The metrics counted from a stream's final record (both drivers)."""
+    """The metrics counted from a stream's final record (the middleware's)."""
 
     stream_duration: Histogram
     streams_ended: Counter
@@ -111,119 +128,33 @@ class EndMetrics:
     @classmethod
     def on(cls, registry: CollectorRegistry) -> EndMetrics:
         return cls(
-            Histogram("tokenwire_stream_duration_seconds", "Request start to the end of the response, "
-                      "by how it ended.", [*STREAM_LABELS, "reason"], buckets=DURATION_BUCKETS_S,
-                      registry=registry),
-            Counter("tokenwire_streams_ended", "Finished streams by end reason.",
-                    [*STREAM_LABELS, "reason"], registry=registry),
-            Counter("tokenwire_stream_errors", "Streams that ended with an error, "
-                    "by its stable code (number and name).", ["number", "code"], registry=registry),
-            Counter("tokenwire_tokens_out", "Tokens sent to clients, counted when each "
-                    "stream ends: from the upstream's usage (source=usage) where it sent "
-                    "one, else its content events (source=counted).",
-                    ["upstream", "source"], registry=registry),
+            Histogram(*DURATION, buckets=DURATION_BUCKETS_S, registry=registry),
+            Counter(*ENDED, registry=registry),
+            Counter(*ERRORS, registry=registry),
+            Counter(*TOKENS, registry=registry),
         )
 
 
-@dataclass(slots=True)
-class HistogramSum:
-    """Bucket counts (not cumulative), sum and count of one labelled histogram."""
-
-    bounds: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not self.counts:
-            self.counts = [0] * len(self.bounds)
-
-    def observe(self, value: float) -> None:
-        self.counts[min(bisect_left(self.bounds, value), len(self.bounds) - 1)] += 1
-        self.total += value
-
-    def add_counts(self, counts: Iterable[int], total: float) -> None:
-        for i, count in enumerate(counts):
-            self.counts[i] += count
-        self.total += total
-
-    def add(self, other: HistogramSum) -> None:
-        self.add_counts(other.counts, other.total)
-
-    def exposition(self) -> tuple[list[tuple[str, float]], float]:
-        cumulative = 0
-        buckets: list[tuple[str, float]] = []
-        for bound, count in zip(self.bounds, self.counts, strict=True):
-            cumulative += count
-            buckets.append(("+Inf" if bound == float("inf") else repr(bound), float(cumulative)))
-        return buckets, self.total
-
-
-@dataclass(slots=True)
-class StreamFigures:
-    """What the streams of one label set add up to."""
-
-    ttft: HistogramSum = field(default_factory=lambda: HistogramSum(LATENCY_BUCKETS_S))
-    ttfb: HistogramSum = field(default_factory=lambda: HistogramSum(LATENCY_BUCKETS_S))
-    inter_token: HistogramSum = field(default_factory=lambda: HistogramSum(GAP_BUCKETS_S))
-    bytes_out: int = 0
-    events_in: int = 0
-    events_out: int = 0
-    content_events: int = 0
-    heartbeats: int = 0
-    coalesced_events: int = 0
-    dropped_events: int = 0
-
-    def add_record(self, record: StreamRecord) -> None:
-        if record.ttft_s is not None:
-            self.ttft.observe(record.ttft_s)
-        if record.ttfb_s is not None:
-            self.ttfb.observe(record.ttfb_s)
-        self.inter_token.add_counts(record.event_gap_buckets, record.event_gap_sum_s)
-        self.bytes_out += record.bytes_out
-        self.events_in += record.events_in
-        self.events_out += record.events_out
-        self.content_events += record.content_events
-        self.heartbeats += record.heartbeats
-        self.coalesced_events += record.coalesced_events
-        self.dropped_events += record.dropped_events
-
-    def add(self, other: StreamFigures) -> None:
-        self.ttft.add(other.ttft)
-        self.ttfb.add(other.ttfb)
-        self.inter_token.add(other.inter_token)
-        self.bytes_out += other.bytes_out
-        self.events_in += other.events_in
-        self.events_out += other.events_out
-        self.content_events += other.content_events
-        self.heartbeats += other.heartbeats
-        self.coalesced_events += other.coalesced_events
-        self.dropped_events += other.dropped_events
-
-
-def fold_record(table: dict[LabelKey, StreamFigures], record: StreamRecord, http_version: str) -> None:
-    """Adds ``record`` to the figures of its label set in ``table``."""
-    key = (record.upstream, status_class(record.status), http_version)
-    figures = table.get(key)
-    if figures is None:
-        figures = table[key] = StreamFigures()
-    figures.add_record(record)
-
-
-def copy_figures(table: dict[LabelKey, StreamFigures]) -> dict[LabelKey, StreamFigures]:
-    """A copy of ``table`` that adding to leaves ``table`` as it is."""
-    totals: dict[LabelKey, StreamFigures] = {}
-    for key, figures in table.items():
-        totals[key] = copy = StreamFigures()
-        copy.add(figures)
-    return totals
-
-
-def add_live(totals: dict[LabelKey, StreamFigures], live: Iterable[tuple[StreamRecord, str]]) -> None:
-    """Adds the records of the open streams (each with its HTTP version) to
-    ``totals``, those not committed yet (no status: no ``status_class``) left out."""
-    for record, http_version in live:
-        if record.status >= 100:
-            fold_record(totals, record, http_version)
+def end_families(ends: EndFigures) -> Iterator[Metric]:
+    """The exposition of what :class:`EndFigures` folded: the same families
+    (names, help, labels) as :class:`EndMetrics` and the requests counter."""
+    duration = HistogramMetricFamily(DURATION[0], DURATION[1], labels=DURATION[2])
+    ended = CounterMetricFamily(ENDED[0], ENDED[1], labels=ENDED[2])
+    for key, figures in sorted(ends.durations.items()):
+        buckets, total = figures.exposition()
+        duration.add_metric(list(key), buckets, total)
+        ended.add_metric(list(key), float(sum(figures.counts)))
+    yield duration
+    yield ended
+    for (name, documentation, labels), table in ((ERRORS, ends.errors), (TOKENS, ends.tokens)):
+        family = CounterMetricFamily(name, documentation, labels=labels)
+        for pair, value in sorted(table.items()):
+            family.add_metric(list(pair), float(value))
+        yield family
+    requests = CounterMetricFamily(REQUESTS[0], REQUESTS[1], labels=REQUESTS[2])
+    for protocol, count in sorted(ends.requests.items()):
+        requests.add_metric([protocol], float(count))
+    yield requests
 
 
 def stream_families(totals: dict[LabelKey, StreamFigures]) -> Iterator[Metric]:

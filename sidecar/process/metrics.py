@@ -38,17 +38,8 @@ from prometheus_client import (
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 from tokenwire.middleware import StreamRecord
-from tokenwire.middleware.process.prometheus import (
-    EndMetrics,
-    LabelKey,
-    StreamFigures,
-    add_live,
-    build_info_gauge,
-    copy_figures,
-    fold_record,
-    status_class,
-    stream_families,
-)
+from tokenwire.middleware.process.figures import EndFigures, add_live, copy_figures
+from tokenwire.middleware.process.prometheus import build_info_gauge, end_families, stream_families
 
 _ABORT_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0)
 
@@ -72,22 +63,18 @@ LiveRecords = Callable[[], Iterable[tuple[StreamRecord, str]]]
 
 
 class _StreamCollector(Collector):
-    """Finished totals plus the open streams' records, at scrape time."""
+    """Finished totals plus the open streams' records, and what the ends
+    counted (:class:`~tokenwire.middleware.process.figures.EndFigures`), at scrape time."""
 
     def __init__(self, live: LiveRecords) -> None:
         self._live = live
-        self._finished: dict[LabelKey, StreamFigures] = {}
-
-    def fold(self, record: StreamRecord, http_version: str) -> None:
-        fold_record(self._finished, record, http_version)
-
-    def _totals(self) -> dict[LabelKey, StreamFigures]:
-        totals = copy_figures(self._finished)
-        add_live(totals, self._live())  # the uncommitted left out: see the module docstring
-        return totals
+        self.ends = EndFigures()
 
     def collect(self) -> Iterator[Metric]:
-        return stream_families(self._totals())
+        totals = copy_figures(self.ends.finished)
+        add_live(totals, self._live())  # the uncommitted left out: see the module docstring
+        yield from stream_families(totals)
+        yield from end_families(self.ends)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
@@ -113,11 +100,8 @@ class SidecarMetrics:
                                         "Client connections open now.", registry=r)
         self.streams = _StreamCollector(live or (lambda: ()))
         r.register(self.streams)
-        ended = EndMetrics.on(r)
-        self.stream_duration = ended.stream_duration
-        self.streams_ended = ended.streams_ended
-        self.stream_errors = ended.stream_errors
-        self.tokens_out = ended.tokens_out
+        # Counted once a stream in compiled code, exported when scraped (figures.py).
+        self.ends = self.streams.ends
         self.retries = Counter("tokenwire_retries", "Upstream retries made.", registry=r)
         self.refused_retries = Counter("tokenwire_refused_retries",
                                        "Upstream retries the retry budget refused.", registry=r)
@@ -128,9 +112,6 @@ class SidecarMetrics:
         self.rejected_requests = Counter("tokenwire_rejected_requests",
                                          "Requests refused before reaching an upstream, by status.",
                                          ["status"], registry=r)
-        self.client_requests = Counter("tokenwire_client_requests",
-                                       "Requests read from clients, by protocol (http/1.1, h2).",
-                                       ["protocol"], registry=r)
         # Counted by the --workers supervisor (SupervisorMetrics); 0 here, so the
         # series is there in every mode and the supervisor's sum is its own count.
         self.streams_lost = streams_lost_counter(r)
@@ -138,11 +119,6 @@ class SidecarMetrics:
                                "Streams served from the replay store instead of an upstream, by kind "
                                "(reconnect: Last-Event-ID or GET /v1/streams; idempotent: a repeated "
                                "Idempotency-Key).", ["kind"], registry=r)
-        # The labelled children of the per-stream metrics, by label values (never
-        # removed: a label set once seen is exported for the process's life anyway).
-        self._client_request_children: dict[str, Counter] = {}
-        self._ended_children: dict[tuple[str, str, str, str], tuple[Counter, Histogram]] = {}
-        self._tokens_children: dict[tuple[str, str], Counter] = {}
 
     def count_open(self, streams: Callable[[], int], connections: Callable[[], int]) -> None:
         """The two gauges read what they count when scraped (the registry's
@@ -153,32 +129,11 @@ class SidecarMetrics:
 
     def count_client_request(self, protocol: str) -> None:
         """One request read from a client over ``protocol`` (``http/1.1``, ``h2``)."""
-        child = self._client_request_children.get(protocol)
-        if child is None:
-            child = self._client_request_children[protocol] = self.client_requests.labels(protocol)
-        child.inc()
+        self.ends.count_request(protocol)
 
     def observe_record(self, record: StreamRecord, http_version: str = "1.1") -> None:
         """Count one finished stream (its final record)."""
-        labels = (record.upstream, status_class(record.status), http_version, record.end_reason.value)
-        self.streams.fold(record, http_version)
-        # labels() checks and locks on every call: each label set's children are looked up once.
-        children = self._ended_children.get(labels)
-        if children is None:
-            children = self._ended_children[labels] = (self.streams_ended.labels(*labels),
-                                                       self.stream_duration.labels(*labels))
-        ended, duration = children
-        ended.inc()
-        duration.observe(record.duration_s)
-        if record.error_code is not None:
-            self.stream_errors.labels(record.error_code.number, record.error_code.value).inc()
-        tokens, source = record.tokens_out
-        if tokens:
-            key = (record.upstream, source)
-            tokens_child = self._tokens_children.get(key)
-            if tokens_child is None:
-                tokens_child = self._tokens_children[key] = self.tokens_out.labels(*key)
-            tokens_child.inc(tokens)
+        self.ends.fold(record, http_version)
         if record.retries:
             self.retries.inc(record.retries)
         if record.refused_retries:
