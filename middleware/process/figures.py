@@ -169,7 +169,7 @@ class EndFigures:
             error_key = (str(code.number), code.value)
             errors[error_key] = errors.get(error_key, 0) + 1
         tokens, source = record.tokens_out
-        if tokens:
+        if tokens > 0:  # a counter never goes down, whatever an engine's usage says
             counted = self.tokens
             token_key = (record.upstream, source)
             counted[token_key] = counted.get(token_key, 0) + tokens

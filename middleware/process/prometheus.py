@@ -103,17 +103,17 @@ def build_info_gauge(registry: CollectorRegistry, program: str) -> Gauge:
 # The metrics counted from a stream's final record (name, help, labels); the
 # middleware keeps them as prometheus_client metrics, the sidecar folds them
 # (figures.EndFigures) and exports them from these when scraped.
-_END_LABELS = [*STREAM_LABELS, "reason"]
+_END_LABELS = (*STREAM_LABELS, "reason")
 DURATION = ("tokenwire_stream_duration_seconds",
             "Request start to the end of the response, by how it ended.", _END_LABELS)
 ENDED = ("tokenwire_streams_ended", "Finished streams by end reason.", _END_LABELS)
 ERRORS = ("tokenwire_stream_errors",
-          "Streams that ended with an error, by its stable code (number and name).", ["number", "code"])
+          "Streams that ended with an error, by its stable code (number and name).", ("number", "code"))
 TOKENS = ("tokenwire_tokens_out", "Tokens sent to clients, counted when each stream ends: from the "
           "upstream's usage (source=usage) where it sent one, else its content events (source=counted).",
-          ["upstream", "source"])
+          ("upstream", "source"))
 REQUESTS = ("tokenwire_client_requests", "Requests read from clients, by protocol (http/1.1, h2).",
-            ["protocol"])
+            ("protocol",))
 
 
 @dataclass(slots=True)
