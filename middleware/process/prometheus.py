@@ -134,6 +134,17 @@ class EndMetrics:
             Counter(*TOKENS, registry=registry),
         )
 
+    def count(self, record: StreamRecord, http_version: str) -> None:
+        """Count one finished stream (its final record): what ``EndFigures.fold`` folds."""
+        labels = (record.upstream, status_class(record.status), http_version, record.end_reason.value)
+        self.streams_ended.labels(*labels).inc()
+        self.stream_duration.labels(*labels).observe(record.duration_s)
+        if record.error_code is not None:
+            self.stream_errors.labels(record.error_code.number, record.error_code.value).inc()
+        tokens, source = record.tokens_out
+        if tokens > 0:  # a counter never goes down, whatever an engine's usage says
+            self.tokens_out.labels(record.upstream, source).inc(tokens)
+
 
 def end_families(ends: EndFigures) -> Iterator[Metric]:
     """The exposition of what :class:`EndFigures` folded: the same families
@@ -200,7 +211,7 @@ class MiddlewareMetrics(Collector):
         self._by_request: dict[str, list[Exchange]] = {}
         self._finished: dict[LabelKey, StreamFigures] = {}
         self.build_info = build_info_gauge(registry, "middleware")
-        ended = EndMetrics.on(registry)
+        self.ended = ended = EndMetrics.on(registry)
         self.stream_duration = ended.stream_duration
         self.streams_ended = ended.streams_ended
         self.stream_errors = ended.stream_errors
@@ -255,15 +266,7 @@ class MiddlewareMetrics(Collector):
                     state.ended = True
                     http_version = state.http_version
                     break
-        reason = record.end_reason.value
-        labels = (record.upstream, status_class(record.status), http_version, reason)
-        self.streams_ended.labels(*labels).inc()
-        self.stream_duration.labels(*labels).observe(record.duration_s)
-        if record.error_code is not None:
-            self.stream_errors.labels(record.error_code.number, record.error_code.value).inc()
-        tokens, source = record.tokens_out
-        if tokens:
-            self.tokens_out.labels(record.upstream, source).inc(tokens)
+        self.ended.count(record, http_version)
 
     def closed(self, exchange: Exchange) -> None:
         """The request's ASGI call returned: its figures move from live to finished."""

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 from tokenwire.middleware import EndReason, ErrorCode, StreamRecord
-from tokenwire.middleware.process.figures import EndFigures, status_class
+from tokenwire.middleware.process.figures import EndFigures
 from tokenwire.middleware.process.prometheus import REQUESTS, EndMetrics, end_families
 
 BASE = StreamRecord(
@@ -53,19 +53,12 @@ def _folded(records: list[StreamRecord], versions: list[str], protocols: list[st
 
 
 def _updated(records: list[StreamRecord], versions: list[str], protocols: list[str]) -> str:
-    """The per-stream updates the sidecar made before the fold (the middleware's still)."""
+    """The middleware's per-stream updates (the sidecar's before the fold)."""
     registry = CollectorRegistry()
     metrics = EndMetrics.on(registry)
     requests = Counter(*REQUESTS, registry=registry)
     for record, version in zip(records, versions, strict=True):
-        labels = (record.upstream, status_class(record.status), version, record.end_reason.value)
-        metrics.streams_ended.labels(*labels).inc()
-        metrics.stream_duration.labels(*labels).observe(record.duration_s)
-        if record.error_code is not None:
-            metrics.stream_errors.labels(record.error_code.number, record.error_code.value).inc()
-        tokens, source = record.tokens_out
-        if tokens:
-            metrics.tokens_out.labels(record.upstream, source).inc(tokens)
+        metrics.count(record, version)
     for protocol in protocols:
         requests.labels(protocol).inc()
     return generate_latest(registry).decode()
