@@ -98,6 +98,53 @@ def test_no_compiled_function_gives_an_except_name_a_second_type() -> None:
     assert clashes == []
 
 
+def _holds_a_float(node: ast.expr) -> bool:
+    return any((isinstance(item, ast.Constant) and isinstance(item.value, float))
+               or (isinstance(item, ast.Call) and isinstance(item.func, ast.Name) and item.func.id == "float")
+               for item in ast.walk(node))
+
+
+def test_no_compiled_module_keeps_a_final_tuple_of_floats_unboxed() -> None:
+    """A module-level ``X: Final = (0.5, float("inf"))`` is compiled into an
+    unboxed C tuple whose "was it set" check reads the wrong way round: every
+    read from another module raised ``NameError: value for final name ... was
+    not set`` (mypyc 1.x). Annotated ``Final[tuple[float, ...]]`` it is an object
+    like any other, and right."""
+    unboxed = []
+    for module in setup.MODULES:
+        tree = ast.parse((ROOT / f"{module}.py").read_text())
+        for node in tree.body:
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and ast.unparse(node.annotation) in ("Final", "typing.Final")
+                    and isinstance(node.value, ast.Tuple) and _holds_a_float(node.value)):
+                unboxed.append((module, node.target.id))
+    assert unboxed == []
+
+
+def test_compiled_modules_keep_their_constants_final() -> None:
+    """A module-level constant (an upper-case name) of a compiled module is
+    ``Final``: compiled, a final name is a C static or a literal, any other a
+    lookup in the module's dict on every read (``fields_valid`` made 27 a call).
+    Type variables are not constants."""
+    plain = []
+    for module in setup.MODULES:
+        tree = ast.parse((ROOT / f"{module}.py").read_text())
+        for node in tree.body:
+            if isinstance(node, ast.Assign):
+                names = [target.id for target in node.targets if isinstance(target, ast.Name)]
+                value = node.value
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value:
+                if "Final" in ast.unparse(node.annotation):
+                    continue
+                names, value = [node.target.id], node.value
+            else:
+                continue
+            if isinstance(value, ast.Call) and ast.unparse(value.func).endswith("TypeVar"):
+                continue
+            plain += [(module, name) for name in names if name.lstrip("_").isupper()]
+    assert plain == []
+
+
 def test_compiled_modules_when_imported_then_names_exactly_the_modules_loaded_as_extensions() -> None:
     compiled = set(compiled_modules())
     for package in (tokenwire.middleware, tokenwire.sidecar):

@@ -34,6 +34,7 @@ depends on the lifecycle and the budget); this part keeps the mechanics.
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Final
 
 from .chunks import error_object
 from .config import WireConfig
@@ -51,7 +52,7 @@ from .headers import header_value
 from .record import EndReason
 from .sse import SSEParser
 
-RETRYABLE_STATUSES = frozenset({502, 503, 504})
+RETRYABLE_STATUSES: Final = frozenset({502, 503, 504})
 
 
 def retry_after_s(headers: Headers) -> float | None:
@@ -65,7 +66,7 @@ def retry_after_s(headers: Headers) -> float | None:
     # Ten digits are three centuries: anything longer is garbage, not a wait.
     return float(int(text)) if text.isdigit() and len(text) <= 10 else None
 
-LATE_ERROR_BODY_BYTES = 16 * 1024
+LATE_ERROR_BODY_BYTES: Final = 16 * 1024
 """How much of an error answer that arrives after the commit is read for its message."""
 
 

@@ -37,26 +37,28 @@ beside ``reasoning``).
 from __future__ import annotations
 
 import json
+import json.scanner
 import re
+import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 # Top-level chunk keys a mergeable chunk may have (besides volatile ones). Their
 # values are part of the merge key: chunks that differ in them never merge.
-CHUNK_KEYS = frozenset({"id", "object", "created", "model", "system_fingerprint",
+CHUNK_KEYS: Final = frozenset({"id", "object", "created", "model", "system_fingerprint",
                         "service_tier", "choices", "usage"})
-CHOICE_KEYS = frozenset({"index", "delta", "text", "finish_reason", "logprobs", "stop_reason",
+CHOICE_KEYS: Final = frozenset({"index", "delta", "text", "finish_reason", "logprobs", "stop_reason",
                          "matched_stop"})
-TEXT_FIELDS = ("content", "reasoning_content", "reasoning")
+TEXT_FIELDS: Final = ("content", "reasoning_content", "reasoning")
 """The delta fields that carry answer text."""
-TOOL_CALL_KEYS = frozenset({"index", "id", "type", "function"})
+TOOL_CALL_KEYS: Final = frozenset({"index", "id", "type", "function"})
 # Keys whose values never block a merge: the choices (compared on their own),
 # ``created``, a timestamp that Ollama stamps on every chunk afresh, and
 # ``usage``, cumulative where an engine puts it in every chunk (vLLM's
 # continuous_usage_stats, the way to bill aborted streams): a merged chunk keeps
 # the newest, which is the usage as of its last text. Chunks merge only if both
 # carry usage or neither does (the key says which).
-ALWAYS_VOLATILE = frozenset({"choices", "created", "usage"})
+ALWAYS_VOLATILE: Final = frozenset({"choices", "created", "usage"})
 
 Slot = tuple[tuple[object, ...], str, str, str]
 """A mergeable chunk as a template: (merge key, prefix, suffix, escaped text);
@@ -156,10 +158,10 @@ def _tool_call_slot(choice_index: object, delta: dict[str, Any], role: object,
 # A JSON string holding one text field's value: ``"field": "<escaped>"``. Only a
 # value made of valid JSON string characters matches, so the chunk stays valid
 # JSON when values are concatenated.
-_TEXT_VALUE_RE = re.compile(
+_TEXT_VALUE_RE: Final = re.compile(
     r'"(content|reasoning_content|reasoning|text|arguments)"[ \t\r\n]*:[ \t\r\n]*"'
     r'((?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*)"')
-SENTINEL = "tokenwire-merge-sentinel-1f2e3d"
+SENTINEL: Final = "tokenwire-merge-sentinel-1f2e3d"
 """Stands in for a chunk's text while its shape is checked."""
 
 
@@ -207,7 +209,7 @@ def slot_by_parsing(found: tuple[tuple[object, ...], dict[str, Any], dict[str, A
 
 
 # A JSON scalar: a string, a number, true, false or null.
-_JSON_SCALAR = (r'"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*"'
+_JSON_SCALAR: Final = (r'"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*"'
                 r"|-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?|true|false|null")
 
 
@@ -227,10 +229,10 @@ def volatile_value_re(volatile: frozenset[str]) -> re.Pattern[str] | None:
     return pattern
 
 
-_VOLATILE_RES: dict[frozenset[str], re.Pattern[str]] = {}
+_VOLATILE_RES: Final[dict[frozenset[str], re.Pattern[str]]] = {}
 
 
-_ESCAPED_RE = re.compile(r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*')
+_ESCAPED_RE: Final = re.compile(r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*')
 
 
 def same_shape(slot: Slot, data: str) -> str | None:
@@ -248,13 +250,25 @@ def same_shape(slot: Slot, data: str) -> str | None:
 # ---------------------------------------------------------------- errors and usage
 
 
+# json.loads' own C scanner with its defaults, called without json.loads: that
+# is three interpreted frames and two regular-expression matches (its JSON
+# whitespace skipped on either side) a call, more than the scan of a short
+# object (docs/perf/stream-cost.md).
+_SCAN: Final = json.scanner.make_scanner(typing.cast(Any, json.JSONDecoder()))
+_JSON_SPACE: Final = " \t\n\r"
+
+
 def chunk_object(data: str) -> dict[str, Any] | None:
-    """An SSE ``data`` payload parsed, when it is a JSON object; else None."""
+    """An SSE ``data`` payload parsed, when it is a JSON object; else None.
+    What ``json.loads`` reads, read the way it reads it: JSON whitespace either
+    side (no value ends in whitespace, so stripping it changes no verdict),
+    then one value that is the whole text."""
+    text = data.strip(_JSON_SPACE)
     try:
-        obj = json.loads(data)
-    except ValueError:
+        obj, end = _SCAN(text, 0)
+    except (StopIteration, ValueError):
         return None
-    return obj if isinstance(obj, dict) else None
+    return obj if end == len(text) and isinstance(obj, dict) else None
 
 
 def error_object(data: str) -> dict[str, Any] | None:
@@ -274,7 +288,7 @@ def error_payload(message: str, error_type: str, code: str, **extra: object) -> 
     return {"error": {"message": message, "type": error_type, "code": code, **extra}}
 
 
-_CLIENT_ERROR_TYPES = ("invalid_request", "badrequest", "bad_request", "validation", "not_found",
+_CLIENT_ERROR_TYPES: Final = ("invalid_request", "badrequest", "bad_request", "validation", "not_found",
                        "notfound", "unprocessable", "permission", "authentication")
 
 
@@ -411,7 +425,7 @@ def read_chunk(data: str) -> ChunkFacts:
 
 
 # A non-empty text field, or the opening of a tool call's list.
-_TOKEN_RE = re.compile(rb'"(?:content|reasoning_content|reasoning|text)" ?: ?"[^"]'
+_TOKEN_RE: Final = re.compile(rb'"(?:content|reasoning_content|reasoning|text)" ?: ?"[^"]'
                        rb'|"tool_calls" ?: ?\[ ?\{')
 
 
@@ -428,7 +442,7 @@ def carries_token(data: bytes) -> bool:
     return not body.lstrip().startswith((b"{", b"[", b"\"")) and bool(body.strip())
 
 
-_TOKEN_TEXT_RE = re.compile(_TOKEN_RE.pattern.decode())
+_TOKEN_TEXT_RE: Final = re.compile(_TOKEN_RE.pattern.decode())
 
 
 def count_tokens(data: str) -> int:

@@ -42,7 +42,7 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from .errors import ClientError, ErrorCode
 from .frames import FRAMES_HEADER, check_frames
@@ -51,25 +51,25 @@ from .headers import SUMMARY_HEADER, Header
 if TYPE_CHECKING:
     from .config import WireConfig
 
-PREFIX = b"tokenwire-"
+PREFIX: Final = b"tokenwire-"
 """The header family (lower-case, as the drivers hand headers over)."""
 
-KEEP_GENERATING = "keep_generating_s"
+KEEP_GENERATING: Final = "keep_generating_s"
 """The bound's name for ``Tokenwire-Keep-Generating`` (it sets ``resume_grace_s``)."""
 
-_KEEP_HEADER = b"tokenwire-keep-generating"
+_KEEP_HEADER: Final = b"tokenwire-keep-generating"
 # header -> the setting's name in client_settings; the WireConfig key it sets.
-_HEADERS: dict[bytes, tuple[str, str]] = {
+_HEADERS: Final[dict[bytes, tuple[str, str]]] = {
     b"tokenwire-heartbeat-s": ("heartbeat_s", "heartbeat_s"),
     b"tokenwire-write-deadline-s": ("write_deadline_s", "write_deadline_s"),
     b"tokenwire-slow-client-policy": ("slow_client_policy", "slow_client_policy"),
     _KEEP_HEADER: (KEEP_GENERATING, "resume_grace_s"),
 }
-_NUMERIC = frozenset({"heartbeat_s", "write_deadline_s", KEEP_GENERATING})
-_POLICIES = ("coalesce", "drop", "block")
-_OTHER_HEADERS = frozenset({SUMMARY_HEADER})
+_NUMERIC: Final = frozenset({"heartbeat_s", "write_deadline_s", KEEP_GENERATING})
+_POLICIES: Final = ("coalesce", "drop", "block")
+_OTHER_HEADERS: Final = frozenset({SUMMARY_HEADER})
 """Headers of the family that are not settings (the summary event's): passed on."""
-HEADERS: tuple[bytes, ...] = tuple(_HEADERS)
+HEADERS: Final[tuple[bytes, ...]] = tuple(_HEADERS)
 """The settings' header names (what a CORS preflight must allow)."""
 
 

@@ -28,6 +28,8 @@ owns the parts the stream composes (``attempt.py``, ``client_socket.py``,
 
 from __future__ import annotations
 
+from typing import Final
+
 from . import frames
 from .accounting import Accounting
 from .attempt import UpstreamAttempt
@@ -53,11 +55,12 @@ from .recording import ResumeHold, ResumeRecorder
 from .retry import RetryBudget
 from .sse import SSEEvent
 
-HEARTBEAT = b": keepalive\n"
+HEARTBEAT: Final = b": keepalive\n"
 """A comment line alone: no blank line, so no decoder can dispatch it as an event
 (see ``recording.py``)."""
 
-_LIVE = (StreamState.COMMITTED, StreamState.STREAMING)  # heartbeats run; a departed client may be held
+_NEVER: Final = float("inf")  # next_deadline's "no timer yet"
+_LIVE: Final = (StreamState.COMMITTED, StreamState.STREAMING)  # heartbeats run; a departed client may be held
 
 
 class StreamDecisions:
@@ -126,7 +129,13 @@ class StreamDecisions:
         self._pending = PendingBuffer(merge=dialect.merges and not block, drop=drop,
                                       droppable_types=frozenset(config.droppable_event_types),
                                       volatile=frozenset(config.volatile_chunk_fields), dialect=dialect)
-        # Config read on every input, looked up once.
+        # Config read on every input, looked up once (native floats here; the
+        # config is an interpreted object, each read a generic attribute lookup).
+        self._write_deadline_s = config.write_deadline_s
+        self._heartbeat_s = config.heartbeat_s
+        self._coalesce_s = config.coalesce_ms / 1000.0
+        self._idle_timeout_s = config.upstream_idle_timeout_s
+        self._max_duration_s = config.max_stream_duration_s
         self._plain_limit_bytes = min(config.max_line_bytes, config.max_event_bytes)
         self._marker = dialect.marker
         self._fast_path = dialect.fast_path
@@ -214,7 +223,7 @@ class StreamDecisions:
 
     def _heartbeat_eligible(self) -> bool:
         client = self._client
-        return (self.config.heartbeat_s > 0 and not self._attempt.passthrough and not client.gone
+        return (self._heartbeat_s > 0 and not self._attempt.passthrough and not client.gone
                 and self._state in _LIVE and not self._pending and not client.write_in_flight
                 and not client.paused)
 
@@ -225,43 +234,46 @@ class StreamDecisions:
         """When the driver should next ``handle(Tick(), now)``; None = no timer."""
         if self._finished:
             return None
-        config = self.config
         attempt = self._attempt
         client = self._client
-        deadlines: list[float] = []
-        if attempt.retry_at is not None:
-            deadlines.append(attempt.retry_at)
+        # The earliest of the running timers, kept as one float (no list of
+        # candidates, no min() call: this runs a few times a stream).
+        at = _NEVER
+        retry_at = attempt.retry_at
+        if retry_at is not None:
+            at = retry_at
         elif attempt.headers_deadline_at is not None:
-            deadlines.append(attempt.headers_deadline_at)
-        if self._commit_at is not None and self._state is StreamState.WAITING and attempt.retry_at is None:
-            deadlines.append(self._commit_at)
+            at = attempt.headers_deadline_at
+        commit_at = self._commit_at
+        if (commit_at is not None and commit_at < at and self._state is StreamState.WAITING
+                and retry_at is None):
+            at = commit_at
         if self._stalled():
-            deadlines.append(client.last_progress_at + config.write_deadline_s)
+            at = min(at, client.last_progress_at + self._write_deadline_s)
         elif self._heartbeat_eligible():
-            deadlines.append(client.last_write_at + config.heartbeat_s)
-        if config.coalesce_ms and client.pending_since is not None:
-            deadlines.append(client.pending_since + config.coalesce_ms / 1000.0)
-        if self._hold.until is not None:
-            deadlines.append(self._hold.until)
+            at = min(at, client.last_write_at + self._heartbeat_s)
+        if self._coalesce_s and client.pending_since is not None:
+            at = min(at, client.pending_since + self._coalesce_s)
+        hold_until = self._hold.until
+        if hold_until is not None and hold_until < at:
+            at = hold_until
         if self._idle_watched():
-            deadlines.append(attempt.seen_at + config.upstream_idle_timeout_s)
-        if config.max_stream_duration_s and self._state not in ENDED:
-            deadlines.append(self._acct.started_at + config.max_stream_duration_s)
-        return min(deadlines) if deadlines else None
+            at = min(at, attempt.seen_at + self._idle_timeout_s)
+        if self._max_duration_s and self._state not in ENDED:
+            at = min(at, self._acct.started_at + self._max_duration_s)
+        return None if at == _NEVER else at
 
     def _fire_timers(self, now: float) -> None:
         if self._finished:
             return
-        config = self.config
         attempt = self._attempt
         # Time first, as below: the cheap test, false on almost every input.
-        if (config.max_stream_duration_s and now >= self._acct.started_at + config.max_stream_duration_s
-                and self._state not in ENDED):
+        limit_s = self._max_duration_s
+        if limit_s and now >= self._acct.started_at + limit_s and self._state not in ENDED:
             attempt.retry_at = None
-            limit_s = config.max_stream_duration_s
             self._fail(upstream_timeout(f"the stream ran for its limit of {limit_s:g} s"),
                        EndReason.UPSTREAM_TIMEOUT, now)
-        idle_s = config.upstream_idle_timeout_s
+        idle_s = self._idle_timeout_s
         if idle_s and now >= attempt.seen_at + idle_s and self._idle_watched():
             # A hung engine: heartbeats would otherwise hide it from the client forever.
             # Keepalives (comments, Anthropic's pings) are not content: an engine
@@ -278,16 +290,16 @@ class StreamDecisions:
             # The attempt is still open (the engine may be working on it): the
             # retry or the end below aborts it, saying which.
             self._upstream_failure(upstream_timeout(
-                f"no response from upstream within {config.upstream_headers_timeout_s:g} s"),
+                f"no response from upstream within {self.config.upstream_headers_timeout_s:g} s"),
                 EndReason.UPSTREAM_TIMEOUT, now)
         if (self._commit_at is not None and now >= self._commit_at and attempt.retry_at is None
                 and self._state is StreamState.WAITING):
             self._commit_sse(now)
         client = self._client
         # Time first: it is the cheap test, and the two conditions exclude each other.
-        if now >= client.last_progress_at + config.write_deadline_s and self._stalled():
+        if now >= client.last_progress_at + self._write_deadline_s and self._stalled():
             self._slow_client(ErrorCode.SEND_TIMEOUT, now)
-        elif now >= client.last_write_at + config.heartbeat_s and self._heartbeat_eligible():
+        elif now >= client.last_write_at + self._heartbeat_s and self._heartbeat_eligible():
             self._pending.add_bytes(HEARTBEAT)
             self._acct.heartbeats += 1
         hold = self._hold

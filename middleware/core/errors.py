@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from enum import IntEnum, StrEnum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
 from .chunks import dumps, error_payload, message_of, status_of
 
@@ -52,7 +52,7 @@ class ErrorCode(StrEnum):
         return f"{_NUMBERS[self]} {self.value}"
 
 
-ERROR_TABLE: tuple[tuple[str, ErrorCode, str], ...] = (
+ERROR_TABLE: Final[tuple[tuple[str, ErrorCode, str], ...]] = (
     # E7300-E7304 are the ThemisDB streaming codes, with the same meanings.
     ("E7300", ErrorCode.STREAM_NOT_FOUND, "no such stream (a resume id or a cancel of an unknown request)"),
     ("E7301", ErrorCode.CANCELLED, "the stream was cancelled: its client left, or an operator ended it"),
@@ -87,7 +87,7 @@ ERROR_TABLE: tuple[tuple[str, ErrorCode, str], ...] = (
 table: the README lists it, logs and records carry ``number`` and ``code``,
 error objects carry both as ``"tokenwire": {"code", "number"}``."""
 
-_NUMBERS = {code: number for number, code, _ in ERROR_TABLE}
+_NUMBERS: Final = {code: number for number, code, _ in ERROR_TABLE}
 
 
 def tokenwire_fields(code: ErrorCode) -> dict[str, str]:
@@ -233,7 +233,7 @@ class UpstreamErrorEvent(UpstreamError):
         return [*super().response_headers(), NO_CLIENT_RETRY]
 
 
-NO_CLIENT_RETRY = (b"x-should-retry", b"false")
+NO_CLIENT_RETRY: Final = (b"x-should-retry", b"false")
 """The header the OpenAI SDKs (Python and Node) obey over their own retry rule:
 set where another attempt from the client would only multiply the load."""
 
@@ -269,7 +269,7 @@ class GrpcStatus(IntEnum):
 
 
 # Mid-stream (in-band) errors: the code decides; the HTTP status was never sent.
-_GRPC_STATUS_OF_CODE = {
+_GRPC_STATUS_OF_CODE: Final = {
     ErrorCode.STREAM_NOT_FOUND: GrpcStatus.NOT_FOUND,
     ErrorCode.CANCELLED: GrpcStatus.CANCELLED,
     ErrorCode.BACKPRESSURE_EXCEEDED: GrpcStatus.RESOURCE_EXHAUSTED,
@@ -292,7 +292,7 @@ _GRPC_STATUS_OF_CODE = {
 
 # Before the first message an error has its HTTP status, which says more than
 # the code: an engine's 400 (code upstream_failed) is the caller's mistake.
-_GRPC_STATUS_OF_HTTP = {
+_GRPC_STATUS_OF_HTTP: Final = {
     400: GrpcStatus.INVALID_ARGUMENT,
     401: GrpcStatus.UNAUTHENTICATED,
     403: GrpcStatus.PERMISSION_DENIED,

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 from urllib.parse import unquote_to_bytes
 
 from .chunks import dumps
@@ -44,18 +44,18 @@ from .sse import SSEEvent
 if TYPE_CHECKING:
     from .config import WireConfig
 
-FRAMES_HEADER = b"tokenwire-frames"
+FRAMES_HEADER: Final = b"tokenwire-frames"
 """A request header: the comma-separated frames the client asks for."""
-QUERY_PARAM = b"tokenwire_frames"
+QUERY_PARAM: Final = b"tokenwire_frames"
 """The query parameter that stands for :data:`FRAMES_HEADER`."""
 
-OPEN = "open"
-DONE = "done"
-SUMMARY = "summary"
-NAMES = (OPEN, DONE, SUMMARY)
+OPEN: Final = "open"
+DONE: Final = "done"
+SUMMARY: Final = "summary"
+NAMES: Final = (OPEN, DONE, SUMMARY)
 """The frames a client may ask for."""
-_NONE: frozenset[str] = frozenset()
-_NOT_A_LIST = re.compile(rb"[^A-Za-z, \t]")
+_NONE: Final[frozenset[str]] = frozenset()
+_NOT_A_LIST: Final = re.compile(rb"[^A-Za-z, \t]")
 """A byte no list of frame names holds: a query's value is percent-decoded, so
 it could carry a line break into the header it becomes."""
 

@@ -6,32 +6,33 @@ Header names are lower-case bytes throughout, as h11 and ASGI give them.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Final
 
 Header = tuple[bytes, bytes]
 
 # RFC 9110 section 7.6.1 plus the de-facto ones every proxy strips.
-HOP_BY_HOP = frozenset({
+HOP_BY_HOP: Final = frozenset({
     b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate",
     b"proxy-authorization", b"te", b"trailer", b"transfer-encoding", b"upgrade",
 })
 
-SSE_HEADERS: tuple[Header, ...] = (
+SSE_HEADERS: Final[tuple[Header, ...]] = (
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache, no-transform"),
     (b"x-accel-buffering", b"no"),
 )
 
-STREAM_ID_HEADER = b"x-tokenwire-stream-id"
+STREAM_ID_HEADER: Final = b"x-tokenwire-stream-id"
 """Response header naming the stream a client can resume (``config.resume``)."""
 
 # Replaced by SSE_HEADERS or meaningless on a re-framed event stream.
-_DROPPED_ON_SSE = frozenset({
+_DROPPED_ON_SSE: Final = frozenset({
     b"content-type", b"cache-control", b"x-accel-buffering", b"content-length",
     b"content-encoding", b"etag", b"last-modified", b"accept-ranges",
 })
 
 
-SUMMARY_HEADER = b"tokenwire-summary"
+SUMMARY_HEADER: Final = b"tokenwire-summary"
 """A request header: ``true`` asks for the stream's figures as a last named event
 (``frames.py``)."""
 

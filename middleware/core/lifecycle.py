@@ -29,6 +29,7 @@ this one; ``stream.py`` composes them.
 from __future__ import annotations
 
 from enum import Enum, StrEnum
+from typing import Final
 
 from .errors import LocalProtocolError
 
@@ -54,14 +55,14 @@ class Trigger(Enum):
 
 W, C, S, D, A = (StreamState.WAITING, StreamState.COMMITTED, StreamState.STREAMING,
                  StreamState.DONE, StreamState.ABORTED)
-TRANSITIONS: dict[StreamState, dict[Trigger, StreamState]] = {
+TRANSITIONS: Final[dict[StreamState, dict[Trigger, StreamState]]] = {
     W: {Trigger.COMMIT: C, Trigger.ABORT: A},
     C: {Trigger.SEND: S, Trigger.FINISH: D, Trigger.ABORT: A},
     S: {Trigger.SEND: S, Trigger.FINISH: D, Trigger.ABORT: A},
     D: {Trigger.ABORT: A},
     A: {},
 }
-ENDED = frozenset({D, A})
+ENDED: Final = frozenset({D, A})
 """The states in which the upstream's part is over and only the tail is flushed."""
 
 

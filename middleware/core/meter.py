@@ -33,8 +33,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Final
 
-LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-                     float("inf"))
+LATENCY_BUCKETS_S: Final[tuple[float, ...]] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, float("inf"))
 """Time to first token/byte buckets of the sidecar's and the engine's histograms (the same,
 so the two can be compared)."""
 GAP_BUCKETS_S: Final[tuple[float, ...]] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,

@@ -59,7 +59,7 @@ template (the usual case) and an estimate when it had to be re-serialised.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 from .chunks import SENTINEL, Slot, same_shape, slot_by_parsing, volatile_value_re
 from .dialects.base import Dialect
@@ -78,14 +78,14 @@ def _same_shape(slot: Slot, name: str | None, event: SSEEvent | None) -> str | N
     return same_shape(slot, event.data)
 
 
-_SHAPE_CACHE_LIMIT = 64
+_SHAPE_CACHE_LIMIT: Final = 64
 
 
 class _Unparsed:
     """Sentinel: the event has not been looked at for merging yet."""
 
 
-_UNPARSED = _Unparsed()
+_UNPARSED: Final = _Unparsed()
 
 
 def _dropped_notice(count: int) -> bytes:

@@ -21,6 +21,7 @@ Sans-IO like the rest of the core: the caller passes ``now``.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Final
 
 
 class RetryBudget:
@@ -67,8 +68,8 @@ class RetryBudget:
 
 
 # RFC 9110 section 9.2.2: methods whose repetition has the effect of one request.
-IDEMPOTENT_METHODS = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"})
-IDEMPOTENCY_KEY_HEADER = b"idempotency-key"
+IDEMPOTENT_METHODS: Final = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"})
+IDEMPOTENCY_KEY_HEADER: Final = b"idempotency-key"
 
 
 def may_repeat(method: bytes, headers: Iterable[tuple[bytes, bytes]]) -> bool:

@@ -45,7 +45,7 @@ from typing import Final
 
 from .errors import SSEProtocolError
 
-_BOM = b"\xef\xbb\xbf"
+_BOM: Final = b"\xef\xbb\xbf"
 # A line feed as an int: ``bytes in bytes`` first tries its needle as an int and formats
 # the TypeError it gets (~400 instructions) before it searches; an int needle is a memchr.
 _LF: Final = 0x0A

@@ -15,6 +15,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Final
 
 from ..core.meter import GAP_BUCKETS_S, LATENCY_BUCKETS_S
 from ..core.record import StreamRecord
@@ -23,7 +24,8 @@ LabelKey = tuple[str, str, str]
 """``upstream``, ``status_class``, ``http_version``."""
 EndKey = tuple[str, str, str, str]
 """A :data:`LabelKey` and the end ``reason``."""
-DURATION_BUCKETS_S = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, float("inf"))
+DURATION_BUCKETS_S: Final[tuple[float, ...]] = (
+    0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, float("inf"))
 
 
 def status_class(status: int) -> str:
@@ -158,7 +160,9 @@ class EndFigures:
     def fold(self, record: StreamRecord, http_version: str) -> None:
         """Count one finished stream (its final record)."""
         fold_record(self.finished, record, http_version)
-        key = (record.upstream, status_class(record.status), http_version, record.end_reason.value)
+        # str() of a StrEnum member is its value, in C; .value is an interpreted
+        # descriptor (and hashing a member, an interpreted __hash__).
+        key = (record.upstream, status_class(record.status), http_version, str(record.end_reason))
         durations = self.durations.get(key)
         if durations is None:
             durations = self.durations[key] = HistogramSum(DURATION_BUCKETS_S)
@@ -166,7 +170,7 @@ class EndFigures:
         code = record.error_code
         if code is not None:
             errors = self.errors
-            error_key = (str(code.number), code.value)
+            error_key = (str(code.number), str(code))
             errors[error_key] = errors.get(error_key, 0) + 1
         tokens, source = record.tokens_out
         if tokens > 0:  # a counter never goes down, whatever an engine's usage says

@@ -39,6 +39,7 @@ import asyncio
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Final
 
 from ..core.errors import WireError
 from ..core.events import (
@@ -172,7 +173,7 @@ async def replay(store: ReplayStore, source: ResumeFrom, *, readable: asyncio.Ev
 
 
 # A Responses cancel answers with the response's status (OpenAI's object shape).
-_RESPONSE_STATUS = {EndReason.COMPLETE: "completed", EndReason.CANCELLED: "cancelled"}
+_RESPONSE_STATUS: Final = {EndReason.COMPLETE: "completed", EndReason.CANCELLED: "cancelled"}
 
 
 async def answer_cancel(store: ReplayStore, cancel: CancelStream, *, stop_writer: Callable[[str], bool],

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Final
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +28,7 @@ class LoadMetricNames:
     cache: tuple[str, ...] = ()
 
 
-PRESETS: dict[str, LoadMetricNames] = {
+PRESETS: Final[dict[str, LoadMetricNames]] = {
     "tokenwire": LoadMetricNames(("tokenwire_engine_waiting",), ("tokenwire_engine_running",)),
     "vllm": LoadMetricNames(("vllm:num_requests_waiting",), ("vllm:num_requests_running",),
                             ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")),

@@ -38,11 +38,11 @@ import hashlib
 import math
 import random
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Final, Protocol
 
 from .pods import PodState
 
-POLICIES = ("least-outstanding", "round-robin", "queue-aware", "prefix-affinity")
+POLICIES: Final = ("least-outstanding", "round-robin", "queue-aware", "prefix-affinity")
 
 
 class Policy(Protocol):

@@ -20,12 +20,12 @@ a key. A body that is not such JSON has no key (the policy falls back).
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Final
 
-BYTES_PER_TOKEN = 4
+BYTES_PER_TOKEN: Final = 4
 """How many bytes of UTF-8 text count as one token."""
 
-_SEPARATOR = b"\x1e"  # ASCII record separator: never part of a role or of the JSON text
+_SEPARATOR: Final = b"\x1e"  # ASCII record separator: never part of a role or of the JSON text
 
 
 def _content_text(content: Any) -> str:

@@ -12,9 +12,11 @@ client that left, a stop or a slow reader say nothing about the pod.
 
 from __future__ import annotations
 
+from typing import Final
+
 from tokenwire.middleware import EndReason
 
-_POD_FAILURE_ENDS = frozenset({EndReason.UPSTREAM_TIMEOUT, EndReason.UPSTREAM_ERROR})
+_POD_FAILURE_ENDS: Final = frozenset({EndReason.UPSTREAM_TIMEOUT, EndReason.UPSTREAM_ERROR})
 
 
 def head_is_pod_success(status: int) -> bool:

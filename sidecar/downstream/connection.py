@@ -10,11 +10,10 @@ came in on: the same upstream headers, the same request ids, the same wire core.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Final, Protocol
 
 from tokenwire.middleware import ClientError, ErrorCode
 from tokenwire.middleware.core import frames
@@ -65,31 +64,42 @@ class Peer:
         object.__setattr__(self, "client_cert_der", client_cert_der)
 
 
-def set_up_transport(context: SidecarContext, transport: asyncio.Transport) -> Peer:
-    """Tune a new client socket and read what it says about the peer.
+def accepted_peer(context: SidecarContext, sock: socket.socket, address: object, *, tls: bool) -> Peer:
+    """Tune a client socket the acceptor just took, and what it says of the peer.
 
-    The socket's send buffer is capped (``socket_send_buffer_bytes``) and the
-    transport's high-water mark set (``write_high_water_bytes``) so a slow
+    Done on the accepted ``socket.socket`` before the loop has it: each question
+    asked of a uvloop transport's socket (``get_extra_info``, its
+    ``setsockopt``) builds and detaches a ``socket.socket`` in Python, about a
+    twentieth of a short stream's set-up for these four (docs/perf/stream-cost.md).
+    The send buffer is capped (``socket_send_buffer_bytes``) so that a slow
     reader is seen by the sidecar, where events can still be coalesced, not
-    hidden in the kernel.
+    hidden in the kernel; ``address`` is what ``accept()`` returned.
     """
     wire = context.config.wire
-    sock = transport.get_extra_info("socket")
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, wire.socket_send_buffer_bytes)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    transport.set_write_buffer_limits(high=wire.write_high_water_bytes)
-    peer = transport.get_extra_info("peername")
-    host = str(peer[0]) if isinstance(peer, tuple) and peer else None
-    local = transport.get_extra_info("sockname")
+    try:  # not contextlib.suppress: three interpreted calls a connection
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, wire.socket_send_buffer_bytes)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except OSError:
+        pass
+    host = str(address[0]) if isinstance(address, tuple) and address else None
+    try:
+        local = sock.getsockname()
+    except OSError:
+        local = None
     port = int(local[1]) if isinstance(local, tuple) and len(local) >= 2 else None
-    tls = transport.get_extra_info("sslcontext") is not None
-    cert: bytes | None = None
-    if tls and context.config.tls_client_ca:
-        ssl_object = transport.get_extra_info("ssl_object")
-        cert = None if ssl_object is None else ssl_object.getpeercert(binary_form=True)
-    return Peer(host=host, server_port=port, scheme="https" if tls else "http", client_cert_der=cert)
+    return Peer(host=host, server_port=port, scheme="https" if tls else "http", client_cert_der=None)
+
+
+def set_up_transport(context: SidecarContext, transport: asyncio.Transport, peer: Peer) -> Peer:
+    """Set the transport's high-water mark (``write_high_water_bytes``: see
+    :func:`accepted_peer`) and return ``peer``, with the client's certificate
+    under mTLS (known once the handshake is over)."""
+    transport.set_write_buffer_limits(high=context.config.wire.write_high_water_bytes)
+    if peer.scheme != "https" or not context.config.tls_client_ca:
+        return peer
+    ssl_object = transport.get_extra_info("ssl_object")
+    cert = None if ssl_object is None else ssl_object.getpeercert(binary_form=True)
+    return Peer(host=peer.host, server_port=peer.server_port, scheme=peer.scheme, client_cert_der=cert)
 
 
 class BodyReservation:
@@ -119,9 +129,9 @@ class BodyReservation:
 
 # How long a refused or closed connection may keep sending before it is cut off
 # (the lingering close of both protocols: the client reads its answer, not a reset).
-LINGER_S = 2.0
+LINGER_S: Final = 2.0
 
-BUSY_BODIES = "too many request bodies are being received; try again shortly"
+BUSY_BODIES: Final = "too many request bodies are being received; try again shortly"
 """The refusal when :meth:`BodyReservation.reserve` fails: many large uploads at
 once would hold the loop and memory hostage; each one is fine again shortly, so
 this is "busy" (503), not "too large"."""
@@ -187,7 +197,7 @@ def new_exchange(context: SidecarContext, downstream: Downstream, *, method: byt
         request_id=upstream_id, request_id_header=id_header, client_request_id=request_id,
         server_port=peer.server_port, client_cert_der=peer.client_cert_der,
         drop_underscores=config.drop_underscore_headers)
-    context.metrics.count_client_request("h2" if http_version == "2" else "http/1.1")
+    context.metrics.ends.count_request("h2" if http_version == "2" else "http/1.1")
     return Exchange(
         context, downstream, request_id=request_id, upstream_request_id=upstream_id, method=method,
         target=target, upstream_headers=upstream_headers, body=body,

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterable, Sequence
+from typing import Final
 
 from tokenwire.middleware import ClientError, ErrorCode
 from tokenwire.middleware.core import client_settings
@@ -40,16 +41,16 @@ from tokenwire.middleware.core.headers import STREAM_ID_HEADER, SUMMARY_HEADER, 
 
 Header = tuple[bytes, bytes]
 
-ANY_ORIGIN = "*"
+ANY_ORIGIN: Final = "*"
 """The ``cors_allow_origins`` entry that allows every origin."""
 
-ALLOWED_METHODS = b"GET, POST, DELETE, OPTIONS"
+ALLOWED_METHODS: Final = b"GET, POST, DELETE, OPTIONS"
 # What the OpenAI SDKs and EventSource-style resumes send beyond the safelisted
 # headers, and a request's own wire settings (middleware/core/client_settings.py).
-ALLOWED_HEADERS = (b"content-type", b"authorization", b"last-event-id", b"idempotency-key",
+ALLOWED_HEADERS: Final = (b"content-type", b"authorization", b"last-event-id", b"idempotency-key",
                    b"x-request-id", SUMMARY_HEADER, FRAMES_HEADER, *client_settings.HEADERS)
 # Browsers cache a preflight this long (Chromium caps it at two hours).
-MAX_AGE_S = 600
+MAX_AGE_S: Final = 600
 
 
 def admin_origins(host: str, port: int) -> list[str]:

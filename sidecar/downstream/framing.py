@@ -16,22 +16,23 @@ from __future__ import annotations
 
 import enum
 import re
+from typing import Final
 
 from .request_rules import Problem
 
-_VERSION = re.compile(rb"HTTP/([0-9])\.([0-9])")
+_VERSION: Final = re.compile(rb"HTTP/([0-9])\.([0-9])")
 # RFC 9112 section 7.1.1: chunk-ext = *( BWS ";" BWS name [ BWS "=" BWS ( token / quoted-string ) ] )
-_TOKEN = rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
-_QUOTED = rb'"(?:[\t \x21\x23-\x5b\x5d-\x7e\x80-\xff]|\\[\t \x21-\x7e\x80-\xff])*"'
-_CHUNK_EXT = re.compile(rb"(?:[ \t]*;[ \t]*" + _TOKEN + rb"(?:[ \t]*=[ \t]*(?:" + _TOKEN + rb"|" + _QUOTED
-                        + rb"))?)*[ \t]*")
-_HEX = re.compile(rb"[0-9A-Fa-f]+")
-_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
-_TRAILER_LINE = re.compile(_TOKEN + rb":[\t \x21-\x7e\x80-\xff]*")
+_TOKEN: Final = rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
+_QUOTED: Final = rb'"(?:[\t \x21\x23-\x5b\x5d-\x7e\x80-\xff]|\\[\t \x21-\x7e\x80-\xff])*"'
+_CHUNK_EXT: Final = re.compile(rb"(?:[ \t]*;[ \t]*" + _TOKEN + rb"(?:[ \t]*=[ \t]*(?:" + _TOKEN + rb"|"
+                               + _QUOTED + rb"))?)*[ \t]*")
+_HEX: Final = re.compile(rb"[0-9A-Fa-f]+")
+_CONTROL: Final = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+_TRAILER_LINE: Final = re.compile(_TOKEN + rb":[\t \x21-\x7e\x80-\xff]*")
 # A chunk size needing more than 64 bits is no size at all (nginx: "invalid chunked body").
-_MAX_SIZE_DIGITS = 16
+_MAX_SIZE_DIGITS: Final = 16
 # The longest chunk-size line or trailer line accepted (extensions included).
-_MAX_LINE_BYTES = 4096
+_MAX_LINE_BYTES: Final = 4096
 
 
 def request_line_end(received: bytes | bytearray) -> int:

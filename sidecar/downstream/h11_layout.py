@@ -23,10 +23,14 @@ h11 checks every header it is given with two regular expressions (the name a
 ``token``, the value ``field-value``: no NUL, no CR/LF or other whitespace
 but inner spaces and tabs, none leading or trailing), one Python call and
 one match each. :func:`fields_valid` applies the same rules to all names
-joined by a line feed and all values joined by one, with a few byte-table and
-substring passes (``bytes.translate``, ``find``) instead of a regular
-expression per field: a line feed is neither in a token nor in a field value,
-so a joined list passes exactly when every field does. Where it says no, h11
+joined by a line feed and all values joined by one: one ``bytes.translate``
+of each through a 256-byte table that keeps an allowed byte (and the line
+feed) and changes any other, so the translation equals its input exactly when
+every byte is allowed; and a look at each field for a line feed (neither in
+a token nor in a field value: one ``memchr``, the needle an int) and at each
+value's first and last byte (no space or tab there). No deletion table is
+built and no substring searched per call: those argument-parsing method calls
+were most of its cost (docs/perf/stream-cost.md). Where it says no, h11
 checks the headers itself and raises its own error.
 
 The response head
@@ -63,6 +67,7 @@ import functools
 import http
 import typing
 from collections.abc import Sequence
+from typing import Final
 
 import h11
 
@@ -73,11 +78,35 @@ Header = tuple[bytes, bytes]
 
 # h11/_abnf.py: field_name = token; field_value = (field_vchar+ ([ \t]+ field_vchar+)*)?
 # with field_vchar = [^\x00\s] (bytes: \s is space, \t, \n, \r, \f, \v).
-TOKEN_CHARS = b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+TOKEN_CHARS: Final = b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 """The bytes of an HTTP token (a field name, a method)."""
-# Every byte a value may hold somewhere (not NUL, LF, CR, VT, FF); space and
+# The translation tables: an allowed byte and the line feed (the joined
+# lists' separator) stay as they are, any other byte becomes the next one (so
+# it changes). A value may hold anything but NUL, LF, CR, VT and FF; space and
 # tab only inside it, checked apart.
-_VALUE_CHARS = bytes(c for c in range(256) if c not in b"\x00\n\r\x0b\x0c")
+
+
+def _keeping(allowed: bytes) -> bytes:
+    return bytes(c if c in allowed else (c + 1) % 256 for c in range(256))
+
+
+_NAME_TABLE: Final = _keeping(TOKEN_CHARS + b"\n")
+_VALUE_TABLE: Final = _keeping(bytes(c for c in range(256) if c not in b"\x00\r\x0b\x0c"))
+_TOKEN_TABLE: Final = _keeping(TOKEN_CHARS)
+_VISIBLE_TABLE: Final = _keeping(bytes(range(0x21, 0x7F)))  # h11's vchar: a request target's bytes
+_SPACE: Final = 0x20
+_TAB: Final = 0x09
+_LF: Final = 0x0A
+
+
+def is_token(data: bytes) -> bool:
+    """True if ``data`` is an HTTP token (a method, a field name): one or more :data:`TOKEN_CHARS`."""
+    return bool(data) and data.translate(_TOKEN_TABLE) == data
+
+
+def is_visible(data: bytes) -> bool:
+    """True if ``data`` is one or more visible ASCII characters (h11's request target)."""
+    return bool(data) and data.translate(_VISIBLE_TABLE) == data
 
 
 def fields_valid(headers: Sequence[tuple[object, object]]) -> bool:
@@ -85,31 +114,31 @@ def fields_valid(headers: Sequence[tuple[object, object]]) -> bool:
     ``bytes`` object: h11 takes other types through other paths, so anything
     else is a no; typed ``object`` so that compiled code checks it here
     rather than refusing it at the call)."""
-    count = len(headers)
-    if not count:
+    if not headers:
         return True
     names: list[bytes] = []
     values: list[bytes] = []
-    for name, value in headers:
-        if type(name) is not bytes or type(value) is not bytes:
+    for item_name, item_value in headers:
+        if type(item_name) is not bytes or type(item_value) is not bytes:
             return False
+        name: bytes = item_name  # typed, so that compiled code reads them as bytes
+        value: bytes = item_value
+        if not name or _LF in name or _LF in value:  # an int needle: a memchr
+            return False
+        if value:
+            first = value[0]
+            last = value[-1]
+            if first in (_SPACE, _TAB) or last in (_SPACE, _TAB):
+                return False
         names.append(name)
         values.append(value)
-    # Joined, each list keeps nothing but its line feeds once the allowed
-    # bytes are deleted: one fewer than fields, or a field held one itself.
-    separators = b"\n" * (count - 1)
-    all_names = b"\n" + b"\n".join(names) + b"\n"
-    all_values = b"\n" + b"\n".join(values) + b"\n"
-    return (all_names.translate(None, TOKEN_CHARS) == b"\n" + separators + b"\n"
-            and all_names.find(b"\n\n") < 0  # an empty name
-            and all_values.translate(None, _VALUE_CHARS) == b"\n" + separators + b"\n"
-            # Space or tab leading or trailing a value.
-            and all_values.find(b"\n ") < 0 and all_values.find(b" \n") < 0
-            and all_values.find(b"\n\t") < 0 and all_values.find(b"\t\n") < 0)
+    all_names = b"\n".join(names)
+    all_values = b"\n".join(values)
+    return all_names.translate(_NAME_TABLE) == all_names and all_values.translate(_VALUE_TABLE) == all_values
 
 
 # The headers h11 moves or rewrites in a response head (see the module docstring).
-_REWRITTEN = frozenset({b"content-length", b"transfer-encoding", b"connection", b"host"})
+_REWRITTEN: Final = frozenset({b"content-length", b"transfer-encoding", b"connection", b"host"})
 
 
 def send_response_head(conn: h11.Connection, status: int, headers: list[Header]) -> bytes:
@@ -147,7 +176,11 @@ def _rewritten(items: Sequence[Header]) -> bool:
 def _with_fields(bare: bytes, items: Sequence[Header]) -> bytes:
     """``bare`` (h11's head with no fields) with ``items`` after its status line."""
     line_end = bare.index(b"\r\n") + 2
-    return b"".join([bare[:line_end], *(b"%s: %s\r\n" % item for item in items), bare[line_end:]])
+    parts = [bare[:line_end]]
+    for name, value in items:  # no %-format: each one parses its format again
+        parts += (name, b": ", value, b"\r\n")
+    parts.append(bare[line_end:])
+    return b"".join(parts)
 
 
 @functools.cache
@@ -163,7 +196,7 @@ def _plain_bare_head(status: int) -> bytes | None:
 
 
 # How a response head h11 wrote declares a chunked body (the lowered head is searched).
-_CHUNKED_HEADER_LINE = b"\r\ntransfer-encoding: chunked\r\n"
+_CHUNKED_HEADER_LINE: Final = b"\r\ntransfer-encoding: chunked\r\n"
 # The size line of every chunk shorter than 4 KiB (an event's usual size), made
 # once: formatting one per write was a tenth of the sidecar's instructions per event.
 _SIZE_LINES: typing.Final[tuple[bytes, ...]] = tuple(b"%x\r\n" % size for size in range(4096))

@@ -42,6 +42,7 @@ import socket
 import struct
 import typing
 from collections.abc import Callable, Sequence
+from typing import Final
 
 import h11
 from tokenwire.middleware import SocketPaused, SocketResumed
@@ -74,7 +75,7 @@ logger = logging.getLogger("tokenwire.sidecar")
 Header = tuple[bytes, bytes]
 
 # Pipelined requests buffered beyond this pause reading until the current response ends.
-_PIPELINE_BUFFER_BYTES = 64 * 1024
+_PIPELINE_BUFFER_BYTES: Final = 64 * 1024
 # A line feed as an int, the needle of a memchr (why: middleware/core/sse.py, _LF).
 _LF: typing.Final = 0x0A
 
@@ -83,15 +84,16 @@ class ClientConnection(ConnectionPhases):
     """One client connection: requests in (plain, or through h11), exchanges out.
     See the module docstring."""
 
-    def __init__(self, context: SidecarContext, *, over_limit: bool | None = None) -> None:
-        """``over_limit``: whether the connection came in past ``max_connections``
+    def __init__(self, context: SidecarContext, peer: Peer, *, over_limit: bool | None = None) -> None:
+        """``peer``: what the acceptor learnt of the client (``connection.accepted_peer``).
+        ``over_limit``: whether the connection came in past ``max_connections``
         (None: counted when the transport arrives)."""
         super().__init__(context)
         # The transport's write, bound once (send_framed: a method lookup per event otherwise).
         self._transport_write: Callable[[bytes], None] | None = None
         # None while every request has been plain (http1_plain.py); h11 from the first that is not.
         self._conn: h11.Connection | None = None
-        self._peer = Peer(host=None, server_port=None, scheme="http", client_cert_der=None)
+        self._peer = peer
         self._over_limit = over_limit
         self._write_paused = False
         # The current request's method (None between requests), target and version.
@@ -126,7 +128,7 @@ class ClientConnection(ConnectionPhases):
         if self._over_limit is None:
             self._over_limit = len(context.connections) >= self._config.max_connections
         context.connections.add(self)
-        self._peer = set_up_transport(context, transport)
+        self._peer = set_up_transport(context, transport, self._peer)
         self._arm_timer(self._config.header_read_timeout_s)
 
     def data_received(self, data: bytes) -> None:
@@ -138,7 +140,12 @@ class ClientConnection(ConnectionPhases):
         if self._phase is Phase.HEAD:
             # Bounded: h11 refuses a head still incomplete past max_head_bytes.
             self._head_received += data
-            # Checked once, when the line is complete: only a read with a LF can complete it.
+            # Only a read with a LF can complete a line or a head. A plain head,
+            # whole, is served at once: its request line and framing are h11's by
+            # construction (http1_plain declines any other); else the request line
+            # is checked, once, when it is complete.
+            if self._conn is None and _LF in data and self._plain_head():
+                return
             if not self._line_checked and _LF in data and self._request_line_refused():
                 return
         elif self._phase is Phase.BODY and self._chunks is not None:
@@ -184,6 +191,8 @@ class ClientConnection(ConnectionPhases):
             # First: the exchange closes the upstream before any bookkeeping.
             exchange.client_departed()
         self._cancel_timer()
+        self._timer.close()
+        self._timer_callback = None
         if self._exchange is None:
             self._release_body()
         elif self._exchange.departed:
@@ -239,28 +248,33 @@ class ClientConnection(ConnectionPhases):
     def _plain_received(self, data: bytes) -> None:
         """``data`` on a connection without h11 (see ``http1_plain.py``)."""
         phase = self._phase
-        if phase is Phase.HEAD:
-            self._plain_head()
+        if phase is Phase.HEAD:  # not plain (data_received tried), or not whole yet
+            self._h11_head()
         elif phase is Phase.BODY:
             self._plain_body(data)
         elif phase is Phase.RESPONSE:
             self._pending += data
             self._pause_if_piled_up(len(self._pending))
 
-    def _plain_head(self) -> None:
-        """Read the request head received so far, or hand it all to h11."""
+    def _plain_head(self) -> bool:
+        """Serve the request head received so far if it is plain and whole
+        (True); False: h11 must read it."""
         received = self._head_received
         head = read_head(received)
-        if head is None:  # h11 from here on, given all of this request so far
-            conn = self._conn = server_connection(self._config.max_head_bytes)
-            self._h11_received(conn, bytes(received))
-            return
+        if head is None:
+            return False
         rest = bytes(received[head.head_bytes:])
         self._plain_head_bytes = head.raw
-        self._on_request(head.method, head.target, b"1.1", head.headers)
+        self._on_request(head.method, head.target, b"1.1", head.headers, plain=True)
         if self._phase is Phase.BODY:
             self._plain_left = head.body_bytes
             self._plain_body(rest)
+        return True
+
+    def _h11_head(self) -> None:
+        """h11 from here on, given all of this request so far."""
+        conn = self._conn = server_connection(self._config.max_head_bytes)
+        self._h11_received(conn, bytes(self._head_received))
 
     def _plain_body(self, data: bytes) -> None:
         """Body bytes of a plain request (and any after it, kept for later)."""
@@ -275,7 +289,8 @@ class ClientConnection(ConnectionPhases):
             self._pending += data[left:]
             self._start_exchange()
 
-    def _on_request(self, method: bytes, target: bytes, http_version: bytes, headers: list[Header]) -> None:
+    def _on_request(self, method: bytes, target: bytes, http_version: bytes, headers: list[Header],
+                    *, plain: bool = False) -> None:
         config = self._config
         self._phase = Phase.BODY
         self._arm_timer(config.body_read_timeout_s)
@@ -283,7 +298,7 @@ class ClientConnection(ConnectionPhases):
         if self._context.draining or self._over_limit:
             self._refuse(503, "the server is not taking new requests", retry_after_s=1)
             return
-        problem = request_problem(method, target, http_version, headers, received, config)
+        problem = request_problem(method, target, http_version, headers, None if plain else received, config)
         if problem is not None:
             self._refuse(*problem)
             return
@@ -450,10 +465,12 @@ class ClientConnection(ConnectionPhases):
             self._phase = Phase.HEAD
             self._head_received = bytearray(buffered)
             self._arm_timer(self._config.header_read_timeout_s)
+            if self._conn is None and self._plain_head():
+                return
             if self._request_line_refused():
                 return
             if self._conn is None:
-                self._plain_head()
+                self._h11_head()
             else:
                 self._process()
 

@@ -5,7 +5,7 @@ the client. Pure functions of the bytes and the parsed head: the connection
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Final, Protocol
 
 import h11
 from tokenwire.middleware.core.headers import header_value
@@ -48,7 +48,7 @@ def framing_problem(received: bytes | bytearray) -> str | None:
 
 # What h11's messages say, in words for the client (they may quote the bytes
 # as a Python repr, which names nothing a client can act on).
-H11_FAULTS = (
+H11_FAULTS: Final = (
     ("illegal header name", "an invalid character in a header name"),
     ("illegal header value", "an invalid character in a header value"),
     ("illegal header line", "a malformed header line"),
@@ -77,14 +77,17 @@ def h11_fault(error: h11.RemoteProtocolError) -> str:
 
 
 def request_problem(method: bytes, target: bytes, http_version: bytes, headers: list[tuple[bytes, bytes]],
-                    received: bytes | bytearray, limits: RequestLimits) -> Problem | None:
+                    received: bytes | bytearray | None, limits: RequestLimits) -> Problem | None:
     """Why a request head h11 parsed (or ``http1_plain`` read as h11 would) is
     refused (status, words), or None.
 
     ``headers``: the request's headers as a list (h11's ``Headers`` is a
     sequence written in Python: each item read from it is a call).
     ``received`` starts with the head as it came off the wire (for the
-    framing faults h11 lets through: :func:`framing_problem`). What only
+    framing faults h11 lets through: :func:`framing_problem`); None for a head
+    ``http1_plain`` read, which has none of them (it declines any line end but
+    CRLF, a folded line and all but one ``Content-Length`` of digits; a
+    property test holds it to that). What only
     HTTP/1.1 can get wrong is checked here; the rest is
     :func:`~.request_rules.head_problem`'s, as for HTTP/2."""
     names = [name for name, _ in headers]
@@ -97,7 +100,7 @@ def request_problem(method: bytes, target: bytes, http_version: bytes, headers: 
     if b"transfer-encoding" in names and b"content-length" in names:
         # Request smuggling: two framings, and two hops that may pick differently.
         return 400, "Content-Length and Transfer-Encoding together"
-    problem = framing_problem(received)
+    problem = None if received is None else framing_problem(received)
     if problem is not None:
         return 400, problem
     if b"transfer-encoding" in names and http_version == b"1.0":

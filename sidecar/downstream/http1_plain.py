@@ -22,10 +22,17 @@ h11 rewrites is written from h11's own head for its status
 on, fed the request already read (:func:`adopted`) so that h11 stands where it
 would have stood had it read the request itself.
 
+A head read here is served without the checks of the request line
+(``framing.request_line_problem``) and of the framing faults h11 lets through
+(``http1_faults.framing_problem``: bare LF, folded lines, repeated lengths):
+neither can find anything in a head this module reads, as what they refuse
+it declines.
+
 What keeps this honest: ``tests/sidecar/test_http1_plain.py`` feeds the same
 bytes to :func:`read_head` and to h11, and every head read here must be what
-h11 reads, with the same body, framing and keep-alive; and the request
-smuggling corpus and the HTTP/1.1 tests run through both paths.
+h11 reads, with the same body, framing and keep-alive, and pass both checks
+above; and the request smuggling corpus and the HTTP/1.1 tests run through
+both paths.
 """
 
 from __future__ import annotations
@@ -35,22 +42,20 @@ from typing import Final
 
 import h11
 
-from .h11_layout import TOKEN_CHARS, fields_valid
+from .h11_layout import fields_valid, is_token, is_visible
 
 Header = tuple[bytes, bytes]
 
 DECLINED: Final = None
 """What :func:`read_head` returns for a request h11 must read."""
 
-# h11/_abnf.py: request_target = vchar+ (visible ASCII, no obs-text).
-_TARGET_CHARS = bytes(range(0x21, 0x7F))
 # Headers whose presence changes h11's state (keep-alive, 100-continue, a
 # protocol switch, the body's framing): such a request goes to h11. All but
 # ``Connection: keep-alive``, which httpx, undici and browsers send on every
 # request, and which leaves an HTTP/1.1 connection as h11 keeps it: alive.
-_STATEFUL = frozenset({b"connection", b"transfer-encoding", b"expect", b"upgrade"})
+_STATEFUL: Final = frozenset({b"connection", b"transfer-encoding", b"expect", b"upgrade"})
 # h11/_headers.py: CONTENT_LENGTH_MAX_DIGITS.
-_LENGTH_MAX_DIGITS = 20
+_LENGTH_MAX_DIGITS: Final = 20
 
 
 @typing.final
@@ -93,8 +98,7 @@ def read_head(received: bytes | bytearray) -> PlainHead | None:
     if len(parts) != 3 or parts[2] != b"HTTP/1.1":
         return DECLINED
     method, target = parts[0], parts[1]
-    if (not method or method.translate(None, TOKEN_CHARS) or method == b"CONNECT"
-            or not target or target.translate(None, _TARGET_CHARS)):
+    if not is_token(method) or method == b"CONNECT" or not is_visible(target):
         return DECLINED
     fields: list[Header] = []
     for line in lines[1:]:

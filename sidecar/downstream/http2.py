@@ -74,9 +74,10 @@ _ErrorCodes = h2.errors.ErrorCodes
 class Http2Connection(asyncio.Protocol):
     """One HTTP/2 client connection. See the module docstring."""
 
-    def __init__(self, context: SidecarContext, *, route: StreamRoute | None = None,
+    def __init__(self, context: SidecarContext, peer: Peer, *, route: StreamRoute | None = None,
                  over_limit: bool | None = None) -> None:
-        """``over_limit``: whether the connection came in past ``max_connections``
+        """``peer``: what the acceptor learnt of the client (``connection.accepted_peer``).
+        ``over_limit``: whether the connection came in past ``max_connections``
         (None: counted when the transport arrives); its streams then get 503."""
         self.context = context
         self._over_limit = over_limit
@@ -96,7 +97,7 @@ class Http2Connection(asyncio.Protocol):
         })
         self.data = DataWriter(self.h2)  # what goes out: h2's frames and the answers' DATA frames
         self._transport: asyncio.Transport | None = None
-        self._peer = Peer(host=None, server_port=None, scheme="http", client_cert_der=None)
+        self._peer = peer
         self.streams: dict[int, Http2Stream] = {}
         """Streams not yet finished, reset ones included until their exchange ends."""
         self.blocked: dict[int, Http2Stream] = {}
@@ -126,7 +127,7 @@ class Http2Connection(asyncio.Protocol):
         if self._over_limit is None:
             self._over_limit = len(context.connections) >= self._config.max_connections
         context.connections.add(self)
-        self._peer = set_up_transport(context, transport)
+        self._peer = set_up_transport(context, transport, self._peer)
         h2conn = self.h2
         h2conn.initiate_connection()
         extra = self._config.http2_connection_window_bytes - _DEFAULT_WINDOW_BYTES

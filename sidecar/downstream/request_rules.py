@@ -22,19 +22,20 @@ Problem = tuple[int, str]
 """An HTTP status and the fault in words, for the refusal."""
 Header = tuple[bytes, bytes]
 
-MAX_TARGET_BYTES = 8 * 1024
+MAX_TARGET_BYTES: Final = 8 * 1024
 """A request target longer than this gets 414 (nginx's default header buffer, 8 KiB)."""
 # A dot as an int, the needle of a memchr (why: middleware/core/sse.py, _LF).
 _DOT: Final = 0x2E
-MAX_HEADER_NAME_BYTES = 1024
+MAX_HEADER_NAME_BYTES: Final = 1024
 """A header name longer than this gets 431: no header anyone sends is named that
 long; values are bounded by the head limit."""
 # RFC 3986's reg-name, IPv4 and IP-literal characters (unreserved, pct-encoded,
 # sub-delims), the port's ':' and the literal's brackets: no '/', '?', '#', '@'
 # or white space, which would make the authority name something else.
-_HOST_BYTES = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-._~%!$&'()*+,;=:[]")
+_HOST_BYTES: Final = frozenset(
+    b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-._~%!$&'()*+,;=:[]")
 # A separator or a dot however it is spelled: what a next hop may decode back.
-_SPELLINGS = ((b"%2e", b"."), (b"%2f", b"/"), (b"%5c", b"/"), (b"\\", b"/"))
+_SPELLINGS: Final = ((b"%2e", b"."), (b"%2f", b"/"), (b"%5c", b"/"), (b"\\", b"/"))
 
 
 class HeadLimits(Protocol):

@@ -26,7 +26,7 @@ Header = tuple[bytes, bytes]
 # (nginx's proxy_set_header examples replace the same set).
 # An underscore as an int, the needle of a memchr (why: middleware/core/sse.py, _LF).
 _UNDERSCORE: Final = 0x5F
-_REPLACED_UPSTREAM = frozenset({
+_REPLACED_UPSTREAM: Final = frozenset({
     b"host", b"content-length", b"accept-encoding", b"expect",
     b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host", b"x-forwarded-port",
     b"x-real-ip", b"forwarded",
@@ -36,12 +36,12 @@ _REPLACED_UPSTREAM = frozenset({
 # X-Forwarded-Client-Cert, X-Client-Cert-DN, ...): an engine that trusts one
 # must only ever see the sidecar's own (Client-Cert with mTLS), as Envoy
 # sanitises x-forwarded-client-cert by default.
-_CLIENT_CERT_PARTS = (b"client-cert", b"client-verify", b"client-dn", b"client-s-dn", b"client-i-dn",
+_CLIENT_CERT_PARTS: Final = (b"client-cert", b"client-verify", b"client-dn", b"client-s-dn", b"client-i-dn",
                       b"ssl-client", b"x-ssl-")
 # One search for all of them: ``part in name`` on bytes first tries ``part`` as
 # an integer and formats the TypeError it raises, ~2,000 instructions a test, 7
 # a header: 4 % of a short stream's set-up (docs/perf/stream-cost.md).
-_CLIENT_CERT_NAME = re.compile(b"|".join(re.escape(part) for part in _CLIENT_CERT_PARTS))
+_CLIENT_CERT_NAME: Final = re.compile(b"|".join(re.escape(part) for part in _CLIENT_CERT_PARTS))
 
 
 def _client_cert_header(name: bytes) -> bool:
@@ -73,7 +73,7 @@ def new_request_id() -> str:
     return os.urandom(16).hex()
 
 
-CLIENT_REQUEST_ID_HEADER = b"x-client-request-id"
+CLIENT_REQUEST_ID_HEADER: Final = b"x-client-request-id"
 """Carries the client's own request id upstream, for the engine's logs only."""
 
 
@@ -169,7 +169,7 @@ def _forwarded(peer_host: str | None, host: bytes | None, scheme: str) -> bytes:
 
 # The engine's own server and date are not the client's business; a proxy
 # states its own date (nginx's proxy_hide_header defaults do the same).
-_HIDDEN_RESPONSE = frozenset({b"server", b"date"})
+_HIDDEN_RESPONSE: Final = frozenset({b"server", b"date"})
 
 
 def client_response_headers(headers: Iterable[Header], request_id_header: bytes,

@@ -86,13 +86,63 @@ async def bind_listeners(host: str | None, port: int, *, backlog: int,
     return sockets
 
 
+class _AcceptedIPv4(socket.socket):
+    """An accepted TCP socket whose ``family`` and ``type`` are plain attributes
+    of its class. uvloop asks an accepted socket for them three times
+    (``connect_accepted_socket``), and ``socket.socket`` answers each through
+    a Python property that converts the number to an enum member (about 5 k
+    instructions each: with ``accept()``'s own two, nearly a twentieth of a short
+    stream's set-up, docs/perf/stream-cost.md)."""
+
+    __slots__ = ()
+    family = socket.AF_INET
+    type = socket.SOCK_STREAM
+
+
+class _AcceptedIPv6(socket.socket):
+    """:class:`_AcceptedIPv4`'s twin for IPv6."""
+
+    __slots__ = ()
+    family = socket.AF_INET6
+    type = socket.SOCK_STREAM
+
+
+_ACCEPTED_CLASSES: dict[int, type[socket.socket]] = {socket.AF_INET: _AcceptedIPv4,
+                                                     socket.AF_INET6: _AcceptedIPv6}
+
+
+_Kind = tuple[type[socket.socket], int, int]
+"""What a listener's connections are built as: the class, the family, the protocol."""
+
+
+def _accept(listener: socket.socket, kind: _Kind) -> tuple[socket.socket, object]:
+    """``listener.accept()``, the socket built as ``kind`` says (``socket.accept``
+    itself builds a ``socket.socket`` from ``_accept()``'s descriptor the same
+    way, after converting the listener's family and type to enums)."""
+    fd, address = listener._accept()  # type: ignore[attr-defined]
+    cls, family, proto = kind
+    return cls(family, socket.SOCK_STREAM, proto, fd), address
+
+
+AcceptedFactory = Callable[[socket.socket, object], asyncio.BaseProtocol]
+"""A protocol for an accepted socket and its peer's address (what ``accept()``
+returned), called before the loop has the socket: what is asked of the socket
+then costs a C call, where a transport's socket is rebuilt in Python for each
+question (``connection.accepted_peer``)."""
+
+
 class Acceptor:
     """Serves ``sockets``: each connection accepted becomes a transport speaking
-    ``protocol_factory()``'s protocol (under ``tls`` when given)."""
+    ``protocol_factory(socket, address)``'s protocol (under ``tls`` when given)."""
 
-    def __init__(self, sockets: list[socket.socket], protocol_factory: Callable[[], asyncio.BaseProtocol],
+    def __init__(self, sockets: list[socket.socket], protocol_factory: AcceptedFactory,
                  *, tls: ssl.SSLContext | None = None, tls_handshake_timeout_s: float | None = None) -> None:
         self.sockets = sockets
+        # What each listener's connections are built as (a plain socket.socket
+        # for a family the lean classes do not cover).
+        self._kinds: dict[socket.socket, _Kind] = {
+            sock: (_ACCEPTED_CLASSES.get(sock.family, socket.socket), int(sock.family), sock.proto)
+            for sock in sockets}
         self._port = sockets[0].getsockname()[1] if sockets else 0
         self._factory = protocol_factory
         self._tls = tls
@@ -141,9 +191,10 @@ class Acceptor:
             await asyncio.wait(list(self._handovers))
 
     def _accept(self, listener: socket.socket, most: int = _MAX_ACCEPTS_PER_TURN) -> None:
+        kind = self._kinds[listener]
         for _ in range(most):
             try:
-                connection, peer = listener.accept()
+                connection, peer = _accept(listener, kind)
             except (BlockingIOError, InterruptedError):
                 return
             except ConnectionAbortedError:
@@ -160,8 +211,10 @@ class Acceptor:
 
     async def _hand_over(self, connection: socket.socket, peer: object) -> object:
         try:
+            protocol = self._factory(connection, peer)
             return await self._loop.connect_accepted_socket(
-                self._factory, connection, ssl=self._tls, ssl_handshake_timeout=self._tls_handshake_timeout_s)
+                lambda: protocol, connection, ssl=self._tls,
+                ssl_handshake_timeout=self._tls_handshake_timeout_s)
         except (TimeoutError, ssl.SSLError, OSError) as error:
             # A client that failed its TLS handshake or vanished first: its
             # connection was never the proxy's; create_server drops these too.

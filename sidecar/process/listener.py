@@ -15,6 +15,7 @@ import asyncio
 import typing
 
 from ..context import SidecarContext
+from ..downstream.connection import Peer
 from ..downstream.http1 import ClientConnection
 from ..downstream.http2 import PREFACE, Http2Connection, StreamRoute
 
@@ -22,8 +23,9 @@ from ..downstream.http2 import PREFACE, Http2Connection, StreamRoute
 class ProtocolSelector(asyncio.Protocol):
     """A new connection until its protocol is known (see the module docstring)."""
 
-    def __init__(self, context: SidecarContext, route: StreamRoute | None = None) -> None:
+    def __init__(self, context: SidecarContext, peer: Peer, route: StreamRoute | None = None) -> None:
         self._context = context
+        self._peer = peer
         self._route = route
         self._transport: asyncio.Transport | None = None
         self._received = b""
@@ -34,14 +36,15 @@ class ProtocolSelector(asyncio.Protocol):
         # uvloop's transports quack like asyncio.Transport without subclassing it.
         transport = typing.cast(asyncio.Transport, transport)
         self._transport = transport
+        peer = self._peer
         if not self._context.config.http2:
-            self._hand_over(ClientConnection(self._context))
+            self._hand_over(ClientConnection(self._context, peer))
             return
-        ssl_object = transport.get_extra_info("ssl_object")
+        ssl_object = transport.get_extra_info("ssl_object") if peer.scheme == "https" else None
         if ssl_object is not None:
             chosen = ssl_object.selected_alpn_protocol()
-            self._hand_over(Http2Connection(self._context, route=self._route) if chosen == "h2"
-                            else ClientConnection(self._context))
+            self._hand_over(Http2Connection(self._context, peer, route=self._route) if chosen == "h2"
+                            else ClientConnection(self._context, peer))
             return
         # Counted as a connection (shutdown closes it; the limit sees it) while
         # undecided, and measured against the limit now, in the order connections came.
@@ -58,9 +61,10 @@ class ProtocolSelector(asyncio.Protocol):
         self._forget()
         protocol: asyncio.Protocol
         if received.startswith(PREFACE):
-            protocol = Http2Connection(self._context, route=self._route, over_limit=self._over_limit)
+            protocol = Http2Connection(self._context, self._peer, route=self._route,
+                                       over_limit=self._over_limit)
         else:
-            protocol = ClientConnection(self._context, over_limit=self._over_limit)
+            protocol = ClientConnection(self._context, self._peer, over_limit=self._over_limit)
         self._hand_over(protocol)
         protocol.data_received(received)
 

@@ -127,10 +127,6 @@ class SidecarMetrics:
         self.active_streams.set_function(streams)
         self.active_connections.set_function(connections)
 
-    def count_client_request(self, protocol: str) -> None:
-        """One request read from a client over ``protocol`` (``http/1.1``, ``h2``)."""
-        self.ends.count_request(protocol)
-
     def observe_record(self, record: StreamRecord, http_version: str = "1.1") -> None:
         """Count one finished stream (its final record)."""
         self.ends.fold(record, http_version)

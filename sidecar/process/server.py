@@ -44,6 +44,7 @@ from tokenwire.middleware.shared.open_store import open_replay_store
 from tokenwire.middleware.shared.replay_store import MemoryReplayStore
 
 from ..context import SidecarContext
+from ..downstream.connection import accepted_peer
 from ..downstream.cors import admin_origins
 from ..downstream.http2 import StreamRoute
 from ..logs import StreamLog
@@ -164,7 +165,11 @@ class Sidecar:
         # (and its timers and connection count) even exists.
         handshake_timeout_s = (config.header_read_timeout_s or None) if self._ssl is not None else None
         route = self._http2_route if self._http2_route is not None else _grpc_route(context)
-        factory: Callable[[], asyncio.BaseProtocol] = lambda: ProtocolSelector(context, route)  # noqa: E731
+        tls = self._ssl is not None
+
+        def factory(sock: socket.socket, address: object) -> asyncio.BaseProtocol:
+            return ProtocolSelector(context, accepted_peer(context, sock, address, tls=tls), route)
+
         alerting = (alerting_protocol_factory(factory, self._ssl, handshake_timeout_s)
                     if self._ssl is not None and config.tls_client_ca else None)
         if alerting is not None:

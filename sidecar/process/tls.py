@@ -13,13 +13,14 @@ import asyncio
 import ctypes
 import logging
 import os
+import socket
 import ssl
 from asyncio import sslproto
-from collections.abc import Callable
 
 from tokenwire.middleware import ConfigError
 
 from ..settings import SidecarConfig
+from .acceptor import AcceptedFactory
 
 logger = logging.getLogger("tokenwire.sidecar")
 
@@ -137,9 +138,8 @@ class _AlertingSSLProtocol(sslproto.SSLProtocol):
 
 
 def alerting_protocol_factory(
-    app_protocol: Callable[[], asyncio.BaseProtocol], context: ssl.SSLContext,
-    handshake_timeout_s: float | None,
-) -> Callable[[], asyncio.BaseProtocol] | None:
+    app_protocol: AcceptedFactory, context: ssl.SSLContext, handshake_timeout_s: float | None,
+) -> AcceptedFactory | None:
     """A listener's protocol factory that terminates TLS with alerts (for mTLS,
     where a refused certificate is the client's to learn about); None if this
     Python's asyncio has not the shape the fix relies on (then the loop's own
@@ -148,11 +148,11 @@ def alerting_protocol_factory(
                                                                 "_process_outgoing")):
         return None
 
-    def build() -> asyncio.BaseProtocol:
+    def build(sock: socket.socket, address: object) -> asyncio.BaseProtocol:
         # No waiter: nobody awaits the handshake of a server-side connection here
         # (typeshed's stub wants a future; asyncio accepts None).
         return _AlertingSSLProtocol(
-            asyncio.get_running_loop(), app_protocol(), context, None,  # type: ignore[arg-type]
+            asyncio.get_running_loop(), app_protocol(sock, address), context, None,  # type: ignore[arg-type]
             server_side=True, ssl_handshake_timeout=handshake_timeout_s)  # type: ignore[arg-type]
 
     return build

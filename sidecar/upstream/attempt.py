@@ -33,6 +33,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
 import httpcore
 from tokenwire.middleware import Input, UpstreamData, UpstreamEnded, UpstreamFailed, UpstreamHeaders
@@ -56,7 +57,7 @@ logger = logging.getLogger("tokenwire.sidecar")
 Header = tuple[bytes, bytes]
 
 # The most a body read takes at once (all that is buffered, up to this).
-_BODY_READ_BYTES = 256 * 1024
+_BODY_READ_BYTES: Final = 256 * 1024
 
 
 class UpstreamCounters:

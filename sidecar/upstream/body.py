@@ -37,17 +37,17 @@ from typing import Final
 from .errors import RemoteProtocolFault
 
 # Longest chunk-size line (size, extensions, CRLF) and trailer section accepted.
-_MAX_SIZE_LINE_BYTES = 4096
-_MAX_TRAILER_BYTES = 64 * 1024
+_MAX_SIZE_LINE_BYTES: Final = 4096
+_MAX_TRAILER_BYTES: Final = 64 * 1024
 # A chunk-size line: hex digits, then optional extensions (";" onwards, no CR/LF/NUL).
-_HEX_DIGITS = b"0123456789abcdefABCDEF"
+_HEX_DIGITS: Final = b"0123456789abcdefABCDEF"
 # The reader's states (module constants: mypyc compiles them to literals).
 _SIZE: Final = 0
 _DATA: Final = 1
 _DATA_END: Final = 2
 _TRAILER: Final = 3
 _DONE: Final = 4
-_SIZE_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[^\r\n\x00]*)?\Z")
+_SIZE_LINE: Final = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[^\r\n\x00]*)?\Z")
 
 
 def _size_line(data: bytes, pos: int, end: int, canonical: bool = False) -> tuple[int, int]:

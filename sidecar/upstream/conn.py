@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from typing import Final
 
 from .errors import RemoteProtocolFault
 from .head import ResponseHead, head_end, parse_response_head, request_head
@@ -49,9 +50,9 @@ from .transport import UpstreamBackend, UpstreamStream
 Header = tuple[bytes, bytes]
 
 # The most a response head may take (httpcore's bound on an h11 event).
-MAX_HEAD_BYTES = 100 * 1024
+MAX_HEAD_BYTES: Final = 100 * 1024
 # The most one read of a head takes.
-_HEAD_READ_BYTES = 64 * 1024
+_HEAD_READ_BYTES: Final = 64 * 1024
 
 
 class Origin:

@@ -33,7 +33,7 @@ import re
 from collections.abc import Sequence
 from typing import Final
 
-from ..downstream.h11_layout import TOKEN_CHARS, fields_valid
+from ..downstream.h11_layout import fields_valid, is_token, is_visible
 from .errors import LocalProtocolFault, RemoteProtocolFault
 
 Header = tuple[bytes, bytes]
@@ -48,14 +48,12 @@ CHUNKED: Final = "chunked"
 # h11/_abnf.py's status line: HTTP-version SP status-code [SP reason-phrase],
 # reason-phrase = *( HTAB / SP / VCHAR / obs-text ), which h11 spells "not NUL
 # and not whitespace, or space or tab": anything but NUL, LF, CR, VT and FF.
-_STATUS_LINE = re.compile(rb"HTTP/([0-9]\.[0-9]) ([0-9]{3})(?: [^\x00\n\r\x0b\x0c]*)?")
+_STATUS_LINE: Final = re.compile(rb"HTTP/([0-9]\.[0-9]) ([0-9]{3})(?: [^\x00\n\r\x0b\x0c]*)?")
 # Where a head ends: a line feed, an optional CR, a line feed (h11's rule).
-_BLANK_LINE = re.compile(rb"\n\r?\n")
-_CONTENT_LENGTH = re.compile(rb"[0-9]+")
-_CONTENT_LENGTH_MAX_DIGITS = 20  # h11's bound
-_OWS = b" \t"
-# Visible characters (h11's request-target is vchar+).
-_VCHAR = bytes(range(0x21, 0x7F))
+_BLANK_LINE: Final = re.compile(rb"\n\r?\n")
+_CONTENT_LENGTH: Final = re.compile(rb"[0-9]+")
+_CONTENT_LENGTH_MAX_DIGITS: Final = 20  # h11's bound
+_OWS: Final = b" \t"
 
 
 class ResponseHead:
@@ -82,15 +80,19 @@ def request_head(method: bytes, target: bytes, host: bytes, headers: Sequence[He
     ``headers`` in order, then a ``Content-Length`` unless they hold one.
     Raises ``LocalProtocolFault`` for what h11 would refuse to send.
     """
-    if not method or method.translate(None, TOKEN_CHARS):
+    if not is_token(method):
         raise LocalProtocolFault(f"illegal method {method!r}")
-    if not target or target.translate(None, _VCHAR):
+    if not is_visible(target):
         raise LocalProtocolFault(f"illegal request target {target!r}")
     if not fields_valid(headers):
         raise LocalProtocolFault("illegal header name or value")
     hosts = 0
     length: bytes | None = None
     for name, value in headers:
+        # Only names of these lengths can be one of the three (a lower() a header otherwise).
+        size = len(name)
+        if size not in (4, 14, 17):
+            continue
         lowered = name.lower()
         if lowered == b"host":
             hosts += 1

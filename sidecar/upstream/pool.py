@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from typing import Final
 
 from .conn import Origin, UpstreamConnection
 from .errors import ConnectFailed, PoolTimedOut
 from .transport import UpstreamBackend
 
 # A closed pool refuses requests the way a refused connect fails.
-_POOL_CLOSED = "the upstream pool is closed"
+_POOL_CLOSED: Final = "the upstream pool is closed"
 
 
 class UpstreamPool:

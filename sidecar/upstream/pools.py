@@ -43,7 +43,7 @@ import math
 import random
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import httpcore
 
@@ -70,7 +70,7 @@ from .transport import UpstreamBackend
 logger = logging.getLogger("tokenwire.sidecar")
 
 # Pods are http:// (or unix:): the port a Host header leaves out.
-_HTTP_PORT = 80
+_HTTP_PORT: Final = 80
 
 
 @dataclass(frozen=True, slots=True, init=False)

@@ -43,12 +43,13 @@ import contextlib
 import socket
 import typing
 from collections.abc import Callable, Iterable
+from typing import Final
 
 from .body import ChunkDelivery, ChunkedBodyReader
 from .errors import ConnectFailed, ConnectTimedOut, CutShort, ReadFailed, RemoteProtocolFault, WriteFailed
 
 # Bytes buffered from the upstream before its transport stops reading.
-_READ_HIGH_WATER_BYTES = 256 * 1024
+_READ_HIGH_WATER_BYTES: Final = 256 * 1024
 
 SocketOption = tuple[int, int, int] | tuple[int, int, bytes | bytearray] | tuple[int, int, None, int]
 

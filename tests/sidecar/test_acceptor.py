@@ -59,7 +59,7 @@ def test_burst_is_accepted_in_a_few_turns_not_one_turn_per_connection(
         # The kernel completes every handshake into the backlog before anything is accepted.
         clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(BURST)]
         made: list[asyncio.BaseTransport] = []
-        acceptor = Acceptor(listeners, lambda: _Counting(made))
+        acceptor = Acceptor(listeners, lambda sock, address: _Counting(made))
         acceptor.start()
         turns = 0
         while len(made) < BURST and turns < TURNS:
@@ -78,12 +78,57 @@ def test_burst_is_accepted_in_a_few_turns_not_one_turn_per_connection(
     _run(loop_factory, main)
 
 
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+@pytest.mark.parametrize("loop_factory", [uvloop.new_event_loop, asyncio.new_event_loop],
+                         ids=["uvloop", "asyncio"])
+def test_factory_gets_the_accepted_socket_and_the_peer_address_before_the_loop_has_them(
+        loop_factory: Callable[[], asyncio.AbstractEventLoop], host: str) -> None:
+    if host == "::1" and not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+
+    async def main() -> None:
+        try:
+            listeners = await bind_listeners(host, 0, backlog=16, reuse_port=False)
+        except OSError as error:
+            pytest.skip(f"cannot listen on {host}: {error}")
+        port = listeners[0].getsockname()[1]
+        seen: list[tuple[int, int, object, object]] = []
+        made: list[asyncio.BaseTransport] = []
+
+        def factory(sock: socket.socket, address: object) -> asyncio.Protocol:
+            # The socket is a socket.socket like any other, and already the connection's.
+            assert isinstance(sock, socket.socket) and not sock.getblocking()
+            seen.append((int(sock.family), sock.type & 0xF, sock.getpeername(), address))
+            return _Counting(made)
+
+        acceptor = Acceptor(listeners, factory)
+        acceptor.start()
+        reader, writer = await asyncio.open_connection(host, port)
+        while not made:
+            await asyncio.sleep(0)
+        try:
+            (family, kind, peer, address), = seen
+            assert family == (socket.AF_INET6 if ":" in host else socket.AF_INET)
+            assert kind == socket.SOCK_STREAM
+            assert peer == address == writer.get_extra_info("sockname")
+            # The transport the loop made of it carries bytes, and closes the socket once.
+            made[0].write(b"ok")  # type: ignore[attr-defined]  # uvloop's transports subclass nothing
+            assert await reader.readexactly(2) == b"ok"
+        finally:
+            writer.close()
+            made[0].close()
+            acceptor.close()
+            await asyncio.sleep(0)
+
+    _run(loop_factory, main)
+
+
 def test_closed_acceptor_refuses_new_connections_and_keeps_open_ones() -> None:
     async def main() -> None:
         listeners = await bind_listeners("127.0.0.1", 0, backlog=16, reuse_port=False)
         port = listeners[0].getsockname()[1]
         made: list[asyncio.BaseTransport] = []
-        acceptor = Acceptor(listeners, lambda: _Counting(made))
+        acceptor = Acceptor(listeners, lambda sock, address: _Counting(made))
         acceptor.start()
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         while not made:
@@ -141,7 +186,7 @@ async def main():
         def connection_made(self, transport):
             accepted.set_result(None)
 
-    Acceptor(listeners, Made).start()
+    Acceptor(listeners, lambda sock, address: Made()).start()
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
     try:
@@ -200,7 +245,8 @@ def test_plain_http_on_tls_port_when_repeated_then_logged_once_per_client_host(
     async def main() -> None:
         listeners = await bind_listeners("127.0.0.1", 0, backlog=16, reuse_port=False)
         port = listeners[0].getsockname()[1]
-        acceptor = Acceptor(listeners, asyncio.Protocol, tls=tls, tls_handshake_timeout_s=10.0)
+        acceptor = Acceptor(listeners, lambda sock, address: asyncio.Protocol(), tls=tls,
+                            tls_handshake_timeout_s=10.0)
         acceptor.start()
         try:
             for source in ("127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.1"):

@@ -36,6 +36,13 @@ def _h11_accepts(headers: list[Header]) -> bool:
 @example([(b"x-a", b"a\r\nx-b: smuggled")])
 @example([(b"x-a", b"\x80\xff")])
 @example([(b"x a", b"v")])
+@example([(b"x\na", b"v")])
+@example([(b"\n", b"")])
+@example([(b"x-a", b"\n")])
+@example([(b"x-a", b" ")])
+@example([(b"x-a", b"a"), (b"x-b\n", b"")])
+@example([(b"x-a", b"v\x0c")])
+@example([(b"x-a", b"\x7f\x01")])
 def test_fields_valid_is_h11s_judgement(headers: list[Header]) -> None:
     framing = {b"content-length", b"transfer-encoding", b"host"}
     headers = [(name, value) for name, value in headers if name.lower() not in framing]

@@ -16,7 +16,9 @@ import h11
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenwire.sidecar.downstream.framing import request_line_problem
 from tokenwire.sidecar.downstream.h11_layout import CHUNKED_END, chunk_size_line, plain_response_head
+from tokenwire.sidecar.downstream.http1_faults import framing_problem
 from tokenwire.sidecar.downstream.http1_plain import adopted, read_head
 
 Header = tuple[bytes, bytes]
@@ -94,6 +96,9 @@ def test_a_plain_request_is_read_as_h11_reads_it_and_answered_with_h11s_bytes(
     head = read_head(raw)
     if head is None:
         return  # h11 reads it: nothing of this module's is involved
+    # What a plain head skips: its request line and framing checks (none can fail).
+    assert request_line_problem(raw) is None
+    assert framing_problem(raw) is None
     conn, events = _h11_read(raw)
     request = events[0]
     assert isinstance(request, h11.Request), events

@@ -46,7 +46,7 @@ _TOKEN_RE: Final = re.compile(rb'"(?:text|partial_json|thinking)" ?: ?"[^"]|"typ
 # A delta's piece (the count where no usage came; a block's start carries none).
 _PIECE_RE: Final = re.compile(r'"(?:text|partial_json|thinking)" ?: ?"[^"]')
 
-_OVERLOADED = frozenset({ErrorCode.UPSTREAM_UNAVAILABLE, ErrorCode.SHUTDOWN})
+_OVERLOADED: Final = frozenset({ErrorCode.UPSTREAM_UNAVAILABLE, ErrorCode.SHUTDOWN})
 
 
 def error_type(error: WireError) -> str:

@@ -32,7 +32,7 @@ from ..errors import UpstreamErrorEvent
 from ..sse import SSEEvent
 from .base import CONTENT, ERROR, TERMINAL, Dialect, Found
 
-DONE = "[DONE]"
+DONE: Final = "[DONE]"
 _ASK_USAGE: Final = b',"stream_options":{"include_usage":true}'
 """What a streaming request without ``stream_options`` gets before its closing brace."""
 
