@@ -131,7 +131,8 @@ def test_compiled_modules_keep_their_constants_final() -> None:
         tree = ast.parse((ROOT / f"{module}.py").read_text())
         for node in tree.body:
             if isinstance(node, ast.Assign):
-                names = [target.id for target in node.targets if isinstance(target, ast.Name)]
+                names = [name.id for target in node.targets for name in ast.walk(target)
+                         if isinstance(name, ast.Name)]  # a tuple of names too
                 value = node.value
             elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value:
                 if "Final" in ast.unparse(node.annotation):

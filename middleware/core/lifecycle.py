@@ -28,7 +28,7 @@ this one; ``stream.py`` composes them.
 
 from __future__ import annotations
 
-from enum import Enum, StrEnum
+from enum import StrEnum
 from typing import Final
 
 from .errors import LocalProtocolError
@@ -44,8 +44,10 @@ class StreamState(StrEnum):
     ABORTED = "aborted"
 
 
-class Trigger(Enum):
-    """What moves the lifecycle on."""
+class Trigger(StrEnum):
+    """What moves the lifecycle on. A ``StrEnum`` (as :class:`StreamState`)
+    because :data:`TRANSITIONS` is looked up by member: a plain ``Enum``
+    member hashes through ``Enum.__hash__``, interpreted, a ``str`` one in C."""
 
     COMMIT = "commit"
     SEND = "send"
@@ -53,8 +55,11 @@ class Trigger(Enum):
     ABORT = "abort"
 
 
-W, C, S, D, A = (StreamState.WAITING, StreamState.COMMITTED, StreamState.STREAMING,
-                 StreamState.DONE, StreamState.ABORTED)
+W: Final = StreamState.WAITING
+C: Final = StreamState.COMMITTED
+S: Final = StreamState.STREAMING
+D: Final = StreamState.DONE
+A: Final = StreamState.ABORTED
 TRANSITIONS: Final[dict[StreamState, dict[Trigger, StreamState]]] = {
     W: {Trigger.COMMIT: C, Trigger.ABORT: A},
     C: {Trigger.SEND: S, Trigger.FINISH: D, Trigger.ABORT: A},

@@ -30,7 +30,7 @@ lingering close (``http1_phases.py``: the phases, their timers and the
 connection's endings).
 
 ``pause_writing``/``resume_writing`` become ``SocketPaused``/``SocketResumed``
-(the socket is tuned for that in ``connection.set_up_transport``).
+(the socket is tuned for that in ``connection.accepted_peer``).
 """
 
 from __future__ import annotations

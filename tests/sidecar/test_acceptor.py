@@ -92,13 +92,20 @@ def test_factory_gets_the_accepted_socket_and_the_peer_address_before_the_loop_h
         except OSError as error:
             pytest.skip(f"cannot listen on {host}: {error}")
         port = listeners[0].getsockname()[1]
-        seen: list[tuple[int, int, object, object]] = []
+        seen: list[tuple[bool, int, int, int, object, object]] = []
         made: list[asyncio.BaseTransport] = []
 
+        errors: list[Exception] = []
+
         def factory(sock: socket.socket, address: object) -> asyncio.Protocol:
-            # The socket is a socket.socket like any other, and already the connection's.
-            assert isinstance(sock, socket.socket) and not sock.getblocking()
-            seen.append((int(sock.family), sock.type & 0xF, sock.getpeername(), address))
+            # What the socket says of itself, and what the kernel says of its descriptor
+            # (an error kept for the test to raise: raised here, it would end the hand-over).
+            try:
+                seen.append((isinstance(sock, socket.socket) and not sock.getblocking(), int(sock.family),
+                             sock.getsockopt(socket.SOL_SOCKET, socket.SO_DOMAIN),
+                             sock.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE), sock.getpeername(), address))
+            except Exception as error:
+                errors.append(error)
             return _Counting(made)
 
         acceptor = Acceptor(listeners, factory)
@@ -107,8 +114,10 @@ def test_factory_gets_the_accepted_socket_and_the_peer_address_before_the_loop_h
         while not made:
             await asyncio.sleep(0)
         try:
-            (family, kind, peer, address), = seen
-            assert family == (socket.AF_INET6 if ":" in host else socket.AF_INET)
+            assert errors == []
+            (non_blocking, family, domain, kind, peer, address), = seen
+            assert non_blocking
+            assert family == domain == (socket.AF_INET6 if ":" in host else socket.AF_INET)
             assert kind == socket.SOCK_STREAM
             assert peer == address == writer.get_extra_info("sockname")
             # The transport the loop made of it carries bytes, and closes the socket once.
@@ -116,7 +125,8 @@ def test_factory_gets_the_accepted_socket_and_the_peer_address_before_the_loop_h
             assert await reader.readexactly(2) == b"ok"
         finally:
             writer.close()
-            made[0].close()
+            for transport in made:
+                transport.close()
             acceptor.close()
             await asyncio.sleep(0)
 
