@@ -245,9 +245,8 @@ class StreamDecisions:
         elif attempt.headers_deadline_at is not None:
             at = attempt.headers_deadline_at
         commit_at = self._commit_at
-        if (commit_at is not None and commit_at < at and self._state is StreamState.WAITING
-                and retry_at is None):
-            at = commit_at
+        if commit_at is not None and self._state is StreamState.WAITING and retry_at is None:
+            at = min(at, commit_at)
         if self._stalled():
             at = min(at, client.last_progress_at + self._write_deadline_s)
         elif self._heartbeat_eligible():
@@ -255,8 +254,8 @@ class StreamDecisions:
         if self._coalesce_s and client.pending_since is not None:
             at = min(at, client.pending_since + self._coalesce_s)
         hold_until = self._hold.until
-        if hold_until is not None and hold_until < at:
-            at = hold_until
+        if hold_until is not None:
+            at = min(at, hold_until)
         if self._idle_watched():
             at = min(at, attempt.seen_at + self._idle_timeout_s)
         if self._max_duration_s and self._state not in ENDED:

@@ -182,7 +182,7 @@ class WireStream(UpstreamInputs):
         if (self._finished or client.paused or client.write_in_flight or not self._pending
                 or self._state is W or client.gone):
             return b""
-        window_s = self.config.coalesce_ms / 1000.0
+        window_s = self._coalesce_s
         if (window_s and self._state not in _ENDED and client.pending_since is not None
                 and now < client.pending_since + window_s):
             return b""

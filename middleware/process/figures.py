@@ -113,7 +113,10 @@ class StreamFigures:
 
 def fold_record(table: dict[LabelKey, StreamFigures], record: StreamRecord, http_version: str) -> None:
     """Adds ``record`` to the figures of its label set in ``table``."""
-    key = (record.upstream, status_class(record.status), http_version)
+    _fold_at(table, (record.upstream, status_class(record.status), http_version), record)
+
+
+def _fold_at(table: dict[LabelKey, StreamFigures], key: LabelKey, record: StreamRecord) -> None:
     figures = table.get(key)
     if figures is None:
         figures = table[key] = StreamFigures()
@@ -159,10 +162,12 @@ class EndFigures:
 
     def fold(self, record: StreamRecord, http_version: str) -> None:
         """Count one finished stream (its final record)."""
-        fold_record(self.finished, record, http_version)
+        upstream = record.upstream
+        label_class = status_class(record.status)
+        _fold_at(self.finished, (upstream, label_class, http_version), record)
         # str() of a StrEnum member is its value, in C; .value is an interpreted
         # descriptor (and hashing a member, an interpreted __hash__).
-        key = (record.upstream, status_class(record.status), http_version, str(record.end_reason))
+        key = (upstream, label_class, http_version, str(record.end_reason))
         durations = self.durations.get(key)
         if durations is None:
             durations = self.durations[key] = HistogramSum(DURATION_BUCKETS_S)

@@ -211,11 +211,7 @@ class MiddlewareMetrics(Collector):
         self._by_request: dict[str, list[Exchange]] = {}
         self._finished: dict[LabelKey, StreamFigures] = {}
         self.build_info = build_info_gauge(registry, "middleware")
-        self.ended = ended = EndMetrics.on(registry)
-        self.stream_duration = ended.stream_duration
-        self.streams_ended = ended.streams_ended
-        self.stream_errors = ended.stream_errors
-        self.tokens_out = ended.tokens_out
+        self.ended = EndMetrics.on(registry)
         registry.register(self)
 
     @classmethod
